@@ -1,0 +1,517 @@
+"""The run configuration: one root dataclass composed of one section per component.
+
+Every field's docstring line says what it means and its unit. YAML files in `configs/` hold only what differs
+from these defaults; `asyncrl up CONFIG key=value ...` applies dotlist overrides on top. Validation (unknown
+keys, wrong types, invalid choices, cross-field rules) happens here, before Ray or torch are imported, and
+raises `ConfigError` naming the key.
+
+This module must stay importable without torch, ray or zmq: the CLI parses config first.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+WEIGHTINGS = (
+    "none", "decoupled", "tis", "mis_token", "mis_seq", "acr", "acrl", "tbpo", "gspo", "pg_is", "pg_tis", "pg_mis",
+)
+IMPLEMENTED_WEIGHTINGS = WEIGHTINGS
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+PROX_MODES = ("recompute", "behav")
+QUANT_SCHEMES = ("none", "int8", "fp8", "fp8_trunc", "w8a16", "w4a16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("constant", "cosine", "length_decay")
+BACKENDS = ("embedded", "sglang")
+TASKS = ("arith", "jsonl")
+SWAP_MODES = ("in_place", "retract")
+ACRL_X_MODES = ("first_batch", "ema")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """A Hugging Face model directory, or `builtin:<name>` for a built-in recipe (built once, cached)."""
+    cache_dir: str = ""
+    """Where built-in models are cached; empty means $ASYNCRL_CACHE or ~/.cache/asyncrl."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    task: str = "arith"
+    """Prompt source: `arith` (built-in procedurally generated arithmetic) or `jsonl` (a dataset file)."""
+    path: str = ""
+    """JSONL dataset file for task=jsonl: one object per line with a prompt and an answer field."""
+    prompt_key: str = "prompt"
+    """Field of a JSONL row holding the prompt text."""
+    answer_key: str = "answer"
+    """Field of a JSONL row holding the reference answer (scored with math-verify)."""
+    digits: int = 3
+    """Built-in arithmetic difficulty: the maximum number of digits of each operand."""
+    ops: str = "+-"
+    """Built-in arithmetic operators to draw from (any of `+`, `-`)."""
+    seed: int = 1234
+    """Seed of the prompt stream (generation for built-in tasks, shuffling for datasets)."""
+    eval_size: int = 256
+    """Number of held-out prompts used for evaluation."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 100
+    """Number of learner steps (each publishes a new weight version)."""
+    groups_per_step: int = 16
+    """Prompt groups in each learner batch."""
+    group_size: int = 8
+    """Responses sampled per prompt (G)."""
+    seed: int = 0
+    """Seed of the learner (init, sampling of minibatches) and of the rollout samplers."""
+    eval_every: int = 0
+    """Evaluate greedy accuracy on the held-out prompts every this many steps (0: only at the end)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    backend: str = "embedded"
+    """Rollout engine: `embedded` (our PyTorch engine, CPU or GPU) or `sglang` (GPU servers)."""
+    num_workers: int = 2
+    """Rollout worker actors."""
+    max_new_tokens: int = 16
+    """Maximum response length in tokens (L_max)."""
+    temperature: float = 1.0
+    """Sampling temperature; behavior log-probs are those of log_softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 disables)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    groups_per_lease: int = 2
+    """Prompt groups a worker leases and decodes together."""
+    swap_mode: str = "in_place"
+    """How a new weight version enters in-flight sequences: `in_place` keeps their KV, `retract` recomputes it."""
+    threads: int = 1
+    """torch intra-op threads per rollout worker."""
+
+
+@dataclass(kw_only=True, slots=True)
+class BufferConfig:
+    host: str = "127.0.0.1"
+    """Address the buffer service binds to."""
+    port: int = 0
+    """TCP port of the buffer service (0 picks a free one)."""
+    lease_timeout_s: float = 60.0
+    """Seconds after which an unacknowledged prompt lease returns to the pool."""
+    max_queued_groups: int = 1024
+    """Admitted groups held in memory before producers are told to wait."""
+    journal: bool = True
+    """Append admitted trajectories and consumption marks to runs/<name>/buffer.journal."""
+    fsync: str = "batch"
+    """Journal fsync policy: `always`, `batch` (once per request) or `never`."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StalenessConfig:
+    max_lag: int = 2
+    """Largest allowed (train step - oldest token version) of a trained sample; 0 is synchronous RL."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AcrlConfig:
+    gamma: float = 0.65
+    """ACRL gamma: strength of the adaptive exponent."""
+    x: float = 0.0
+    """Override of the reference discrepancy X (0: measured on the first training batch)."""
+    x_mode: str = "first_batch"
+    """`first_batch` (the paper: X frozen after step 0) or `ema` (our optional moving reference)."""
+    ema_decay: float = 0.99
+    """Decay of the moving reference when x_mode=ema."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TbpoConfig:
+    eps_seq_high: float = 4e-4
+    """Upper sequence-ratio bound for positive advantages."""
+    eps_seq_low: float = 3e-4
+    """Lower sequence-ratio bound for negative advantages when dual=false."""
+    delta_high: float = 7e-4
+    """Dual band upper bound for negative advantages."""
+    delta_low: float = 3e-4
+    """Dual band lower bound for negative advantages."""
+    c: float = 2.0
+    """Mismatch weight clip: m_i is clipped to [-log c, log c]."""
+    dual: bool = True
+    """Use the dual band for negative advantages."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    weighting: str = "tis"
+    """Mismatch weighting (ALGORITHMS.md): none, decoupled, tis, mis_token, mis_seq, acr, acrl, tbpo, gspo, pg_*."""
+    cap: float = 2.0
+    """C: truncation / masking threshold of the mismatch weight."""
+    eps_low: float = 0.2
+    """PPO lower clip."""
+    eps_high: float = 0.28
+    """PPO upper clip (DAPO clip-higher)."""
+    agg: str = "token_mean"
+    """Loss aggregation: token_mean, seq_mean_token_mean or seq_mean_token_sum_norm."""
+    dual_clip: float = 0.0
+    """Negative dual clip c (> 1) for A < 0; 0 disables."""
+    acrl: AcrlConfig = field(default_factory=AcrlConfig)
+    tbpo: TbpoConfig = field(default_factory=TbpoConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class OverlongConfig:
+    len: int = 0
+    """DAPO overlong shaping length L_c in tokens (0 disables); truncated responses get -1."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgoConfig:
+    adv: str = "grpo"
+    """Advantage estimator: grpo, drgrpo or rloo."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class LearnerConfig:
+    prox: str = "recompute"
+    """Proximal log-probs: `recompute` (one no-grad forward per step) or `behav` (use behavior log-probs)."""
+    minibatches: int = 1
+    """PPO minibatches (optimizer steps) per learner step."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one forward/backward micro-batch."""
+    rollout_aligned: bool = False
+    """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
+    threads: int = 1
+    """torch intra-op threads of each learner rank."""
+    world_size: int = 1
+    """Learner ranks (FSDP2)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class UaqConfig:
+    scale: float = 1.0
+    """UAQ scale s (QuRL sec. 4.3); 1.0 disables the reparametrization."""
+
+
+@dataclass(kw_only=True, slots=True)
+class QuantConfig:
+    scheme: str = "int8"
+    """Rollout weight quantization: none, int8 (W8A8), fp8 (e4m3), fp8_trunc, w8a16, w4a16."""
+    uaq: UaqConfig = field(default_factory=UaqConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    train: str = "fp32"
+    """Learner compute precision: fp32, bf16 or fp16."""
+    rollout: str = "fp32"
+    """Rollout compute precision of non-quantized parts: fp32, bf16 or fp16."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    sched: str = "constant"
+    """LR schedule: constant, cosine or length_decay."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    decay_period: int = 0
+    """length_decay: halving period in steps (0: 1.8 x the surge step)."""
+    surge_factor: float = 1.5
+    """length_decay: response-length ratio over its baseline that counts as a surge."""
+    surge_window: int = 5
+    """length_decay: k, the window of steps averaged for baseline and surge detection."""
+    lr_min_ratio: float = 0.1
+    """length_decay: floor as a fraction of the peak LR."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    dir: str = "runs"
+    """Parent directory of run directories."""
+    name: str = ""
+    """Run name (runs/<name>); empty: the config file's stem."""
+    console: bool = True
+    """Print a live line per step."""
+    wandb: bool = False
+    """Also log to Weights & Biases."""
+    wandb_mode: str = "offline"
+    """wandb mode (offline by default: wandb hangs without a network)."""
+    wandb_project: str = "asyncrl"
+    """wandb project name."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0: only the final one)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+    final: bool = True
+    """Save a final Hugging Face model directory when the run ends."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RayConfig:
+    address: str = ""
+    """Ray cluster address (`auto` or host:port); empty starts a local cluster."""
+    num_cpus: int = 2
+    """CPUs of the local cluster."""
+    worker_cpus: float = 0.5
+    """CPU request of each rollout worker actor."""
+    learner_cpus: float = 1.0
+    """CPU request of each learner actor."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+# key -> valid values; checked after merging so that the message names the key and every choice.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.task": TASKS,
+    "rollout.backend": BACKENDS,
+    "rollout.swap_mode": SWAP_MODES,
+    "buffer.fsync": ("always", "batch", "never"),
+    "loss.weighting": WEIGHTINGS,
+    "loss.agg": AGGREGATIONS,
+    "loss.acrl.x_mode": ACRL_X_MODES,
+    "algo.adv": ADVANTAGES,
+    "learner.prox": PROX_MODES,
+    "quant.scheme": QUANT_SCHEMES,
+    "precision.train": PRECISIONS,
+    "precision.rollout": PRECISIONS,
+    "optim.sched": SCHEDULES,
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+
+# key -> (lowest, highest, inclusive-low); None means unbounded.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "data.digits": (1, 18),
+    "data.eval_size": (0, None),
+    "train.steps": (1, None),
+    "train.groups_per_step": (1, None),
+    "train.group_size": (1, None),
+    "train.eval_every": (0, None),
+    "rollout.num_workers": (0, None),
+    "rollout.max_new_tokens": (1, None),
+    "rollout.temperature": (1e-6, None),
+    "rollout.top_p": (1e-6, 1.0),
+    "rollout.top_k": (0, None),
+    "rollout.groups_per_lease": (1, None),
+    "rollout.threads": (1, None),
+    "buffer.port": (0, 65535),
+    "buffer.lease_timeout_s": (0.1, None),
+    "buffer.max_queued_groups": (1, None),
+    "staleness.max_lag": (0, None),
+    "loss.cap": (1.0, None),
+    "loss.eps_low": (0.0, 1.0),
+    "loss.eps_high": (0.0, None),
+    "loss.acrl.gamma": (0.0, None),
+    "loss.acrl.x": (0.0, None),
+    "loss.acrl.ema_decay": (0.0, 1.0),
+    "loss.tbpo.c": (1.0, None),
+    "algo.overlong.len": (0, None),
+    "learner.minibatches": (1, None),
+    "learner.micro_batch_tokens": (1, None),
+    "learner.threads": (1, None),
+    "learner.world_size": (1, None),
+    "quant.uaq.scale": (1e-3, None),
+    "optim.lr": (0.0, None),
+    "optim.warmup_steps": (0, None),
+    "optim.weight_decay": (0.0, None),
+    "optim.grad_clip": (0.0, None),
+    "optim.decay_period": (0, None),
+    "optim.surge_factor": (1.0, None),
+    "optim.surge_window": (1, None),
+    "optim.lr_min_ratio": (0.0, 1.0),
+    "checkpoint.every": (0, None),
+    "checkpoint.keep_last": (1, None),
+    "ray.num_cpus": (1, None),
+    "ray.worker_cpus": (0.0, None),
+    "ray.learner_cpus": (0.0, None),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config schema, e.g. `loss.acrl.gamma`."""
+    keys: list[str] = []
+    for f in fields(node):
+        dotted = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default_factory is not None else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(all_keys(type(default), dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def _closest(key: str) -> str:
+    keys = all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    matches = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not matches:
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys}
+        leaf_matches = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        matches = [by_leaf[m] for m in leaf_matches]
+    return f"; did you mean `{matches[0]}`?" if matches else ""
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        return ConfigError(f"{source}: unknown config key `{key}`{_closest(key)}")
+    first_line = str(err).splitlines()[0]
+    return ConfigError(f"{source}: bad value for `{key}`: {first_line}")
+
+
+def _check_choices_and_ranges(cfg: Config) -> None:
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"invalid value {value!r} for `{key}`; valid values: {', '.join(choices)}")
+    for key, (low, high) in RANGES.items():
+        value = _get(cfg, key)
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+            raise ConfigError(f"value {value!r} for `{key}` is out of range {bounds}")
+
+
+def _check_cross_field(cfg: Config) -> None:
+    if cfg.data.task == "jsonl" and not cfg.data.path:
+        raise ConfigError("data.task=jsonl needs `data.path` (a JSONL file with prompt and answer fields)")
+    if cfg.data.task == "arith" and (not cfg.data.ops or set(cfg.data.ops) - {"+", "-"}):
+        raise ConfigError(f"`data.ops` must be made of '+' and '-', got {cfg.data.ops!r}")
+    if cfg.loss.dual_clip and cfg.loss.dual_clip <= 1.0:
+        raise ConfigError(f"`loss.dual_clip` must be 0 (off) or > 1, got {cfg.loss.dual_clip}")
+    if cfg.loss.weighting in ("tis", "acr", "acrl", "decoupled", "mis_token", "mis_seq") and cfg.learner.prox == "behav":
+        # Allowed (the QuRL eq. 3 baseline) but every mismatch weight is then exactly 1.
+        pass
+    if cfg.rollout.backend == "sglang" and cfg.quant.scheme in ("fp8_trunc", "w4a16", "w8a16"):
+        raise ConfigError(
+            f"`quant.scheme={cfg.quant.scheme}` is a simulation scheme of the embedded engine; "
+            "rollout.backend=sglang serves int8 or fp8"
+        )
+    if cfg.algo.overlong.len >= cfg.rollout.max_new_tokens and cfg.algo.overlong.len > 0:
+        raise ConfigError(
+            f"`algo.overlong.len` ({cfg.algo.overlong.len}) must be below `rollout.max_new_tokens` "
+            f"({cfg.rollout.max_new_tokens})"
+        )
+    if cfg.rollout.num_workers < 1:
+        raise ConfigError("`rollout.num_workers` must be at least 1 to start a run")
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise ConfigError(f"`optim.betas` must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
+    if cfg.model.path.startswith("builtin:"):
+        from asyncrl.models_registry import BUILTIN_MODELS
+
+        name = cfg.model.path.split(":", 1)[1]
+        if name not in BUILTIN_MODELS:
+            raise ConfigError(
+                f"unknown built-in model {name!r} in `model.path`; valid: "
+                + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+            )
+    elif not Path(cfg.model.path).expanduser().is_dir():
+        raise ConfigError(f"`model.path` {cfg.model.path!r} is not a directory (nor builtin:<name>)")
+
+
+def validate(cfg: Config) -> Config:
+    """Run every check that spans fields or needs the merged value; return cfg unchanged."""
+    _check_choices_and_ranges(cfg)
+    _check_cross_field(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file at `path`, then `key=value` overrides; validated.
+
+    Raises ConfigError naming the offending key (with the closest valid key for typos).
+    """
+    merged: DictConfig = OmegaConf.structured(Config)
+    if path is not None:
+        source = str(path)
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {source!r} does not exist")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as err:  # yaml syntax errors carry line numbers in their text
+            raise ConfigError(f"{source}: cannot parse YAML: {err}") from err
+        if not isinstance(file_cfg, DictConfig):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections")
+        try:
+            merged = OmegaConf.merge(merged, file_cfg)
+        except OmegaConfBaseException as err:
+            raise _explain(err, source) from err
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as err:
+            raise _explain(err, f"override {item!r}") from err
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _explain(err, "config") from err
+    assert isinstance(cfg, Config)
+    if not cfg.logging.name:
+        cfg.logging.name = Path(path).stem if path is not None else "run"
+    return validate(cfg)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain nested dict of a config (or section), for JSON, Ray and subprocess hand-off."""
+    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(container, dict)
+    return container  # type: ignore[return-value]
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """Rebuild a validated Config from `to_dict` output (used by processes the driver starts)."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(values))
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, Config)
+    return validate(cfg)

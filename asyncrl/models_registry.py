@@ -1,0 +1,10 @@
+"""Names of the built-in model recipes (`model.path: builtin:<name>`), importable without torch.
+
+The recipes themselves (architecture, tokenizer, warm-up) live in `asyncrl.builtin_model`.
+"""
+
+from __future__ import annotations
+
+BUILTIN_MODELS: dict[str, str] = {
+    "tiny": "Llama-family, ~0.8M parameters, char-level tokenizer, warmed up on built-in arithmetic",
+}
