@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ class DataConfig:
     """Field of a JSONL row holding the prompt text."""
     answer_key: str = "answer"
     """Field of a JSONL row holding the reference answer (scored with math-verify)."""
-    digits: int = 3
+    digits: int = 2
     """Built-in arithmetic difficulty: the maximum number of digits of each operand."""
     ops: str = "+-"
     """Built-in arithmetic operators to draw from (any of `+`, `-`)."""
@@ -382,7 +382,7 @@ def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
     keys: list[str] = []
     for f in fields(node):
         dotted = f"{prefix}{f.name}"
-        default = f.default_factory() if f.default_factory is not None else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
         if is_dataclass(default):
             keys.extend(all_keys(type(default), dotted + "."))
         else:

@@ -1,0 +1,78 @@
+"""Verifiable tasks: where prompts come from and how a response is scored.
+
+A `PromptSource` hands out `Problem`s by index, so the buffer service, rollout workers and a resumed run all agree
+on what problem `i` is without sharing state:
+
+    train(i)      deterministic in (seed, i); built-in tasks are infinite, datasets repeat with a per-epoch shuffle
+    eval_set()    `data.eval_size` held-out problems, always the same ones
+    reward(r, a)  1.0 if the response text `r` answers reference `a`, else 0.0
+
+Sources: `arith` (built-in procedurally generated arithmetic, exact-match reward; `asyncrl.tasks.arith`) and
+`jsonl` (a dataset file scored with math-verify; `asyncrl.tasks.jsonl`). This package must stay cheap to import
+(no torch; numpy and math-verify are imported only by the sources that need them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from asyncrl.config import DataConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    index: int
+    """Position in the training stream (or in the eval set)."""
+    prompt: str
+    """Text given to the model."""
+    answer: str
+    """Reference answer text."""
+
+
+class DatasetError(ValueError):
+    """Bad dataset rows (or a missing/empty file); the message names the file, 1-based line numbers and problems."""
+
+
+class PromptSource(Protocol):
+    def train(self, index: int) -> Problem:
+        """Training problem `index`, a pure function of (seed, index)."""
+        ...
+
+    def epoch_size(self) -> int | None:
+        """Rows per epoch of a dataset; None for infinite generated streams."""
+        ...
+
+    def eval_set(self) -> list[Problem]:
+        """The held-out problems (`data.eval_size` of them), deterministic."""
+        ...
+
+    def reward(self, response_text: str, answer: str) -> float:
+        """1.0 if `response_text` answers `answer` correctly, else 0.0."""
+        ...
+
+
+def make_source(data_cfg: DataConfig) -> PromptSource:
+    """The prompt source for `data.task` (`arith` or `jsonl`); a jsonl dataset is loaded and validated here."""
+    if data_cfg.task == "arith":
+        from asyncrl.tasks.arith import ArithSource
+
+        return ArithSource(seed=data_cfg.seed, digits=data_cfg.digits, ops=data_cfg.ops, eval_size=data_cfg.eval_size)
+    if data_cfg.task == "jsonl":
+        from asyncrl.tasks.jsonl import JsonlSource
+
+        return JsonlSource(
+            path=data_cfg.path,
+            prompt_key=data_cfg.prompt_key,
+            answer_key=data_cfg.answer_key,
+            seed=data_cfg.seed,
+            eval_size=data_cfg.eval_size,
+        )
+    raise ValueError(f"unknown `data.task` {data_cfg.task!r}; valid values: arith, jsonl")
+
+
+# Re-exported for the model warm-up recipe; imported last because arith needs `Problem` defined above.
+from asyncrl.tasks.arith import arith_problem  # noqa: E402
+
+__all__ = ["DatasetError", "Problem", "PromptSource", "arith_problem", "make_source"]

@@ -1,0 +1,204 @@
+"""The built-in tiny model (`model.path: builtin:tiny`): a deterministic, cached recipe.
+
+It produces a real Hugging Face model directory (LlamaForCausalLM weights as safetensors, `config.json`, and a
+character-level `tokenizer.json`) so that every code path that loads user models loads this one too.
+
+The recipe warms a randomly initialised model up on the built-in arithmetic task to a "perfectible" start
+(the FP16 paper's sanity test): it has learned the task's structure but samples the wrong answer often at
+temperature 1, so RL has something real to fix. The supervised labels have a fraction `label_noise` of their
+answer digits replaced by random digits; the model therefore learns a calibrated but spread-out answer
+distribution (its greedy answer is mostly right, its temperature-1 samples solve 20-60% of problems). Only the
+verifier's reward tells RL which samples were right.
+
+Built once per recipe version into `<cache>/builtin/<name>-<fingerprint>/`, atomically (a temporary directory
+renamed into place), so concurrent runs and tests never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ARITH_ALPHABET = "0123456789+-="
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+
+
+@dataclass(frozen=True, slots=True)
+class TinyRecipe:
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 64
+    digits: int = 2
+    ops: str = "+-"
+    warmup_steps: int = 800
+    batch_size: int = 128
+    lr: float = 3e-3
+    label_noise: float = 0.03
+    trailing_digit_prob: float = 0.5
+    seed: int = 20261121
+    data_seed: int = 777
+    version: int = 1
+
+
+RECIPES: dict[str, TinyRecipe] = {"tiny": TinyRecipe()}
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """Where built-in models live: `model.cache_dir`, else $ASYNCRL_CACHE, else ~/.cache/asyncrl."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("ASYNCRL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "asyncrl"
+
+
+def recipe_fingerprint(recipe: TinyRecipe) -> str:
+    return hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
+    """A model directory for `model.path`: built (or reused from cache) for `builtin:<name>`, else as given."""
+    if not path.startswith("builtin:"):
+        return Path(path).expanduser()
+    name = path.split(":", 1)[1]
+    if name not in RECIPES:
+        raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join('builtin:' + n for n in RECIPES)}")
+    recipe = RECIPES[name]
+    target = cache_root(cache_dir) / "builtin" / f"{name}-{recipe_fingerprint(recipe)}"
+    if (target / "model.safetensors").is_file() and (target / "asyncrl_recipe.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log(f"building {path} into {target} (once; later runs reuse it)")
+    started = time.monotonic()
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        report = build_tiny(recipe, staging)
+        (staging / "asyncrl_recipe.json").write_text(json.dumps({"recipe": asdict(recipe), **report}, indent=2))
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # lost a race to a complete copy: fine; else raise
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    log(f"built {path} in {time.monotonic() - started:.0f} s: {json.dumps(report)}")
+    return target
+
+
+def make_tokenizer():
+    """A character-level Hugging Face fast tokenizer over the arithmetic alphabet, BOS prepended."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(ARITH_ALPHABET))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    )
+
+
+def _noisy_answer(answer: str, recipe: TinyRecipe, rng: random.Random) -> str:
+    """The answer with a few digits replaced and, sometimes, a spurious trailing digit (the habit RL must unlearn)."""
+    noisy = "".join(rng.choice("0123456789") if rng.random() < recipe.label_noise else ch for ch in answer)
+    if rng.random() < recipe.trailing_digit_prob:
+        noisy += rng.choice("0123456789")
+    return noisy
+
+
+def build_tiny(recipe: TinyRecipe, out_dir: Path) -> dict[str, float]:
+    """Initialise, warm up and save the tiny model into out_dir; returns a small report."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncrl.tasks.arith import arith_problem
+
+    torch.manual_seed(recipe.seed)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    tokenizer = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        max_position_embeddings=recipe.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-5,
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    rng = random.Random(recipe.seed)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    index = 0
+    for step in range(recipe.warmup_steps):
+        rows, labels = [], []
+        for _ in range(recipe.batch_size):
+            problem = arith_problem(recipe.data_seed, index, recipe.digits, recipe.ops)
+            index += 1
+            prompt_ids = tokenizer(problem.prompt)["input_ids"]
+            answer_ids = tokenizer(_noisy_answer(problem.answer, recipe, rng), add_special_tokens=False)[
+                "input_ids"
+            ] + [eos]
+            rows.append(prompt_ids + answer_ids)
+            labels.append([-100] * len(prompt_ids) + answer_ids)
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+        attention = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+        lr_scale = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / recipe.warmup_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.lr * lr_scale
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    model.eval()
+    model.generation_config.pad_token_id = pad
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "final_sft_loss": round(float(loss), 4),
+        "warmup_steps": recipe.warmup_steps,
+        **warm_start_accuracy(model, tokenizer, recipe),
+    }
+
+
+def warm_start_accuracy(model, tokenizer, recipe: TinyRecipe, n: int = 512) -> dict[str, float]:
+    """Accuracy on training-distribution problems, greedy and sampled at temperature 1 (the "perfectible" check)."""
+    import torch
+
+    from asyncrl.tasks.arith import arith_problem
+
+    problems = [arith_problem(recipe.data_seed + 1, i, recipe.digits, recipe.ops) for i in range(n)]
+    enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, padding_side="left")
+    report = {}
+    for name, sampling in (("acc_greedy", {"do_sample": False}), ("acc_t1", {"do_sample": True, "top_k": 0})):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id, **sampling)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        report[name] = sum(t.strip() == p.answer for t, p in zip(texts, problems)) / n
+    return report

@@ -1,0 +1,151 @@
+"""`asyncrl up`: start the services, then loop {take a batch, train, publish weights, log, checkpoint}.
+
+    buffer (process, ZMQ) <--lease / push-- rollout workers (Ray actors, always generating)
+          |                                        ^
+          | FetchBatch(step k)                     | quantized weights, version k+1 (quant_sync, ZMQ)
+          v                                        |
+    learner (Ray actor) --train step k------------+
+
+| loop | waits for | unblocked by |
+|---|---|---|
+| rollout worker | a prompt lease (staleness throttle: at most (k + max_lag + 1) * B groups by step k) | the learner fetching step k |
+| rollout worker | nothing else: weights are staged by a subscriber thread and swapped between decode steps | - |
+| learner step k | `groups_per_step` admissible groups in the buffer | workers pushing groups |
+| driver | the learner's step metrics | the learner finishing step k |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config, to_dict
+from asyncrl.metrics import MetricsLogger
+
+
+def start_buffer(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]:
+    """Launch the buffer service process and wait for its READY line; returns (process, endpoint)."""
+    config_file = run_dir / "buffer_config.json"
+    config_file.write_text(json.dumps(to_dict(cfg)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "buffer", "--config-json", str(config_file), "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"buffer service failed to start (said {line!r}); see its stderr above")
+    return proc, line.split(" ", 1)[1]
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True,
+                 _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # fmt: skip
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Run a whole training job; returns a summary (also written to runs/<name>/summary.json)."""
+    from asyncrl.builtin_model import resolve_model_path
+
+    run_dir = Path(cfg.logging.dir) / cfg.logging.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    logger = MetricsLogger(cfg.logging, run_dir)
+    model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=logger.info))
+    buffer_proc, buffer_endpoint = start_buffer(cfg, run_dir)
+    try:
+        init_ray(cfg)
+        return _train(cfg, run_dir, model_dir, buffer_endpoint, logger)
+    finally:
+        _shutdown(buffer_proc)
+        logger.close()
+
+
+def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, logger: MetricsLogger) -> dict[str, Any]:
+    import ray
+
+    from learner.trainer import Learner
+    from rollout_workers.worker import RolloutWorker
+
+    config = to_dict(cfg)
+    learner = ray.remote(num_cpus=cfg.ray.learner_cpus)(Learner).remote(config, model_dir, buffer_endpoint)
+    weights_endpoint = ray.get(learner.weights_endpoint.remote())
+    worker_cls = ray.remote(num_cpus=cfg.ray.worker_cpus, max_concurrency=4)(RolloutWorker)
+    workers = [
+        worker_cls.remote(config, f"worker-{i}", model_dir, buffer_endpoint, weights_endpoint)
+        for i in range(cfg.rollout.num_workers)
+    ]
+    ray.get([w.start.remote() for w in workers])
+    logger.info(f"run {cfg.logging.name}: {len(workers)} rollout workers, buffer {buffer_endpoint}, "
+                f"weights {weights_endpoint}, model {model_dir}")  # fmt: skip
+    last = {"tokens": 0, "samples": 0, "correct": 0, "reward_sum": 0.0}
+    last_time = time.monotonic()
+    for step in range(cfg.train.steps):
+        metrics = ray.get(learner.train_step.remote(step))
+        metrics.update(_rollout_metrics(ray.get([w.stats.remote() for w in workers]), last, time.monotonic() - last_time))
+        last_time = time.monotonic()
+        logger.log_step(metrics)
+    summary: dict[str, Any] = {"steps": cfg.train.steps}
+    if cfg.checkpoint.final:
+        summary["final_checkpoint"] = ray.get(learner.save.remote(str(run_dir / "final")))
+    worker_stats = ray.get([w.stop.remote() for w in workers])
+    summary["workers"] = worker_stats
+    summary["buffer"] = _buffer_stats(buffer_endpoint)
+    ray.get(learner.close.remote())
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    logger.info(f"done: {cfg.train.steps} steps; metrics in {run_dir / 'metrics.jsonl'}")
+    ray.shutdown()
+    return summary
+
+
+def _rollout_metrics(worker_stats: list[dict[str, Any]], last: dict[str, float], seconds: float) -> dict[str, float]:
+    """Rollout-side metrics over the interval since the previous step; `last` holds (and is updated to) totals.
+
+    `acc/mean` and `reward/mean` cover every response generated in the interval, including groups the dynamic-
+    sampling filter drops, so they measure the policy rather than the (filtered) training batch.
+    """
+    totals = {key: sum(s[key] for s in worker_stats) for key in last}
+    delta = {key: totals[key] - last[key] for key in last}
+    last.update(totals)
+    samples = max(delta["samples"], 1)
+    return {
+        "acc/mean": delta["correct"] / samples if delta["samples"] else float("nan"),
+        "reward/mean": delta["reward_sum"] / samples if delta["samples"] else float("nan"),
+        "rollout/samples": float(delta["samples"]),
+        "perf/rollout_tok_s": delta["tokens"] / max(seconds, 1e-9),
+        "perf/step_s": seconds,
+        "rollout/min_worker_version": float(min(s["version"] for s in worker_stats)),
+        "rollout/errors": float(sum(s["errors"] for s in worker_stats)),
+    }
+
+
+def _buffer_stats(endpoint: str) -> dict[str, Any]:
+    from buffer.client import BufferClient
+
+    with BufferClient(endpoint, identity="driver-stats", timeout_s=10) as client:
+        return client.stats()
+
+
+def _shutdown(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

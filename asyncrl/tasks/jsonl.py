@@ -1,0 +1,128 @@
+"""Task `jsonl`: a user dataset file, one JSON object per line, scored with math-verify.
+
+Each row needs a non-empty string prompt (`data.prompt_key`) and an answer (`data.answer_key`) that is a string or
+a number. The whole file is read and validated when the source is built; every bad row is reported by 1-based line
+number in one `DatasetError`. Blank lines are skipped.
+
+GSM8K convention: when an answer string contains `####`, the reference is the text after the last `####`,
+stripped, with thousands separators removed from numbers (`...\\n#### 1,000` -> `1000`). Other answers are used
+as they are (stripped).
+
+Training stream: index i is row `permutation(seed, epoch)[i % n]` with epoch = i // n, a fresh shuffle per epoch.
+Eval set: the first `data.eval_size` rows of a separate fixed permutation. These rows are NOT removed from the
+training stream (a dataset has no spare split here): the eval set may overlap the problems trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from asyncrl.tasks import DatasetError, Problem
+from asyncrl.tasks.rewards import math_verify_reward
+
+_MAX_REPORTED = 10
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_TRAIN_STREAM, _EVAL_STREAM = 0, 1
+
+
+def reference_answer(raw: str | int | float) -> str:
+    """The reference answer of a row: numbers as text, GSM8K `#### answer` extracted, surrounding space stripped."""
+    if not isinstance(raw, str):
+        return str(raw)
+    if "####" in raw:
+        return _THOUSANDS_COMMA.sub("", raw.rsplit("####", 1)[1].strip())
+    return raw.strip()
+
+
+def _row_problem(line: bytes, prompt_key: str, answer_key: str) -> tuple[str, str] | str:
+    """(prompt, reference answer) of one line, or a description of what is wrong with it."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not valid UTF-8"
+    except json.JSONDecodeError as err:
+        return f"invalid JSON ({err.msg} at column {err.colno})"
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    prompt_field, answer_field = f"{prompt_key!r} (data.prompt_key)", f"{answer_key!r} (data.answer_key)"
+    if prompt_key not in row:
+        return f"missing field {prompt_field}; the row has: {', '.join(map(str, row)) or 'no fields'}"
+    if answer_key not in row:
+        return f"missing field {answer_field}; the row has: {', '.join(map(str, row)) or 'no fields'}"
+    prompt, raw_answer = row[prompt_key], row[answer_key]
+    if not isinstance(prompt, str):
+        return f"field {prompt_field} must be a string, got {type(prompt).__name__}"
+    if not prompt.strip():
+        return f"field {prompt_field} is empty"
+    if isinstance(raw_answer, bool) or not isinstance(raw_answer, (str, int, float)):
+        return f"field {answer_field} must be a string or a number, got {type(raw_answer).__name__}"
+    if isinstance(raw_answer, float) and not math.isfinite(raw_answer):
+        return f"field {answer_field} must be a finite number, got {raw_answer}"
+    answer = reference_answer(raw_answer)
+    if not answer:
+        return f"field {answer_field} has an empty reference answer"
+    return prompt, answer
+
+
+def load_rows(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
+    """Every (prompt, reference answer) of a JSONL file; DatasetError listing the bad rows if any."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DatasetError(f"dataset file {str(path)!r} does not exist (data.path)")
+    rows: list[tuple[str, str]] = []
+    errors: list[str] = []
+    with file.open("rb") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            parsed = _row_problem(line, prompt_key, answer_key)
+            if isinstance(parsed, str):
+                errors.append(f"{path}:{line_number}: {parsed}")
+            else:
+                rows.append(parsed)
+    if errors:
+        shown = "\n  ".join(errors[:_MAX_REPORTED])
+        more = f"\n  ... and {len(errors) - _MAX_REPORTED} more" if len(errors) > _MAX_REPORTED else ""
+        raise DatasetError(f"{path}: {len(errors)} invalid row(s):\n  {shown}{more}")
+    if not rows:
+        raise DatasetError(f"{path}: the dataset is empty (no rows)")
+    return rows
+
+
+@lru_cache(maxsize=4)
+def _permutation(size: int, seed: int, stream: int, epoch: int) -> np.ndarray:
+    rng = np.random.default_rng(np.random.SeedSequence(seed % 2**64, spawn_key=(stream, epoch)))
+    order = rng.permutation(size)
+    order.flags.writeable = False
+    return order
+
+
+class JsonlSource:
+    """The `jsonl` prompt source: a shuffled-per-epoch dataset, a fixed eval subset, math-verify reward."""
+
+    def __init__(self, *, path: str, prompt_key: str, answer_key: str, seed: int, eval_size: int) -> None:
+        self.path, self.seed, self.eval_size = path, seed, eval_size
+        self._rows = load_rows(path, prompt_key, answer_key)
+
+    def train(self, index: int) -> Problem:
+        if index < 0:
+            raise IndexError(f"training index must be non-negative, got {index}")
+        epoch, position = divmod(index, len(self._rows))
+        prompt, answer = self._rows[int(_permutation(len(self._rows), self.seed, _TRAIN_STREAM, epoch)[position])]
+        return Problem(index=index, prompt=prompt, answer=answer)
+
+    def epoch_size(self) -> int | None:
+        return len(self._rows)
+
+    def eval_set(self) -> list[Problem]:
+        order = _permutation(len(self._rows), self.seed, _EVAL_STREAM, 0)[: self.eval_size]
+        return [Problem(index=i, prompt=self._rows[row][0], answer=self._rows[row][1]) for i, row in enumerate(order)]
+
+    def reward(self, response_text: str, answer: str) -> float:
+        return math_verify_reward(response_text, answer)

@@ -1,0 +1,128 @@
+"""`BufferClient`: the request/reply client of the buffer service, used by rollout workers, the learner and the CLI.
+
+One DEALER socket, one request at a time, one client per thread (ZMQ sockets are not thread-safe). Each request
+waits at most `timeout_s` (plus `wait_s` for `fetch_batch`) for its reply and otherwise raises `BufferUnavailable`;
+the socket is then closed and recreated under a fresh routing id, so a late reply to the abandoned request can
+never be taken for the answer to the next one. Routing ids are `<identity>/<random>` so that two clients with the
+same identity never collide in the service's ROUTER.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TypeVar
+
+import zmq
+
+from asyncrl import wire
+from asyncrl.wire import (
+    BatchReply,
+    ErrorReply,
+    FetchBatch,
+    LeaseReply,
+    LeaseRequest,
+    PromptLease,
+    PushGroup,
+    PushReply,
+    SetMaxLag,
+    StatsReply,
+    StatsRequest,
+    Trajectory,
+)
+
+HWM = 1000
+R = TypeVar("R")
+
+
+class BufferUnavailable(TimeoutError):
+    """The buffer did not answer in time (not running, overloaded, or unreachable)."""
+
+
+class BufferRequestError(RuntimeError):
+    """The buffer answered with an ErrorReply (the request was malformed or unexpected) or an unexpected type."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"buffer rejected the request: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+        self.detail = detail
+
+
+class BufferClient:
+    """Typed calls to the buffer service at `endpoint` (e.g. "tcp://127.0.0.1:5555")."""
+
+    def __init__(self, endpoint: str, identity: str, timeout_s: float = 30.0) -> None:
+        self.endpoint = endpoint
+        self.identity = identity
+        self.timeout_s = timeout_s
+        self._context = zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+        self._connect()
+
+    def lease(self, max_groups: int) -> tuple[list[PromptLease], float]:
+        """Lease up to `max_groups` prompts; returns (leases, retry_after_s)."""
+        reply = self._request(LeaseRequest(worker=self.identity, max_groups=max_groups), LeaseReply)
+        return reply.leases, reply.retry_after_s
+
+    def push_group(self, group: str, trajectories: list[Trajectory]) -> PushReply:
+        """Push the finished group of a lease (see PushReply for the outcomes).
+
+        `accepted=False, reason="backpressure"`: keep the group and push it again after a pause; another
+        `accepted=False` reason (group_size, unknown_group, ...): the group is not admissible, drop it. A group that
+        does not even decode (NaN log-probs, mismatched lengths, ...) raises BufferRequestError with the reason.
+        """
+        return self._request(PushGroup(worker=self.identity, group=group, trajectories=trajectories), PushReply)
+
+    def fetch_batch(self, step: int, num_groups: int, wait_s: float) -> BatchReply:
+        """Ask for `num_groups` admissible groups for train step `step`, waiting up to `wait_s` in the buffer."""
+        request = FetchBatch(step=step, num_groups=num_groups, wait_s=wait_s)
+        return self._request(request, BatchReply, extra_timeout_s=wait_s)
+
+    def stats(self) -> dict[str, float | int]:
+        return self._request(StatsRequest(), StatsReply).stats
+
+    def set_max_lag(self, max_lag: int) -> dict[str, float | int]:
+        """Change staleness.max_lag of the running buffer; returns its counters after the change."""
+        return self._request(SetMaxLag(max_lag=max_lag), StatsReply).stats
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+
+    def __enter__(self) -> BufferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connect(self) -> None:
+        self.close()
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, HWM)
+        socket.setsockopt(zmq.RCVHWM, HWM)
+        socket.setsockopt(zmq.ROUTING_ID, f"{self.identity}/{uuid.uuid4().hex[:12]}".encode()[-255:])
+        socket.connect(self.endpoint)
+        self._socket = socket
+
+    def _request(self, msg: wire.Message, expected: type[R], extra_timeout_s: float = 0.0) -> R:
+        if self._socket is None:
+            self._connect()
+        assert self._socket is not None
+        timeout_s = self.timeout_s + extra_timeout_s
+        try:
+            self._socket.send(wire.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._connect()
+            raise BufferUnavailable(f"buffer at {self.endpoint}: cannot send {type(msg).__name__}") from None
+        if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            self._connect()  # the abandoned request and any late reply go away with the old socket
+            raise BufferUnavailable(
+                f"buffer at {self.endpoint} did not answer {type(msg).__name__} within {timeout_s:.1f}s"
+            )
+        reply = wire.decode(self._socket.recv_multipart()[-1])
+        if isinstance(reply, ErrorReply):
+            raise BufferRequestError(reply.reason, reply.detail)
+        if not isinstance(reply, expected):
+            raise BufferRequestError("unexpected_reply", f"{type(reply).__name__} for {type(msg).__name__}")
+        return reply

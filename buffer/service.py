@@ -1,0 +1,317 @@
+"""The buffer service process: `python -m buffer --config-json FILE --run-dir DIR`.
+
+One ZMQ ROUTER socket and a single-threaded poll loop over `BufferState`:
+
+    rollout workers ──LeaseRequest / PushGroup──▶ ┌──────────────┐ ◀──FetchBatch── learner
+                    ◀──LeaseReply / PushReply──── │ ROUTER, poll │ ──BatchReply──▶ (parked until enough
+                                                  └──────────────┘                  groups or wait_s passed)
+                                                   BufferState + journal (DIR/buffer.journal)
+
+| waits in the loop | what unblocks it |
+|---|---|
+| a parked FetchBatch | a PushGroup that fills the batch, or its `wait_s` deadline (then `ready=False`) |
+| a leased prompt | its PushGroup, or `lease_timeout_s` (then the prompt is leased again, first) |
+| rollout throttled (empty LeaseReply) | a FetchBatch for a later step, dropped or filtered groups |
+
+Socket rules: the ROUTER binds `tcp://{buffer.host}:{buffer.port}` (port 0: a free port), linger 0, send and receive
+high-water marks of `HWM` messages, ROUTER_MANDATORY so a reply to a vanished peer raises instead of vanishing (an
+undelivered batch goes back to the head of the queue). A request is one frame from a DEALER; any envelope frames
+before it (a REQ peer's empty delimiter) are sent back unchanged. Readiness: after binding, exactly one stdout
+line `READY tcp://HOST:PORT`. Every reply is sent after the journal records of its request are committed. A
+malformed request gets an ErrorReply and is counted as `rejected_<reason>`; nothing a peer sends stops the service.
+SIGTERM / SIGINT: commit the journal and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl import config as cfgmod
+from asyncrl import wire
+from asyncrl.tasks import make_source
+from asyncrl.wire import (
+    BatchReply,
+    ErrorReply,
+    FetchBatch,
+    LeaseRequest,
+    PushGroup,
+    SetMaxLag,
+    StatsReply,
+    StatsRequest,
+    Trajectory,
+)
+from buffer.journal import Journal, read_records
+from buffer.state import BufferState, batch_reply
+
+HWM = 10000
+POLL_MS = 50
+EXPIRY_CHECK_S = 0.02
+JOURNAL_NAME = "buffer.journal"
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """The config sections the buffer reads."""
+
+    buffer: cfgmod.BufferConfig
+    staleness: cfgmod.StalenessConfig
+    train: cfgmod.TrainConfig
+    algo: cfgmod.AlgoConfig
+    data: cfgmod.DataConfig
+
+
+_SECTIONS = {
+    "buffer": cfgmod.BufferConfig,
+    "staleness": cfgmod.StalenessConfig,
+    "train": cfgmod.TrainConfig,
+    "algo": cfgmod.AlgoConfig,
+    "data": cfgmod.DataConfig,
+}
+
+
+def load_service_config(values: dict[str, Any]) -> ServiceConfig:
+    """Rebuild the sections the buffer needs from `asyncrl.config.to_dict` output; other sections are ignored.
+
+    Raises ConfigError naming the key on unknown keys, wrong types, invalid choices or out-of-range values.
+    """
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(values.get(name) or {}))
+            sections[name] = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as err:
+            raise cfgmod.ConfigError(f"{name}.{getattr(err, 'full_key', '?')}: {str(err).splitlines()[0]}") from err
+    for key, choices in cfgmod.CHOICES.items():
+        section, _, leaf = key.partition(".")
+        if section in sections and "." not in leaf and getattr(sections[section], leaf) not in choices:
+            raise cfgmod.ConfigError(f"invalid value for `{key}`; valid values: {', '.join(choices)}")
+    for key, (low, high) in cfgmod.RANGES.items():
+        section, _, leaf = key.partition(".")
+        if section in sections and "." not in leaf:
+            value = getattr(sections[section], leaf)
+            if (low is not None and value < low) or (high is not None and value > high):
+                raise cfgmod.ConfigError(f"value {value!r} for `{key}` is out of range [{low}, {high}]")
+    return ServiceConfig(**sections)
+
+
+@dataclass(slots=True)
+class _Parked:
+    envelope: list[bytes]
+    request: FetchBatch
+    deadline: float  # time.monotonic()
+    dropped: int
+
+
+class BufferService:
+    """The poll loop: decode, dispatch to BufferState, commit the journal, reply."""
+
+    def __init__(self, state: BufferState, socket: zmq.Socket, journal: Journal | None) -> None:
+        self.state = state
+        self.socket = socket
+        self.journal = journal
+        self.parked: list[_Parked] = []
+        self.stopping = False
+        self._next_expiry_check = 0.0
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while not self.stopping:
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if self.socket in events:
+                for _ in range(1000):  # drain what is ready, then do the timed work
+                    try:
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+            self._timed_work()
+
+    def _poll_timeout_ms(self) -> int:
+        timeout = POLL_MS / 1000
+        if self.parked:
+            timeout = min(timeout, min(p.deadline for p in self.parked) - time.monotonic())
+        return max(0, int(timeout * 1000))
+
+    def _timed_work(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_expiry_check:
+            self._next_expiry_check = now + EXPIRY_CHECK_S
+            if self.state.expire_leases():
+                self._commit()
+        for parked in [p for p in self.parked if p.deadline <= now]:
+            self.parked.remove(parked)
+            groups, dropped = self.state.take_batch(parked.request.step, parked.request.num_groups)
+            self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped + dropped)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:  # a ROUTER always prepends the identity; nothing to answer otherwise
+            self.state.counters["rejected_bad_envelope"] += 1
+            return
+        envelope, payload = frames[:-1], frames[-1]
+        try:
+            reply = self._handle(envelope, payload)
+        except wire.WireError as err:
+            self.state.counters[f"rejected_{err.reason}"] += 1
+            reply = ErrorReply(err.reason, err.detail)
+        except Exception as err:  # process boundary: a bug must not take the buffer down; count it and say so
+            traceback.print_exc(file=sys.stderr)
+            self.state.counters["rejected_internal_error"] += 1
+            reply = ErrorReply("internal_error", f"{type(err).__name__}: {err}"[:500])
+        if reply is None:  # parked
+            return
+        if isinstance(reply, BatchReply):
+            self._send_batch(envelope, reply.step, reply.groups if reply.ready else None, reply.dropped_stale)
+        else:
+            self._commit()
+            self._send(envelope, wire.encode(reply))
+
+    def _handle(self, envelope: list[bytes], payload: bytes) -> wire.Message | None:
+        msg = wire.decode(payload)
+        state = self.state
+        if isinstance(msg, LeaseRequest):
+            return state.lease(msg.worker, msg.max_groups)
+        if isinstance(msg, PushGroup):
+            reply = state.push(msg, raw=payload)
+            if reply.accepted and reply.reason == "" and self.parked:
+                self._serve_parked()
+            return reply
+        if isinstance(msg, FetchBatch):
+            if msg.num_groups < 1:
+                raise wire.WireError("bad_field", "FetchBatch.num_groups must be >= 1")
+            groups, dropped = state.take_batch(msg.step, msg.num_groups)
+            if groups is not None or msg.wait_s <= 0:
+                return batch_reply(msg.step, groups, dropped)
+            self.parked = [p for p in self.parked if p.envelope != envelope]  # a peer asks one thing at a time
+            self.parked.append(_Parked(envelope, msg, time.monotonic() + msg.wait_s, dropped))
+            return None
+        if isinstance(msg, StatsRequest):
+            return StatsReply(self.stats())
+        if isinstance(msg, SetMaxLag):
+            state.max_lag = msg.max_lag
+            print(f"buffer: staleness.max_lag set to {msg.max_lag}", file=sys.stderr, flush=True)
+            return StatsReply(self.stats())
+        raise wire.WireError("unexpected_type", f"the buffer does not serve {type(msg).__name__}")
+
+    def _serve_parked(self) -> None:
+        for parked in list(self.parked):
+            groups, dropped = self.state.take_batch(parked.request.step, parked.request.num_groups)
+            parked.dropped += dropped
+            if groups is None:
+                break  # FIFO: later requests wait behind the first
+            self.parked.remove(parked)
+            self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped)
+
+    def _send_batch(
+        self, envelope: list[bytes], step: int, groups: list[list[Trajectory]] | None, dropped: int
+    ) -> None:
+        self._commit()
+        if not self._send(envelope, wire.encode(batch_reply(step, groups, dropped))) and groups:
+            self.state.requeue(groups)  # the learner never got it: it was not trained
+            self._commit()
+
+    def _send(self, envelope: list[bytes], data: bytes) -> bool:
+        try:
+            self.socket.send_multipart([*envelope, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as err:  # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
+            self.state.counters["reply_send_failures"] += 1
+            print(f"buffer: reply not delivered: {err}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def _commit(self) -> None:
+        if self.journal is not None:
+            self.journal.commit()
+
+    def stats(self) -> dict[str, float | int]:
+        out = self.state.stats()
+        out["parked_fetches"] = len(self.parked)
+        return out
+
+
+def bind(socket: zmq.Socket, host: str, port: int) -> str:
+    """Bind and return the endpoint peers connect to."""
+    if port == 0:
+        port = socket.bind_to_random_port(f"tcp://{host}")
+    else:
+        socket.bind(f"tcp://{host}:{port}")
+    return f"tcp://{host}:{port}"
+
+
+def make_socket(context: zmq.Context) -> zmq.Socket:
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, HWM)
+    socket.setsockopt(zmq.RCVHWM, HWM)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+    return socket
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m buffer", description=__doc__.splitlines()[0])
+    parser.add_argument("--config-json", required=True, help="JSON of asyncrl.config.to_dict(cfg)")
+    parser.add_argument("--run-dir", required=True, help="run directory (holds buffer.journal)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_service_config(json.loads(Path(args.config_json).read_text()))
+    except (OSError, ValueError) as err:
+        print(f"buffer: bad config {args.config_json}: {err}", file=sys.stderr)
+        return 2
+
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    journal: Journal | None = None
+    state = BufferState(
+        source=make_source(cfg.data),
+        group_size=cfg.train.group_size,
+        groups_per_step=cfg.train.groups_per_step,
+        max_lag=cfg.staleness.max_lag,
+        filter_groups=cfg.algo.filter_groups,
+        lease_timeout_s=cfg.buffer.lease_timeout_s,
+        max_queued_groups=cfg.buffer.max_queued_groups,
+    )
+    if cfg.buffer.journal:
+        path = run_dir / JOURNAL_NAME
+        records = read_records(path)
+        state.replay(records)
+        journal = state.journal = Journal(path, cfg.buffer.fsync)
+        if records:
+            print(
+                f"buffer: replayed {len(records)} journal records: {len(state.queue)} groups queued, "
+                f"{len(state.returned)} leases returned, cursor {state.cursor}, step {state.step}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    context = zmq.Context()
+    socket = make_socket(context)
+    service = BufferService(state, socket, journal)
+
+    def stop(signum: int, frame: object) -> None:
+        service.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        endpoint = bind(socket, cfg.buffer.host, cfg.buffer.port)
+        print(f"READY {endpoint}", flush=True)
+        service.run()
+    finally:
+        if journal is not None:
+            journal.close()
+        socket.close(0)
+        context.term()
+    return 0

@@ -1,0 +1,153 @@
+"""Policy losses: decoupled PPO with the mismatch weightings of ALGORITHMS.md, as pure functions.
+
+Inputs are per-token tensors of shape (B, T) for B responses padded to T tokens (mask marks real tokens) and
+per-response advantages (B,). The loss is the negative objective, aggregated per `loss.agg`. Mismatch weights
+(w, rho) are constants: computed from detached log-probs, so no gradient flows through them.
+
+Notation (ALGORITHMS.md): lb behavior (rollout) log-prob, lp proximal, lc current; r = exp(lc - lp) is the PPO
+ratio, w = exp(lp - lb) the mismatch weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.config import LossConfig
+
+TOKEN_WEIGHTINGS = ("none", "decoupled", "tis", "mis_token", "mis_seq", "acr")
+IMPLEMENTED = TOKEN_WEIGHTINGS
+
+
+@dataclass(slots=True)
+class LossInputs:
+    behav_logp: torch.Tensor  # (B, T) lb, from the rollout engine
+    prox_logp: torch.Tensor  # (B, T) lp, no grad
+    cur_logp: torch.Tensor  # (B, T) lc, with grad
+    advantages: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T) float, 1 on response tokens
+    max_len: int  # L_max, for seq_mean_token_sum_norm
+
+
+@dataclass(slots=True)
+class LossOutputs:
+    loss: torch.Tensor  # scalar
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, max_len: int) -> torch.Tensor:
+    """Reduce (B, T) per-token losses to a scalar (ALGORITHMS.md, "Loss aggregation")."""
+    if agg == "token_mean":
+        return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
+    per_seq_sum = (per_token * mask).sum(-1)  # (B,)
+    if agg == "seq_mean_token_mean":
+        return (per_seq_sum / mask.sum(-1).clamp_min(1.0)).mean()
+    if agg == "seq_mean_token_sum_norm":
+        return (per_seq_sum / max_len).mean()
+    raise ValueError(f"unknown loss.agg {agg!r}")
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: torch.Tensor | float):
+    """min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) per token; eps_high may be a per-token tensor (ACR)."""
+    upper = 1.0 + eps_high
+    clipped = torch.minimum(torch.clamp(ratio, min=1.0 - eps_low), torch.as_tensor(upper, dtype=ratio.dtype))
+    return torch.minimum(ratio * adv, clipped * adv)
+
+
+def mismatch_weight(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The per-token constant multiplying the surrogate, and a per-token keep mask (ALGORITHMS.md weightings)."""
+    mask = inputs.mask
+    log_w = (inputs.prox_logp - inputs.behav_logp).detach() * mask  # (B, T)
+    w = log_w.exp()
+    cap = cfg.cap
+    ones = torch.ones_like(w)
+    metrics: dict[str, float] = {}
+    n_tokens = mask.sum().clamp_min(1.0)
+    if cfg.weighting == "none":
+        return ones, ones, metrics
+    if cfg.weighting == "decoupled":  # AReaL: w * surrogate, tokens with w > C masked out
+        keep = (w <= cap).float()
+        metrics["mis_masked"] = float(((1 - keep) * mask).sum() / n_tokens)
+        return w, keep, metrics
+    if cfg.weighting == "tis":  # FlashRL / QuRL eq. 5: min(w, C)
+        metrics["tis_trunc"] = float(((w > cap).float() * mask).sum() / n_tokens)
+        return torch.clamp(w, max=cap), ones, metrics
+    if cfg.weighting == "mis_token":
+        keep = (w <= cap).float()
+        metrics["mis_masked"] = float(((1 - keep) * mask).sum() / n_tokens)
+        return w * keep, ones, metrics
+    if cfg.weighting == "mis_seq":  # ACRL eq. 3: rho_i = exp(sum_t (lp - lb)), masked when > C
+        rho = log_w.sum(-1).exp()  # (B,)
+        keep_seq = (rho <= cap).float()
+        metrics["mis_masked"] = float(1.0 - keep_seq.mean())
+        return (rho * keep_seq)[:, None].expand_as(w), ones, metrics
+    if cfg.weighting == "acr":  # handled in policy_loss (it widens the clip range too)
+        metrics["tis_trunc"] = float(((w > cap).float() * mask).sum() / n_tokens)
+        return torch.clamp(w, max=cap), ones, metrics
+    raise NotImplementedError(
+        f"loss.weighting={cfg.weighting!r} is not implemented yet (implemented: {', '.join(IMPLEMENTED)})"
+    )
+
+
+def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """Decoupled PPO objective with the configured mismatch weighting; returns the loss and clip metrics."""
+    mask = inputs.mask  # (B, T)
+    adv = inputs.advantages[:, None].expand_as(mask)  # (B, T)
+    ratio = (inputs.cur_logp - inputs.prox_logp.detach()).exp()  # (B, T) r
+    weight, keep, metrics = mismatch_weight(inputs, cfg)
+    eps_high: torch.Tensor | float = cfg.eps_high
+    if cfg.weighting == "acr":  # QuRL eq. 9: upper bound (1 + eps_high) / s with s = min(w, C) / w
+        w = ((inputs.prox_logp - inputs.behav_logp).detach() * mask).exp()
+        s = weight / w
+        eps_high = (1.0 + cfg.eps_high) / s - 1.0
+    surrogate = clipped_surrogate(ratio, adv, cfg.eps_low, eps_high)
+    if cfg.dual_clip:
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate)
+    per_token = -weight * keep * surrogate
+    loss = aggregate(per_token, mask, cfg.agg, inputs.max_len)
+    with torch.no_grad():
+        n_tokens = mask.sum().clamp_min(1.0)
+        upper = 1.0 + (eps_high if isinstance(eps_high, float) else eps_high)
+        metrics["ppo_clip_high"] = float((((ratio > upper) & (adv > 0)).float() * mask).sum() / n_tokens)
+        metrics["ppo_clip_low"] = float((((ratio < 1.0 - cfg.eps_low) & (adv < 0)).float() * mask).sum() / n_tokens)
+    return LossOutputs(loss=loss, metrics=metrics)
+
+
+def advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-response advantages (B,) from rewards (B,) and group ids (B,) in 0..n_groups-1 (ALGORITHMS.md)."""
+    n_groups = int(group_index.max()) + 1
+    counts = torch.zeros(n_groups).index_add_(0, group_index, torch.ones_like(rewards))
+    sums = torch.zeros(n_groups).index_add_(0, group_index, rewards)
+    mean = (sums / counts)[group_index]
+    if estimator == "grpo":
+        sq = torch.zeros(n_groups).index_add_(0, group_index, (rewards - mean) ** 2)
+        std = (sq / (counts - 1).clamp_min(1.0)).sqrt()[group_index]  # unbiased, as torch.std
+        return (rewards - mean) / (std + 1e-6)
+    if estimator == "drgrpo":
+        return rewards - mean
+    if estimator == "rloo":
+        size = counts[group_index]
+        return (rewards - mean) * size / (size - 1).clamp_min(1.0)
+    raise ValueError(f"unknown algo.adv {estimator!r}")
+
+
+def mismatch_metrics(
+    behav_logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> dict[str, float]:
+    """The 'Mismatch and health metrics' of ALGORITHMS.md that depend only on lb, lp and the mask."""
+    m = mask.bool()
+    lb, lp = behav_logp[m], prox_logp[m]
+    log_w = lp - lb
+    w = log_w.exp()
+    seq_diff = ((prox_logp - behav_logp) * mask).sum(-1)  # (B,) sum_t lp - sum_t lb
+    return {
+        "mismatch/acrl_d": float((lp.exp() - lb.exp()).abs().mean()),
+        "mismatch/log_ppl_abs_diff": float(seq_diff.abs().mean()),
+        "mismatch/kl_k1": float((lb - lp).mean()),
+        "mismatch/kl_k3": float((w - 1 - log_w).mean()),
+        "mismatch/w_max": float(w.max()),
+        "mismatch/w_p99": float(torch.quantile(w, 0.99)),
+        "mismatch/w_over_cap": float((w > cap).float().mean()),
+        "mismatch/seq_log_ratio_per_token": float((seq_diff / mask.sum(-1).clamp_min(1.0)).mean()),
+    }

@@ -1,0 +1,38 @@
+"""Rollout weight export: a learner state dict -> the tensors an embedded engine loads for one version.
+
+Linear layers of the decoder blocks are quantized per output channel with `quant.scheme` and travel as
+`<name>` (int8 or float8_e4m3fn) plus `<name>_scale` (float32, one per output channel). Embeddings, norms and
+the LM head stay in float32 (as SGLang serves them). With `scheme == "none"` everything is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quant_sync.quantizers import quantize_weight
+
+QUANTIZED_LINEARS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)  # fmt: skip
+
+
+def is_quantized_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith(QUANTIZED_LINEARS)
+
+
+def export_rollout_tensors(state_dict: dict[str, torch.Tensor], scheme: str) -> dict[str, torch.Tensor]:
+    """Quantize (or copy) a full state dict into the published tensor set of one version."""
+    tensors: dict[str, torch.Tensor] = {}
+    embed = state_dict.get("model.embed_tokens.weight")
+    for name, value in state_dict.items():
+        value = value.detach()
+        if name == "lm_head.weight" and embed is not None and value.data_ptr() == embed.data_ptr():
+            continue  # tied: the engine falls back to the embedding
+        if scheme != "none" and is_quantized_linear(name):
+            quantized = quantize_weight(value, scheme)
+            tensors[name] = quantized.q.contiguous()
+            tensors[name + "_scale"] = quantized.scale.contiguous()
+        else:
+            tensors[name] = value.to(torch.float32).contiguous().clone()
+    return tensors

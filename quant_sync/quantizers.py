@@ -1,0 +1,124 @@
+"""Quantizers: the one implementation of rollout weight/activation quantization (ALGORITHMS.md, "Quantized rollout").
+
+Pure functions shared by the engine (quantized execution), quant_sync (publication) and the learner (metrics and,
+later, the rollout-aligned forward). Weights are quantized per output channel (row of an (out, in) matrix),
+activations per token (row of a (tokens, in) matrix), symmetrically.
+
+- int8:      s = max|row| / 127, q = clamp(round(x / s), -127, 127)      (round half to even, torch.round)
+- fp8:       s = max|row| / 448, q = float8_e4m3fn(x / s)                 (round to nearest even)
+- fp8_trunc: as fp8 but rounded toward zero (ACRL sec. 5.3 stress test)
+
+FP8 numerics are exact on CPU: values are stored as float8_e4m3fn and computed on in fp32 after an exact upcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0
+_SCALE_FLOOR = 1e-12
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """A per-output-channel quantized (out, in) matrix: `dequant = q.float() * scale[:, None]`."""
+
+    q: torch.Tensor  # (out, in) int8 or float8_e4m3fn
+    scale: torch.Tensor  # (out,) float32
+    scheme: str
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.to(torch.float32) * self.scale[:, None]
+
+
+def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
+    return (x.detach().abs().amax(dim=-1).to(torch.float32) / qmax).clamp_min(_SCALE_FLOOR)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) -> int8 (rows, cols), scale float32 (rows,). Symmetric, per row."""
+    scale = _row_scale(x, INT8_MAX)
+    q = torch.clamp(torch.round(x.to(torch.float32) / scale[:, None]), -INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def fp8_round_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float8_e4m3fn rounded toward zero (magnitude never increases), saturating at 448."""
+    x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    nearest = x.to(torch.float8_e4m3fn)
+    overshoot = nearest.to(torch.float32).abs() > x.abs()
+    if not bool(overshoot.any()):
+        return nearest
+    # Step one fp8 ulp toward zero where nearest-even rounded away from zero: for e4m3fn bit patterns of the same
+    # sign, the magnitude code is monotone, so subtracting 1 from the low 7 bits is the next value toward zero.
+    bits = nearest.view(torch.uint8)
+    stepped = torch.where(overshoot, bits - 1, bits)
+    return stepped.view(torch.float8_e4m3fn)
+
+
+def quantize_fp8_rows(x: torch.Tensor, trunc: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) -> float8_e4m3fn (rows, cols), scale float32 (rows,). Nearest-even, or toward zero if trunc."""
+    scale = _row_scale(x, FP8_E4M3_MAX)
+    scaled = x.to(torch.float32) / scale[:, None]
+    q = fp8_round_toward_zero(scaled) if trunc else scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """Quantize an (out, in) linear weight with a W8A8 scheme (`int8`, `fp8`, `fp8_trunc`)."""
+    if scheme == "int8":
+        q, scale = quantize_int8_rows(weight)
+    elif scheme in ("fp8", "fp8_trunc"):
+        q, scale = quantize_fp8_rows(weight, trunc=scheme == "fp8_trunc")
+    else:
+        raise ValueError(f"quant.scheme {scheme!r} has no weight quantizer here (valid: int8, fp8, fp8_trunc)")
+    return QuantizedWeight(q=q, scale=scale, scheme=scheme)
+
+
+def quantize_activation(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic activation quantization of (tokens, in) -> (q, scale (tokens,))."""
+    if scheme == "int8":
+        return quantize_int8_rows(x)
+    return quantize_fp8_rows(x, trunc=scheme == "fp8_trunc")
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 linear: x (..., in) float -> (..., out) float32, activations quantized per token.
+
+    int8 uses an exact int8 x int8 -> int32 GEMM (`torch._int_mm`) where its shape rules allow, else an exact
+    fp32 emulation (integer products summed in fp64 would be needed beyond 2^24; we use int32 via matmul on int64
+    only for tiny shapes). fp8 upcasts the e4m3 operands exactly to fp32 and multiplies in fp32.
+    """
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1]).to(torch.float32)
+    q_x, s_x = quantize_activation(flat, weight.scheme)
+    if weight.scheme == "int8":
+        acc = int8_matmul(q_x, weight.q).to(torch.float32)
+    else:
+        acc = q_x.to(torch.float32) @ weight.q.to(torch.float32).t()
+    out = acc * s_x[:, None] * weight.scale[None, :]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.reshape(*shape[:-1], weight.q.shape[0])
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact int8 (m, k) x int8 (n, k)^T -> int32 (m, n)."""
+    m = a.shape[0]
+    if m > 16 and a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
+        return torch._int_mm(a, b.t())
+    # Small batches: _int_mm needs m > 16 on some builds; pad rows (still exact).
+    if a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
+        padded = torch.zeros((17, a.shape[1]), dtype=torch.int8)
+        padded[:m] = a
+        return torch._int_mm(padded, b.t())[:m]
+    return (a.to(torch.int32) @ b.to(torch.int32).t()).to(torch.int32)
+
+
+def relative_error(original: torch.Tensor, approx: torch.Tensor) -> float:
+    """||approx - original||^2 / ||original||^2 (the QuRL eq. 14 form)."""
+    denom = float(original.double().pow(2).sum())
+    return float((approx.double() - original.double()).pow(2).sum()) / max(denom, 1e-30)

@@ -1,0 +1,160 @@
+"""The rollout worker loop: lease prompts, generate G responses each, score them, push the groups. Never waits
+for the learner: new weight versions arrive on a subscriber thread and the engine swaps them in between two
+decode steps.
+
+    buffer --lease--> worker --generate (engine, versions staged from quant_sync)--> reward --push group--> buffer
+
+One `RolloutWorker` per process (a Ray actor in `asyncrl up`); `start()` runs the loop on a thread so that
+`stats()` and `stop()` stay callable. A group the buffer refuses for backpressure is retried, never dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import zlib
+from typing import Any
+
+import numpy as np
+
+from asyncrl.config import Config, from_dict
+from asyncrl.wire import PromptLease, Trajectory
+from buffer.client import BufferClient, BufferUnavailable
+
+
+class RolloutWorker:
+    def __init__(self, config: dict[str, Any], worker_id: str, model_dir: str, buffer_endpoint: str, weights_endpoint: str):
+        import torch
+        from transformers import AutoTokenizer
+
+        from asyncrl.tasks import make_source
+        from quant_sync.transport import WeightSubscriber
+        from rollout_workers.embedded.engine import EmbeddedEngine
+        from rollout_workers.engine import SamplingParams
+
+        self.cfg: Config = from_dict(config)
+        rollout = self.cfg.rollout
+        torch.set_num_threads(rollout.threads)
+        self.worker_id = worker_id
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.source = make_source(self.cfg.data)
+        seed = self.cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
+        self.engine = EmbeddedEngine(model_dir, seed=seed)
+        self.params = SamplingParams(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            stop_token_ids=tuple(self.engine.arch.eos_token_ids),
+        )
+        self.buffer_endpoint = buffer_endpoint
+        self.subscriber = WeightSubscriber(weights_endpoint, self.engine.stage_weights)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counters = {
+            "tokens": 0, "samples": 0, "correct": 0, "reward_sum": 0.0,
+            "groups_pushed": 0, "groups_refused": 0, "errors": 0, "gen_seconds": 0.0,
+        }  # fmt: skip
+        self.last_error = ""
+
+    def start(self) -> bool:
+        if not self.subscriber.wait_for(0, timeout_s=120):
+            raise RuntimeError(f"{self.worker_id}: no weights from the publisher at {self.subscriber.endpoint}")
+        self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.subscriber.close()
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "worker": self.worker_id,
+            "version": self.engine.version,
+            "swaps": self.engine.swaps,
+            "alive": self._thread is not None and self._thread.is_alive(),
+            "last_error": self.last_error,
+        }
+
+    def _loop(self) -> None:
+        client = BufferClient(self.buffer_endpoint, identity=self.worker_id)
+        try:
+            while not self._stop.is_set():
+                try:
+                    leases, retry_after = client.lease(self.cfg.rollout.groups_per_lease)
+                except BufferUnavailable:
+                    continue
+                if not leases:
+                    self._stop.wait(max(retry_after, 0.01))
+                    continue
+                try:
+                    groups = self.rollout(leases)
+                except Exception:  # keep the worker alive; the leases expire and return to the pool
+                    self.counters["errors"] += 1
+                    self.last_error = traceback.format_exc(limit=3)
+                    continue
+                for lease, trajectories in groups:
+                    self._push(client, lease, trajectories)
+        finally:
+            client.close()
+
+    def _push(self, client: BufferClient, lease: PromptLease, trajectories: list[Trajectory]) -> None:
+        while not self._stop.is_set():
+            try:
+                reply = client.push_group(lease.group, trajectories)
+            except BufferUnavailable:
+                continue
+            if reply.accepted:
+                self.counters["groups_pushed"] += 1
+                return
+            if reply.reason != "backpressure":
+                self.counters["groups_refused"] += 1
+                self.last_error = f"group {lease.group} refused: {reply.reason}"
+                return
+            self._stop.wait(0.2)
+
+    def rollout(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
+        """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch)."""
+        group_size = self.cfg.train.group_size
+        prompt_ids = [self.tokenizer(lease.prompt)["input_ids"] for lease in leases]
+        batch = [ids for ids in prompt_ids for _ in range(group_size)]
+        started = time.time()
+        completions = self.engine.generate(batch, self.params)
+        ended = time.time()
+        self.counters["gen_seconds"] += ended - started
+        out = []
+        for g, lease in enumerate(leases):
+            trajectories = []
+            for i in range(group_size):
+                completion = completions[g * group_size + i]
+                text = self.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+                reward = float(self.source.reward(text, lease.answer))
+                self.counters["tokens"] += len(completion.response_ids)
+                self.counters["samples"] += 1
+                self.counters["correct"] += int(reward >= 1.0)
+                self.counters["reward_sum"] += reward
+                trajectories.append(
+                    Trajectory(
+                        uid=f"{lease.group}/{i}",
+                        group=lease.group,
+                        prompt_index=lease.index,
+                        prompt_ids=np.asarray(prompt_ids[g], dtype=np.int32),
+                        response_ids=np.asarray(completion.response_ids, dtype=np.int32),
+                        behav_logp=np.asarray(completion.behav_logp, dtype=np.float32),
+                        versions=np.asarray(completion.versions, dtype=np.int32),
+                        reward=reward,
+                        correct=reward >= 1.0,
+                        finish=completion.finish,
+                        worker=self.worker_id,
+                        t_start=started,
+                        t_end=ended,
+                    )
+                )
+            out.append((lease, trajectories))
+        return out

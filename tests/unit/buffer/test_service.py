@@ -1,0 +1,368 @@
+"""The buffer service as a real subprocess on real ZMQ sockets, with the real `arith` prompt source."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from asyncrl import wire
+from asyncrl.config import Config, DataConfig, to_dict
+from asyncrl.tasks import make_source
+from asyncrl.wire import PromptLease, Trajectory
+from buffer.client import BufferClient, BufferUnavailable
+
+ROOT = Path(__file__).resolve().parents[3]
+GROUP_SIZE = 2
+BATCH = 2  # groups_per_step
+
+
+class Buffer:
+    """A running `python -m buffer` and a client to it."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], endpoint: str) -> None:
+        self.proc = proc
+        self.endpoint = endpoint
+        self.client = BufferClient(endpoint, "test", timeout_s=5.0)
+
+    def stats(self) -> dict[str, Any]:
+        return self.client.stats()
+
+
+def write_config(path: Path, **sections: dict[str, Any]) -> Path:
+    values = to_dict(Config())  # the driver writes the whole tree; the buffer reads its sections
+    values["train"].update(groups_per_step=BATCH, group_size=GROUP_SIZE)
+    values["staleness"]["max_lag"] = 1
+    values["buffer"].update(lease_timeout_s=30.0)
+    values["data"].update(task="arith", digits=2)
+    for name, fields_ in sections.items():
+        values[name].update(fields_)
+    path.write_text(json.dumps(values))
+    return path
+
+
+@contextmanager
+def running_buffer(tmp_path: Path, run_dir: Path | None = None, **sections: dict[str, Any]) -> Iterator[Buffer]:
+    config = write_config(tmp_path / "config.json", **sections)
+    run_dir = run_dir or tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 20.0)
+    line = proc.stdout.readline().decode().strip() if ready else ""
+    if not line.startswith("READY tcp://"):
+        proc.kill()
+        raise AssertionError(f"buffer did not start: {line!r}, rc={proc.poll()}")
+    buffer = Buffer(proc, line.split()[1])
+    try:
+        yield buffer
+    finally:
+        buffer.client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0  # SIGTERM: journal flushed, clean exit
+        proc.stdout.close()
+
+
+def make_group(lease: PromptLease, version: int = 0, rewards: tuple[float, ...] = (1.0, 0.0)) -> list[Trajectory]:
+    rng = np.random.default_rng(lease.index)
+    out = []
+    for i, reward in enumerate(rewards):
+        length = 3 + i
+        out.append(
+            Trajectory(
+                uid=f"{lease.group}/{i}",
+                group=lease.group,
+                prompt_index=lease.index,
+                prompt_ids=np.frombuffer(lease.prompt.encode(), dtype=np.uint8).astype(np.int32),
+                response_ids=rng.integers(0, 20, length).astype(np.int32),
+                behav_logp=-rng.random(length).astype(np.float32),
+                versions=np.full(length, version, dtype=np.int32),
+                reward=reward,
+                correct=reward > 0,
+                finish="stop",
+                worker="w0",
+                t_start=time.time(),
+                t_end=time.time(),
+            )
+        )
+    return out
+
+
+def lease_and_push(buffer: Buffer, count: int, version: int = 0) -> list[PromptLease]:
+    leases, _ = buffer.client.lease(count)
+    assert len(leases) == count
+    for lease in leases:
+        reply = buffer.client.push_group(lease.group, make_group(lease, version))
+        assert (reply.accepted, reply.reason) == (True, "")
+    return leases
+
+
+def test_lease_push_fetch(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:
+        leases, retry = buffer.client.lease(2)
+        source = make_source(DataConfig(task="arith", digits=2))
+        assert [x.index for x in leases] == [0, 1] and retry == 0.0
+        assert [(x.prompt, x.answer) for x in leases] == [
+            (source.train(i).prompt, source.train(i).answer) for i in (0, 1)
+        ]
+        assert all(x.deadline > time.time() + 20 for x in leases)
+        for lease in reversed(leases):  # admission order, not lease order, is the batch order (FIFO)
+            assert buffer.client.push_group(lease.group, make_group(lease)).accepted
+        not_yet = buffer.client.fetch_batch(step=0, num_groups=3, wait_s=0.0)
+        assert not not_yet.ready and not_yet.groups == []
+        batch = buffer.client.fetch_batch(step=0, num_groups=2, wait_s=0.0)
+        assert batch.ready and batch.step == 0
+        assert [g[0].group for g in batch.groups] == [leases[1].group, leases[0].group]
+        sent = make_group(leases[0])
+        got = batch.groups[1]
+        assert [t.uid for t in got] == [t.uid for t in sent]
+        assert all(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(got, sent, strict=True))
+        stats = buffer.stats()
+        assert (stats["admitted_groups"], stats["consumed_groups"], stats["queued_groups"]) == (2, 2, 0)
+        assert stats["leased_groups"] == 0 and stats["current_step"] == 0
+
+
+def test_parked_fetch_is_answered_when_groups_arrive(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:
+        leases, _ = buffer.client.lease(2)
+
+        def push_later() -> None:
+            time.sleep(0.3)
+            with BufferClient(buffer.endpoint, "worker") as worker:
+                for lease in leases:
+                    assert worker.push_group(lease.group, make_group(lease)).accepted
+
+        pusher = threading.Thread(target=push_later)
+        pusher.start()
+        start = time.monotonic()
+        batch = buffer.client.fetch_batch(step=0, num_groups=2, wait_s=10.0)
+        pusher.join()
+        assert batch.ready and len(batch.groups) == 2 and time.monotonic() - start < 5.0
+        start = time.monotonic()
+        empty = buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.3)
+        assert not empty.ready and 0.25 < time.monotonic() - start < 3.0
+
+
+def test_duplicate_and_invalid_pushes(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:
+        client = buffer.client
+        (lease,) = client.lease(1)[0]
+        group = make_group(lease)
+        cases = {
+            "group_size": group[:1],
+            "group_mismatch": [group[0], make_group(PromptLease("g9", lease.index, "", "", 0.0))[1]],
+            "duplicate_uid": [group[0], group[0]],
+            "prompt_index": make_group(PromptLease(lease.group, lease.index + 5, lease.prompt, "", 0.0)),
+            "future_version": make_group(lease, version=2),  # the learner is at step 0: versions 0 and 1 exist
+        }
+        for reason, trajectories in cases.items():
+            reply = client.push_group(lease.group, trajectories)
+            assert (reply.accepted, reply.reason) == (False, reason)
+        unknown = client.push_group("g999", make_group(PromptLease("g999", 999, "", "", 0.0)))
+        assert (unknown.accepted, unknown.reason) == (False, "unknown_group")
+        assert client.push_group(lease.group, group).reason == ""  # the lease survived the rejects
+        again = client.push_group(lease.group, group)
+        assert (again.accepted, again.reason) == (True, "duplicate")
+        stats = buffer.stats()
+        assert stats["admitted_groups"] == 1 and stats["queued_groups"] == 1 and stats["duplicate_groups"] == 1
+        for reason in [*cases, "unknown_group"]:
+            assert stats[f"rejected_{reason}"] == 1
+        assert len(client.fetch_batch(0, 1, 0.0).groups) == 1
+        assert not client.fetch_batch(0, 1, 0.0).ready
+
+
+def test_stale_groups_are_dropped_and_counted(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:  # max_lag = 1
+        client = buffer.client
+        lease_and_push(buffer, 2, version=0)
+        assert client.fetch_batch(step=1, num_groups=1, wait_s=0.0).ready  # 1 - 0 <= 1: fine
+        reply = client.fetch_batch(step=2, num_groups=1, wait_s=0.0)  # 2 - 0 > 1: dropped
+        assert not reply.ready and reply.dropped_stale == 1
+        leases, _ = client.lease(1)
+        late = client.push_group(leases[0].group, make_group(leases[0], version=0))  # already too old on arrival
+        assert (late.accepted, late.reason) == (True, "stale")
+        stats = buffer.stats()
+        assert stats["dropped_stale"] == 2 and stats["queued_groups"] == 0 and stats["consumed_groups"] == 1
+
+
+def test_throttle_and_resume(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:  # B = 2, max_lag = 1: (k + 2) * 2 groups by step k
+        client = buffer.client
+        leases, _ = client.lease(10)
+        assert len(leases) == 4
+        empty, retry = client.lease(1)
+        assert empty == [] and retry > 0
+        for lease in leases:
+            assert client.push_group(lease.group, make_group(lease)).accepted
+        assert client.lease(1)[0] == []
+        assert client.fetch_batch(step=0, num_groups=2, wait_s=0.0).ready
+        assert client.lease(1)[0] == []  # consumed groups still count
+        assert client.fetch_batch(step=1, num_groups=2, wait_s=0.0).ready
+        more, _ = client.lease(10)
+        assert [x.index for x in more] == [4, 5]  # (1 + 2) * 2 = 6 groups by step 1
+        client.set_max_lag(3)  # live change: (1 + 4) * 2 = 10
+        assert len(client.lease(10)[0]) == 4
+        stats = client.set_max_lag(0)
+        assert stats["max_lag"] == 0 and stats["may_lease"] == 0
+
+
+def test_lease_expiry_returns_the_prompt(tmp_path: Path) -> None:
+    with running_buffer(tmp_path, buffer={"lease_timeout_s": 0.3}) as buffer:
+        first, _ = buffer.client.lease(1)
+        time.sleep(0.6)
+        assert buffer.stats()["expired_leases"] == 1
+        with BufferClient(buffer.endpoint, "w1") as other:
+            again, _ = other.lease(2)
+            assert [x.group for x in again] == [first[0].group, "g1"]  # the expired prompt first, same group id
+            late = buffer.client.push_group(first[0].group, make_group(first[0]))  # the first worker was just slow
+            assert (late.accepted, late.reason) == (True, "")
+            dup = other.push_group(again[0].group, make_group(again[0]))
+            assert (dup.accepted, dup.reason) == (True, "duplicate")
+        stats = buffer.stats()
+        assert stats["admitted_groups"] == 1 and stats["reissued_leases"] == 1 and stats["queued_groups"] == 1
+
+
+def test_filter_groups_drops_uniform_rewards(tmp_path: Path) -> None:
+    with running_buffer(tmp_path, algo={"filter_groups": True}) as buffer:
+        client = buffer.client
+        leases, _ = client.lease(4)
+        uniform = client.push_group(leases[0].group, make_group(leases[0], rewards=(1.0, 1.0)))
+        assert (uniform.accepted, uniform.reason) == (True, "filtered")
+        assert client.push_group(leases[1].group, make_group(leases[1], rewards=(0.0, 0.0))).reason == "filtered"
+        assert client.push_group(leases[2].group, make_group(leases[2], rewards=(0.0, 1.0))).reason == ""
+        stats = buffer.stats()
+        assert stats["filtered_groups"] == 2 and stats["queued_groups"] == 1
+        assert len(client.lease(4)[0]) == 2  # filtered groups do not count toward the throttle
+
+
+def test_backpressure(tmp_path: Path) -> None:
+    with running_buffer(tmp_path, buffer={"max_queued_groups": 1}) as buffer:
+        client = buffer.client
+        leases, _ = client.lease(2)
+        assert client.push_group(leases[0].group, make_group(leases[0])).reason == ""
+        full = client.push_group(leases[1].group, make_group(leases[1]))
+        assert (full.accepted, full.reason) == (False, "backpressure")
+        assert client.lease(1)[0] == []  # leasing pauses while the queue is full
+        assert client.fetch_batch(0, 1, 0.0).ready
+        assert client.push_group(leases[1].group, make_group(leases[1])).reason == ""
+        assert buffer.stats()["rejected_backpressure"] == 1
+
+
+def test_restart_replays_the_journal(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:
+        leases = lease_and_push(buffer, 4)
+        consumed = buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.0)
+        assert [g[0].group for g in consumed.groups] == ["g0", "g1"]
+        (outstanding,) = buffer.client.lease(1)[0]  # in flight when the buffer dies
+        buffer.proc.kill()  # SIGKILL: no chance to flush anything
+        buffer.proc.wait()
+    with (run_dir / "buffer.journal").open("ab") as journal:
+        journal.write(b"\x40\x00\x00\x00torn")  # a record cut short by the crash
+
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:
+        stats = buffer.stats()
+        assert stats["queued_groups"] == 2 and stats["current_step"] == 1 and stats["consumed_groups"] == 2
+        batch = buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.0)
+        assert [g[0].group for g in batch.groups] == ["g2", "g3"]
+        assert not buffer.client.fetch_batch(step=1, num_groups=1, wait_s=0.0).ready
+        assert buffer.client.push_group("g0", make_group(leases[0])).reason == "duplicate"
+        assert buffer.client.push_group("g2", make_group(leases[2])).reason == "duplicate"
+        again, _ = buffer.client.lease(2)
+        assert [x.group for x in again] == [outstanding.group, "g5"]  # the lost lease first, then the cursor
+        assert buffer.client.push_group(outstanding.group, make_group(outstanding)).reason == ""
+
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:  # a clean restart after the torn tail was cut
+        stats = buffer.stats()
+        assert stats["queued_groups"] == 1 and stats["consumed_groups"] == 4 and stats["cursor"] == 6
+
+
+def test_malformed_messages_are_counted_and_survived(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:
+        context = zmq.Context.instance()
+        raw = context.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(buffer.endpoint)
+        bad = {
+            "bad_msgpack": b"\xc1garbage",
+            "unknown_type": msgpack.packb({"v": wire.SCHEMA_VERSION, "type": "Shutdown"}),
+            "schema_version": msgpack.packb({"v": 99, "type": "StatsRequest"}),
+            "nonfinite_logp": None,
+            "unexpected_type": wire.encode(wire.PushReply(True, "")),
+        }
+        leases, _ = buffer.client.lease(1)
+        group = make_group(leases[0])
+        group[1].behav_logp = np.array([-1.0, np.nan, -1.0, -1.0], dtype=np.float32)
+        bad["nonfinite_logp"] = wire.encode(wire.PushGroup("w0", leases[0].group, group))
+        for reason, payload in bad.items():
+            raw.send(payload)
+            assert raw.poll(5000)
+            reply = wire.decode(raw.recv())
+            assert isinstance(reply, wire.ErrorReply) and reply.reason == reason
+        raw.send_multipart([b"", b"\x00\x01"])  # a REQ-style envelope is answered the same way
+        assert raw.poll(5000)
+        frames = raw.recv_multipart()
+        assert frames[0] == b"" and wire.decode(frames[-1]).reason == "bad_msgpack"
+        raw.close()
+        stats = buffer.stats()
+        assert stats["rejected_bad_msgpack"] == 2 and stats["rejected_nonfinite_logp"] == 1
+        assert all(stats[f"rejected_{r}"] >= 1 for r in bad)
+        assert buffer.client.push_group(leases[0].group, make_group(leases[0])).reason == ""
+
+
+def test_client_times_out_clearly_and_recovers(tmp_path: Path) -> None:
+    context = zmq.Context.instance()
+    silent = context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    client = BufferClient(f"tcp://127.0.0.1:{port}", "w", timeout_s=0.2)
+    with pytest.raises(BufferUnavailable, match="did not answer"):
+        client.stats()
+    identity, payload = silent.recv_multipart()
+    assert isinstance(wire.decode(payload), wire.StatsRequest)
+    silent.send_multipart([identity, wire.encode(wire.StatsReply({"late": 1}))])  # a late reply is never mistaken
+    client.timeout_s = 5.0
+
+    def answer_next() -> None:
+        identity, _ = silent.recv_multipart()
+        silent.send_multipart([identity, wire.encode(wire.StatsReply({"n": 2}))])
+
+    thread = threading.Thread(target=answer_next)
+    thread.start()
+    assert client.stats() == {"n": 2}
+    thread.join()
+    client.close()
+    silent.close()
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [({"buffer": {"max_queued_groups": 0}}, "buffer.max_queued_groups"), ({"staleness": {"max_lgs": 1}}, "max_lgs")],
+)
+def test_bad_config_exits_naming_the_key(tmp_path: Path, section: dict[str, Any], key: str) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(section))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and key in done.stderr and "READY" not in done.stdout
