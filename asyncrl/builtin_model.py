@@ -51,7 +51,11 @@ class TinyRecipe:
     version: int = 1
 
 
-RECIPES: dict[str, TinyRecipe] = {"tiny": TinyRecipe()}
+RECIPES: dict[str, TinyRecipe] = {
+    "tiny": TinyRecipe(),
+    # For smoke tests: same architecture family and tokenizer, seconds to build, barely trained.
+    "micro": TinyRecipe(hidden_size=32, intermediate_size=64, num_layers=2, warmup_steps=40, batch_size=32),
+}
 
 
 def cache_root(cache_dir: str = "") -> Path:

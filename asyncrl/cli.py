@@ -1,8 +1,8 @@
 """The `asyncrl` command line. Parses config before importing torch or ray, so bad input fails in well under a second.
 
-    asyncrl up CONFIG [key=value ...]     train (a local Ray cluster unless ray.address is set)
-    asyncrl bench NAME [--json PATH]      run a benchmark, print its table, write {"name", "metrics", "ratios"}
-    asyncrl config CONFIG [key=value ...] print the fully merged, validated config as YAML
+asyncrl up CONFIG [key=value ...]     train (a local Ray cluster unless ray.address is set)
+asyncrl bench NAME [--json PATH]      run a benchmark, print its table, write {"name", "metrics", "ratios"}
+asyncrl config CONFIG [key=value ...] print the fully merged, validated config as YAML
 """
 
 from __future__ import annotations

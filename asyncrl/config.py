@@ -20,7 +20,18 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 WEIGHTINGS = (
-    "none", "decoupled", "tis", "mis_token", "mis_seq", "acr", "acrl", "tbpo", "gspo", "pg_is", "pg_tis", "pg_mis",
+    "none",
+    "decoupled",
+    "tis",
+    "mis_token",
+    "mis_seq",
+    "acr",
+    "acrl",
+    "tbpo",
+    "gspo",
+    "pg_is",
+    "pg_tis",
+    "pg_mis",
 )
 IMPLEMENTED_WEIGHTINGS = WEIGHTINGS
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -428,7 +439,10 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"`data.ops` must be made of '+' and '-', got {cfg.data.ops!r}")
     if cfg.loss.dual_clip and cfg.loss.dual_clip <= 1.0:
         raise ConfigError(f"`loss.dual_clip` must be 0 (off) or > 1, got {cfg.loss.dual_clip}")
-    if cfg.loss.weighting in ("tis", "acr", "acrl", "decoupled", "mis_token", "mis_seq") and cfg.learner.prox == "behav":
+    if (
+        cfg.loss.weighting in ("tis", "acr", "acrl", "decoupled", "mis_token", "mis_seq")
+        and cfg.learner.prox == "behav"
+    ):
         # Allowed (the QuRL eq. 3 baseline) but every mismatch weight is then exactly 1.
         pass
     if cfg.rollout.backend == "sglang" and cfg.quant.scheme in ("fp8_trunc", "w4a16", "w8a16"):

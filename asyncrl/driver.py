@@ -8,7 +8,7 @@
 
 | loop | waits for | unblocked by |
 |---|---|---|
-| rollout worker | a prompt lease (staleness throttle: at most (k + max_lag + 1) * B groups by step k) | the learner fetching step k |
+| rollout worker | a prompt lease (throttle: at most (k + max_lag + 1) * B groups by step k) | the learner's fetch of step k |
 | rollout worker | nothing else: weights are staged by a subscriber thread and swapped between decode steps | - |
 | learner step k | `groups_per_step` admissible groups in the buffer | workers pushing groups |
 | driver | the learner's step metrics | the learner finishing step k |
@@ -98,7 +98,9 @@ def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, log
     last_time = time.monotonic()
     for step in range(cfg.train.steps):
         metrics = ray.get(learner.train_step.remote(step))
-        metrics.update(_rollout_metrics(ray.get([w.stats.remote() for w in workers]), last, time.monotonic() - last_time))
+        metrics.update(
+            _rollout_metrics(ray.get([w.stats.remote() for w in workers]), last, time.monotonic() - last_time)
+        )
         last_time = time.monotonic()
         logger.log_step(metrics)
     summary: dict[str, Any] = {"steps": cfg.train.steps}

@@ -6,5 +6,6 @@ The recipes themselves (architecture, tokenizer, warm-up) live in `asyncrl.built
 from __future__ import annotations
 
 BUILTIN_MODELS: dict[str, str] = {
-    "tiny": "Llama-family, ~0.8M parameters, char-level tokenizer, warmed up on built-in arithmetic",
+    "tiny": "Llama-family, ~0.8M parameters, char-level tokenizer, warmed up on built-in arithmetic (~2.5 min once)",
+    "micro": "the same family at ~25k parameters, barely trained: for smoke tests (seconds to build)",
 }

@@ -254,9 +254,7 @@ class Learner:
         for lo in range(0, len(prompts), 64):
             chunk = prompts[lo : lo + 64]
             enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
-            out = self.model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id
-            )
+            out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id)
             texts = self.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             correct += sum(source.reward(t, a) for t, a in zip(texts, answers[lo : lo + 64]))
         self.model.train()

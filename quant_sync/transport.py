@@ -116,7 +116,9 @@ class WeightPublisher:
                 self._socket.send_multipart([identity, latest.header, *latest.frames], copy=False)
                 self.served += 1
             else:
-                self._socket.send_multipart([identity, msgpack.packb({"v": PROTOCOL_VERSION, "version": latest.version})])
+                self._socket.send_multipart(
+                    [identity, msgpack.packb({"v": PROTOCOL_VERSION, "version": latest.version})]
+                )
 
     def close(self) -> None:
         self._stop.set()

@@ -24,7 +24,9 @@ from buffer.client import BufferClient, BufferUnavailable
 
 
 class RolloutWorker:
-    def __init__(self, config: dict[str, Any], worker_id: str, model_dir: str, buffer_endpoint: str, weights_endpoint: str):
+    def __init__(
+        self, config: dict[str, Any], worker_id: str, model_dir: str, buffer_endpoint: str, weights_endpoint: str
+    ):
         import torch
         from transformers import AutoTokenizer
 

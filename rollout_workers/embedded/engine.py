@@ -135,7 +135,9 @@ class EmbeddedEngine:
         completions = []
         for row in range(batch):
             n = int(ended_at[row])
-            finish = "stop" if n < params.max_new_tokens or bool(torch.isin(out_tokens[row, n - 1], stop_ids)) else "length"
+            finish = (
+                "stop" if n < params.max_new_tokens or bool(torch.isin(out_tokens[row, n - 1], stop_ids)) else "length"
+            )
             completions.append(
                 Completion(
                     response_ids=out_tokens[row, :n].tolist(),

@@ -1,0 +1,107 @@
+"""Config validation: every bad input fails fast with the key named; YAML files hold overrides only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, all_keys, from_dict, load_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[3]
+MAIN = ROOT / "configs" / "dapo_int8.yaml"
+
+
+def test_defaults_and_main_config_load():
+    cfg = load_config(MAIN)
+    assert cfg.quant.scheme == "int8"
+    assert cfg.staleness.max_lag == 2
+    assert cfg.algo.filter_groups is True
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (0.2, 0.28)
+    assert cfg.logging.name == "dapo_int8"
+
+
+def test_overrides_apply_in_order():
+    cfg = load_config(MAIN, ["train.steps=7", "loss.weighting=acr", "train.steps=9"])
+    assert cfg.train.steps == 9
+    assert cfg.loss.weighting == "acr"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("loss.weighting=tsi", "`loss.weighting`; valid values: none, decoupled, tis"),
+        ("train.stepz=3", "unknown config key `train.stepz`; did you mean `train.steps`?"),
+        ("loss.weigting=tis", "did you mean `loss.weighting`?"),
+        ("gama=0.5", "did you mean `loss.acrl.gamma`?"),
+        ("train.steps=abc", "bad value for `train.steps`"),
+        ("train.steps=0", "`train.steps` is out of range"),
+        ("rollout.top_p=1.5", "`rollout.top_p` is out of range"),
+        ("quant.scheme=int4", "valid values: none, int8, fp8, fp8_trunc, w8a16, w4a16"),
+        ("algo.adv=ppo", "`algo.adv`"),
+        ("data.task=jsonl", "needs `data.path`"),
+        ("model.path=builtin:huge", "unknown built-in model 'huge'"),
+        ("model.path=/nonexistent/model", "is not a directory"),
+        ("loss.dual_clip=0.5", "`loss.dual_clip`"),
+        ("algo.overlong.len=99", "`algo.overlong.len`"),
+        ("rollout.num_workers=0", "`rollout.num_workers`"),
+        ("steps", "must look like key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(MAIN, [override])
+    assert expected in str(err.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("train:\n  step: 3\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: unknown config key `train.step`; did you mean `train.steps`"):
+        load_config(typo)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot parse YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="scalar.yaml: cannot parse YAML"):
+        load_config(scalar)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(MAIN, ["loss.acrl.gamma=0.5"])
+    again = from_dict(to_dict(cfg))
+    assert again == cfg
+
+
+def test_every_key_has_a_docstring_line():
+    source = (ROOT / "asyncrl" / "config.py").read_text()
+    for key in all_keys():
+        leaf = key.rsplit(".", 1)[-1]
+        assert f"    {leaf}:" in source, key
+
+
+def test_cli_rejects_bad_weighting_fast_without_heavy_imports():
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "up", str(MAIN), "loss.weighting=tsi"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2
+    assert "loss.weighting" in proc.stderr and "tis" in proc.stderr
+    assert elapsed < 5.0, elapsed
+
+
+def test_config_import_stays_light():
+    code = "import sys, asyncrl.cli, asyncrl.config; print(any(m in sys.modules for m in ('torch', 'ray', 'zmq')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

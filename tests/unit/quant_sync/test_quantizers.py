@@ -1,0 +1,77 @@
+"""Quantizers: ALGORITHMS.md rounding rules, exact int8 GEMM, fp8 truncation direction, export layout."""
+
+from __future__ import annotations
+
+import torch
+
+from quant_sync.export import export_rollout_tensors, is_quantized_linear
+from quant_sync.quantizers import (
+    fp8_round_toward_zero,
+    int8_matmul,
+    quantize_fp8_rows,
+    quantize_int8_rows,
+    quantize_weight,
+    quantized_linear,
+)
+
+
+def test_int8_per_channel_scale_and_rounding():
+    w = torch.tensor([[1.0, -0.5, 0.25, 0.0], [-2.0, 1.0, 0.006, 0.0]])
+    q, scale = quantize_int8_rows(w)
+    assert torch.allclose(scale, torch.tensor([1.0 / 127, 2.0 / 127]))
+    assert q.dtype == torch.int8
+    assert q[0].tolist() == [127, -64, 32, 0]  # -63.5 rounds half to even -> -64; 31.75 -> 32
+    assert q[1].tolist() == [-127, 64, 0, 0]  # 63.5 -> 64 (half to even); 0.381 -> 0
+    assert int(q.abs().max()) <= 127
+
+
+def test_int8_matmul_is_exact_for_small_and_large_batches():
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=gen)
+    for rows in (1, 5, 17, 40):
+        a = torch.randint(-127, 128, (rows, 64), dtype=torch.int8, generator=gen)
+        assert torch.equal(int8_matmul(a, b), (a.long() @ b.long().t()).int())
+
+
+def test_fp8_nearest_and_truncation_direction():
+    x = torch.linspace(-500, 500, 2001)
+    nearest = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    trunc = fp8_round_toward_zero(x).float()
+    assert torch.all(trunc.abs() <= x.abs().clamp(max=448))  # never rounds away from zero
+    assert torch.all((trunc == nearest) | (trunc.abs() < nearest.abs()))  # differs only where nearest rounded up
+    assert bool((trunc != nearest).any())
+    # 19 lies halfway between the fp8 neighbours 18 and 20: nearest-even gives 20, truncation 18
+    assert fp8_round_toward_zero(torch.tensor([19.0, -19.0])).float().tolist() == [18.0, -18.0]
+    assert torch.tensor([19.0, -19.0]).to(torch.float8_e4m3fn).float().tolist() == [20.0, -20.0]
+    q, scale = quantize_fp8_rows(torch.tensor([[448.0, 1.0]]))
+    assert float(scale) == 1.0 and q.float().tolist() == [[448.0, 1.0]]
+
+
+def test_quantized_linear_close_to_float():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=gen)
+    x = torch.randn(8, 64, generator=gen)
+    ref = x @ w.t()
+    for scheme, tol in (("int8", 0.03), ("fp8", 0.08), ("fp8_trunc", 0.15)):
+        out = quantized_linear(x, quantize_weight(w, scheme))
+        rel = float((out - ref).norm() / ref.norm())
+        assert rel < tol, (scheme, rel)
+
+
+def test_export_quantizes_only_decoder_linears():
+    state = {
+        "model.embed_tokens.weight": torch.randn(10, 8),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8),
+        "model.layers.0.input_layernorm.weight": torch.ones(8),
+        "model.norm.weight": torch.ones(8),
+    }
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
+    out = export_rollout_tensors(state, "int8")
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    assert out["model.layers.0.self_attn.q_proj.weight_scale"].shape == (8,)
+    assert out["model.embed_tokens.weight"].dtype == torch.float32
+    assert "lm_head.weight" not in out
+    assert is_quantized_linear("model.layers.3.mlp.down_proj.weight")
+    assert not is_quantized_linear("model.layers.3.input_layernorm.weight")
+    plain = export_rollout_tensors(state, "none")
+    assert all(t.dtype == torch.float32 for t in plain.values())
