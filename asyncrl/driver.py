@@ -8,7 +8,7 @@
 
 | loop | waits for | unblocked by |
 |---|---|---|
-| rollout worker | a prompt lease (throttle: at most (k + max_lag + 1) * B groups by step k) | the learner's fetch of step k |
+| rollout worker | a lease: at most (k + max_lag + 1) * B groups by step k | the learner's fetch of step k |
 | rollout worker | nothing else: weights are staged by a subscriber thread and swapped between decode steps | - |
 | learner step k | `groups_per_step` admissible groups in the buffer | workers pushing groups |
 | driver | the learner's step metrics | the learner finishing step k |
