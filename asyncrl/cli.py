@@ -46,9 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "up":
         cfg = _load(args.config, args.overrides)
-        from asyncrl.driver import run
+        from asyncrl.driver import StartupError, run
 
-        run(cfg)
+        try:
+            run(cfg)
+        except StartupError as err:
+            print(f"asyncrl: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "bench":
         from asyncrl.bench import BENCHMARKS, print_table, resolve, write_json

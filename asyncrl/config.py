@@ -33,7 +33,6 @@ WEIGHTINGS = (
     "pg_tis",
     "pg_mis",
 )
-IMPLEMENTED_WEIGHTINGS = WEIGHTINGS
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 PROX_MODES = ("recompute", "behav")

@@ -59,22 +59,70 @@ def init_ray(cfg: Config) -> None:
                  _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # fmt: skip
 
 
+class StartupError(RuntimeError):
+    """Bad input found before any service started (dataset rows, model directory): the message names it."""
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """runs/<name>, or runs/<name>-2, -3, ... if that one holds an earlier run (never mixed with a new one)."""
+    base = Path(cfg.logging.dir) / cfg.logging.name
+    run_dir, n = base, 1
+    while run_dir.exists() and any(run_dir.iterdir()):
+        n += 1
+        run_dir = base.with_name(f"{base.name}-{n}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def check_inputs(cfg: Config, model_dir: str) -> None:
+    """Load the dataset and the model's config here, so that bad rows or a bad model dir fail before Ray starts."""
+    from asyncrl.tasks import DatasetError, make_source
+    from rollout_workers.embedded.model import ArchConfig, ModelDirError
+
+    try:
+        make_source(cfg.data)
+    except DatasetError as err:
+        raise StartupError(f"data.path: {err}") from None
+    try:
+        ArchConfig.from_model_dir(model_dir)
+    except ModelDirError as err:
+        raise StartupError(f"model.path: {err}") from None
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(model_dir) / name).is_file():
+            break
+    else:
+        raise StartupError(f"model.path: {model_dir} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Run a whole training job; returns a summary (also written to runs/<name>/summary.json)."""
     from asyncrl.builtin_model import resolve_model_path
 
-    run_dir = Path(cfg.logging.dir) / cfg.logging.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    quiet_libraries()
+    model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    check_inputs(cfg, model_dir)
+    run_dir = new_run_dir(cfg)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     logger = MetricsLogger(cfg.logging, run_dir)
-    model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=logger.info))
     buffer_proc, buffer_endpoint = start_buffer(cfg, run_dir)
     try:
         init_ray(cfg)
         return _train(cfg, run_dir, model_dir, buffer_endpoint, logger)
     finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
         _shutdown(buffer_proc)
         logger.close()
+
+
+def quiet_libraries() -> None:
+    """No progress bars or advisory warnings from transformers / HF hub in this process or the actors it starts."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
 
 
 def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, logger: MetricsLogger) -> dict[str, Any]:
@@ -103,7 +151,15 @@ def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, log
         )
         last_time = time.monotonic()
         logger.log_step(metrics)
-    summary: dict[str, Any] = {"steps": cfg.train.steps}
+    summary: dict[str, Any] = {"steps": cfg.train.steps, "run_dir": str(run_dir)}
+    if cfg.data.eval_size:
+        from asyncrl.tasks import make_source
+
+        held_out = make_source(cfg.data).eval_set()
+        prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
+        summary["eval/acc_greedy"] = ray.get(learner.evaluate.remote(prompts, answers, cfg.rollout.max_new_tokens))
+        logger.event("eval", after_steps=cfg.train.steps, acc_greedy=summary["eval/acc_greedy"], problems=len(prompts))
+        logger.info(f"held-out greedy accuracy (full precision): {summary['eval/acc_greedy']:.3f} on {len(prompts)}")
     if cfg.checkpoint.final:
         summary["final_checkpoint"] = ray.get(learner.save.remote(str(run_dir / "final")))
     worker_stats = ray.get([w.stop.remote() for w in workers])
@@ -112,7 +168,6 @@ def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, log
     ray.get(learner.close.remote())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     logger.info(f"done: {cfg.train.steps} steps; metrics in {run_dir / 'metrics.jsonl'}")
-    ray.shutdown()
     return summary
 
 

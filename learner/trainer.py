@@ -20,7 +20,9 @@ import torch
 from asyncrl.config import Config, from_dict
 from asyncrl.wire import Trajectory
 from buffer.client import BufferClient
-from learner.losses import LossInputs, advantages, mismatch_metrics, policy_loss
+from learner.acrl import AcrlReference
+from learner.losses import LossInputs, advantages, group_discrepancy, mismatch_metrics, policy_loss
+from learner.schedules import LrSchedule
 from quant_sync.export import export_rollout_tensors
 from quant_sync.quantizers import relative_error
 from quant_sync.transport import WeightPublisher
@@ -111,11 +113,15 @@ class Learner:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.tokenizer.pad_token is None:  # many base models ship without one; only used for padding
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         optim = self.cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
         )
+        self.schedule = LrSchedule(optim, total_steps=self.cfg.train.steps)
+        self.acrl_reference = AcrlReference(self.cfg.loss.acrl)
         self.client = BufferClient(buffer_endpoint, identity="learner", timeout_s=60)
         self.publisher = WeightPublisher(host=self.cfg.buffer.host)
         self.skipped_steps = 0
@@ -158,12 +164,19 @@ class Learner:
             lengths, batch.truncated, cfg.rollout.max_new_tokens, cfg.algo.overlong.len
         )
         adv = advantages(shaped, batch.group_index, cfg.algo.adv)
+        lr = self.schedule.lr(step, float(lengths.mean()))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         temperature = cfg.rollout.temperature
         if cfg.learner.prox == "recompute":
             with torch.no_grad():
                 prox_logp, entropy = token_logp(self.model, batch, temperature)
         else:
             prox_logp, entropy = batch.behav_logp.clone(), torch.zeros_like(batch.behav_logp)
+        acrl_x, acrl_y = None, None
+        if cfg.loss.weighting == "acrl":  # Y_g over whole groups, before minibatches split them (ACRL eq. 9)
+            acrl_y = group_discrepancy(batch.behav_logp, prox_logp, batch.mask, batch.group_index)
+            acrl_x = self.acrl_reference.update_and_get(acrl_y)
         before = [p.detach().clone() for p in self.model.parameters()]
         metrics: dict[str, float] = {}
         n = batch.input_ids.shape[0]
@@ -180,6 +193,9 @@ class Learner:
                     advantages=adv[rows],
                     mask=batch.mask[rows],
                     max_len=cfg.rollout.max_new_tokens,
+                    group_index=batch.group_index[rows],
+                    acrl_x=acrl_x,
+                    acrl_y=acrl_y,
                 ),
                 cfg.loss,
             )
@@ -219,7 +235,8 @@ class Learner:
                 "staleness/max": float(staleness.max()),
                 "staleness/dropped": float(dropped_stale),
                 "entropy": float((entropy * batch.mask).sum() / batch.mask.sum()),
-                "lr": self.optimizer.param_groups[0]["lr"],
+                "lr": lr,
+                **self.schedule.metrics(),
                 "norm_update": delta / max(base, 1e-30),
                 "norm_quant_err": quant_err,
                 "skipped_steps": float(self.skipped_steps),

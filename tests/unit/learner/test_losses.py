@@ -101,3 +101,247 @@ def test_mismatch_metrics():
     assert m["mismatch/log_ppl_abs_diff"] == pytest.approx(abs(math.log(0.4 / 0.5)), rel=1e-5)
     assert m["mismatch/kl_k1"] == pytest.approx(math.log(0.5 / 0.4) / 2, rel=1e-5)
     assert m["mismatch/w_max"] == pytest.approx(1.0)
+
+
+# ---- weightings added with acrl, tbpo, gspo and pg_* ----------------------------------------------------------
+
+
+def test_every_configured_weighting_is_implemented():
+    from asyncrl.config import WEIGHTINGS
+    from learner.losses import IMPLEMENTED
+
+    assert IMPLEMENTED == WEIGHTINGS
+
+
+def acrl_one_token(pi: float, mu: float, adv: float, x: float) -> LossInputs:
+    """One response, one token, its own group: Y = |pi - mu|; lc = lp so r = 1 and the surrogate is A."""
+    inputs = one_token(LN(mu), LN(pi), LN(pi), adv)
+    inputs.group_index = torch.tensor([0])
+    inputs.acrl_x = x
+    return inputs
+
+
+# ACRL eqs. 8-9 with gamma = 0.65, C = 3. |pi - mu| = 0.25 = Y; X = 0.125 gives 1 - Y/X = -1 (Y > X),
+# X = 0.5 gives 1 - Y/X = 0.5 (Y < X). alpha = 0.65 * sign(A) * (1 - Y/X); rho = (pi/mu)^alpha; loss = -rho * A.
+ACRL_QUADRANTS = [
+    # Y > X: decrease the discrepancy (ACRL sec. 4.2, figure 3)
+    ("Y>X I: A>0, pi<mu, reward enhanced", 0.25, 0.5, 1.0, 0.125, 2.0**0.65),
+    ("Y>X II: A>0, pi>mu, reward reduced", 0.5, 0.25, 1.0, 0.125, 2.0**-0.65),
+    ("Y>X III: A<0, pi>mu, punishment enhanced", 0.5, 0.25, -1.0, 0.125, 2.0**0.65),
+    ("Y>X IV: A<0, pi<mu, punishment reduced", 0.25, 0.5, -1.0, 0.125, 2.0**-0.65),
+    # Y < X: increase the discrepancy (figure 5)
+    ("Y<X I: A>0, pi<mu, reward reduced", 0.25, 0.5, 1.0, 0.5, 2.0**-0.325),
+    ("Y<X II: A>0, pi>mu, reward enhanced", 0.5, 0.25, 1.0, 0.5, 2.0**0.325),
+    ("Y<X III: A<0, pi>mu, punishment reduced", 0.5, 0.25, -1.0, 0.5, 2.0**-0.325),
+    ("Y<X IV: A<0, pi<mu, punishment enhanced", 0.25, 0.5, -1.0, 0.5, 2.0**0.325),
+]
+
+
+@pytest.mark.parametrize(("name", "pi", "mu", "adv", "x", "rho"), ACRL_QUADRANTS, ids=[c[0] for c in ACRL_QUADRANTS])
+def test_acrl_quadrants(name, pi, mu, adv, x, rho):
+    inputs = acrl_one_token(pi, mu, adv, x)
+    out = policy_loss(inputs, LossConfig(weighting="acrl", cap=3.0))
+    assert float(out.loss.detach()) == pytest.approx(-rho * adv, rel=1e-5)
+    enhanced = "enhanced" in name
+    assert (rho > 1) == enhanced
+    out.loss.backward()
+    grad = float(inputs.cur_logp.grad)
+    assert grad == pytest.approx(-rho * adv, rel=1e-5)  # d(-rho * r * A)/dlc at r = 1: the update keeps A's sign
+    assert out.metrics["acrl/x"] == x
+    assert out.metrics["acrl/y_mean"] == pytest.approx(0.25, rel=1e-5)
+    assert out.metrics["acrl/alpha_mean"] == pytest.approx(0.65 * math.copysign(1, adv) * (1 - 0.25 / x), rel=1e-5)
+
+
+def test_acrl_truncates_rho_at_cap():
+    # Y / X = 25: alpha = 0.65 * (1 - 25) = -15.6, rho = 2^15.6 >> C = 3
+    inputs = acrl_one_token(0.25, 0.5, 1.0, 0.01)
+    out = policy_loss(inputs, LossConfig(weighting="acrl", cap=3.0))
+    assert float(out.loss.detach()) == pytest.approx(-3.0)
+    assert out.metrics["acrl/rho_trunc"] == 1.0
+
+
+@pytest.mark.parametrize("x", [0.0, 1e-9])
+def test_acrl_without_reference_mismatch_is_plain_ppo(x):
+    inputs = acrl_one_token(0.25, 0.5, 1.0, x)  # X ~ 0: alpha = 0, rho = 1 (finite, documented)
+    out = policy_loss(inputs, LossConfig(weighting="acrl", cap=3.0))
+    assert float(out.loss.detach()) == pytest.approx(-1.0)
+    assert out.metrics["acrl/alpha_mean"] == 0.0
+
+
+def test_acrl_requires_group_and_reference():
+    with pytest.raises(ValueError, match="group_index"):
+        policy_loss(one_token(LN(0.5), LN(0.5), LN(0.5), 1.0), LossConfig(weighting="acrl"))
+
+
+def test_group_discrepancy_per_group_mean_of_token_means():
+    from learner.losses import group_discrepancy
+
+    mu = torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.9, 0.9], [0.3, 0.3, 0.3]])
+    pi = torch.tensor([[0.4, 0.2, 0.1], [0.2, 0.9, 0.9], [0.3, 0.4, 0.6]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    groups = torch.tensor([0, 0, 1])
+    y = group_discrepancy(mu.log(), pi.log(), mask, groups)
+    # group 0: response means (0.1 + 0.3) / 2 = 0.2 and 0; group 1: (0 + 0.1 + 0.3) / 3
+    assert y.tolist() == pytest.approx([0.1, 0.4 / 3], rel=1e-5)
+
+
+def test_acrl_uses_the_whole_batch_group_discrepancy():
+    # a minibatch holding one response of a two-response group: Y comes from acrl_y, not from the minibatch row
+    inputs = acrl_one_token(0.25, 0.5, 1.0, 0.125)
+    inputs.acrl_y = torch.tensor([0.0625])  # Y / X = 0.5: alpha = 0.325, rho = 0.5^0.325
+    out = policy_loss(inputs, LossConfig(weighting="acrl", cap=3.0))
+    assert float(out.loss.detach()) == pytest.approx(-(0.5**0.325), rel=1e-5)
+
+
+def test_acrl_reference_modes():
+    from asyncrl.config import AcrlConfig
+    from learner.acrl import AcrlReference
+
+    first = AcrlReference(AcrlConfig())
+    assert first.update_and_get(torch.tensor([0.01, 0.03])) == pytest.approx(0.02)
+    assert first.update_and_get(torch.tensor([0.5, 0.5])) == pytest.approx(0.02)  # frozen after step 0
+
+    override = AcrlReference(AcrlConfig(x=0.013))
+    assert override.update_and_get(torch.tensor([0.5])) == 0.013
+
+    ema = AcrlReference(AcrlConfig(x_mode="ema", ema_decay=0.9))
+    assert ema.update_and_get(torch.tensor([0.02])) == pytest.approx(0.02)
+    assert ema.update_and_get(torch.tensor([0.12])) == pytest.approx(0.9 * 0.02 + 0.1 * 0.12)
+
+    restored = AcrlReference(AcrlConfig(x_mode="ema", ema_decay=0.9))
+    restored.load_state_dict(ema.state_dict())
+    assert restored.update_and_get(torch.tensor([0.0])) == ema.update_and_get(torch.tensor([0.0]))
+
+
+def seq_inputs(lb: list[list[float]], lp: list[list[float]], lc: list[list[float]], adv: list[float]) -> LossInputs:
+    """Responses given as per-token log-probs; shorter rows are padded (mask 0) with zeros."""
+    width = max(len(row) for row in lb)
+
+    def pad(rows):
+        return torch.tensor([row + [0.0] * (width - len(row)) for row in rows])
+
+    return LossInputs(
+        behav_logp=pad(lb),
+        prox_logp=pad(lp),
+        cur_logp=pad(lc).requires_grad_(True),
+        advantages=torch.tensor(adv),
+        mask=pad([[1.0] * len(row) for row in lb]),
+        max_len=4,
+    )
+
+
+def one_seq(lp_minus_lb: float, lc_minus_lp: float, adv: float) -> LossInputs:
+    """A two-token response with the given per-token log-ratios (lp = log 0.5)."""
+    lp = LN(0.5)
+    return seq_inputs([[lp - lp_minus_lb] * 2], [[lp] * 2], [[lp + lc_minus_lp] * 2], [adv])
+
+
+def seq_grad_sign(inputs: LossInputs) -> int:
+    grad = float(inputs.cur_logp.grad.sum())
+    return (grad < 0) - (grad > 0)
+
+
+# TBPO (QaRL sec. 3.2, app. E) with the table-2 defaults: s = exp(mean(lc - lp)), w = exp(clip(mean(lp - lb), +-log 2)).
+TBPO_CASES = [
+    # name, mean(lp - lb), mean(lc - lp), A, dual, expected loss, grad sign, dropped
+    ("A>0 inside: -w * s * A", LN(1.5), 0.0, 1.0, True, -1.5, 1, 0.0),
+    ("A>0 below 1 stays inside [0, 1 + 4e-4]", LN(1.5), -0.01, 1.0, True, -1.5 * math.exp(-0.01), 1, 0.0),
+    ("A>0 above 1 + 4e-4: dropped", LN(1.5), 1e-3, 1.0, True, -1.5 * (1 + 4e-4), 0, 1.0),
+    ("w clipped at c = 2", LN(3.0), 0.0, 1.0, True, -2.0, 1, 0.0),
+    ("w clipped at 1 / c", LN(0.25), 0.0, 1.0, True, -0.5, 1, 0.0),
+    ("A<0 inside the dual band", 0.0, 5e-4, -1.0, True, math.exp(5e-4), -1, 0.0),
+    ("A<0 above 1 + 7e-4: dual drops it", 0.0, 1e-3, -1.0, True, 1 + 7e-4, 0, 1.0),
+    ("A<0 above 1 + 7e-4 without dual: kept", 0.0, 1e-3, -1.0, False, math.exp(1e-3), -1, 0.0),
+    ("A<0 below 1 - 3e-4: dropped (dual)", 0.0, -1e-3, -1.0, True, 1 - 3e-4, 0, 1.0),
+    ("A<0 below 1 - 3e-4: dropped (no dual)", 0.0, -1e-3, -1.0, False, 1 - 3e-4, 0, 1.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "log_w", "log_s", "adv", "dual", "expected", "grad_sign", "dropped"),
+    TBPO_CASES,
+    ids=[c[0] for c in TBPO_CASES],
+)
+def test_tbpo_hand_computed(name, log_w, log_s, adv, dual, expected, grad_sign, dropped):
+    from asyncrl.config import TbpoConfig
+
+    inputs = one_seq(log_w, log_s, adv)
+    out = policy_loss(inputs, LossConfig(weighting="tbpo", tbpo=TbpoConfig(dual=dual)))
+    assert float(out.loss.detach()) == pytest.approx(expected, rel=1e-5)
+    out.loss.backward()
+    assert seq_grad_sign(inputs) == grad_sign
+    if grad_sign == 0:
+        assert inputs.cur_logp.grad.abs().max() == 0.0
+    assert out.metrics["tbpo_dropped"] == dropped
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_sequence_losses_average_over_responses_whatever_the_agg(agg):
+    # lengths 1 and 3, both inside the band, w = 1: losses -1 * A_i, mean over the two responses
+    inputs = seq_inputs([[-1.0], [-1.0] * 3], [[-1.0], [-1.0] * 3], [[-1.0], [-1.0] * 3], [2.0, -1.0])
+    for weighting in ("tbpo", "gspo"):
+        out = policy_loss(inputs, LossConfig(weighting=weighting, agg=agg))
+        assert float(out.loss.detach()) == pytest.approx((-2.0 + 1.0) / 2)
+    out = policy_loss(inputs, LossConfig(weighting="tbpo", agg=agg))
+    out.loss.backward()
+    # d/dlc_t of -s_i A_i / 2 at s = 1: -A_i / (2 |y_i|)
+    assert inputs.cur_logp.grad[0, 0] == pytest.approx(-1.0)
+    assert inputs.cur_logp.grad[1].tolist() == pytest.approx([1 / 6] * 3)
+
+
+GSPO_CASES = [
+    # name, mean(lc - lp), A, expected loss, grad sign
+    ("A>0 inside", 2e-4, 1.0, -math.exp(2e-4), 1),
+    ("A>0 above 1 + 4e-4: clipped", 1e-3, 1.0, -(1 + 4e-4), 0),
+    ("A<0 below 1 - 3e-4: clipped", -1e-3, -1.0, 1 - 3e-4, 0),
+    ("A<0 above: unclipped, pushed down", 1e-3, -1.0, math.exp(1e-3), -1),
+]
+
+
+@pytest.mark.parametrize(("name", "log_s", "adv", "expected", "grad_sign"), GSPO_CASES, ids=[c[0] for c in GSPO_CASES])
+def test_gspo_hand_computed(name, log_s, adv, expected, grad_sign):
+    for log_w in (0.0, LN(5.0)):  # GSPO ignores the behavior policy
+        inputs = one_seq(log_w, log_s, adv)
+        out = policy_loss(inputs, LossConfig(weighting="gspo"))
+        assert float(out.loss.detach()) == pytest.approx(expected, rel=1e-6)
+        out.loss.backward()
+        assert seq_grad_sign(inputs) == grad_sign
+
+
+# pg_* (FP16 paper eqs. 5-7): two tokens with lc = log 0.6 and lb = log 0.5: rho = 1.2^2 = 1.44 (stopped),
+# loss = -rho_w * A * 2 log 0.6, d loss / d lc_t = -rho_w * A (no gradient through rho).
+PG_CASES = [
+    # weighting, cap, A, rho_w (the weight after truncation / masking)
+    ("pg_is", 2.0, 1.0, 1.44),
+    ("pg_is", 2.0, -1.0, 1.44),
+    ("pg_tis", 1.2, 1.0, 1.2),
+    ("pg_tis", 2.0, 1.0, 1.44),
+    ("pg_mis", 1.2, 1.0, 0.0),
+    ("pg_mis", 2.0, -1.0, 1.44),
+]
+
+
+@pytest.mark.parametrize(("weighting", "cap", "adv", "rho_w"), PG_CASES)
+def test_pg_is_family_hand_computed(weighting, cap, adv, rho_w):
+    inputs = seq_inputs([[LN(0.5)] * 2], [[LN(0.55)] * 2], [[LN(0.6)] * 2], [adv])
+    out = policy_loss(inputs, LossConfig(weighting=weighting, cap=cap))
+    assert float(out.loss.detach()) == pytest.approx(-rho_w * adv * 2 * LN(0.6), rel=1e-5)
+    out.loss.backward()
+    assert inputs.cur_logp.grad[0].tolist() == pytest.approx([-rho_w * adv] * 2, rel=1e-5, abs=1e-8)
+
+
+def test_pg_is_averages_sequences_and_masks_padding():
+    # response 0: one token, rho = 2, A = 1; response 1: two tokens, rho = 1, A = -1; padding holds garbage
+    inputs = seq_inputs([[LN(0.25)], [LN(0.5)] * 2], [[LN(0.5)], [LN(0.5)] * 2], [[LN(0.5)], [LN(0.5)] * 2], [1, -1])
+    inputs.cur_logp.data[0, 1] = 7.0
+    out = policy_loss(inputs, LossConfig(weighting="pg_is", agg="seq_mean_token_sum_norm"))
+    expected = (-2.0 * 1 * LN(0.5) + 1.0 * 2 * LN(0.5)) / 2
+    assert float(out.loss.detach()) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("weighting", ["pg_mis", "mis_seq"])
+def test_masked_is_with_overflowing_ratio_is_zero_not_nan(weighting):
+    inputs = seq_inputs([[-200.0] * 2], [[-1.0] * 2], [[-1.0] * 2], [1.0])  # exp(sum) overflows to inf
+    out = policy_loss(inputs, LossConfig(weighting=weighting))
+    assert float(out.loss.detach()) == 0.0
+    assert out.metrics["mis_masked"] == 1.0
