@@ -471,10 +471,36 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"`model.path` {cfg.model.path!r} is not a directory (nor builtin:<name>)")
 
 
+# Valid settings that this version cannot run yet: rejected up front rather than silently ignored.
+# key -> (the values that work now, where the rest is coming from)
+NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
+    "rollout.backend": (("embedded",), "the SGLang backend (issue 8)"),
+    "rollout.swap_mode": (("in_place",), "the engine issue (3)"),
+    "quant.scheme": (("none", "int8", "fp8", "fp8_trunc"), "quant_sync (issue 6)"),
+    "quant.uaq.scale": ((1.0,), "UAQ in quant_sync (issue 6)"),
+    "precision.train": (("fp32",), "the learner issue (5)"),
+    "precision.rollout": (("fp32",), "the engine issue (3)"),
+    "learner.world_size": ((1,), "FSDP2 in the learner issue (5)"),
+    "learner.rollout_aligned": ((False,), "the learner issue (5)"),
+    "checkpoint.every": ((0,), "periodic checkpoints and resume (issue 7)"),
+}
+
+
+def _check_not_yet(cfg: Config) -> None:
+    for key, (working, where) in NOT_YET.items():
+        value = _get(cfg, key)
+        if value not in working:
+            raise ConfigError(
+                f"`{key}={value}` is valid but not implemented in this version (it comes with {where}); "
+                f"working now: {', '.join(map(str, working))}"
+            )
+
+
 def validate(cfg: Config) -> Config:
     """Run every check that spans fields or needs the merged value; return cfg unchanged."""
     _check_choices_and_ranges(cfg)
     _check_cross_field(cfg)
+    _check_not_yet(cfg)
     return cfg
 
 

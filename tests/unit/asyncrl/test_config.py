@@ -49,6 +49,8 @@ def test_overrides_apply_in_order():
         ("algo.overlong.len=99", "`algo.overlong.len`"),
         ("rollout.num_workers=0", "`rollout.num_workers`"),
         ("steps", "must look like key=value"),
+        ("precision.train=bf16", "`precision.train=bf16` is valid but not implemented in this version"),
+        ("learner.world_size=2", "not implemented in this version"),
     ],
 )
 def test_bad_overrides_name_the_key(override, expected):
