@@ -42,7 +42,7 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.source = make_source(self.cfg.data)
         seed = self.cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
-        self.engine = EmbeddedEngine(model_dir, seed=seed)
+        self.engine = EmbeddedEngine(model_dir, seed=seed, swap_mode=rollout.swap_mode)
         self.params = SamplingParams(
             max_new_tokens=rollout.max_new_tokens,
             temperature=rollout.temperature,

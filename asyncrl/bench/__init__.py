@@ -15,6 +15,7 @@ from pathlib import Path
 
 BENCHMARKS: dict[str, str] = {
     "wire": "asyncrl.bench.wire_bench:run",
+    "engine": "asyncrl.bench.engine_bench:run",
 }
 
 

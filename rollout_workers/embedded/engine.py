@@ -1,26 +1,44 @@
-"""The embedded PyTorch rollout engine: batched decode with a preallocated KV cache and version-tagged tokens.
+"""The embedded PyTorch rollout engine: continuous batching over a slot KV cache, with version-tagged tokens.
 
-This first version decodes one static batch per `generate` call (prompts left-padded, finished rows masked
-until the whole batch ends); continuous batching arrives with the engine issue. What is already exact:
+A scheduler runs one `step` at a time:
 
-- every token's behavior log-prob is `log_softmax(logits / T)[token]` of the distribution it was drawn from,
-  before top-k/top-p filtering (SGLang's convention);
-- new weights are staged from any thread and swapped in between two decode steps; every token records the version
-  of the weights that computed its logits (`in_place` mode: earlier KV entries keep their older weights).
+    swap point -> (retract: recompute in-flight KV) -> admit queued groups (prefill) -> decode -> sample -> retire
+
+- Sequences live in slots 0..n-1 of a preallocated KV cache (`max_batch` slots of `max_seq_len` positions, grown
+  in powers of two up to `max_batch` as demand appears). A finished sequence frees its slot between two steps (the
+  last active sequence moves into it) and a queued group joins with one prefill.
+- `n` samples of one prompt share one prefill: its K/V is written to all n slots and its last logits feed n samples.
+- Every token's behavior log-prob is `log_softmax(logits / T)[token]` of the distribution it was drawn from,
+  before top-k/top-p filtering (SGLang's convention), and its version is the version of the weights that computed
+  those logits.
+- New weights are staged from any thread and swapped in atomically between two decode steps, once their fused
+  layout is built (between steps, a layer at a time, within a quarter of a step). `in_place`: in-flight
+  sequences keep the K/V computed with older weights. `retract`: their K/V is recomputed with the new weights
+  before the next decode step.
+- Sampling is by inverse CDF with one uniform per (sequence, step) from a counter-based hash of the call's seed
+  and the sequence's index, so a sequence's samples do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from quant_sync.quantizers import QuantizedWeight
-from rollout_workers.embedded.model import ArchConfig, KVCache, forward
+from rollout_workers.embedded.model import ArchConfig, KVCache, ModelWeights, decode, prefill, required_weight_names
 from rollout_workers.engine import Completion, SamplingParams, WeightUpdate
 
 SCALE_SUFFIX = "_scale"
+SWAP_MODES = ("in_place", "retract")
+BUILD_SLICE_MIN_S = 0.02
+BUILD_SLICE_OF_STEP = 0.25
+_MASK64 = (1 << 64) - 1
 
 
 def build_weight_map(update: WeightUpdate) -> dict[str, torch.Tensor | QuantizedWeight]:
@@ -51,99 +69,293 @@ def filter_logits(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logp
 
 
-class EmbeddedEngine:
-    """See the module docstring. Thread-safe for `stage_weights`; `generate` runs on one thread at a time."""
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
-    def __init__(self, model_dir: str | Path, max_batch: int = 256, seed: int = 0):
+
+def _uniform(key: int, step: int) -> float:
+    """A uniform in (0, 1) from (sequence key, step): 53 random bits, never 0."""
+    return ((_splitmix64(key ^ _splitmix64(step)) >> 11) + 0.5) / float(1 << 53)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample being generated; `completion` is set when it ends."""
+
+    tokens: list[int]  # prompt + response so far; the last response token is not yet in the KV cache
+    prompt_len: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    key: int  # sampling stream
+    logp: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    completion: Completion | None = None
+
+    @property
+    def response(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """Samples of one prompt that join together with one shared prefill."""
+
+    prompt: list[int]
+    samples: list[Sequence]
+
+
+class EmbeddedEngine:
+    """See the module docstring. Thread-safe for `stage_weights`; `generate`/`step` run on one thread at a time."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        max_batch: int = 256,
+        seed: int = 0,
+        swap_mode: str = "in_place",
+        max_seq_len: int = 2048,
+    ):
+        if swap_mode not in SWAP_MODES:
+            raise ValueError(f"rollout.swap_mode {swap_mode!r} is not one of {', '.join(SWAP_MODES)}")
         self.arch = ArchConfig.from_model_dir(model_dir)
         self.max_batch = max_batch
-        self._weights: dict[str, torch.Tensor | QuantizedWeight] | None = None
+        self.max_seq_len = min(max_seq_len, self.arch.max_positions)
+        self.swap_mode = swap_mode
+        self._weights: ModelWeights | None = None
         self._version = -1
-        self._staged: WeightUpdate | None = None
+        self._staged: tuple[int, dict[str, torch.Tensor | QuantizedWeight]] | None = None
+        self._building: tuple[int, Iterator[ModelWeights | None]] | None = None
+        self._step_seconds = 0.0  # moving average of a step's compute time: sizes the build slices
         self._lock = threading.Lock()
         self._generator = torch.Generator().manual_seed(seed)
+        self._cache: KVCache | None = None
+        self._active: list[Sequence] = []  # active[i] lives in cache slot i
+        self._queue: deque[_Group] = deque()
         self.swaps = 0
+        self.retracted_tokens = 0
+        """Tokens whose K/V was recomputed after a swap (retract mode)."""
 
     @property
     def version(self) -> int:
         return self._version
 
+    @property
+    def busy(self) -> bool:
+        return bool(self._active or self._queue)
+
     def stage_weights(self, update: WeightUpdate) -> None:
+        """Hand over a version (any thread). A bad tensor set fails here, on the caller's thread."""
+        weight_map = build_weight_map(update)
+        missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
+        if missing:
+            raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
         with self._lock:
-            if self._staged is None or update.version > self._staged.version:
-                self._staged = update
+            if self._staged is None or update.version > self._staged[0]:
+                self._staged = (update.version, weight_map)
 
     def apply_staged(self) -> bool:
-        """Swap in the staged version, if any (called between decode steps). Returns whether it swapped."""
+        """Advance the build of the staged version and swap it in when complete. Returns whether it swapped.
+
+        Called between decode steps. The build (fusing q/k/v and gate/up, prepacking int8) runs here, on the
+        decode thread, one layer at a time within a slice of a step's duration, so that it neither pauses
+        decoding nor fights it for the GIL from another thread; when idle, it completes at once.
+        """
         with self._lock:
-            update, self._staged = self._staged, None
-        if update is None or update.version <= self._version:
+            staged = self._staged
+        if staged is None:
             return False
-        self._weights = build_weight_map(update)
-        self._version = update.version
+        version, weight_map = staged
+        if version <= self._version:
+            self._drop_staged(staged)
+            return False
+        if self._building is None or self._building[0] != version:
+            self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map))
+        budget = max(BUILD_SLICE_MIN_S, BUILD_SLICE_OF_STEP * self._step_seconds) if self._active else float("inf")
+        deadline = time.perf_counter() + budget
+        for part in self._building[1]:
+            if part is not None:
+                break
+            if time.perf_counter() >= deadline:
+                return False
+        self._building = None
+        self._drop_staged(staged)
+        self._version, self._weights = version, part
         self.swaps += 1
         return True
 
+    def _drop_staged(self, staged: tuple[int, dict]) -> None:
+        with self._lock:
+            if self._staged is staged:
+                self._staged = None
+
+    def submit(self, prompt: list[int], params: SamplingParams, keys: list[int]) -> list[Sequence]:
+        """Queue len(keys) samples of one prompt (one shared prefill); returns their sequences."""
+        self._check(prompt, params)
+        stop_ids = frozenset(params.stop_token_ids or self.arch.eos_token_ids)
+        samples = [Sequence(list(prompt), len(prompt), params, stop_ids, key) for key in keys]
+        for start in range(0, len(samples), self.max_batch):
+            self._queue.append(_Group(list(prompt), samples[start : start + self.max_batch]))
+        return samples
+
+    def _check(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("empty prompt: the embedded engine needs at least one prompt token")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the engine's "
+                             f"max sequence length ({self.max_seq_len}, max_position_embeddings "
+                             f"{self.arch.max_positions})")  # fmt: skip
+        if params.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (got {params.temperature}); use a small value for greedy")
+        if max(prompt) >= self.arch.vocab_size or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {self.arch.vocab_size}) (vocab_size)")
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        self.apply_staged()
-        if self._weights is None:
-            raise RuntimeError("the engine has no weights yet: stage a version before generating")
+        """Queue every prompt (identical prompts share a prefill) and step until all are done."""
         if params.seed is not None:
             self._generator.manual_seed(params.seed)
-        batch = len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts])
-        width = int(lengths.max())
-        total = width + params.max_new_tokens
-        if total > self.arch.max_positions:
-            raise ValueError(f"prompt ({width}) + max_new_tokens ({params.max_new_tokens}) exceeds the model's "
-                             f"max_position_embeddings ({self.arch.max_positions})")  # fmt: skip
-        pad = width - lengths  # (B,) left padding
-        tokens = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, int(pad[row]) :] = torch.tensor(prompt, dtype=torch.long)
-        slots = torch.arange(total)
-        key_valid = slots[None, :] >= pad[:, None]  # (B, total)
-        causal = slots[:width, None] >= slots[None, :width]
-        prefill_mask = (causal[None] & key_valid[:, None, :width]) | torch.eye(width, dtype=torch.bool)[None]
-        positions = (slots[None, :width] - pad[:, None]).clamp_min(0)
-        cache = KVCache(self.arch, batch, total)
-        logits = forward(self.arch, self._weights, tokens, positions, cache, 0, prefill_mask[:, None])
-        stop_ids = torch.tensor(params.stop_token_ids or self.arch.eos_token_ids or (-1,))
-        out_tokens = torch.zeros((batch, params.max_new_tokens), dtype=torch.long)
-        out_logp = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32)
-        out_version = torch.zeros((batch, params.max_new_tokens), dtype=torch.int32)
-        done = torch.zeros(batch, dtype=torch.bool)
-        ended_at = torch.full((batch,), params.max_new_tokens, dtype=torch.long)
-        for step in range(params.max_new_tokens):
-            version = self._version  # the weights that computed `logits`
-            logp = torch.log_softmax(logits / params.temperature, dim=-1)
-            sample_logp = filter_logits(logp, params.top_k, params.top_p)
-            token = torch.multinomial(sample_logp.exp(), 1, generator=self._generator).squeeze(1)
-            out_tokens[:, step] = token
-            out_logp[:, step] = logp.gather(1, token[:, None]).squeeze(1)
-            out_version[:, step] = version
-            newly_done = ~done & torch.isin(token, stop_ids)
-            ended_at[newly_done] = step + 1
-            done |= newly_done
-            if bool(done.all()) or step + 1 == params.max_new_tokens:
-                break
-            self.apply_staged()  # the zero-pause swap point: between two decode steps
-            slot = width + step
-            mask = key_valid[:, None, None, : slot + 1]
-            logits = forward(self.arch, self._weights, token[:, None], (lengths + step)[:, None], cache, slot, mask)
-        completions = []
-        for row in range(batch):
-            n = int(ended_at[row])
-            finish = (
-                "stop" if n < params.max_new_tokens or bool(torch.isin(out_tokens[row, n - 1], stop_ids)) else "length"
-            )
-            completions.append(
-                Completion(
-                    response_ids=out_tokens[row, :n].tolist(),
-                    behav_logp=out_logp[row, :n].tolist(),
-                    versions=out_version[row, :n].tolist(),
-                    finish=finish,
-                )
-            )
-        return completions
+        base = int(torch.randint(0, 1 << 62, (1,), generator=self._generator))
+        positions: dict[tuple[int, ...], list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            positions.setdefault(tuple(prompt), []).append(index)
+        for prompt in positions:  # all or nothing: a bad prompt must not leave the others queued
+            self._check(list(prompt), params)
+        out: list[Sequence | None] = [None] * len(prompts)
+        for prompt, indices in positions.items():
+            keys = [_splitmix64(base ^ _splitmix64(index + 1)) for index in indices]
+            for index, seq in zip(indices, self.submit(list(prompt), params, keys)):
+                out[index] = seq
+        while any(seq.completion is None for seq in out):  # type: ignore[union-attr]
+            self.step()
+        return [seq.completion for seq in out]  # type: ignore[union-attr,misc]
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One scheduler step (see the module docstring); returns the sequences that finished in it."""
+        if self.apply_staged() and self.swap_mode == "retract" and self._active:
+            self._retract()
+        if self._weights is None:
+            raise RuntimeError("the engine has no weights yet: stage a version before generating")
+        weights, version = self._weights, self._version
+        started = time.perf_counter()
+        decoding = list(self._active)
+        joining = self._admit()
+        logits = []
+        if decoding:
+            tokens = torch.tensor([seq.tokens[-1] for seq in decoding])
+            positions = torch.tensor([len(seq.tokens) - 1 for seq in decoding])
+            logits.append(decode(self.arch, weights, self._cache, tokens, positions))  # type: ignore[arg-type]
+        if joining:
+            logits.append(self._prefill_groups(weights, joining, len(decoding)))
+        if not logits:
+            return []
+        finished = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0], version)
+        self._retire(finished)
+        self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.perf_counter() - started)
+        return finished
+
+    def _ensure_cache(self, slots: int) -> KVCache:
+        cache = self._cache
+        if cache is not None and cache.slots >= slots:
+            return cache
+        size = min(self.max_batch, 1 << max(slots - 1, 1).bit_length())
+        grown = KVCache(self.arch, size, self.max_seq_len)
+        if cache is not None and self._active:
+            n = len(self._active)
+            grown.keys[:, :n] = cache.keys[:, :n]
+            grown.values[:, :n] = cache.values[:, :n]
+        self._cache = grown
+        return grown
+
+    def _admit(self) -> list[_Group]:
+        joining: list[_Group] = []
+        free = self.max_batch - len(self._active)
+        while self._queue and len(self._queue[0].samples) <= free:
+            group = self._queue.popleft()
+            free -= len(group.samples)
+            joining.append(group)
+        if joining:
+            self._ensure_cache(self.max_batch - free)
+            for group in joining:
+                self._active.extend(group.samples)
+        return joining
+
+    def _prefill_groups(self, weights: ModelWeights, groups: list[_Group], first_slot: int) -> torch.Tensor:
+        """Prefill each group's prompt once into all its slots; returns one logits row per sample."""
+        lengths = torch.tensor([len(group.prompt) for group in groups])
+        tokens = torch.zeros((len(groups), int(lengths.max())), dtype=torch.long)
+        for row, group in enumerate(groups):
+            tokens[row, : len(group.prompt)] = torch.tensor(group.prompt)
+        counts = torch.tensor([len(group.samples) for group in groups])
+        rows = torch.repeat_interleave(torch.arange(len(groups)), counts)
+        slots = torch.arange(first_slot, first_slot + len(rows))
+        logits = prefill(self.arch, weights, self._cache, tokens, lengths, rows, slots)  # type: ignore[arg-type]
+        return logits[rows]  # type: ignore[index]
+
+    def _retract(self) -> None:
+        """Recompute the K/V of every in-flight sequence with the new weights (all tokens but the pending one)."""
+        history = [seq.tokens[:-1] for seq in self._active]
+        lengths = torch.tensor([len(tokens) for tokens in history])
+        tokens = torch.zeros((len(history), int(lengths.max())), dtype=torch.long)
+        for row, ids in enumerate(history):
+            tokens[row, : len(ids)] = torch.tensor(ids)
+        slots = torch.arange(len(history))
+        prefill(self.arch, self._weights, self._cache, tokens, lengths, slots, slots, need_logits=False)  # type: ignore
+        self.retracted_tokens += int(lengths.sum())
+
+    def _sample(self, logits: torch.Tensor, version: int) -> list[Sequence]:
+        """Draw one token per active sequence from its logits row; append token, log-prob, version."""
+        active = self._active
+        by_params: dict[int, list[int]] = {}
+        for row, seq in enumerate(active):
+            by_params.setdefault(id(seq.params), []).append(row)
+        tokens = torch.empty(len(active), dtype=torch.long)
+        token_logp = torch.empty(len(active), dtype=torch.float32)
+        for rows in by_params.values():
+            params = active[rows[0]].params
+            index = torch.tensor(rows) if len(rows) < len(active) else None
+            part = logits if index is None else logits[index]
+            logp = torch.log_softmax(part / params.temperature, dim=-1)
+            filtered = filter_logits(logp, params.top_k, params.top_p)
+            cdf = filtered.exp().cumsum(-1)
+            uniforms = torch.tensor([_uniform(active[row].key, len(active[row].logp)) for row in rows])
+            picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp_max(cdf.shape[-1] - 1)
+            chosen_logp = logp.gather(1, picked).squeeze(1)
+            if index is None:
+                tokens, token_logp = picked.squeeze(1), chosen_logp
+            else:
+                tokens[index], token_logp[index] = picked.squeeze(1), chosen_logp
+        finished = []
+        for seq, token, token_lp in zip(active, tokens.tolist(), token_logp.tolist()):
+            seq.tokens.append(token)
+            seq.logp.append(token_lp)
+            seq.versions.append(version)
+            stopped = token in seq.stop_ids
+            if stopped or len(seq.logp) >= seq.params.max_new_tokens:
+                seq.completion = Completion(
+                    response_ids=seq.response, behav_logp=seq.logp, versions=seq.versions,
+                    finish="stop" if stopped else "length",
+                )  # fmt: skip
+                finished.append(seq)
+        return finished
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        """Free the slots of finished sequences: the last active sequences move into the holes."""
+        if not finished:
+            return
+        done = set(map(id, finished))
+        active = self._active
+        slot = 0
+        while slot < len(active):
+            if id(active[slot]) not in done:
+                slot += 1
+                continue
+            last = active.pop()
+            if slot < len(active):  # move the last sequence into the hole
+                if id(last) not in done:
+                    self._cache.copy_slot(len(active), slot, len(last.tokens) - 1)  # type: ignore[union-attr]
+                active[slot] = last
+        self._active = active

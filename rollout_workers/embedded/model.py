@@ -1,26 +1,110 @@
-"""The embedded engine's Llama-family forward: RMSNorm, RoPE, grouped-query attention, SwiGLU, with a KV cache.
+"""The embedded engine's Llama-family forward: RMSNorm, RoPE, grouped-query attention, SwiGLU, over a slot KV cache.
 
-Reads a Hugging Face `config.json` (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, SmolLM) and runs on a
-name -> tensor weight map whose linear weights are either float tensors or `QuantizedWeight`s (W8A8). The weight
-map is swapped as a whole object between decode steps, so a step never mixes two versions.
+Reads a Hugging Face `config.json` (Llama incl. llama3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
+SmolLM). A published weight map (linear weights are float tensors or `QuantizedWeight`s, W8A8) is turned once per
+version into `ModelWeights`: q/k/v and gate/up fused into one matrix each (exact: the quantization is per output
+channel and the activation scale per token, so a fused W8A8 product equals the separate ones). The engine swaps a
+whole `ModelWeights` object between decode steps, so a step never mixes two versions.
+
+The KV cache holds one row ("slot") per sequence, position p of a sequence at index p of its slot. `prefill` runs
+right-padded prompts from position 0 and writes their keys/values into any slots; `decode` runs one token for each
+of the first n slots (the engine keeps its active sequences in slots 0..n-1).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from quant_sync.quantizers import QuantizedWeight, quantized_linear
+from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantized_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 LINEAR_SUFFIXES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
 )  # fmt: skip
+
+_ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
+@dataclass(slots=True)
+class PackedInt8:
+    """An int8 `QuantizedWeight` prepacked for oneDNN's u8 x s8 -> s32 GEMM (the engine's fast W8A8 path).
+
+    Same numerics as `quantized_linear`: per-token int8 activations `q_x` (the shared quantizer), an exact
+    integer product with the int8 weight, then `acc * s_x * s_w`. oneDNN's AVX2 kernel sums pairs of u8 x s8
+    products in int16 with saturation, so activations go in as two 7-bit unsigned halves, relu(q_x) and
+    relu(-q_x), stacked as rows: no pair can saturate and acc = acc(pos) - acc(neg) exactly (each half is
+    converted to fp32, which is exact while |acc| < 2^24: always for in_features <= 1040).
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor  # (out,) float32
+    ones: torch.Tensor  # (out,) float32: oneDNN's weight scales, 1 so that it returns the raw accumulator
+    zero_points: torch.Tensor
+    out_features: int
+
+
+@dataclass(slots=True)
+class UpcastFp8:
+    """An fp8 `QuantizedWeight` upcast once to fp32 (exact), so steps do not upcast it again."""
+
+    q32: torch.Tensor  # (out, in) float32 holding e4m3 values
+    scale: torch.Tensor
+    scheme: str
+
+
+Linear = torch.Tensor | QuantizedWeight | PackedInt8 | UpcastFp8
+
+
+def prepare_linear(weight: Linear) -> Linear:
+    """The engine's execution form of one linear weight (built once per weight version)."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight
+    if weight.scheme == "int8" and _ONEDNN:
+        out_features = weight.q.shape[0]
+        return PackedInt8(
+            packed=torch.ops.onednn.qlinear_prepack(weight.q.contiguous(), None),
+            scale=weight.scale.to(torch.float32),
+            ones=torch.ones(out_features),
+            zero_points=torch.zeros(out_features, dtype=torch.long),
+            out_features=out_features,
+        )
+    if weight.scheme in ("fp8", "fp8_trunc"):
+        return UpcastFp8(q32=weight.q.to(torch.float32), scale=weight.scale.to(torch.float32), scheme=weight.scheme)
+    return weight
+
+
+def _packed_int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1]).to(torch.float32)
+    q_x, s_x = quantize_activation(flat, "int8")
+    rows = q_x.shape[0]
+    halves = torch.cat((q_x.clamp_min(0), q_x.neg().clamp_min(0))).view(torch.uint8)
+    acc = torch.ops.onednn.qlinear_pointwise(
+        halves, 1.0, 0, weight.packed, weight.ones, weight.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    out = (acc[:rows] - acc[rows:]) * s_x[:, None] * weight.scale[None, :]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.reshape(*shape[:-1], weight.out_features)
+
+
+def _upcast_fp8_linear(x: torch.Tensor, weight: UpcastFp8, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1]).to(torch.float32)
+    q_x, s_x = quantize_activation(flat, weight.scheme)
+    out = (q_x.to(torch.float32) @ weight.q32.t()) * s_x[:, None] * weight.scale[None, :]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.reshape(*shape[:-1], weight.q32.shape[0])
 
 
 class ModelDirError(ValueError):
@@ -41,6 +125,8 @@ class ArchConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     max_positions: int
+    rope_scaling: tuple[tuple[str, float | str], ...] = ()
+    """HF `rope_parameters` / `rope_scaling` items other than rope_theta (e.g. rope_type llama3 and its factors)."""
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ArchConfig:
@@ -60,7 +146,15 @@ class ArchConfig:
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            rope = raw.get("rope_parameters") or {}
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ModelDirError(
+                    f"{path}: rope_type {rope_type!r} is not supported by the embedded engine "
+                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                )
+            rope_theta = float(raw.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+            rope.pop("rope_theta", None)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
             return cls(
@@ -72,13 +166,44 @@ class ArchConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_theta=rope_theta,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 eos_token_ids=eos_ids,
                 max_positions=int(raw.get("max_position_embeddings", 4096)),
+                rope_scaling=(("rope_type", rope_type), *sorted(rope.items())) if rope_type != "default" else (),
             )
         except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, ModelDirError):
+                raise
             raise ModelDirError(f"{path}: missing or invalid field: {err}") from err
+
+
+def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
+    """(head_dim / 2,) inverse frequencies, as HF computes them (default, linear and llama3 rope types)."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    scaling = dict(arch.rope_scaling)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(arch: ArchConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_len, head_dim) for positions 0..max_len-1, HF's rotate-half layout."""
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(arch)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,75 +211,205 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(variance + eps))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(weight, QuantizedWeight):
-        return quantized_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def rope_tables(arch: ArchConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape positions.shape + (head_dim,), HF's rotate-half layout."""
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float32) / arch.head_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    if isinstance(weight, PackedInt8):
+        return _packed_int8_linear(x, weight, bias)
+    if isinstance(weight, UpcastFp8):
+        return _upcast_fp8_linear(x, weight, bias)
+    return quantized_linear(x, weight, bias)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, S, D); cos/sin (B, S, D)."""
+    """x (B, H, S, D); cos/sin (B, 1, S, D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + rotated * sin
+
+
+def _fuse(weights: list[Linear]) -> Linear:
+    """Stack linears along the output dimension (exact for per-output-channel quantized weights)."""
+    first = weights[0]
+    if isinstance(first, QuantizedWeight):
+        assert all(isinstance(w, QuantizedWeight) and w.scheme == first.scheme for w in weights)
+        return QuantizedWeight(
+            q=torch.cat([w.q for w in weights]).contiguous(),  # type: ignore[union-attr]
+            scale=torch.cat([w.scale for w in weights]).contiguous(),  # type: ignore[union-attr]
+            scheme=first.scheme,
+        )
+    return torch.cat(weights).contiguous()  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear  # (q + 2 kv, hidden): q_proj, k_proj, v_proj stacked
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3
+    k_norm: torch.Tensor | None
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # (2 * intermediate, hidden): gate_proj, up_proj stacked
+    down: Linear
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    """One weight version in the forward's layout, built once per version (off the decode thread)."""
+
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    head: Linear
+
+    @classmethod
+    def build(cls, arch: ArchConfig, weights: dict[str, Linear]) -> ModelWeights:
+        *_, built = cls.build_in_parts(arch, weights)
+        return built  # type: ignore[return-value]
+
+    @classmethod
+    def build_in_parts(cls, arch: ArchConfig, weights: dict[str, Linear]) -> Iterator[ModelWeights | None]:
+        """Build one layer per iteration (None), then yield the result: lets the engine spread the work over steps.
+
+        Raises KeyError before any work if a weight is missing.
+        """
+        missing = [name for name in required_weight_names(arch) if name not in weights]
+        if missing:
+            raise KeyError(f"weights missing from the published version: {', '.join(missing[:5])}")
+        layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            attn = [weights[p + f"self_attn.{name}_proj.weight"] for name in "qkv"]
+            biases = [weights.get(p + f"self_attn.{name}_proj.bias") for name in "qkv"]
+            layers.append(
+                LayerWeights(
+                    input_norm=weights[p + "input_layernorm.weight"],  # type: ignore[arg-type]
+                    qkv=prepare_linear(_fuse(attn)),
+                    qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,  # type: ignore
+                    q_norm=weights.get(p + "self_attn.q_norm.weight"),  # type: ignore[arg-type]
+                    k_norm=weights.get(p + "self_attn.k_norm.weight"),  # type: ignore[arg-type]
+                    o_proj=prepare_linear(weights[p + "self_attn.o_proj.weight"]),
+                    post_norm=weights[p + "post_attention_layernorm.weight"],  # type: ignore[arg-type]
+                    gate_up=prepare_linear(
+                        _fuse([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+                    ),
+                    down=prepare_linear(weights[p + "mlp.down_proj.weight"]),
+                )
+            )
+            yield None
+        embed = weights["model.embed_tokens.weight"]
+        yield cls(
+            embed=embed,  # type: ignore[arg-type]
+            layers=layers,
+            norm=weights["model.norm.weight"],  # type: ignore[arg-type]
+            head=prepare_linear(weights.get("lm_head.weight", embed)),
+        )
+
+
+def required_weight_names(arch: ArchConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + suffix + ".weight" for suffix in LINEAR_SUFFIXES]
+    return names
 
 
 class KVCache:
-    """Preallocated keys and values: (layers, batch, kv_heads, max_len, head_dim)."""
+    """Preallocated keys and values: (layers, slots, kv_heads, max_len, head_dim), plus RoPE tables to max_len."""
 
-    def __init__(self, arch: ArchConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32):
-        shape = (arch.num_layers, batch, arch.num_kv_heads, max_len, arch.head_dim)
+    def __init__(self, arch: ArchConfig, slots: int, max_len: int, dtype: torch.dtype = torch.float32):
+        shape = (arch.num_layers, slots, arch.num_kv_heads, max_len, arch.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
+        self.slots = slots
+        self.max_len = max_len
+        self.cos, self.sin = rope_tables(arch, max_len)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
+        self.values[:, dst, :, :length] = self.values[:, src, :, :length]
 
 
-def forward(
+def _attention_block(
+    arch: ArchConfig, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (B, S, hidden) -> q (B, H, S, D), k, v (B, KV, S, D), RoPE applied."""
+    batch, seq, _ = x.shape
+    h = rms_norm(x, layer.input_norm, arch.rms_norm_eps)
+    qkv = linear(h, layer.qkv, layer.qkv_bias)
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    q = q.view(batch, seq, arch.num_heads, arch.head_dim).transpose(1, 2)
+    k = k.view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
+    v = v.view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
+    if layer.q_norm is not None:  # Qwen3
+        q = rms_norm(q, layer.q_norm, arch.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, arch.rms_norm_eps)  # type: ignore[arg-type]
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp_block(arch: ArchConfig, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    x = x + linear(attn, layer.o_proj, None)
+    h = rms_norm(x, layer.post_norm, arch.rms_norm_eps)
+    gate, up = linear(h, layer.gate_up, None).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, layer.down, None)
+
+
+def _logits(arch: ArchConfig, weights: ModelWeights, last: torch.Tensor) -> torch.Tensor:
+    return linear(rms_norm(last, weights.norm, arch.rms_norm_eps), weights.head, None).to(torch.float32)
+
+
+def prefill(
     arch: ArchConfig,
-    weights: dict[str, torch.Tensor | QuantizedWeight],
-    tokens: torch.Tensor,  # (B, S) int64
-    positions: torch.Tensor,  # (B, S) int64
+    weights: ModelWeights,
     cache: KVCache,
-    cache_start: int,  # slot of tokens[:, 0] in the cache
-    attn_mask: torch.Tensor,  # (B, 1, S, cache_start + S) bool, True = attend
-) -> torch.Tensor:
-    """Run S new tokens through the model, writing their K/V into the cache; returns last-position logits (B, V)."""
-    x = weights["model.embed_tokens.weight"][tokens]
-    cos, sin = rope_tables(arch, positions)
+    tokens: torch.Tensor,  # (M, S) int64, right-padded
+    lengths: torch.Tensor,  # (M,) int64, real tokens per row
+    slot_rows: torch.Tensor,  # (R,) int64, the prefill row whose K/V each of `slots` receives
+    slots: torch.Tensor,  # (R,) int64 cache slots to write
+    need_logits: bool = True,
+) -> torch.Tensor | None:
+    """Run prompts from position 0; write their K/V into `slots`; return logits at each row's last token (M, V)."""
     batch, seq = tokens.shape
-    end = cache_start + seq
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        h = rms_norm(x, weights[p + "input_layernorm.weight"], arch.rms_norm_eps)
-        q = linear(h, weights[p + "self_attn.q_proj.weight"], weights.get(p + "self_attn.q_proj.bias"))
-        k = linear(h, weights[p + "self_attn.k_proj.weight"], weights.get(p + "self_attn.k_proj.bias"))
-        v = linear(h, weights[p + "self_attn.v_proj.weight"], weights.get(p + "self_attn.v_proj.bias"))
-        q = q.view(batch, seq, arch.num_heads, arch.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
-        v = v.view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
-        if p + "self_attn.q_norm.weight" in weights:  # Qwen3
-            q = rms_norm(q, weights[p + "self_attn.q_norm.weight"], arch.rms_norm_eps)
-            k = rms_norm(k, weights[p + "self_attn.k_norm.weight"], arch.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.keys[i, :, :, cache_start:end] = k
-        cache.values[i, :, :, cache_start:end] = v
+    x = weights.embed[tokens]
+    cos, sin = cache.cos[None, None, :seq], cache.sin[None, None, :seq]
+    for i, layer in enumerate(weights.layers):
+        q, k, v = _attention_block(arch, layer, x, cos, sin)
+        cache.keys[i, slots, :, :seq] = k[slot_rows]
+        cache.values[i, slots, :, :seq] = v[slot_rows]
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=arch.num_kv_heads != arch.num_heads)
+        attn = attn.transpose(1, 2).reshape(batch, seq, arch.num_heads * arch.head_dim)
+        x = _mlp_block(arch, layer, x, attn)
+    if not need_logits:
+        return None
+    return _logits(arch, weights, x[torch.arange(batch), lengths - 1])
+
+
+def decode(
+    arch: ArchConfig,
+    weights: ModelWeights,
+    cache: KVCache,
+    tokens: torch.Tensor,  # (N,) int64: the next token of the sequences in slots 0..N-1
+    positions: torch.Tensor,  # (N,) int64: their positions (= cache index they are written to)
+) -> torch.Tensor:
+    """One decode step for slots 0..N-1; returns logits (N, V)."""
+    batch = tokens.shape[0]
+    span = int(positions.max()) + 1
+    x = weights.embed[tokens][:, None]  # (N, 1, hidden)
+    cos, sin = cache.cos[positions][:, None, None], cache.sin[positions][:, None, None]  # (N, 1, 1, D)
+    mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None]  # (N, 1, 1, span)
+    rows = torch.arange(batch)
+    for i, layer in enumerate(weights.layers):
+        q, k, v = _attention_block(arch, layer, x, cos, sin)
+        keys, values = cache.keys[i], cache.values[i]
+        keys[rows, :, positions] = k[:, :, 0]
+        values[rows, :, positions] = v[:, :, 0]
         attn = F.scaled_dot_product_attention(
-            q, cache.keys[i, :, :, :end], cache.values[i, :, :, :end], attn_mask=attn_mask,
+            q, keys[:batch, :, :span], values[:batch, :, :span], attn_mask=mask,
             enable_gqa=arch.num_kv_heads != arch.num_heads,
         )  # fmt: skip
-        attn = attn.transpose(1, 2).reshape(batch, seq, arch.num_heads * arch.head_dim)
-        x = x + linear(attn, weights[p + "self_attn.o_proj.weight"], None)
-        h = rms_norm(x, weights[p + "post_attention_layernorm.weight"], arch.rms_norm_eps)
-        gate = linear(h, weights[p + "mlp.gate_proj.weight"], None)
-        up = linear(h, weights[p + "mlp.up_proj.weight"], None)
-        x = x + linear(F.silu(gate) * up, weights[p + "mlp.down_proj.weight"], None)
-    last = rms_norm(x[:, -1], weights["model.norm.weight"], arch.rms_norm_eps)
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    return linear(last, head, None).to(torch.float32)
+        attn = attn.transpose(1, 2).reshape(batch, 1, arch.num_heads * arch.head_dim)
+        x = _mlp_block(arch, layer, x, attn)
+    return _logits(arch, weights, x[:, 0])

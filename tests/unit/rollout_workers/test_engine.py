@@ -9,8 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from quant_sync.export import export_rollout_tensors
+from quant_sync.quantizers import QuantizedWeight, quantize_weight, quantized_linear
 from rollout_workers.embedded.engine import EmbeddedEngine
-from rollout_workers.embedded.model import ModelDirError
+from rollout_workers.embedded.model import ModelDirError, linear, prepare_linear
 from rollout_workers.engine import SamplingParams, WeightUpdate
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -18,19 +19,28 @@ ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2F
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [20, 21, 22, 23]]
 
 
-def make_model(tmp_path, arch: str, tie: bool = False):
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: one thread is faster, and two thrash on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(tmp_path, arch: str, tie: bool = False, **overrides):
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(0)
     config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                        tie_word_embeddings=tie, eos_token_id=1)  # fmt: skip
+                        tie_word_embeddings=tie, eos_token_id=1, **overrides)  # fmt: skip
     model = model_cls(config).eval()
     model.save_pretrained(tmp_path)
     return model
 
 
-def engine_for(model, model_dir, scheme: str = "none", seed: int = 0) -> EmbeddedEngine:
-    engine = EmbeddedEngine(model_dir, seed=seed)
+def engine_for(model, model_dir, scheme: str = "none", seed: int = 0, **kwargs) -> EmbeddedEngine:
+    engine = EmbeddedEngine(model_dir, seed=seed, **kwargs)
     engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), scheme), scheme))
     return engine
 
@@ -86,24 +96,105 @@ def test_quantized_engines_are_close_to_fp32(tmp_path):
             assert (logp - ref).abs().max() > 0, scheme  # quantization really happened
 
 
-def test_versions_follow_a_mid_generation_swap(tmp_path):
-    model = make_model(tmp_path, "llama")
-    engine = engine_for(model, tmp_path)
-    tensors = export_rollout_tensors(model.state_dict(), "none")
-    real_forward_calls = {"n": 0}
+def perturbed(model):
+    """A second weight version: every parameter nudged, so K/V computed with it differs visibly."""
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    torch.manual_seed(1)
+    for value in state.values():
+        value.add_(0.05 * torch.randn_like(value))
+    return state
+
+
+def stage_at_call(engine, call: int, update: WeightUpdate) -> None:
+    """Stage `update` just before the `call`-th swap point (one swap point per scheduler step)."""
+    calls = {"n": 0}
     original = engine.apply_staged
 
-    def stage_after_three_steps():
-        real_forward_calls["n"] += 1
-        if real_forward_calls["n"] == 4:  # called once before prefill, then between decode steps
-            engine.stage_weights(WeightUpdate(1, tensors, "none"))
+    def apply_staged():
+        calls["n"] += 1
+        if calls["n"] == call:
+            engine.stage_weights(update)
         return original()
 
-    engine.apply_staged = stage_after_three_steps
-    out = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=8, stop_token_ids=(-5,)))[0]
-    assert out.versions[:3] == [0, 0, 0]
-    assert set(out.versions[3:]) == {1}
+    engine.apply_staged = apply_staged
+
+
+@pytest.mark.parametrize("swap_mode", ["in_place", "retract"])
+def test_versions_and_logp_across_a_mid_generation_swap(tmp_path, swap_mode):
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path, swap_mode=swap_mode)
+    new_state = perturbed(model)
+    stage_at_call(engine, 4, WeightUpdate(1, export_rollout_tensors(new_state, "none"), "none"))
+    out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=8, stop_token_ids=(-5,), seed=2))
+    new_model = type(model)(model.config).eval()
+    new_model.load_state_dict(new_state)
+    for prompt, completion in zip(PROMPTS, out):
+        assert completion.versions == [0, 0, 0] + [1] * 5
+        old_ref = hf_logp(model, prompt, completion.response_ids)
+        new_ref = hf_logp(new_model, prompt, completion.response_ids)
+        logp = torch.tensor(completion.behav_logp)
+        assert torch.allclose(logp[:3], old_ref[:3], atol=1e-4)
+        after_swap_matches_fresh_forward = torch.allclose(logp[3:], new_ref[3:], atol=1e-4)
+        assert after_swap_matches_fresh_forward == (swap_mode == "retract")
     assert engine.version == 1 and engine.swaps == 2
+    assert (engine.retracted_tokens > 0) == (swap_mode == "retract")
+
+
+def test_continuous_batching_equals_decoding_alone(tmp_path):
+    """Two slots, four requests of different lengths: short ones finish early and queued ones join mid-flight."""
+    model = make_model(tmp_path, "qwen3")
+    engine = engine_for(model, tmp_path, max_batch=2)
+    lengths = [3, 9, 5, 7]
+    params = [SamplingParams(max_new_tokens=n, temperature=1e-4, stop_token_ids=(-5,)) for n in lengths]
+    sequences = [engine.submit(p, sp, [7])[0] for p, sp in zip(PROMPTS, params)]
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+    assert steps < sum(lengths)  # requests really overlapped
+    for prompt, sp, seq in zip(PROMPTS, params, sequences):
+        assert seq.completion.finish == "length" and len(seq.completion.response_ids) == sp.max_new_tokens
+        alone = engine.generate([prompt], sp)[0]
+        assert alone.response_ids == seq.completion.response_ids
+        assert torch.allclose(torch.tensor(alone.behav_logp), torch.tensor(seq.completion.behav_logp), atol=1e-5)
+
+
+def test_n_samples_share_one_prefill_and_match_hf(tmp_path):
+    model = make_model(tmp_path, "qwen2")
+    engine = engine_for(model, tmp_path)
+    prefills = []
+    original = engine._prefill_groups
+    engine._prefill_groups = lambda weights, groups, first: (
+        prefills.append(len(groups)) or original(weights, groups, first)
+    )
+    prompts = [p for p in PROMPTS[:3] for _ in range(4)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=11))
+    assert prefills == [3]  # one prefill row per distinct prompt
+    assert len({tuple(c.response_ids) for c in out[:4]}) > 1  # the samples of one prompt differ
+    for prompt, completion in zip(prompts, out):
+        assert torch.allclose(hf_logp(model, prompt, completion.response_ids), torch.tensor(completion.behav_logp),
+                              atol=1e-4)  # fmt: skip
+
+
+def test_seeded_sampling_is_reproducible(tmp_path):
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path)
+    params = SamplingParams(max_new_tokens=6, seed=5, top_k=20, top_p=0.9)
+    first, second = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    assert [c.response_ids for c in first] == [c.response_ids for c in second]
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=6, top_k=20, top_p=0.9))
+    assert [c.response_ids for c in first] != [c.response_ids for c in other]
+
+
+def test_llama3_rope_scaling_parity(tmp_path):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 500000.0}  # fmt: skip
+    model = make_model(tmp_path, "llama", rope_scaling=rope)
+    prompts = [list(range(2, 30)), [5, 6, 7]]
+    out = engine_for(model, tmp_path).generate(prompts, SamplingParams(max_new_tokens=20, stop_token_ids=(-5,)))
+    for prompt, completion in zip(prompts, out):
+        ref = hf_logp(model, prompt, completion.response_ids)
+        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4)
 
 
 def test_bad_model_dirs_fail_clearly(tmp_path):
@@ -118,3 +209,56 @@ def test_bad_model_dirs_fail_clearly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelDirError, match="missing or invalid field"):
         EmbeddedEngine(tmp_path)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
+def test_fast_quantized_linears_equal_the_shared_quantizer(scheme):
+    torch.manual_seed(0)
+    weight = quantize_weight(torch.randn(48, 64), scheme)
+    x = torch.randn(3, 5, 64) * 3
+    bias = torch.randn(48)
+    fast = prepare_linear(weight)
+    assert not isinstance(fast, QuantizedWeight)  # the engine's own execution form
+    assert torch.equal(linear(x, fast, bias), quantized_linear(x, weight, bias))
+
+
+def test_requests_joining_mid_flight_grow_the_cache(tmp_path):
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path)
+    greedy = SamplingParams(max_new_tokens=6, temperature=1e-4, stop_token_ids=(-5,))
+    first = engine.submit(PROMPTS[0], greedy, [0])
+    engine.step()
+    engine.step()
+    later = [engine.submit(prompt, greedy, [0, 1])[1] for prompt in PROMPTS[1:]]  # 1 -> 7 slots: the cache grows
+    while engine.busy:
+        engine.step()
+    for prompt, seq in zip(PROMPTS, first + later):
+        assert seq.completion.response_ids == engine.generate([prompt], greedy)[0].response_ids
+
+
+def test_builtin_model_parity_with_hugging_face():
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.builtin_model import resolve_model_path
+
+    model_dir = resolve_model_path("builtin:micro")  # seconds to build once, then cached
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = [[1, 4, 5, 13, 6, 7, 15], [1, 9, 14, 3, 15], [1, 4, 5, 13, 6, 7, 15]]
+    out = engine_for(model, model_dir).generate(prompts, SamplingParams(max_new_tokens=12, seed=1))
+    for prompt, completion in zip(prompts, out):
+        assert torch.allclose(hf_logp(model, prompt, completion.response_ids), torch.tensor(completion.behav_logp),
+                              atol=1e-4)  # fmt: skip
+
+
+def test_bad_requests_fail_clearly_and_queue_nothing(tmp_path):
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path)
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([PROMPTS[0], list(range(1, 90))], SamplingParams(max_new_tokens=60))
+    with pytest.raises(ValueError, match="vocab_size"):
+        engine.generate([PROMPTS[0], [5, 97]], params)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]], params)
+    assert not engine.busy
+    assert len(engine.generate(PROMPTS, params)) == len(PROMPTS)
