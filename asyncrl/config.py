@@ -214,8 +214,8 @@ class LearnerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class UaqConfig:
-    scale: float = 1.0
-    """UAQ scale s (QuRL sec. 4.3); 1.0 disables the reparametrization."""
+    scale: float = 1.5
+    """UAQ scale s (QuRL sec. 4.3), applied once before training; 1.0 disables the reparametrization."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -476,7 +476,6 @@ def _check_cross_field(cfg: Config) -> None:
 NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
     "rollout.backend": (("embedded",), "the SGLang backend (issue 8)"),
     "quant.scheme": (("none", "int8", "fp8", "fp8_trunc"), "quant_sync (issue 6)"),
-    "quant.uaq.scale": ((1.0,), "UAQ in quant_sync (issue 6)"),
     "precision.train": (("fp32",), "the learner issue (5)"),
     "precision.rollout": (("fp32",), "the engine issue (3)"),
     "learner.world_size": ((1,), "FSDP2 in the learner issue (5)"),

@@ -24,8 +24,8 @@ from learner.acrl import AcrlReference
 from learner.losses import LossInputs, advantages, group_discrepancy, mismatch_metrics, policy_loss
 from learner.schedules import LrSchedule
 from quant_sync.export import export_rollout_tensors
-from quant_sync.quantizers import relative_error
 from quant_sync.transport import WeightPublisher
+from quant_sync.uaq import apply_uaq, quant_error_by_type
 
 
 @dataclass(slots=True)
@@ -111,6 +111,7 @@ class Learner:
         torch.manual_seed(self.cfg.train.seed)
         self.model_dir = model_dir
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        apply_uaq(self.model, self.cfg.quant.uaq.scale)  # before the optimizer sees the parameters
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.pad_token is None:  # many base models ship without one; only used for padding
@@ -130,19 +131,12 @@ class Learner:
     def weights_endpoint(self) -> str:
         return self.publisher.endpoint
 
-    def _publish(self, version: int) -> float:
-        """Quantize the current weights once and publish them as `version`; returns the quantization error."""
+    def _publish(self, version: int) -> dict[str, float]:
+        """Quantize the current weights once and publish them as `version`; returns the quantization errors."""
         state = self.model.state_dict()
         tensors = export_rollout_tensors(state, self.cfg.quant.scheme)
         self.publisher.publish(version, tensors, self.cfg.quant.scheme)
-        err_num, err_den = 0.0, 0.0
-        for name, value in state.items():
-            if name + "_scale" in tensors:
-                deq = tensors[name].float() * tensors[name + "_scale"][:, None]
-                err = relative_error(value, deq)
-                norm = float(value.double().pow(2).sum())
-                err_num, err_den = err_num + err * norm, err_den + norm
-        return err_num / err_den if err_den else 0.0
+        return quant_error_by_type(state, tensors)
 
     def fetch(self, step: int) -> tuple[list[list[Trajectory]], int, float]:
         started = time.monotonic()
@@ -216,7 +210,7 @@ class Learner:
             with torch.no_grad():
                 for param, old in zip(self.model.parameters(), before):
                     param.copy_(old)
-        quant_err = self._publish(step + 1) if not skipped else float("nan")
+        quant_err = self._publish(step + 1) if not skipped else {"norm_quant_err": float("nan")}
         with torch.no_grad():
             delta = sum(float((p.detach() - o).pow(2).sum()) for p, o in zip(self.model.parameters(), before))
             base = sum(float(o.pow(2).sum()) for o in before)
@@ -238,7 +232,7 @@ class Learner:
                 "lr": lr,
                 **self.schedule.metrics(),
                 "norm_update": delta / max(base, 1e-30),
-                "norm_quant_err": quant_err,
+                **quant_err,
                 "skipped_steps": float(self.skipped_steps),
                 "perf/train_s": time.monotonic() - started,
                 "perf/fetch_wait_s": wait_s,

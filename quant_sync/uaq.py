@@ -1,0 +1,63 @@
+"""UAQ, update-aware quantization (QuRL sec. 4.3; ALGORITHMS.md): a one-time, function-preserving reparametrization.
+
+For every decoder layer: multiply the input RMSNorm weight by `s` and divide the q/k/v projection weights by `s`;
+likewise the post-attention RMSNorm and the gate/up projections. RMSNorm output feeds those projections linearly,
+so the logits are unchanged (to fp32 rounding), but the learner then trains weights that are `s` times smaller for
+the same function: an optimizer step of the same size is `s` times larger relative to the weight, while the
+per-channel quantization error (proportional to the weight's scale) shrinks by `s`.
+
+Also the per-step metrics of QuRL eqs. 13-14: `norm_update = ||theta_{k+1} - theta_k||^2 / ||theta_k||^2` and
+`norm_quant_err = ||Q(theta_k) - theta_k||^2 / ||theta_k||^2`, globally and per layer type.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NORM_TO_LINEARS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+@torch.no_grad()
+def apply_uaq(model: torch.nn.Module, scale: float) -> int:
+    """Reparametrize a Llama-family model in place; returns the number of decoder layers changed."""
+    if scale == 1.0:
+        return 0
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
+    for layer in layers:
+        for norm_name, linear_names in NORM_TO_LINEARS.items():
+            getattr(layer, norm_name).weight.mul_(scale)
+            for dotted in linear_names:
+                module = layer
+                for part in dotted.split("."):
+                    module = getattr(module, part)
+                module.weight.div_(scale)  # every input column; biases act after the matmul and stay
+    return len(layers)
+
+
+def layer_type(name: str) -> str:
+    """`model.layers.3.self_attn.q_proj.weight` -> `q_proj`; used to group metrics by layer type."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else name
+
+
+def quant_error_by_type(state: dict[str, torch.Tensor], published: dict[str, torch.Tensor]) -> dict[str, float]:
+    """norm_quant_err over all quantized linears and per layer type, from the published (q, scale) pairs."""
+    sums: dict[str, list[float]] = {}
+    for name, value in state.items():
+        scale = published.get(name + "_scale")
+        if scale is None:
+            continue
+        deq = published[name].to(torch.float32) * scale[:, None]
+        err = float((deq.double() - value.double()).pow(2).sum())
+        norm = float(value.double().pow(2).sum())
+        for key in ("all", layer_type(name)):
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0] += err
+            acc[1] += norm
+    return {
+        ("norm_quant_err" if key == "all" else f"norm_quant_err/{key}"): err / norm if norm else 0.0
+        for key, (err, norm) in sums.items()
+    }
