@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from asyncrl import wire
+from asyncrl.config import WEIGHTINGS
 from buffer.journal import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,3 +73,20 @@ def test_up_rejects_bad_weighting_quickly(tmp_path):
     assert proc.returncode == 2
     assert "loss.weighting" in proc.stderr and "valid values" in proc.stderr
     assert not (tmp_path / "dapo_int8").exists()  # nothing started, nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_every_weighting_runs_end_to_end(tmp_path, weighting):
+    steps = 2
+    proc = run_up(
+        tmp_path, "model.path=builtin:micro", f"train.steps={steps}", "train.groups_per_step=2", "train.group_size=4",
+        "algo.filter_groups=false", f"loss.weighting={weighting}", "logging.name=w", "data.eval_size=0",
+        "checkpoint.final=false", "rollout.num_workers=1", "ray.worker_cpus=1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["loss"] is not None and r["skipped_steps"] == 0 for r in rows), rows
+    assert rows[-1]["version"] == steps
