@@ -475,7 +475,6 @@ def _check_cross_field(cfg: Config) -> None:
 # key -> (the values that work now, where the rest is coming from)
 NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
     "rollout.backend": (("embedded",), "the SGLang backend (issue 8)"),
-    "quant.scheme": (("none", "int8", "fp8", "fp8_trunc"), "quant_sync (issue 6)"),
     "precision.train": (("fp32",), "the learner issue (5)"),
     "precision.rollout": (("fp32",), "the engine issue (3)"),
     "learner.world_size": ((1,), "FSDP2 in the learner issue (5)"),

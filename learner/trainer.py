@@ -136,7 +136,7 @@ class Learner:
         state = self.model.state_dict()
         tensors = export_rollout_tensors(state, self.cfg.quant.scheme)
         self.publisher.publish(version, tensors, self.cfg.quant.scheme)
-        return quant_error_by_type(state, tensors)
+        return quant_error_by_type(state, tensors, self.cfg.quant.scheme)
 
     def fetch(self, step: int) -> tuple[list[list[Trajectory]], int, float]:
         started = time.monotonic()

@@ -1,7 +1,8 @@
 """Rollout weight export: a learner state dict -> the tensors an embedded engine loads for one version.
 
-Linear layers of the decoder blocks are quantized per output channel with `quant.scheme` and travel as
-`<name>` (int8 or float8_e4m3fn) plus `<name>_scale` (float32, one per output channel). Embeddings, norms and
+Linear layers of the decoder blocks are quantized with `quant.scheme` and travel as `<name>` (int8 or
+float8_e4m3fn) plus `<name>_scale` (float32: one per output channel for the W8A8 schemes, one per output channel
+and group of 128 input columns for the weight-only `w8a16` / `w4a16`). Embeddings, norms and
 the LM head stay in float32 (as SGLang serves them). With `scheme == "none"` everything is float32.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from quant_sync.quantizers import quantize_weight
+from quant_sync.quantizers import WEIGHT_ONLY_BITS, quantize_weight, quantize_weight_only
 
 QUANTIZED_LINEARS = (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -29,7 +30,10 @@ def export_rollout_tensors(state_dict: dict[str, torch.Tensor], scheme: str) -> 
         value = value.detach()
         if name == "lm_head.weight" and embed is not None and value.data_ptr() == embed.data_ptr():
             continue  # tied: the engine falls back to the embedding
-        if scheme != "none" and is_quantized_linear(name):
+        if scheme in WEIGHT_ONLY_BITS and is_quantized_linear(name):
+            q, scale = quantize_weight_only(value, scheme)
+            tensors[name], tensors[name + "_scale"] = q, scale.contiguous()
+        elif scheme != "none" and is_quantized_linear(name):
             quantized = quantize_weight(value, scheme)
             tensors[name] = quantized.q.contiguous()
             tensors[name + "_scale"] = quantized.scale.contiguous()

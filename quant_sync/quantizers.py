@@ -118,6 +118,38 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.to(torch.int32) @ b.to(torch.int32).t()).to(torch.int32)
 
 
+WEIGHT_ONLY_BITS = {"w8a16": 8, "w4a16": 4}
+WEIGHT_ONLY_GROUP = 128
+
+
+def quantize_weight_only(weight: torch.Tensor, scheme: str, group: int = WEIGHT_ONLY_GROUP):
+    """QaRL weight-only (`w8a16`, `w4a16`): symmetric per output row and group of `group` input columns.
+
+    Returns q (out, in) int8 holding values in [-qmax, qmax] (qmax = 127 or 7) and scale (out, ceil(in / group))
+    float32 with s = max|W_group| / qmax. Activations stay in floating point.
+    """
+    qmax = float(2 ** (WEIGHT_ONLY_BITS[scheme] - 1) - 1)
+    out_features, in_features = weight.shape
+    n_groups = -(-in_features // group)
+    padded = torch.zeros((out_features, n_groups * group), dtype=torch.float32)
+    padded[:, :in_features] = weight.detach().to(torch.float32)
+    grouped = padded.view(out_features, n_groups, group)
+    scale = (grouped.abs().amax(-1) / qmax).clamp_min(_SCALE_FLOOR)  # (out, n_groups)
+    q = torch.clamp(torch.round(grouped / scale[..., None]), -qmax, qmax).to(torch.int8)
+    return q.view(out_features, -1)[:, :in_features].contiguous(), scale
+
+
+def dequantize_published(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+    """A published (q, scale) pair back to float32: per-channel (scale (out,)) or per group (scale (out, groups))."""
+    if scale.dim() == 1:
+        return q.to(torch.float32) * scale[:, None]
+    group = -(-q.shape[1] // scale.shape[1])
+    if scheme in WEIGHT_ONLY_BITS:
+        group = WEIGHT_ONLY_GROUP
+    expanded = scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
+    return q.to(torch.float32) * expanded
+
+
 def relative_error(original: torch.Tensor, approx: torch.Tensor) -> float:
     """||approx - original||^2 / ||original||^2 (the QuRL eq. 14 form)."""
     denom = float(original.double().pow(2).sum())

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from quant_sync.quantizers import dequantize_published
+
 NORM_TO_LINEARS = {
     "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
@@ -43,14 +45,16 @@ def layer_type(name: str) -> str:
     return parts[-2] if len(parts) >= 2 else name
 
 
-def quant_error_by_type(state: dict[str, torch.Tensor], published: dict[str, torch.Tensor]) -> dict[str, float]:
+def quant_error_by_type(
+    state: dict[str, torch.Tensor], published: dict[str, torch.Tensor], scheme: str = "int8"
+) -> dict[str, float]:
     """norm_quant_err over all quantized linears and per layer type, from the published (q, scale) pairs."""
     sums: dict[str, list[float]] = {}
     for name, value in state.items():
         scale = published.get(name + "_scale")
         if scale is None:
             continue
-        deq = published[name].to(torch.float32) * scale[:, None]
+        deq = dequantize_published(published[name], scale, scheme)
         err = float((deq.double() - value.double()).pow(2).sum())
         norm = float(value.double().pow(2).sum())
         for key in ("all", layer_type(name)):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from quant_sync.quantizers import QuantizedWeight
+from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight, dequantize_published
 from rollout_workers.embedded.model import ArchConfig, KVCache, ModelWeights, decode, prefill, required_weight_names
 from rollout_workers.engine import Completion, SamplingParams, WeightUpdate
 
@@ -48,7 +48,9 @@ def build_weight_map(update: WeightUpdate) -> dict[str, torch.Tensor | Quantized
         if name.endswith(SCALE_SUFFIX):
             continue
         scale = update.tensors.get(name + SCALE_SUFFIX)
-        if scale is not None:
+        if scale is not None and update.scheme in WEIGHT_ONLY_BITS:  # weight-only: float compute on exact dequant
+            weights[name] = dequantize_published(tensor, scale, update.scheme)
+        elif scale is not None:
             weights[name] = QuantizedWeight(q=tensor, scale=scale, scheme=update.scheme)
         else:
             weights[name] = tensor.to(torch.float32)

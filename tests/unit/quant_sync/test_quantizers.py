@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quant_sync.export import export_rollout_tensors, is_quantized_linear
@@ -75,3 +76,32 @@ def test_export_quantizes_only_decoder_linears():
     assert not is_quantized_linear("model.layers.3.input_layernorm.weight")
     plain = export_rollout_tensors(state, "none")
     assert all(t.dtype == torch.float32 for t in plain.values())
+
+
+def test_weight_only_groups_of_128():
+    from quant_sync.quantizers import dequantize_published, quantize_weight_only
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(4, 300, generator=gen)
+    w[0, 130] = 10.0  # an outlier only widens the scale of its own group
+    for scheme, qmax, tol in (("w8a16", 127, 0.01), ("w4a16", 7, 0.2)):
+        q, scale = quantize_weight_only(w, scheme)
+        assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (4, 3)
+        assert int(q.abs().max()) <= qmax
+        assert float(scale[0, 1]) == pytest.approx(10.0 / qmax)
+        assert float(scale[0, 0]) == pytest.approx(float(w[0, :128].abs().max()) / qmax)
+        deq = dequantize_published(q, scale, scheme)
+        assert float((deq - w).norm() / w.norm()) < tol
+        assert torch.all((deq - w).abs() <= scale.repeat_interleave(128, 1)[:, :300] / 2 + 1e-6)  # round to nearest
+
+
+def test_weight_only_export_and_engine_weights():
+    from rollout_workers.embedded.engine import build_weight_map
+    from rollout_workers.engine import WeightUpdate
+
+    state = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 256)}
+    out = export_rollout_tensors(state, "w4a16")
+    assert out["model.layers.0.mlp.up_proj.weight_scale"].shape == (8, 2)
+    weights = build_weight_map(WeightUpdate(0, out, "w4a16"))
+    deq = weights["model.layers.0.mlp.up_proj.weight"]
+    assert deq.dtype == torch.float32 and float((deq - state["model.layers.0.mlp.up_proj.weight"]).abs().max()) < 0.5
