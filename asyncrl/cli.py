@@ -20,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the merged, validated config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
+    plot = sub.add_parser("plot", help="PNGs comparing runs (reward, accuracy, mismatch, staleness, lr, ...)")
+    plot.add_argument("runs", nargs="+", help="run directories (runs/<name>)")
+    plot.add_argument("--out", default="runs/plots", help="directory for the PNGs")
     bench = sub.add_parser("bench", help="run a benchmark")
     bench.add_argument("name", help="benchmark name (`asyncrl bench list` lists them)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
@@ -53,6 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         except StartupError as err:
             print(f"asyncrl: {err}", file=sys.stderr)
             return 2
+        return 0
+    if args.command == "plot":
+        from asyncrl.plot import plot_runs
+
+        try:
+            written = plot_runs(args.runs, args.out)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"asyncrl: {err}", file=sys.stderr)
+            return 2
+        for path in written:
+            print(path)
         return 0
     if args.command == "bench":
         from asyncrl.bench import BENCHMARKS, print_table, resolve, write_json

@@ -1,0 +1,80 @@
+"""`asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNGs comparing runs, one figure per metric family.
+
+Reads each run's metrics.jsonl (step records only; events are skipped) and draws every run on the same axes:
+reward and accuracy, response length, every `mismatch/*` metric, staleness, learning rate, throughput, losses
+and norms. A metric a run never logged is simply absent from its figure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "reward_accuracy": ("reward/mean", "acc/mean", "acc/batch"),
+    "response_length": ("response_len/mean", "response_len/max"),
+    "mismatch": ("mismatch/",),
+    "staleness": ("staleness/",),
+    "lr": ("lr",),
+    "throughput": ("perf/rollout_tok_s", "perf/step_s", "perf/train_s"),
+    "optimization": ("loss", "grad_norm", "entropy", "norm_update", "norm_quant_err"),
+}
+
+
+def read_steps(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if "event" not in record and "step" in record:
+                rows.append(record)
+    return rows
+
+
+def _keys(prefixes: tuple[str, ...], runs: dict[str, list[dict[str, float]]]) -> list[str]:
+    seen: list[str] = []
+    for rows in runs.values():
+        for row in rows:
+            for key, value in row.items():
+                matches = any(key == p or (p.endswith("/") and key.startswith(p)) for p in prefixes)
+                if matches and isinstance(value, int | float) and key not in seen:
+                    seen.append(key)
+    return seen
+
+
+def plot_runs(run_dirs: list[str], out_dir: str) -> list[Path]:
+    """Write one PNG per metric family into out_dir; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [Path(d).name for d in run_dirs]
+    labels = [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]  # same name: full path
+    runs = {label: read_steps(Path(d)) for label, d in zip(labels, run_dirs)}
+    target = Path(out_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for family, prefixes in FAMILIES.items():
+        keys = _keys(prefixes, runs)
+        if not keys:
+            continue
+        fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.6 * len(keys)), squeeze=False)
+        for ax, key in zip(axes[:, 0], keys):
+            for name, rows in runs.items():
+                points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+                if points:
+                    ax.plot(*zip(*points), label=name)
+            ax.set_title(key)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = target / f"{family}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,38 @@
+"""`asyncrl plot` writes non-empty PNGs comparing runs, and rejects a directory that is not a run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def write_run(path, offset: float) -> None:
+    path.mkdir()
+    rows = [{"event": "eval", "acc_greedy": 0.5}]
+    for step in range(5):
+        rows.append({"step": step, "acc/mean": 0.4 + offset + 0.1 * step, "reward/mean": 0.4 + 0.1 * step,
+                     "mismatch/acrl_d": 0.01 / (step + 1), "mismatch/kl_k3": 0.001, "staleness/max": 1,
+                     "lr": 1e-4, "perf/rollout_tok_s": 500.0, "loss": None})  # fmt: skip
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_plot_writes_pngs(tmp_path):
+    write_run(tmp_path / "a", 0.0)
+    write_run(tmp_path / "b", 0.05)
+    out = tmp_path / "plots"
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    names = {p.name for p in out.glob("*.png")}
+    assert {"reward_accuracy.png", "mismatch.png", "staleness.png", "lr.png", "throughput.png"} <= names
+    for png in out.glob("*.png"):
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_rejects_non_run_dirs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr
