@@ -126,7 +126,11 @@ class BufferConfig:
     journal: bool = True
     """Append admitted trajectories and consumption marks to runs/<name>/buffer.journal."""
     fsync: str = "batch"
-    """Journal fsync policy: `always`, `batch` (once per request) or `never`."""
+    """Journal fsync policy: `always`, `batch` (once per burst of requests, before replying) or `never`."""
+    worker_timeout_s: float = 0.0
+    """Seconds without any request from a worker after which it is declared dead and its leases return; 0: off."""
+    compact_bytes: int = 67108864
+    """Journal size in bytes that triggers compaction into a snapshot of the live state."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -350,6 +354,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "buffer.port": (0, 65535),
     "buffer.lease_timeout_s": (0.1, None),
     "buffer.max_queued_groups": (1, None),
+    "buffer.worker_timeout_s": (0.0, None),
+    "buffer.compact_bytes": (1, None),
     "staleness.max_lag": (0, None),
     "loss.cap": (1.0, None),
     "loss.eps_low": (0.0, 1.0),

@@ -475,7 +475,121 @@ _TRAJECTORY_FIELDS = (
 TRAJECTORY = _struct_kind(Trajectory, _TRAJECTORY_FIELDS, _check_trajectory)
 _LEASE_FIELDS = (("group", STR), ("index", NAT), ("prompt", STR), ("answer", STR), ("deadline", FINITE))
 LEASE = _struct_kind(PromptLease, _LEASE_FIELDS, None)
-TRAJECTORIES = _list_kind(TRAJECTORY, "Trajectory")
+_I4 = np.dtype("<i4")
+_F4 = np.dtype("<f4")
+
+
+@dataclass(slots=True)
+class _Scan:
+    """What one pass of the fast path learns about a list of trajectory maps."""
+
+    trajectories: list[Trajectory]  # empty unless asked for
+    uids: list[str]
+    groups: list[str]
+    prompt_indices: list[int]
+    rewards: list[float]
+    versions: list[bytes]  # raw versions arrays, for the group's oldest / newest version
+
+
+def _scan(items: Any, build: bool) -> _Scan | None:
+    """Check a list of canonically encoded, valid trajectory maps with the fewest Python operations, or None.
+
+    The fast path of the codec (a PushGroup or a BatchReply is mostly trajectories). It accepts exactly the maps that
+    `encode` produces and that pass every check of the generic decoder (TRAJECTORY above): the same 13 fields with
+    the same types, arrays of the fixed dtypes with `len(b) == n * itemsize` and `n <= MAX_TOKENS`, finite floats, a
+    known finish, equal response lengths, and the value checks (finite log-probs <= LOGP_TOLERANCE, versions and
+    token ids >= 0) done once per list on the concatenated raw bytes, so numpy's per-call overhead (microseconds) is
+    paid once per group instead of once per array. Anything else, valid or not (an int reward, a NaN, a bad dtype),
+    returns None and the caller runs the generic decoder, which accepts it or raises the precise WireError. The fast
+    path can therefore only be faster, never more permissive; a differential fuzz test (tests/unit/asyncrl/
+    test_wire.py) holds it to that. `build`: also make the Trajectory objects (zero-copy arrays).
+    """
+    if type(items) is not list or len(items) > MAX_GROUP:
+        return None
+    out = _Scan([], [], [], [], [], [])
+    logps: list[bytes] = []
+    ints: list[bytes] = []
+    frombuffer = np.frombuffer
+    for m in items:
+        if type(m) is not dict or len(m) != 13:
+            return None
+        try:
+            uid, group, index, finish, worker = m["uid"], m["group"], m["prompt_index"], m["finish"], m["worker"]
+            reward, t_start, t_end, correct = m["reward"], m["t_start"], m["t_end"], m["correct"]
+            pa, ra, la, va = m["prompt_ids"], m["response_ids"], m["behav_logp"], m["versions"]
+            if not (type(pa) is type(ra) is type(la) is type(va) is dict):
+                return None
+            pb, rb, lb, vb = pa["b"], ra["b"], la["b"], va["b"]
+            pn, rn, ln, vn = pa["n"], ra["n"], la["n"], va["n"]
+            pd, rd, ld, vd = pa["dt"], ra["dt"], la["dt"], va["dt"]
+        except KeyError:
+            return None
+        if not (
+            type(uid) is type(group) is type(finish) is type(worker) is str
+            and type(index) is int
+            and index >= 0
+            and type(reward) is type(t_start) is type(t_end) is float
+            and reward - reward == 0.0  # finite: inf - inf and nan - nan are nan
+            and t_start - t_start == 0.0
+            and t_end - t_end == 0.0
+            and type(correct) is bool
+            and finish in FINISH_REASONS
+            and len(pa) == len(ra) == len(la) == len(va) == 3
+            and type(pb) is type(rb) is type(lb) is type(vb) is bytes
+            and type(pn) is type(rn) is type(ln) is type(vn) is int
+            and pd == rd == vd == "i4"
+            and ld == "f4"
+            and 0 < rn == ln == vn <= MAX_TOKENS
+            and pn <= MAX_TOKENS
+            and len(pb) == 4 * pn
+            and len(rb) == len(lb) == len(vb) == 4 * rn
+        ):
+            return None
+        logps.append(lb)
+        ints += (pb, rb, vb)
+        out.versions.append(vb)
+        out.uids.append(uid)
+        out.groups.append(group)
+        out.prompt_indices.append(index)
+        out.rewards.append(reward)
+        if build:
+            out.trajectories.append(
+                Trajectory(
+                    uid,
+                    group,
+                    index,
+                    frombuffer(pb, _I4),
+                    frombuffer(rb, _I4),
+                    frombuffer(lb, _F4),
+                    frombuffer(vb, _I4),
+                    reward,
+                    correct,
+                    finish,
+                    worker,
+                    t_start,
+                    t_end,
+                )  # fmt: skip
+            )
+    if logps:
+        logp = frombuffer(b"".join(logps), _F4)
+        if not (logp.min() > -np.inf and logp.max() <= LOGP_TOLERANCE):  # NaN fails both comparisons
+            return None
+        if frombuffer(b"".join(ints), _I4).min() < 0:
+            return None
+    return out
+
+
+def _trajectories_kind() -> _Kind:
+    generic = _list_kind(TRAJECTORY, "Trajectory")
+
+    def decode(value: Any, name: str) -> list[Trajectory]:
+        fast = _scan(value, build=True)
+        return fast.trajectories if fast is not None else generic.decode(value, name)
+
+    return _Kind(generic.encode, decode)
+
+
+TRAJECTORIES = _trajectories_kind()
 
 _SCHEMAS: dict[type, tuple[tuple[str, _Kind], ...]] = {
     Trajectory: _TRAJECTORY_FIELDS,
@@ -528,8 +642,8 @@ def encode(msg: Message) -> bytes:
     return data
 
 
-def decode(data: bytes | bytearray | memoryview) -> Message:
-    """Parse and validate one message; raises WireError (and nothing else) on any malformed input."""
+def _unpack(data: bytes | bytearray | memoryview) -> tuple[str, dict[str, Any]]:
+    """msgpack-unpack one message within the MAX_* bounds; (type name, fields without "v" and "type")."""
     try:
         size = memoryview(data).nbytes
     except TypeError:
@@ -550,12 +664,105 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     if type(version) is not int or version != SCHEMA_VERSION:
         raise WireError("schema_version", f"got {version!r}, expected {SCHEMA_VERSION}"[:200])
     name = obj.pop("type", None)
-    entry = _BY_NAME.get(name) if type(name) is str else None
-    if entry is None:
+    if type(name) is not str or name not in _BY_NAME:
         raise WireError("unknown_type", repr(name)[:100])
+    return name, obj
+
+
+def _decode_fields(name: str, obj: dict[str, Any]) -> Message:
     try:
-        return entry[1].decode(obj, name)
+        if name == "Trajectory":
+            fast = _scan([obj], build=True)
+            if fast is not None:
+                return fast.trajectories[0]
+        return _BY_NAME[name][1].decode(obj, name)
     except WireError:
         raise
     except Exception as err:  # a safety net: validation above should make this unreachable
         raise WireError("bad_field", f"{type(err).__name__}: {err}"[:200]) from None
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Parse and validate one message; raises WireError (and nothing else) on any malformed input."""
+    name, obj = _unpack(data)
+    return _decode_fields(name, obj)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The buffer's ingest path: a PushGroup validated exactly like `decode` does, but kept as its msgpack maps, so the
+# buffer never builds Trajectory objects nor re-encodes them when it hands groups to the learner.
+
+
+@dataclass(slots=True)
+class CheckedPush:
+    """A PushGroup that passed every check of `decode`, as the buffer keeps it. Producer: `decode_request`.
+
+    `trajectories` are the canonical msgpack maps of the Trajectory schema (as `encode` writes them); the
+    per-trajectory lists are in the same order. `oldest_version` / `newest_version`: min / max over all tokens
+    (0 for an empty group).
+    """
+
+    worker: str
+    group: str
+    trajectories: list[dict[str, Any]]
+    uids: list[str]
+    trajectory_groups: list[str]
+    prompt_indices: list[int]
+    rewards: list[float]
+    oldest_version: int
+    newest_version: int
+
+
+def _checked_push(obj: dict[str, Any]) -> CheckedPush | None:
+    if len(obj) != 3:
+        return None
+    worker, group, maps = obj.get("worker"), obj.get("group"), obj.get("trajectories")
+    if type(worker) is not str or type(group) is not str:
+        return None
+    scan = _scan(maps, build=False)
+    if scan is None:
+        return None
+    oldest = newest = 0
+    if scan.versions:
+        versions = np.frombuffer(b"".join(scan.versions), _I4)
+        oldest, newest = int(versions.min()), int(versions.max())
+    assert type(maps) is list
+    return CheckedPush(
+        worker, group, maps, scan.uids, scan.groups, scan.prompt_indices, scan.rewards, oldest, newest
+    )  # fmt: skip
+
+
+def decode_request(data: bytes | bytearray | memoryview) -> Message | CheckedPush:
+    """`decode`, except that a valid PushGroup comes back as a CheckedPush (same validation, no Trajectory objects).
+
+    A PushGroup that is valid but not canonically encoded (an int where `encode` writes a float) is accepted too:
+    it is decoded generically and re-encoded to canonical maps.
+    """
+    name, obj = _unpack(data)
+    if name == "PushGroup":
+        checked = _checked_push(obj)
+        if checked is not None:
+            return checked
+        msg = _decode_fields(name, obj)  # raises the precise WireError, or the message was valid after all
+        checked = _checked_push(_unpack(encode(msg))[1])
+        assert checked is not None, "a decoded PushGroup re-encodes canonically"
+        return checked
+    return _decode_fields(name, obj)
+
+
+def encode_batch_reply(step: int, groups: list[list[dict[str, Any]]], dropped_stale: int, ready: bool) -> bytes:
+    """A BatchReply whose groups are lists of CheckedPush.trajectories maps (already valid: packed as they are)."""
+    if len(groups) > MAX_GROUP:
+        raise WireError("oversized", f"`groups` has {len(groups)} > {MAX_GROUP} items")
+    payload = {
+        "v": SCHEMA_VERSION,
+        "type": "BatchReply",
+        "step": _dec_nat(step, "step"),
+        "groups": groups,
+        "dropped_stale": _dec_nat(dropped_stale, "dropped_stale"),
+        "ready": _dec_bool(ready, "ready"),
+    }
+    data = msgpack.packb(payload, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError("oversized", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
+    return data

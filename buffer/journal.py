@@ -10,9 +10,17 @@ payload). Record kinds (the `k` field):
 | `done` | `g`: group ids, `why`: "filtered" or "stale" | groups resolved without training |
 | `consume` | `g`: group ids, `s`: train step | groups handed to the learner |
 | `requeue` | `g`: group ids | a batch whose reply could not be delivered: back in the queue |
+| `max_lag` | `v`: int | staleness.max_lag changed live (SetMaxLag) |
+| `state` | `cursor`, `step`, `consumed`, `max_lag`, `pending`: indices | the head of a compacted journal |
 
 A crash can leave a torn last record; `read_records` stops at the first record that is short or fails its crc and
-truncates the file there. No compaction yet: the file grows with the run (a later issue).
+truncates the file there.
+
+Compaction (`Journal.rewrite`): the service replaces the file with `BufferState.snapshot()` (one `state` record and
+the `admit` records of the groups still queued) once it outgrows its threshold, so the file stays proportional to
+what is in flight. The new file is written beside the old one, fsynced and renamed over it (then the directory is
+fsynced): a crash at any point leaves either the old journal or the new one, both complete, so a consumed group is
+never replayed and an admitted one never lost.
 """
 
 from __future__ import annotations
@@ -90,6 +98,26 @@ class Journal:
         if self.fsync != "never":
             os.fsync(self._file.fileno())
         self._dirty = False
+
+    def rewrite(self, records: list[dict[str, Any]]) -> None:
+        """Atomically replace the journal with `records` (compaction); appends continue on the new file."""
+        self.commit()
+        tmp = self.path.with_name(self.path.name + ".compact")
+        with open(tmp, "wb") as handle:
+            for record in records:
+                payload = msgpack.packb(record, use_bin_type=True)
+                handle.write(_HEADER.pack(len(payload), zlib.crc32(payload)))
+                handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        self._file.close()
+        self._file = open(self.path, "ab")  # noqa: SIM115 - held open for the life of the service
 
     def size_bytes(self) -> int:
         return self._file.tell()

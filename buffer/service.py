@@ -41,24 +41,16 @@ from omegaconf.errors import OmegaConfBaseException
 from asyncrl import config as cfgmod
 from asyncrl import wire
 from asyncrl.tasks import make_source
-from asyncrl.wire import (
-    BatchReply,
-    ErrorReply,
-    FetchBatch,
-    LeaseRequest,
-    PushGroup,
-    SetMaxLag,
-    StatsReply,
-    StatsRequest,
-    Trajectory,
-)
+from asyncrl.wire import CheckedPush, ErrorReply, FetchBatch, LeaseRequest, SetMaxLag, StatsReply, StatsRequest
 from buffer.journal import Journal, read_records
-from buffer.state import BufferState, batch_reply
+from buffer.state import BufferState, Queued, batch_reply
 
 HWM = 10000
 POLL_MS = 50
 EXPIRY_CHECK_S = 0.02
 JOURNAL_NAME = "buffer.journal"
+COMPACT_BYTES = 64 * 1024 * 1024
+"""Default journal size that triggers compaction (config `buffer.compact_bytes`)."""
 
 
 @dataclass(slots=True)
@@ -70,7 +62,16 @@ class ServiceConfig:
     train: cfgmod.TrainConfig
     algo: cfgmod.AlgoConfig
     data: cfgmod.DataConfig
+    pending: dict[str, Any]
+    """`buffer.*` keys this service reads that asyncrl.config.BufferConfig does not declare yet (see `setting`)."""
 
+    def setting(self, key: str, default: Any) -> Any:
+        """`buffer.<key>`: from BufferConfig once declared there, else from `pending`, else `default`."""
+        return getattr(self.buffer, key, self.pending.get(key, default))
+
+
+PENDING_BUFFER_KEYS: dict[str, type] = {"worker_timeout_s": float, "compact_bytes": int}
+"""Buffer settings implemented here ahead of their BufferConfig fields; accepted from the config JSON, type-checked."""
 
 _SECTIONS = {
     "buffer": cfgmod.BufferConfig,
@@ -87,6 +88,15 @@ def load_service_config(values: dict[str, Any]) -> ServiceConfig:
     Raises ConfigError naming the key on unknown keys, wrong types, invalid choices or out-of-range values.
     """
     sections: dict[str, Any] = {}
+    pending: dict[str, Any] = {}
+    buffer_values = dict(values.get("buffer") or {})
+    for key, kind in PENDING_BUFFER_KEYS.items():
+        if key in buffer_values and key not in cfgmod.BufferConfig.__dataclass_fields__:
+            value = buffer_values.pop(key)
+            if type(value) not in (kind, int) or value < 0:
+                raise cfgmod.ConfigError(f"`buffer.{key}` must be a {kind.__name__} >= 0, got {value!r}")
+            pending[key] = kind(value)
+    values = {**values, "buffer": buffer_values}
     for name, cls in _SECTIONS.items():
         try:
             merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(values.get(name) or {}))
@@ -103,7 +113,7 @@ def load_service_config(values: dict[str, Any]) -> ServiceConfig:
             value = getattr(sections[section], leaf)
             if (low is not None and value < low) or (high is not None and value > high):
                 raise cfgmod.ConfigError(f"value {value!r} for `{key}` is out of range [{low}, {high}]")
-    return ServiceConfig(**sections)
+    return ServiceConfig(**sections, pending=pending)
 
 
 @dataclass(slots=True)
@@ -117,11 +127,16 @@ class _Parked:
 class BufferService:
     """The poll loop: decode, dispatch to BufferState, commit the journal, reply."""
 
-    def __init__(self, state: BufferState, socket: zmq.Socket, journal: Journal | None) -> None:
+    def __init__(
+        self, state: BufferState, socket: zmq.Socket, journal: Journal | None, compact_bytes: int = COMPACT_BYTES
+    ) -> None:
         self.state = state
         self.socket = socket
         self.journal = journal
+        self.compact_bytes = compact_bytes
+        self._compact_at = max(compact_bytes, 2 * journal.size_bytes()) if journal is not None else 0
         self.parked: list[_Parked] = []
+        self.outbox: list[list[bytes]] = []  # replies waiting for the journal commit of their requests
         self.stopping = False
         self._next_expiry_check = 0.0
 
@@ -137,7 +152,9 @@ class BufferService:
                     except zmq.Again:
                         break
                     self._on_frames(frames)
+                self._flush()  # one journal commit (fsync) for every request drained above, then their replies
             self._timed_work()
+            self._maybe_compact()
 
     def _poll_timeout_ms(self) -> int:
         timeout = POLL_MS / 1000
@@ -156,6 +173,15 @@ class BufferService:
             groups, dropped = self.state.take_batch(parked.request.step, parked.request.num_groups)
             self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped + dropped)
 
+    def _maybe_compact(self) -> None:
+        """Rewrite the journal as a snapshot once it is past `compact_bytes` and twice its last compacted size."""
+        if self.journal is None or self.journal.size_bytes() < self._compact_at:
+            return
+        self._flush()
+        self.journal.rewrite(self.state.snapshot())
+        self.state.counters["journal_compactions"] += 1
+        self._compact_at = max(self.compact_bytes, 2 * self.journal.size_bytes())
+
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:  # a ROUTER always prepends the identity; nothing to answer otherwise
             self.state.counters["rejected_bad_envelope"] += 1
@@ -170,20 +196,15 @@ class BufferService:
             traceback.print_exc(file=sys.stderr)
             self.state.counters["rejected_internal_error"] += 1
             reply = ErrorReply("internal_error", f"{type(err).__name__}: {err}"[:500])
-        if reply is None:  # parked
-            return
-        if isinstance(reply, BatchReply):
-            self._send_batch(envelope, reply.step, reply.groups if reply.ready else None, reply.dropped_stale)
-        else:
-            self._commit()
-            self._send(envelope, wire.encode(reply))
+        if reply is not None:  # None: parked, or a batch already sent
+            self.outbox.append([*envelope, wire.encode(reply)])
 
     def _handle(self, envelope: list[bytes], payload: bytes) -> wire.Message | None:
-        msg = wire.decode(payload)
+        msg = wire.decode_request(payload)
         state = self.state
         if isinstance(msg, LeaseRequest):
             return state.lease(msg.worker, msg.max_groups)
-        if isinstance(msg, PushGroup):
+        if isinstance(msg, CheckedPush):
             reply = state.push(msg, raw=payload)
             if reply.accepted and reply.reason == "" and self.parked:
                 self._serve_parked()
@@ -191,16 +212,17 @@ class BufferService:
         if isinstance(msg, FetchBatch):
             if msg.num_groups < 1:
                 raise wire.WireError("bad_field", "FetchBatch.num_groups must be >= 1")
-            groups, dropped = state.take_batch(msg.step, msg.num_groups)
-            if groups is not None or msg.wait_s <= 0:
-                return batch_reply(msg.step, groups, dropped)
+            taken, dropped = state.take_batch(msg.step, msg.num_groups)
+            if taken is not None or msg.wait_s <= 0:
+                self._send_batch(envelope, msg.step, taken, dropped)
+                return None
             self.parked = [p for p in self.parked if p.envelope != envelope]  # a peer asks one thing at a time
             self.parked.append(_Parked(envelope, msg, time.monotonic() + msg.wait_s, dropped))
             return None
         if isinstance(msg, StatsRequest):
             return StatsReply(self.stats())
         if isinstance(msg, SetMaxLag):
-            state.max_lag = msg.max_lag
+            state.set_max_lag(msg.max_lag)
             print(f"buffer: staleness.max_lag set to {msg.max_lag}", file=sys.stderr, flush=True)
             return StatsReply(self.stats())
         raise wire.WireError("unexpected_type", f"the buffer does not serve {type(msg).__name__}")
@@ -214,17 +236,22 @@ class BufferService:
             self.parked.remove(parked)
             self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped)
 
-    def _send_batch(
-        self, envelope: list[bytes], step: int, groups: list[list[Trajectory]] | None, dropped: int
-    ) -> None:
-        self._commit()
-        if not self._send(envelope, wire.encode(batch_reply(step, groups, dropped))) and groups:
-            self.state.requeue(groups)  # the learner never got it: it was not trained
+    def _send_batch(self, envelope: list[bytes], step: int, taken: list[Queued] | None, dropped: int) -> None:
+        self._flush()  # commits the consume record too
+        if not self._send([*envelope, batch_reply(step, taken, dropped)]) and taken:
+            self.state.requeue(taken)  # the learner never got it: it was not trained
             self._commit()
 
-    def _send(self, envelope: list[bytes], data: bytes) -> bool:
+    def _flush(self) -> None:
+        """Commit the journal, then send the replies that waited for it."""
+        self._commit()
+        outbox, self.outbox = self.outbox, []
+        for frames in outbox:
+            self._send(frames)
+
+    def _send(self, frames: list[bytes]) -> bool:
         try:
-            self.socket.send_multipart([*envelope, data], flags=zmq.NOBLOCK)
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as err:  # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
             self.state.counters["reply_send_failures"] += 1
             print(f"buffer: reply not delivered: {err}", file=sys.stderr, flush=True)
@@ -282,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         filter_groups=cfg.algo.filter_groups,
         lease_timeout_s=cfg.buffer.lease_timeout_s,
         max_queued_groups=cfg.buffer.max_queued_groups,
+        worker_timeout_s=float(cfg.setting("worker_timeout_s", 0.0)),
+        seed=cfg.data.seed,
     )
     if cfg.buffer.journal:
         path = run_dir / JOURNAL_NAME
@@ -298,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
     context = zmq.Context()
     socket = make_socket(context)
-    service = BufferService(state, socket, journal)
+    service = BufferService(state, socket, journal, int(cfg.setting("compact_bytes", COMPACT_BYTES)))
 
     def stop(signum: int, frame: object) -> None:
         service.stopping = True

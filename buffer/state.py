@@ -10,6 +10,17 @@ Life of a group (its id is `g<index>` of the problem it was leased for, the same
 A push of a returned (expired) lease is still accepted; whichever push of a group id comes first is admitted and
 any later one is answered `duplicate`, so a group is trained at most once. Live groups for the throttle
 (`staleness.may_lease`) are leased + queued + consumed.
+
+Resolved groups need no set: group ids are `g<index>` and indices are handed out in order, so a group below the
+cursor that is neither leased, returned nor queued has been resolved (admitted, consumed, filtered or dropped).
+That keeps the state (and a compacted journal, see `snapshot`) proportional to what is in flight, not to the run.
+
+Workers: every LeaseRequest or PushGroup is a heartbeat of the worker it names (`LeaseRequest(max_groups=0)` is a
+pure heartbeat). A worker silent for `worker_timeout_s` (0: never) is declared dead and its leases return at once,
+without waiting for their deadlines.
+
+Queued groups are kept as the validated msgpack maps of `wire.CheckedPush`, handed to the learner without being
+re-encoded.
 """
 
 from __future__ import annotations
@@ -19,9 +30,11 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from asyncrl import wire
 from asyncrl.tasks import PromptSource
-from asyncrl.wire import BatchReply, LeaseReply, PromptLease, PushGroup, PushReply, Trajectory
+from asyncrl.wire import CheckedPush, LeaseReply, PromptLease, PushReply
 from buffer import staleness
 from buffer.journal import Journal
 
@@ -40,14 +53,25 @@ class _Lease:
 
 
 @dataclass(slots=True)
-class _Queued:
+class Queued:
+    """An admitted group waiting for the learner."""
+
     group: str
-    trajectories: list[Trajectory]
+    worker: str
+    trajectories: list[dict[str, Any]]  # wire.CheckedPush.trajectories
     oldest_version: int
 
 
 def group_id(index: int) -> str:
     return f"g{index}"
+
+
+def group_index(group: str) -> int | None:
+    """The problem index of a group id `g<index>`, or None for anything else."""
+    digits = group[1:]
+    if group[:1] != "g" or not digits.isdigit() or not digits.isascii() or len(digits) > 18:
+        return None
+    return int(digits)
 
 
 class BufferState:
@@ -64,6 +88,8 @@ class BufferState:
         lease_timeout_s: float,
         max_queued_groups: int,
         journal: Journal | None = None,
+        worker_timeout_s: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.source = source
         self.group_size = group_size
@@ -73,12 +99,14 @@ class BufferState:
         self.lease_timeout_s = lease_timeout_s
         self.max_queued_groups = max_queued_groups
         self.journal = journal
+        self.worker_timeout_s = worker_timeout_s
+        self.seed = seed  # of the prompt source: with the cursor, it fixes the dataset order (epoch shuffles too)
+        self.last_seen: dict[str, float] = {}  # worker id -> time.time() of its last request
         self.step = 0  # the learner's current train step (last FetchBatch.step)
         self.cursor = 0  # next problem index of the training stream
         self.leased: dict[str, _Lease] = {}
         self.returned: OrderedDict[str, _Lease] = OrderedDict()  # expired, not reissued yet
-        self.queue: deque[_Queued] = deque()
-        self.resolved: set[str] = set()  # admitted, filtered or dropped: any later push is a duplicate
+        self.queue: deque[Queued] = deque()
         self.consumed_groups = 0
         self.counters: Counter[str] = Counter()
 
@@ -97,6 +125,7 @@ class BufferState:
     def lease(self, worker: str, max_groups: int, now: float | None = None) -> LeaseReply:
         """Up to `max_groups` leases: expired ones first, then new problems from the cursor."""
         now = time.time() if now is None else now
+        self.heartbeat(worker, now)
         budget = min(max_groups, self.may_lease(), wire.MAX_GROUP)
         granted: list[_Lease] = []
         while len(granted) < budget and self.returned:
@@ -112,8 +141,8 @@ class BufferState:
             granted.append(_Lease(group_id(self.cursor), self.cursor, problem.prompt, problem.answer, worker, 0.0))
             new_indices.append(self.cursor)
             self.cursor += 1
-        if new_indices and self.journal is not None:
-            self.journal.append({"k": "lease", "i": new_indices})
+        if new_indices:
+            self._log({"k": "lease", "i": new_indices})
         for lease in granted:
             lease.worker, lease.deadline = worker, now + self.lease_timeout_s
             self.leased[lease.group] = lease
@@ -125,11 +154,15 @@ class BufferState:
             retry_after_s=0.0 if granted else RETRY_AFTER_S,
         )
 
-    def push(self, msg: PushGroup, raw: bytes | None = None, now: float | None = None) -> PushReply:
-        """Admit a finished group, or say why not (the reason is counted as `rejected_<reason>`)."""
+    def push(self, msg: CheckedPush, raw: bytes | None = None, now: float | None = None) -> PushReply:
+        """Admit a finished group, or say why not (the reason is counted as `rejected_<reason>`).
+
+        `raw`: the encoded PushGroup, journaled as it is (re-encoded from `msg` if None).
+        """
         now = time.time() if now is None else now
+        self.heartbeat(msg.worker, now)
         group = msg.group
-        if group in self.resolved:
+        if self.is_resolved(group):
             self.counters["duplicate_groups"] += 1
             return PushReply(True, "duplicate")
         lease = self.leased.get(group) or self.returned.get(group)
@@ -137,11 +170,10 @@ class BufferState:
         if reason:
             return self._reject(reason)
         assert lease is not None
-        oldest = min(int(t.versions.min()) for t in msg.trajectories)
         outcome = ""
-        if not staleness.is_admissible(self.step, oldest, self.max_lag):
+        if not staleness.is_admissible(self.step, msg.oldest_version, self.max_lag):
             outcome = "stale"
-        elif self.filter_groups and len({t.reward for t in msg.trajectories}) == 1:
+        elif self.filter_groups and len(set(msg.rewards)) == 1:
             outcome = "filtered"
         elif len(self.queue) >= self.max_queued_groups:
             if group in self.leased:  # the worker holds the group and will retry: keep its lease alive
@@ -149,17 +181,17 @@ class BufferState:
             return self._reject("backpressure")
         self.leased.pop(group, None)
         self.returned.pop(group, None)
-        self.resolved.add(group)
         if outcome:
             self.counters["dropped_stale" if outcome == "stale" else "filtered_groups"] += 1
             self._log({"k": "done", "g": [group], "why": outcome})
             return PushReply(True, outcome)
-        self.queue.append(_Queued(group, msg.trajectories, oldest))
+        self.queue.append(Queued(group, msg.worker, msg.trajectories, msg.oldest_version))
         self.counters["admitted_groups"] += 1
-        self._log({"k": "admit", "m": raw if raw is not None else wire.encode(msg)})
+        self.counters["admitted_trajectories"] += len(msg.trajectories)
+        self._log({"k": "admit", "m": raw if raw is not None else encode_push(self.queue[-1])})
         return PushReply(True, "")
 
-    def take_batch(self, step: int, num_groups: int) -> tuple[list[list[Trajectory]] | None, int]:
+    def take_batch(self, step: int, num_groups: int) -> tuple[list[Queued] | None, int]:
         """Record `step`, drop queued groups too stale for it; (the oldest `num_groups` groups or None, dropped)."""
         self.step = step
         dropped = self.drop_stale()
@@ -169,21 +201,25 @@ class BufferState:
         self.consumed_groups += num_groups
         self.counters["consumed_groups"] += num_groups
         self._log({"k": "consume", "g": [q.group for q in taken], "s": step})
-        return [q.trajectories for q in taken], dropped
+        return taken, dropped
 
-    def requeue(self, groups: list[list[Trajectory]]) -> None:
+    def requeue(self, taken: list[Queued]) -> None:
         """Put back a batch whose reply could not be delivered, at the head of the queue."""
-        for trajectories in reversed(groups):
-            oldest = min(int(t.versions.min()) for t in trajectories)
-            self.queue.appendleft(_Queued(trajectories[0].group, trajectories, oldest))
-        self.consumed_groups -= len(groups)
-        self.counters["consumed_groups"] -= len(groups)
-        self.counters["requeued_groups"] += len(groups)
-        self._log({"k": "requeue", "g": [g[0].group for g in groups]})
+        for queued in reversed(taken):
+            self.queue.appendleft(queued)
+        self.consumed_groups -= len(taken)
+        self.counters["consumed_groups"] -= len(taken)
+        self.counters["requeued_groups"] += len(taken)
+        self._log({"k": "requeue", "g": [q.group for q in taken]})
+
+    def set_max_lag(self, max_lag: int) -> None:
+        """Change staleness.max_lag live; journaled, so a restarted buffer keeps it."""
+        self.max_lag = max_lag
+        self._log({"k": "max_lag", "v": max_lag})
 
     def drop_stale(self) -> int:
         """Drop and count queued groups too old for the current step."""
-        kept: deque[_Queued] = deque()
+        kept: deque[Queued] = deque()
         dropped: list[str] = []
         for queued in self.queue:
             if staleness.is_admissible(self.step, queued.oldest_version, self.max_lag):
@@ -196,23 +232,51 @@ class BufferState:
             self._log({"k": "done", "g": dropped, "why": "stale"})
         return len(dropped)
 
+    def heartbeat(self, worker: str, now: float) -> None:
+        if self.worker_timeout_s > 0:
+            self.last_seen[worker] = now
+
     def expire_leases(self, now: float | None = None) -> int:
-        """Move leases past their deadline to the returned queue (reissued before new problems)."""
+        """Return leases past their deadline, and every lease of a worker silent for `worker_timeout_s`, to the pool
+        (reissued before new problems)."""
         now = time.time() if now is None else now
-        expired = [lease for lease in self.leased.values() if lease.deadline <= now]
+        dead: set[str] = set()
+        if self.worker_timeout_s > 0:
+            dead = {w for w, seen in self.last_seen.items() if now - seen > self.worker_timeout_s}
+            for worker in dead:
+                del self.last_seen[worker]
+            self.counters["dead_workers"] += len(dead)
+        expired = [lease for lease in self.leased.values() if lease.deadline <= now or lease.worker in dead]
         for lease in expired:
             del self.leased[lease.group]
             self.returned[lease.group] = lease
-        self.counters["expired_leases"] += len(expired)
+            self.counters["expired_leases" if lease.deadline <= now else "dead_worker_leases"] += 1
         return len(expired)
 
     def next_deadline(self) -> float | None:
         return min((lease.deadline for lease in self.leased.values()), default=None)
 
+    def is_resolved(self, group: str) -> bool:
+        """Whether `group` was leased once and is now admitted, consumed, filtered or dropped (see module doc)."""
+        index = group_index(group)
+        return not (index is None or index >= self.cursor or group in self.leased or group in self.returned)
+
+    def cursor_state(self) -> dict[str, int | None]:
+        """The dataset cursor, checkpointable: next index of the stream, its epoch and position, the source seed."""
+        size = self.source.epoch_size()
+        return {
+            "index": self.cursor,
+            "epoch": self.cursor // size if size else 0,
+            "position": self.cursor % size if size else self.cursor,
+            "epoch_size": size,
+            "seed": self.seed,
+        }
+
     def stats(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(self.counters)
         for key in ("admitted_groups", "consumed_groups", "dropped_stale", "filtered_groups", "expired_leases"):
             out.setdefault(key, 0)
+        cursor = self.cursor_state()
         out.update(
             queued_groups=len(self.queue),
             leased_groups=len(self.leased),
@@ -224,6 +288,9 @@ class BufferState:
             groups_per_step=self.groups_per_step,
             group_size=self.group_size,
             cursor=self.cursor,
+            cursor_epoch=cursor["epoch"] or 0,
+            cursor_position=cursor["position"] or 0,
+            live_workers=len(self.last_seen),
         )
         if self.journal is not None:
             out["journal_bytes"] = self.journal.size_bytes()
@@ -231,57 +298,83 @@ class BufferState:
 
     # -- journal ------------------------------------------------------------------------------------------------
 
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The journal records of the current state alone: what a compacted journal holds (see buffer/journal.py).
+
+        A `state` record (cursor, step, consumed count, max_lag, the indices still leased or returned), then one
+        `admit` record per queued group in queue order. Everything resolved is implied by the cursor.
+        """
+        pending = sorted(lease.index for lease in [*self.leased.values(), *self.returned.values()])
+        head = {
+            "k": "state",
+            "cursor": self.cursor,
+            "step": self.step,
+            "consumed": self.consumed_groups,
+            "max_lag": self.max_lag,
+            "pending": pending,
+        }
+        return [head, *({"k": "admit", "m": encode_push(q)} for q in self.queue)]
+
     def replay(self, records: list[dict[str, Any]], now: float | None = None) -> None:
-        """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor restored,
-        and leases that were never resolved returned to the pool (a worker that is still alive may push them)."""
+        """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step and
+        max_lag restored, and leases that were never resolved returned to the pool (a live worker may push them)."""
         now = time.time() if now is None else now
-        admitted: dict[str, _Queued] = {}
-        pending: dict[str, _Queued] = {}  # admitted, not consumed nor dropped, in admission order
-        leased_indices: list[int] = []
+        admitted: dict[str, Queued] = {}
+        pending: dict[str, Queued] = {}  # admitted, not consumed nor dropped, in admission order
+        unresolved: set[int] = set()  # indices leased and not yet admitted or dropped
+        admitted_count = 0
         for record in records:
             kind, groups = record.get("k"), record.get("g", [])
-            if kind == "lease":
-                leased_indices.extend(record["i"])
+            if kind == "state":  # the head of a compacted journal
+                self.cursor, self.step = int(record["cursor"]), int(record["step"])
+                self.consumed_groups, self.max_lag = int(record["consumed"]), int(record["max_lag"])
+                unresolved = set(record["pending"])
+            elif kind == "lease":
+                unresolved.update(record["i"])
+                self.cursor = max(self.cursor, max(record["i"], default=-1) + 1)
             elif kind == "admit":
-                msg = wire.decode(record["m"])
-                assert isinstance(msg, PushGroup)
-                oldest = min(int(t.versions.min()) for t in msg.trajectories)
-                admitted[msg.group] = pending[msg.group] = _Queued(msg.group, msg.trajectories, oldest)
+                msg = wire.decode_request(record["m"])
+                assert isinstance(msg, CheckedPush)
+                queued = Queued(msg.group, msg.worker, msg.trajectories, msg.oldest_version)
+                admitted[msg.group] = pending[msg.group] = queued
+                admitted_count += 1
+                index = group_index(msg.group)
+                unresolved.discard(-1 if index is None else index)
             elif kind in ("done", "consume"):
-                self.resolved.update(groups)
                 for group in groups:
                     pending.pop(group, None)
+                    index = group_index(group)
+                    unresolved.discard(-1 if index is None else index)
                 if kind == "consume":
                     self.step = int(record["s"])
                     self.consumed_groups += len(groups)
             elif kind == "requeue":
                 self.consumed_groups -= len(groups)
-                pending.update((group, admitted[group]) for group in groups)
-        self.resolved.update(admitted)
+                requeued = {group: admitted[group] for group in groups}
+                pending = {**requeued, **pending}
+            elif kind == "max_lag":
+                self.max_lag = int(record["v"])
         self.queue = deque(pending.values())
-        self.cursor = max(leased_indices, default=-1) + 1
-        for index in sorted(set(leased_indices)):
+        for index in sorted(unresolved):
             group = group_id(index)
-            if group not in self.resolved:
-                problem = self.source.train(index)
-                self.returned[group] = _Lease(group, index, problem.prompt, problem.answer, "", now)
-        self.counters["admitted_groups"] = len(admitted)
+            problem = self.source.train(index)
+            self.returned[group] = _Lease(group, index, problem.prompt, problem.answer, "", now)
+        self.counters["admitted_groups"] = admitted_count
         self.counters["consumed_groups"] = self.consumed_groups
         self.counters["replayed_groups"] = len(self.queue)
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
-    def _check_group(self, msg: PushGroup, lease: _Lease) -> str:
-        trajectories = msg.trajectories
-        if len(trajectories) != self.group_size:
+    def _check_group(self, msg: CheckedPush, lease: _Lease) -> str:
+        if len(msg.trajectories) != self.group_size:
             return "group_size"
-        if any(t.group != msg.group for t in trajectories):
+        if any(g != msg.group for g in msg.trajectory_groups):
             return "group_mismatch"
-        if len({t.uid for t in trajectories}) != len(trajectories):
+        if len(set(msg.uids)) != len(msg.uids):
             return "duplicate_uid"
-        if any(t.prompt_index != lease.index for t in trajectories):
+        if any(i != lease.index for i in msg.prompt_indices):
             return "prompt_index"
-        if max(int(t.versions.max()) for t in trajectories) > self.step + 1:
+        if msg.newest_version > self.step + 1:
             return "future_version"
         return ""
 
@@ -294,5 +387,19 @@ class BufferState:
             self.journal.append(record)
 
 
-def batch_reply(step: int, groups: list[list[Trajectory]] | None, dropped: int) -> BatchReply:
-    return BatchReply(step=step, groups=groups or [], dropped_stale=dropped, ready=groups is not None)
+def encode_push(queued: Queued) -> bytes:
+    """The PushGroup bytes of a queued group (its maps are already valid: packed as they are)."""
+    payload = {
+        "v": wire.SCHEMA_VERSION,
+        "type": "PushGroup",
+        "worker": queued.worker,
+        "group": queued.group,
+        "trajectories": queued.trajectories,
+    }
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+def batch_reply(step: int, taken: list[Queued] | None, dropped: int) -> bytes:
+    """The encoded BatchReply for a take_batch result (ready iff groups were taken)."""
+    groups = [q.trajectories for q in taken] if taken is not None else []
+    return wire.encode_batch_reply(step, groups, dropped, taken is not None)

@@ -16,6 +16,7 @@ from pathlib import Path
 BENCHMARKS: dict[str, str] = {
     "wire": "asyncrl.bench.wire_bench:run",
     "engine": "asyncrl.bench.engine_bench:run",
+    "buffer": "asyncrl.bench.buffer_bench:run",
 }
 
 

@@ -372,3 +372,38 @@ def test_fuzz_only_wire_error() -> None:
         cases += 1
     assert cases >= 10000
     assert len(reasons) >= 12, reasons  # the fuzzer reaches most rejection paths
+
+
+def test_fast_path_agrees_with_the_generic_decoder() -> None:
+    """The trajectory fast path may only be faster: on valid and mutated groups it accepts exactly what the generic
+    decoder accepts, with the same values, and `decode_request` rejects with the generic reason."""
+    rng = random.Random(4)
+    generic = wire._list_kind(wire.TRAJECTORY, "Trajectory")
+    valid = encode(PushGroup("w", "g7", [make_traj(i) for i in range(4)]))
+    outcomes = set()
+    for i in range(3000):
+        data = valid if i == 0 else (_mutate_structure if i % 2 else _mutate_bytes)(rng, valid)
+        try:
+            expected: Any = generic.decode(msgpack.unpackb(data)["trajectories"], "trajectories")
+        except Exception as err:
+            expected = getattr(err, "reason", "error")
+        try:
+            items = msgpack.unpackb(data)["trajectories"]
+        except Exception:
+            items = None
+        fast = wire._scan(items, build=True)
+        if fast is not None:
+            assert not isinstance(expected, str), (i, expected)
+            assert_same(fast.trajectories, expected)
+        try:
+            checked = wire.decode_request(data)
+            outcome = "ok" if isinstance(checked, wire.CheckedPush) else type(checked).__name__
+        except WireError as err:
+            outcome = err.reason
+            try:
+                decode(data)
+                raise AssertionError("decode_request rejected what decode accepts")
+            except WireError as again:
+                assert again.reason == err.reason
+        outcomes.add(outcome)
+    assert "ok" in outcomes and len(outcomes) > 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import signal
@@ -366,3 +367,142 @@ def test_bad_config_exits_naming_the_key(tmp_path: Path, section: dict[str, Any]
     cmd = [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and key in done.stderr and "READY" not in done.stdout
+
+
+# ---- issue 4: fuzzing over the socket, dead workers, live max_lag across restarts, compaction ------------------
+
+
+def _malformed_pool(rng: np.random.Generator, valid: bytes, size: int) -> list[bytes]:
+    """`size` distinct messages that `wire.decode` rejects: random bytes, truncations, wrong types, NaN, mismatched
+    lengths, oversized arrays."""
+    template = msgpack.unpackb(valid)
+    traj = template["trajectories"][0]
+    wrong = [None, True, -1, 2**63, 1.5, math.nan, math.inf, "x", b"", [], {}, [{}]]
+    pool: list[bytes] = []
+    while len(pool) < size:
+        kind = len(pool) % 6
+        if kind == 0:
+            data = rng.bytes(int(rng.integers(1, 300)))
+        elif kind == 1:
+            data = valid[: int(rng.integers(0, len(valid)))]
+        else:
+            mutated = msgpack.unpackb(valid)
+            target = mutated["trajectories"][int(rng.integers(0, len(mutated["trajectories"])))]
+            if kind == 2:
+                key = list(traj)[int(rng.integers(0, len(traj)))]
+                target[key] = wrong[int(rng.integers(0, len(wrong)))]
+            elif kind == 3:
+                values = np.frombuffer(target["behav_logp"]["b"], np.float32).copy()
+                values[int(rng.integers(0, len(values)))] = [np.nan, np.inf, -np.inf, 3.0][len(pool) % 4]
+                target["behav_logp"]["b"] = values.tobytes()
+            elif kind == 4:
+                name = ["versions", "behav_logp", "response_ids"][len(pool) % 3]
+                target[name]["n"] += int(rng.integers(1, 5))
+                target[name]["b"] += bytes(4 * int(target[name]["n"] - len(target[name]["b"]) // 4))
+            else:
+                target["response_ids"] = {"dt": "i4", "n": wire.MAX_TOKENS + 1, "b": bytes(4)}
+            data = msgpack.packb(mutated)
+        try:
+            wire.decode(data)
+        except wire.WireError:
+            pool.append(data)
+    return pool
+
+
+def test_fuzz_over_the_socket_while_valid_traffic_flows(tmp_path: Path) -> None:
+    total_malformed = 100_000
+    with running_buffer(tmp_path, train={"groups_per_step": 40}) as buffer:
+        leases, _ = buffer.client.lease(1)
+        rng = np.random.default_rng(4)
+        pool = _malformed_pool(rng, wire.encode(wire.PushGroup("w0", "g0", make_group(leases[0]))), 3000)
+        context = zmq.Context.instance()
+        attacker = context.socket(zmq.DEALER)
+        attacker.setsockopt(zmq.LINGER, 0)
+        attacker.setsockopt(zmq.SNDHWM, 0)
+        attacker.setsockopt(zmq.RCVHWM, 0)
+        attacker.connect(buffer.endpoint)
+        replies = 0
+
+        def attack() -> None:  # pipelined: no waiting for replies
+            for i in range(total_malformed):
+                attacker.send(pool[i % len(pool)], copy=False)
+
+        sender = threading.Thread(target=attack)
+        started = time.monotonic()
+        sender.start()
+        with BufferClient(buffer.endpoint, "w-valid", timeout_s=30.0) as worker:
+            assert worker.push_group(leases[0].group, make_group(leases[0])).reason == ""
+            pushed = [leases[0]]
+            while len(pushed) < 40:  # (0 + max_lag + 1) * 40 groups may be leased at step 0
+                more, _ = worker.lease(4)
+                for lease in more:
+                    assert worker.push_group(lease.group, make_group(lease)).reason == ""
+                    pushed.append(lease)
+        sender.join()
+        while replies < total_malformed and time.monotonic() - started < 120:
+            if attacker.poll(5000):
+                reply = wire.decode(attacker.recv())
+                assert isinstance(reply, wire.ErrorReply)
+                replies += 1
+        attacker.close()
+        stats = buffer.stats()
+        rejected = sum(v for k, v in stats.items() if k.startswith("rejected_"))
+        assert replies == total_malformed and rejected == total_malformed, (replies, rejected)
+        assert stats["admitted_groups"] == len(pushed)
+        batch = buffer.client.fetch_batch(step=0, num_groups=len(pushed), wait_s=0.0)
+        assert sorted(g[0].group for g in batch.groups) == sorted(x.group for x in pushed)
+
+
+def test_dead_worker_leases_return_before_their_deadline(tmp_path: Path) -> None:
+    with (
+        running_buffer(tmp_path, buffer={"lease_timeout_s": 60.0, "worker_timeout_s": 0.4}) as buffer,
+        BufferClient(buffer.endpoint, "doomed") as doomed,
+        BufferClient(buffer.endpoint, "alive") as alive,
+    ):
+        lost, _ = doomed.lease(2)
+        kept, _ = alive.lease(1)
+        for _ in range(6):  # `alive` heartbeats (a LeaseRequest of 0 groups); `doomed` stays silent
+            time.sleep(0.15)
+            assert alive.lease(0)[0] == []
+        stats = buffer.stats()
+        assert stats["dead_workers"] == 1 and stats["dead_worker_leases"] == 2 and stats["leased_groups"] == 1
+        again, _ = alive.lease(3)
+        assert [x.group for x in again] == [x.group for x in lost] + ["g3"]
+        assert alive.push_group(kept[0].group, make_group(kept[0])).reason == ""
+
+
+def test_max_lag_set_live_survives_a_restart(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:
+        assert buffer.client.set_max_lag(5)["max_lag"] == 5
+        buffer.proc.kill()
+        buffer.proc.wait()
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:
+        stats = buffer.stats()
+        assert stats["max_lag"] == 5 and stats["may_lease"] == (0 + 5 + 1) * BATCH
+
+
+def test_compaction_bounds_the_journal_and_keeps_exactly_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    sizes = []
+    consumed: list[str] = []
+    with running_buffer(tmp_path, run_dir=run_dir, buffer={"compact_bytes": 4096}) as buffer:
+        for step in range(12):
+            lease_and_push(buffer, BATCH, version=step)
+            batch = buffer.client.fetch_batch(step=step, num_groups=BATCH, wait_s=0.0)
+            consumed += [g[0].group for g in batch.groups]
+            sizes.append((run_dir / "buffer.journal").stat().st_size)
+        leftover = lease_and_push(buffer, 1, version=12)  # admitted, not consumed when the buffer dies
+        stats = buffer.stats()
+        assert stats["journal_compactions"] >= 2 and max(sizes[4:]) < 3 * 4096
+        buffer.proc.kill()
+        buffer.proc.wait()
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:
+        stats = buffer.stats()
+        assert stats["queued_groups"] == 1 and stats["current_step"] == 11 and stats["cursor"] == 25
+        batch = buffer.client.fetch_batch(step=12, num_groups=1, wait_s=0.0)
+        assert [g[0].group for g in batch.groups] == [leftover[0].group]
+        assert len(set(consumed)) == 24
+        for group in consumed[:3] + consumed[-2:]:  # consumed before the compaction or after: still duplicates
+            lease = PromptLease(group, int(group[1:]), "", "", 0.0)
+            assert buffer.client.push_group(group, make_group(lease, version=12)).reason == "duplicate"

@@ -1,0 +1,246 @@
+"""`asyncrl bench buffer`: trajectory ingest of the real buffer service against raw ZMQ, and learner fetch latency.
+
+Each contender is a fresh set of producer processes sending the same pre-encoded PushGroup bytes (groups of
+`GROUP_SIZE` trajectories with 512-token responses), pipelined on one socket each:
+
+| contender | receiver | counts when |
+|---|---|---|
+| raw | a PULL socket in another process that only receives | the last message arrived |
+| buffer, journal on | `python -m buffer` (fsync=batch), DEALER with a PushReply per group | the last reply arrived |
+| buffer, journal off | the same with `buffer.journal=false` | the last reply arrived |
+
+Ratios: `ingest_vs_raw_1p` / `ingest_vs_raw_4p` = admitted trajectories/s over raw trajectories/s, from 1 and from 4
+producers; `journal_on_vs_off` = ingest with the journal over without (1 producer). Every buffer reply is checked
+(`accepted` with reason ""): a group that was not admitted fails the bench. Producers lease their groups and encode
+them before the clock starts. After the journal-on run the bench drains the queue as the learner does
+(FetchBatch of `FETCH_GROUPS` groups) and reports the latency of each fetch, decode included.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.bench import BenchResult
+
+GROUP_SIZE = 8
+FETCH_GROUPS = 16
+
+
+def _payloads(count: int, leases: list[Any] | None, producer: int) -> list[bytes]:
+    from asyncrl import wire
+    from asyncrl.bench.wire_bench import _trajectory
+
+    template = replace(_trajectory(), versions=np.zeros(512, np.int32))  # version 0: admissible at step 0
+    out = []
+    for k in range(count):
+        group, index = (leases[k].group, leases[k].index) if leases else (f"p{producer}-{k}", k)
+        trajectories = [
+            replace(template, uid=f"{group}/{i}", group=group, prompt_index=index) for i in range(GROUP_SIZE)
+        ]
+        out.append(wire.encode(wire.PushGroup(worker=f"bench-{producer}", group=group, trajectories=trajectories)))
+    return out
+
+
+def _producer(mode: str, endpoint: str, count: int, producer: int, ready: Any, go: Any, results: Any) -> None:
+    """Lease (buffer mode) and encode `count` groups, wait for `go`, send them all pipelined, report the times."""
+    try:
+        _produce(mode, endpoint, count, producer, ready, go, results)
+    except BaseException:
+        results.put(traceback.format_exc())
+        ready.put(producer)
+        raise
+
+
+def _produce(mode: str, endpoint: str, count: int, producer: int, ready: Any, go: Any, results: Any) -> None:
+    import zmq
+
+    from asyncrl import wire
+    from buffer.client import BufferClient
+
+    leases = None
+    if mode == "buffer":
+        with BufferClient(endpoint, f"bench-{producer}") as client:
+            leases = []
+            while len(leases) < count:
+                got, _ = client.lease(min(count - len(leases), wire.MAX_GROUP))
+                assert got, "the bench buffer throttled leasing"
+                leases += got
+    payloads = _payloads(count, leases, producer)
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER if mode == "buffer" else zmq.PUSH)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.connect(endpoint)
+    ready.put(producer)
+    go.wait()
+    started = time.monotonic()
+    for payload in payloads:
+        socket.send(payload, copy=False)
+    admitted = 0
+    if mode == "buffer":
+        for _ in payloads:
+            reply = wire.decode(socket.recv())
+            assert isinstance(reply, wire.PushReply) and reply.accepted and reply.reason == "", reply
+            admitted += GROUP_SIZE
+    ended = time.monotonic()
+    socket.close(linger=-1)
+    context.term()
+    results.put((started, ended, admitted))
+
+
+def _sink(endpoint_q: Any, total: int, results: Any) -> None:
+    import zmq
+
+    context = zmq.Context()
+    socket = context.socket(zmq.PULL)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    endpoint_q.put(f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}")
+    for _ in range(total):
+        socket.recv(copy=False)
+    results.put(time.monotonic())
+    socket.close(0)
+    context.term()
+
+
+def _start_buffer(run_dir: Path, journal: bool, total_groups: int) -> tuple[subprocess.Popen[bytes], str]:
+    from asyncrl.config import Config, to_dict
+
+    values = to_dict(Config())
+    values["train"].update(group_size=GROUP_SIZE, groups_per_step=64)
+    values["staleness"]["max_lag"] = total_groups  # never throttles the bench
+    values["buffer"].update(journal=journal, max_queued_groups=total_groups + 1, lease_timeout_s=600.0)
+    values["data"].update(task="arith")
+    run_dir.mkdir(parents=True)
+    config = run_dir / "config.json"
+    config.write_text(json.dumps(values))
+    cmd = [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60.0)
+    line = proc.stdout.readline().decode().strip() if ready else ""
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"bench: buffer did not start ({line!r})")
+    return proc, line.split()[1]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _ingest(mode: str, producers: int, groups: int, run_dir: Path, fetch_ms: list[float] | None) -> float:
+    """Trajectories/s from `producers` processes sending `groups` groups in all (admitted ones for the buffer)."""
+    ctx = mp.get_context("fork")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    per = groups // producers
+    total = per * producers
+    proc, sink = None, None
+    if mode == "raw":
+        endpoint_q, sink_results = ctx.Queue(), ctx.Queue()
+        sink = ctx.Process(target=_sink, args=(endpoint_q, total, sink_results))
+        sink.start()
+        endpoint = endpoint_q.get(timeout=30)
+    else:
+        proc, endpoint = _start_buffer(run_dir, mode == "journal_on", total)
+    workers = [
+        ctx.Process(target=_producer, args=("raw" if mode == "raw" else "buffer", endpoint, per, i, ready, go, results))
+        for i in range(producers)
+    ]
+    try:
+        for worker in workers:
+            worker.start()
+        for _ in workers:
+            ready.get(timeout=120)
+        go.set()
+        times = [results.get(timeout=300) for _ in workers]
+        errors = [t for t in times if isinstance(t, str)]
+        if errors:
+            raise RuntimeError(f"bench producer failed:\n{errors[0]}")
+        start = min(t[0] for t in times)
+        if sink is not None:
+            end = sink_results.get(timeout=300)
+            count = total * GROUP_SIZE
+        else:
+            end = max(t[1] for t in times)
+            count = sum(t[2] for t in times)
+            if fetch_ms is not None:
+                fetch_ms += _drain(endpoint, total)
+        return count / (end - start)
+    finally:
+        for worker in [*workers, *([sink] if sink else [])]:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        if proc is not None:
+            _stop(proc)
+
+
+def _drain(endpoint: str, total_groups: int) -> list[float]:
+    """Fetch every queued group as the learner does; the latency of each fetch in ms."""
+    from buffer.client import BufferClient
+
+    latencies = []
+    with BufferClient(endpoint, "bench-learner", timeout_s=60) as client:
+        for _ in range(total_groups // FETCH_GROUPS):
+            started = time.perf_counter()
+            reply = client.fetch_batch(step=0, num_groups=FETCH_GROUPS, wait_s=0.0)
+            latencies.append((time.perf_counter() - started) * 1e3)
+            assert reply.ready and len(reply.groups) == FETCH_GROUPS
+    return latencies
+
+
+def run(quick: bool) -> BenchResult:
+    groups, rounds = (240, 1) if quick else (1200, 3)
+    samples: dict[str, list[float]] = {}
+    fetch_ms: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="bench-buffer-") as tmp:
+        for r in range(rounds):  # contenders alternate, so a noisy neighbour slows all of them
+            for mode, producers in (("raw", 1), ("journal_on", 1), ("journal_off", 1), ("raw", 4), ("journal_on", 4)):
+                run_dir = Path(tmp) / f"{mode}-{producers}-{r}"
+                rate = _ingest(mode, producers, groups, run_dir, fetch_ms if producers == 1 else None)
+                samples.setdefault(f"{mode}_{producers}p_traj_per_s", []).append(rate)
+    metrics = {name: statistics.median(values) for name, values in samples.items()}
+    fetch_ms.sort()
+    metrics.update(
+        fetch_latency_ms_p50=statistics.median(fetch_ms),
+        fetch_latency_ms_p90=fetch_ms[int(0.9 * (len(fetch_ms) - 1))],
+        fetch_latency_ms_max=fetch_ms[-1],
+        fetch_groups=float(FETCH_GROUPS),
+        group_size=float(GROUP_SIZE),
+        groups_per_run=float(groups),
+        cpu_count=float(os.cpu_count() or 0),
+    )
+    ratios = {
+        "ingest_vs_raw_1p": metrics["journal_on_1p_traj_per_s"] / metrics["raw_1p_traj_per_s"],
+        "ingest_vs_raw_4p": metrics["journal_on_4p_traj_per_s"] / metrics["raw_4p_traj_per_s"],
+        "journal_on_vs_off": metrics["journal_on_1p_traj_per_s"] / metrics["journal_off_1p_traj_per_s"],
+    }
+    return BenchResult(name="buffer", metrics=metrics, ratios=ratios)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run("--quick" in sys.argv).to_json(), indent=2))
