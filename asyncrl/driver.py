@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,19 +30,9 @@ from asyncrl.metrics import MetricsLogger
 
 def start_buffer(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]:
     """Launch the buffer service process and wait for its READY line; returns (process, endpoint)."""
-    config_file = run_dir / "buffer_config.json"
-    config_file.write_text(json.dumps(to_dict(cfg)))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "buffer", "--config-json", str(config_file), "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"buffer service failed to start (said {line!r}); see its stderr above")
-    return proc, line.split(" ", 1)[1]
+    from buffer.launcher import start_service
+
+    return start_service(to_dict(cfg), run_dir)
 
 
 def init_ray(cfg: Config) -> None:
@@ -200,9 +188,6 @@ def _buffer_stats(endpoint: str) -> dict[str, Any]:
 
 
 def _shutdown(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    from buffer.launcher import stop_service
+
+    stop_service(proc, timeout_s=10)

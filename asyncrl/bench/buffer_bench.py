@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import select
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.bench import BenchResult
+from buffer.launcher import start_service, stop_service
 
 GROUP_SIZE = 8
 FETCH_GROUPS = 16
@@ -126,29 +125,7 @@ def _start_buffer(run_dir: Path, journal: bool, total_groups: int) -> tuple[subp
     values["buffer"].update(journal=journal, max_queued_groups=total_groups + 1, lease_timeout_s=600.0)
     values["data"].update(task="arith")
     run_dir.mkdir(parents=True)
-    config = run_dir / "config.json"
-    config.write_text(json.dumps(values))
-    cmd = [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60.0)
-    line = proc.stdout.readline().decode().strip() if ready else ""
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"bench: buffer did not start ({line!r})")
-    return proc, line.split()[1]
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+    return start_service(values, run_dir)
 
 
 def _ingest(mode: str, producers: int, groups: int, run_dir: Path, fetch_ms: list[float] | None) -> float:
@@ -196,7 +173,7 @@ def _ingest(mode: str, producers: int, groups: int, run_dir: Path, fetch_ms: lis
                 worker.kill()
                 worker.join()
         if proc is not None:
-            _stop(proc)
+            stop_service(proc)
 
 
 def _drain(endpoint: str, total_groups: int) -> list[float]:
