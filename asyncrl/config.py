@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,12 @@ class RolloutConfig:
     """How a new weight version enters in-flight sequences: `in_place` keeps their KV, `retract` recomputes it."""
     threads: int = 1
     """torch intra-op threads per rollout worker."""
+    max_batch: int = 256
+    """Sequences one embedded engine decodes together (its KV-cache slots; the cache grows to this on demand)."""
+    max_seq_len: int = 2048
+    """Prompt + response positions per KV-cache slot (capped at the model's max_position_embeddings)."""
+    device: str = "cpu"
+    """Device of the embedded engine: `cpu`, `cuda` or `cuda:N` (GPU path written to torch's APIs, untested on GPU)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -351,6 +358,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "rollout.top_k": (0, None),
     "rollout.groups_per_lease": (1, None),
     "rollout.threads": (1, None),
+    "rollout.max_batch": (1, None),
+    "rollout.max_seq_len": (2, None),
     "buffer.port": (0, 65535),
     "buffer.lease_timeout_s": (0.1, None),
     "buffer.max_queued_groups": (1, None),
@@ -462,6 +471,13 @@ def _check_cross_field(cfg: Config) -> None:
         )
     if cfg.rollout.num_workers < 1:
         raise ConfigError("`rollout.num_workers` must be at least 1 to start a run")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.rollout.device):
+        raise ConfigError(f"`rollout.device` must be cpu, cuda or cuda:N, got {cfg.rollout.device!r}")
+    if cfg.rollout.max_seq_len <= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"`rollout.max_seq_len` ({cfg.rollout.max_seq_len}) must exceed `rollout.max_new_tokens` "
+            f"({cfg.rollout.max_new_tokens}): each slot holds the prompt and the response"
+        )
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"`optim.betas` must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if cfg.model.path.startswith("builtin:"):
@@ -482,7 +498,6 @@ def _check_cross_field(cfg: Config) -> None:
 NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
     "rollout.backend": (("embedded",), "the SGLang backend (issue 8)"),
     "precision.train": (("fp32",), "the learner issue (5)"),
-    "precision.rollout": (("fp32",), "the engine issue (3)"),
     "learner.world_size": ((1,), "FSDP2 in the learner issue (5)"),
     "learner.rollout_aligned": ((False,), "the learner issue (5)"),
     "checkpoint.every": ((0,), "periodic checkpoints and resume (issue 7)"),

@@ -112,7 +112,7 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch._int_mm(a, b.t())
     # Small batches: _int_mm needs m > 16 on some builds; pad rows (still exact).
     if a.shape[1] % 8 == 0 and b.shape[0] % 8 == 0:
-        padded = torch.zeros((17, a.shape[1]), dtype=torch.int8)
+        padded = torch.zeros((17, a.shape[1]), dtype=torch.int8, device=a.device)
         padded[:m] = a
         return torch._int_mm(padded, b.t())[:m]
     return (a.to(torch.int32) @ b.to(torch.int32).t()).to(torch.int32)

@@ -42,7 +42,10 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.source = make_source(self.cfg.data)
         seed = self.cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
-        self.engine = EmbeddedEngine(model_dir, seed=seed, swap_mode=rollout.swap_mode)
+        self.engine = EmbeddedEngine(
+            model_dir, max_batch=rollout.max_batch, seed=seed, swap_mode=rollout.swap_mode,
+            max_seq_len=rollout.max_seq_len, precision=self.cfg.precision.rollout, device=rollout.device,
+        )  # fmt: skip
         self.params = SamplingParams(
             max_new_tokens=rollout.max_new_tokens,
             temperature=rollout.temperature,

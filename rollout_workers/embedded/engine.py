@@ -31,7 +31,15 @@ from pathlib import Path
 import torch
 
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight, dequantize_published
-from rollout_workers.embedded.model import ArchConfig, KVCache, ModelWeights, decode, prefill, required_weight_names
+from rollout_workers.embedded.model import (
+    DTYPES,
+    ArchConfig,
+    KVCache,
+    ModelWeights,
+    decode,
+    prefill,
+    required_weight_names,
+)
 from rollout_workers.engine import Completion, SamplingParams, WeightUpdate
 
 SCALE_SUFFIX = "_scale"
@@ -119,9 +127,20 @@ class EmbeddedEngine:
         seed: int = 0,
         swap_mode: str = "in_place",
         max_seq_len: int = 2048,
+        precision: str = "fp32",
+        device: str = "cpu",
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"rollout.swap_mode {swap_mode!r} is not one of {', '.join(SWAP_MODES)}")
+        if precision not in DTYPES:
+            raise ValueError(f"precision.rollout {precision!r} is not one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[precision]
+        """Compute dtype of everything but quantized linears (those run their scheme's numerics, output cast)."""
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"rollout.device={device}: torch sees no CUDA device on this machine")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"rollout.device {device!r} is not supported (cpu, cuda, cuda:N)")
         self.arch = ArchConfig.from_model_dir(model_dir)
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len, self.arch.max_positions)
@@ -174,7 +193,7 @@ class EmbeddedEngine:
             self._drop_staged(staged)
             return False
         if self._building is None or self._building[0] != version:
-            self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map))
+            self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map, self.dtype, self.device))
         budget = max(BUILD_SLICE_MIN_S, BUILD_SLICE_OF_STEP * self._step_seconds) if self._active else float("inf")
         deadline = time.perf_counter() + budget
         for part in self._building[1]:
@@ -219,7 +238,7 @@ class EmbeddedEngine:
         """Queue every prompt (identical prompts share a prefill) and step until all are done."""
         if params.seed is not None:
             self._generator.manual_seed(params.seed)
-        base = int(torch.randint(0, 1 << 62, (1,), generator=self._generator))
+        base = int(torch.randint(0, 1 << 62, (1,), generator=self._generator, device="cpu"))
         positions: dict[tuple[int, ...], list[int]] = {}
         for index, prompt in enumerate(prompts):
             positions.setdefault(tuple(prompt), []).append(index)
@@ -236,7 +255,14 @@ class EmbeddedEngine:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """One scheduler step (see the module docstring); returns the sequences that finished in it."""
+        """One scheduler step (see the module docstring); returns the sequences that finished in it.
+
+        Tensors made during the step are created on the engine's device (`torch.device` as the default device).
+        """
+        with self.device:
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         if self.apply_staged() and self.swap_mode == "retract" and self._active:
             self._retract()
         if self._weights is None:
@@ -264,7 +290,8 @@ class EmbeddedEngine:
         if cache is not None and cache.slots >= slots:
             return cache
         size = min(self.max_batch, 1 << max(slots - 1, 1).bit_length())
-        grown = KVCache(self.arch, size, self.max_seq_len)
+        with self.device:
+            grown = KVCache(self.arch, size, self.max_seq_len, self.dtype)
         if cache is not None and self._active:
             n = len(self._active)
             grown.keys[:, :n] = cache.keys[:, :n]

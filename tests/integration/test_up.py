@@ -75,6 +75,10 @@ def test_up_rejects_bad_weighting_quickly(tmp_path):
     assert not (tmp_path / "dapo_int8").exists()  # nothing started, nothing written
 
 
+ROLLOUT_PRECISION = {"tis": "bf16", "acrl": "fp16"}
+"""Half-precision rollout rides along with two weightings (the rest roll out in fp32)."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 def test_every_weighting_runs_end_to_end(tmp_path, weighting):
@@ -83,6 +87,7 @@ def test_every_weighting_runs_end_to_end(tmp_path, weighting):
         tmp_path, "model.path=builtin:micro", f"train.steps={steps}", "train.groups_per_step=2", "train.group_size=4",
         "algo.filter_groups=false", f"loss.weighting={weighting}", "logging.name=w", "data.eval_size=0",
         "checkpoint.final=false", "rollout.num_workers=1", "ray.worker_cpus=1",
+        f"precision.rollout={ROLLOUT_PRECISION.get(weighting, 'fp32')}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]

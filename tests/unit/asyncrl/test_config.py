@@ -48,8 +48,11 @@ def test_overrides_apply_in_order():
         ("loss.dual_clip=0.5", "`loss.dual_clip`"),
         ("algo.overlong.len=99", "`algo.overlong.len`"),
         ("rollout.num_workers=0", "`rollout.num_workers`"),
+        ("rollout.device=gpu", "`rollout.device` must be cpu, cuda or cuda:N, got 'gpu'"),
+        ("rollout.max_seq_len=8", "`rollout.max_seq_len` (8) must exceed `rollout.max_new_tokens` (8)"),
+        ("rollout.max_batch=0", "`rollout.max_batch` is out of range"),
         ("steps", "must look like key=value"),
-        ("precision.train=bf16", "`precision.train=bf16` is valid but not implemented in this version"),
+        ("checkpoint.every=5", "`checkpoint.every=5` is valid but not implemented in this version"),
         ("learner.world_size=2", "not implemented in this version"),
     ],
 )

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from quant_sync.export import export_rollout_tensors
 from quant_sync.quantizers import QuantizedWeight, quantize_weight, quantized_linear
 from rollout_workers.embedded.engine import EmbeddedEngine
-from rollout_workers.embedded.model import ModelDirError, linear, prepare_linear
+from rollout_workers.embedded.model import PACK_FP32_MIN_FEATURES, ModelDirError, PackedFp32, linear, prepare_linear
 from rollout_workers.engine import SamplingParams, WeightUpdate
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -31,9 +31,10 @@ def one_torch_thread():
 def make_model(tmp_path, arch: str, tie: bool = False, **overrides):
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(0)
-    config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                        tie_word_embeddings=tie, eos_token_id=1, **overrides)  # fmt: skip
+    sizes = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)  # fmt: skip
+    config = config_cls(**{**sizes, **overrides}, max_position_embeddings=128, tie_word_embeddings=tie,
+                        eos_token_id=1)  # fmt: skip
     model = model_cls(config).eval()
     model.save_pretrained(tmp_path)
     return model
@@ -61,6 +62,48 @@ def test_logp_parity_with_hugging_face(tmp_path, arch, tie):
         assert len(completion.response_ids) == len(completion.behav_logp) == len(completion.versions)
         ref = hf_logp(model, prompt, completion.response_ids)
         assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4), arch
+
+
+def test_large_layers_run_packed_and_keep_parity(tmp_path):
+    """Hidden >= PACK_FP32_MIN_FEATURES: every linear runs oneDNN's prepacked fp32 GEMM, still at HF parity."""
+    width = PACK_FP32_MIN_FEATURES
+    model = make_model(tmp_path, "qwen2", hidden_size=width, intermediate_size=2 * width, vocab_size=width + 11,
+                       num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    engine = engine_for(model, tmp_path)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(1,), seed=4)
+    out = engine.generate(PROMPTS, params) + engine.generate(PROMPTS[:1], params)  # packed rows, then one row
+    layer = engine._weights.layers[0]
+    assert all(isinstance(w, PackedFp32) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    assert isinstance(engine._weights.head, PackedFp32)
+    for prompt, completion in zip(PROMPTS + PROMPTS[:1], out):
+        ref = hf_logp(model, prompt, completion.response_ids)
+        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize(
+    ("precision", "dtype", "atol"), [("bf16", torch.bfloat16, 5e-3), ("fp16", torch.float16, 1e-3)]
+)
+def test_half_precision_rollout_matches_hf_in_that_dtype(tmp_path, arch, precision, dtype, atol):
+    model = make_model(tmp_path, arch)
+    engine = engine_for(model, tmp_path, precision=precision)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, stop_token_ids=(1,), seed=9))
+    assert engine._cache.keys.dtype == dtype and engine._weights.embed.dtype == dtype
+    half = model.to(dtype)
+    for prompt, completion in zip(PROMPTS, out):
+        ids = torch.tensor([prompt + completion.response_ids])
+        with torch.no_grad():
+            logp = half(ids).logits[0].float().log_softmax(-1)
+        ref = logp[len(prompt) - 1 : -1].gather(1, torch.tensor(completion.response_ids)[:, None]).squeeze(1)
+        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=atol), (arch, precision)
+
+
+def test_quantized_linears_under_bf16_compute(tmp_path):
+    model = make_model(tmp_path, "llama")
+    out = engine_for(model, tmp_path, "int8", precision="bf16").generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    for prompt, completion in zip(PROMPTS, out):
+        logp = torch.tensor(completion.behav_logp)
+        assert torch.isfinite(logp).all() and (logp - hf_logp(model, prompt, completion.response_ids)).abs().max() < 0.1
 
 
 def test_temperature_logp_is_of_the_tempered_distribution(tmp_path):
@@ -195,6 +238,19 @@ def test_llama3_rope_scaling_parity(tmp_path):
     for prompt, completion in zip(prompts, out):
         ref = hf_logp(model, prompt, completion.response_ids)
         assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4)
+
+
+def test_bad_engine_settings_fail_clearly(tmp_path):
+    make_model(tmp_path, "llama")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            EmbeddedEngine(tmp_path, device="cuda")
+    with pytest.raises(ValueError, match="rollout.device 'meta' is not supported"):
+        EmbeddedEngine(tmp_path, device="meta")
+    with pytest.raises(ValueError, match="precision.rollout 'fp8' is not one of"):
+        EmbeddedEngine(tmp_path, precision="fp8")
+    with pytest.raises(ValueError, match="rollout.swap_mode 'pause' is not one of"):
+        EmbeddedEngine(tmp_path, swap_mode="pause")
 
 
 def test_bad_model_dirs_fail_clearly(tmp_path):
