@@ -1,33 +1,61 @@
-"""Versioned weight publication over ZMQ: the learner side publishes, every rollout worker subscribes.
+"""Versioned weight publication: the learner publishes each version once, every rollout worker fetches the latest.
 
-Protocol (no pickle; msgpack headers, raw tensor bytes as separate zero-copy frames):
+Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy ZMQ frames, no pickle):
 
-    worker  -> publisher   [msgpack {"v": 1, "type": "get", "have": <version the worker runs>}]
-    publisher -> worker    [msgpack header] + one frame per tensor, only if latest > have; else the header alone
-    header = {"v": 1, "version": int, "scheme": str, "tensors": [{"name", "dtype", "shape", "nbytes", "crc32"}]}
+    worker -> publisher  {"v": 2, "type": "get", "have": <version the worker runs>}
+    publisher -> worker  the header of the latest version if it is newer than `have`, else {"v": 2, "version": V}
+    header = {"v": 2, "version", "scheme", "boot_id", "shm": path | None,
+              "tensors": [{"name", "dtype", "shape", "nbytes", "file_offset"}],
+              "chunks": [[tensor index, byte offset in the tensor, length, xxh3-64 digest], ...]}
+    worker -> publisher  {"v": 2, "type": "chunk", "version": V, "index": i}      (a window of these in flight)
+    publisher -> worker  [{"v": 2, "version": V, "index": i}, <chunk bytes>]  or {..., "gone": true}
 
-A late or restarted worker asks with have=-1 and receives the latest version. The subscriber checks every frame's
-length and CRC32 against the header; a corrupt or partial payload is dropped (counted) and fetched again, never
-applied. The publisher serves from a background thread, so `publish` returns as soon as the version is set.
-Sockets: ROUTER (publisher, binds 127.0.0.1 unless configured) and DEALER (subscriber), linger 0.
+- Chunked: tensors travel in chunks of at most `chunk_bytes` (4 MiB), each with its own xxh3-64 digest, so a
+  multi-GB version never sits in one ZMQ message, and a corrupt or truncated chunk is rejected (counted) and
+  fetched again alone. A payload is applied only when every chunk checks out; a header that does not describe
+  its tensors exactly (sizes, dtypes, chunk coverage) is rejected whole.
+- Local fast path: when the publisher can write to `/dev/shm`, each version is also written there once (to a
+  temporary name, then renamed: readers never see a partial file). A worker on the same machine (same kernel
+  boot id) maps that file copy-on-write instead of fetching chunks, verifies every chunk digest on the mapping,
+  and hands the engine tensors that are views of it: no socket copy at all. Any failure (file gone, digest
+  mismatch) falls back to the ZMQ path for that version.
+- The publisher keeps the last `keep_versions` versions, so a worker still fetching version k when k+1 is
+  published completes it; a chunk of a dropped version answers `gone` and the worker starts over on the latest.
+- A late or restarted worker asks with have=-1 and receives the latest version.
+
+Sockets: ROUTER (publisher, binds 127.0.0.1 unless configured) and DEALER (subscriber), linger 0. The publisher
+serves from a background thread, so `publish` returns once the version is hashed (and written to /dev/shm).
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import threading
 import time
-import zlib
+import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgpack
 import numpy as np
 import torch
+import xxhash
 import zmq
 
 from rollout_workers.engine import WeightUpdate
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+CHUNK_BYTES = 4 << 20
+WINDOW_CHUNKS = 8
+"""Chunk requests a subscriber keeps in flight (ZMQ path)."""
+MAX_TENSORS = 1 << 16
+MAX_CHUNKS = 1 << 22
+SHM_DIR = "/dev/shm"
+_ALIGN = 64
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -38,22 +66,42 @@ _DTYPES = {
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+def boot_id() -> str:
+    """This kernel's boot id: equal on both ends only when they share a machine (and its /dev/shm)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().view(-1)
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def _digest(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
 @dataclass(slots=True)
 class _Version:
-    header: bytes
-    frames: list[memoryview]
     version: int
+    header: bytes
+    chunks: list[memoryview]
+    shm_path: str | None
 
 
 class WeightPublisher:
-    """Serves the latest published version to any subscriber that asks for something newer."""
+    """Serves the latest published version (header, chunks, /dev/shm file) to every subscriber that asks."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shm_dir: str | None = "auto",
+        chunk_bytes: int = CHUNK_BYTES,
+        keep_versions: int = 2,
+    ):
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -62,11 +110,21 @@ class WeightPublisher:
             self.endpoint = f"tcp://{host}:{port}"
         else:
             self.endpoint = f"tcp://{host}:{self._socket.bind_to_random_port(f'tcp://{host}')}"
+        if shm_dir == "auto":
+            shm_dir = SHM_DIR if os.access(SHM_DIR, os.W_OK) else None
+        self.shm_dir = shm_dir
+        self.chunk_bytes = chunk_bytes
+        self.keep_versions = max(1, keep_versions)
+        self._prefix = f"asyncrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._boot_id = boot_id()
+        self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._latest: _Version | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.served = 0
+        self.chunks_served = 0
         self.bad_requests = 0
+        self.last_publish_s = 0.0
         self._thread = threading.Thread(target=self._serve, name="weight-publisher", daemon=True)
         self._thread.start()
 
@@ -75,23 +133,49 @@ class WeightPublisher:
         return -1 if self._latest is None else self._latest.version
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor], scheme: str) -> None:
-        """Make `tensors` the latest version (they must not be modified afterwards)."""
-        frames, entries = [], []
-        for name, tensor in tensors.items():
+        """Make `tensors` the latest version (they must not be modified afterwards): hash, write /dev/shm, serve."""
+        started = time.perf_counter()
+        entries, chunks, table, views = [], [], [], []
+        file_offset = 0
+        for index, (name, tensor) in enumerate(tensors.items()):
+            if tensor.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"version {version}: tensor {name} has dtype {tensor.dtype}, not publishable")
             data = _tensor_bytes(tensor)
-            frames.append(data)
-            entries.append(
-                {
-                    "name": name,
-                    "dtype": _DTYPE_NAMES[tensor.dtype],
-                    "shape": list(tensor.shape),
-                    "nbytes": data.nbytes,
-                    "crc32": zlib.crc32(data),
-                }
-            )
-        header = msgpack.packb({"v": PROTOCOL_VERSION, "version": version, "scheme": scheme, "tensors": entries})
+            views.append(data)
+            entries.append({"name": name, "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                            "nbytes": data.nbytes, "file_offset": file_offset})  # fmt: skip
+            for offset in range(0, data.nbytes, self.chunk_bytes):
+                chunk = data[offset : offset + self.chunk_bytes]
+                chunks.append(chunk)
+                table.append([index, offset, chunk.nbytes, _digest(chunk)])
+            file_offset += -(-data.nbytes // _ALIGN) * _ALIGN
+        shm_path = self._write_shm(version, views, entries) if self.shm_dir else None
+        header = msgpack.packb({"v": PROTOCOL_VERSION, "version": version, "scheme": scheme, "tensors": entries,
+                                "chunks": table, "shm": shm_path, "boot_id": self._boot_id})  # fmt: skip
+        published = _Version(version=version, header=header, chunks=chunks, shm_path=shm_path)
         with self._lock:
-            self._latest = _Version(header=header, frames=frames, version=version)
+            self._versions[version] = published
+            self._latest = published
+            evicted = []
+            while len(self._versions) > self.keep_versions:
+                evicted.append(self._versions.popitem(last=False)[1])
+        for old in evicted:  # mapped readers keep their pages: unlinking only drops the name
+            _unlink(old.shm_path)
+        self.last_publish_s = time.perf_counter() - started
+
+    def _write_shm(self, version: int, views: list[memoryview], entries: list[dict]) -> str | None:
+        path = os.path.join(self.shm_dir, f"{self._prefix}-v{version}")  # type: ignore[arg-type]
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "wb") as file:
+                for data, entry in zip(views, entries):
+                    file.seek(entry["file_offset"])
+                    file.write(data)
+            os.replace(tmp, path)
+            return path
+        except OSError:  # /dev/shm full or gone: the ZMQ path still serves this version
+            _unlink(tmp)
+            return None
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -100,98 +184,187 @@ class WeightPublisher:
             if not poller.poll(100):
                 continue
             try:
-                identity, payload = self._socket.recv_multipart()[:2]
+                identity, payload = self._socket.recv_multipart(copy=True)[:2]
                 request = msgpack.unpackb(payload, max_bin_len=0, max_str_len=64, max_map_len=8)
-                have = int(request["have"])
-                if request.get("v") != PROTOCOL_VERSION or request.get("type") != "get":
+                if request.get("v") != PROTOCOL_VERSION or request.get("type") not in ("get", "chunk"):
                     raise ValueError("bad request")
+                if request["type"] == "get":
+                    self._answer_get(identity, int(request["have"]))
+                else:
+                    self._answer_chunk(identity, int(request["version"]), int(request["index"]))
             except Exception:  # a malformed request must not kill the publisher: count it and go on
                 self.bad_requests += 1
-                continue
-            with self._lock:
-                latest = self._latest
-            if latest is None:
-                self._socket.send_multipart([identity, msgpack.packb({"v": PROTOCOL_VERSION, "version": -1})])
-            elif latest.version > have:
-                self._socket.send_multipart([identity, latest.header, *latest.frames], copy=False)
-                self.served += 1
-            else:
-                self._socket.send_multipart(
-                    [identity, msgpack.packb({"v": PROTOCOL_VERSION, "version": latest.version})]
-                )
+
+    def _answer_get(self, identity: bytes, have: int) -> None:
+        with self._lock:
+            latest = self._latest
+        if latest is not None and latest.version > have:
+            self._socket.send_multipart([identity, latest.header])
+            self.served += 1
+        else:
+            version = -1 if latest is None else latest.version
+            self._socket.send_multipart([identity, msgpack.packb({"v": PROTOCOL_VERSION, "version": version})])
+
+    def _answer_chunk(self, identity: bytes, version: int, index: int) -> None:
+        with self._lock:
+            held = self._versions.get(version)
+        reply = {"v": PROTOCOL_VERSION, "version": version, "index": index}
+        if held is None or not 0 <= index < len(held.chunks):
+            self._socket.send_multipart([identity, msgpack.packb({**reply, "gone": True})])
+            return
+        self._socket.send_multipart([identity, msgpack.packb(reply), held.chunks[index]], copy=False)
+        self.chunks_served += 1
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._socket.close(0)
+        with self._lock:
+            versions, self._versions, self._latest = list(self._versions.values()), OrderedDict(), None
+        for held in versions:
+            _unlink(held.shm_path)
+
+
+def _unlink(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class PayloadError(ValueError):
-    """A weight payload that does not match its header (partial, corrupt, wrong shape); never applied."""
+    """A weight header or chunk that does not check out (partial, corrupt, inconsistent); never applied."""
 
 
-def decode_payload(frames: list[bytes]) -> WeightUpdate | None:
-    """Header + tensor frames -> WeightUpdate; None when the publisher has nothing newer. Raises PayloadError."""
+class ShmUnavailable(PayloadError):
+    """No usable shared-memory copy here (another machine, or the file is gone): not corruption, use ZMQ."""
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A validated version header."""
+
+    version: int
+    scheme: str
+    tensors: list[dict]
+    chunks: list[tuple[int, int, int, int]]
+    shm: str | None
+    boot_id: str
+
+
+def parse_header(frame: bytes) -> Manifest | int:
+    """A header frame -> its Manifest, or the publisher's version (int) when it has nothing newer.
+
+    Raises PayloadError unless the header describes its tensors exactly: known dtypes, nbytes = numel x itemsize,
+    and chunks that cover each tensor's bytes in order without gaps or overlaps.
+    """
     try:
-        header = msgpack.unpackb(frames[0])
+        header = msgpack.unpackb(frame, max_bin_len=0, max_array_len=MAX_CHUNKS)
         version = int(header["version"])
+        if header.get("v") != PROTOCOL_VERSION:
+            raise ValueError(f"protocol {header.get('v')!r}, expected {PROTOCOL_VERSION}")
+        if "tensors" not in header:
+            return version
+        tensors, chunks = header["tensors"], [tuple(map(int, c)) for c in header["chunks"]]
+        scheme, shm, boot = str(header["scheme"]), header.get("shm"), str(header.get("boot_id", ""))
     except Exception as err:
         raise PayloadError(f"unreadable weight header: {err}") from err
-    entries = header.get("tensors")
-    if entries is None:
-        return None
-    if len(entries) != len(frames) - 1:
-        raise PayloadError(f"version {version}: header lists {len(entries)} tensors, got {len(frames) - 1} frames")
-    tensors: dict[str, torch.Tensor] = {}
-    for entry, frame in zip(entries, frames[1:]):
-        name = entry["name"]
-        if len(frame) != entry["nbytes"] or zlib.crc32(frame) != entry["crc32"]:
-            raise PayloadError(f"version {version}: tensor {name} is corrupt or partial (length or CRC32 mismatch)")
-        dtype = _DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise PayloadError(f"version {version}: tensor {name} has unknown dtype {entry['dtype']!r}")
-        raw = torch.from_numpy(np.frombuffer(bytearray(frame), dtype=np.uint8))
-        tensor = raw.view(dtype)
-        numel = int(np.prod(entry["shape"])) if entry["shape"] else 1
-        if tensor.numel() != numel:
-            raise PayloadError(f"version {version}: tensor {name} has {tensor.numel()} elements, shape says {numel}")
-        tensors[name] = tensor.view(entry["shape"])
-    return WeightUpdate(version=version, tensors=tensors, scheme=str(header["scheme"]))
+    if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
+        raise PayloadError(f"version {version}: bad tensor list")
+    covered = [0] * len(tensors)
+    for index, offset, length, _ in chunks:
+        if not 0 <= index < len(tensors) or offset != covered[index] or length <= 0:
+            raise PayloadError(f"version {version}: chunk table does not tile tensor {index} in order")
+        covered[index] += length
+    for index, entry in enumerate(tensors):
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            numel = 1
+            for dim in entry["shape"]:
+                numel *= int(dim) if int(dim) >= 0 else -1
+            nbytes = int(entry["nbytes"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise PayloadError(f"version {version}: tensor entry {index} is malformed ({err})") from err
+        if numel < 0 or nbytes != numel * dtype.itemsize or covered[index] != nbytes:
+            raise PayloadError(f"version {version}: tensor {entry.get('name')!r} sizes disagree (shape, dtype, chunks)")
+    return Manifest(version, scheme, tensors, chunks, shm if isinstance(shm, str) else None, boot)
+
+
+def assemble(manifest: Manifest, buffers: list[torch.Tensor]) -> WeightUpdate:
+    """Per-tensor byte buffers (uint8, already verified) -> the WeightUpdate the engine stages."""
+    tensors = {}
+    for entry, raw in zip(manifest.tensors, buffers):
+        tensors[entry["name"]] = raw.view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+    return WeightUpdate(version=manifest.version, tensors=tensors, scheme=manifest.scheme)
+
+
+def read_shm(manifest: Manifest) -> WeightUpdate:
+    """Map the version's /dev/shm file copy-on-write and verify every chunk on the mapping; raises PayloadError."""
+    if not manifest.shm or manifest.boot_id != boot_id() or not manifest.shm.startswith(SHM_DIR + "/"):
+        raise ShmUnavailable(f"version {manifest.version}: no shared-memory copy on this machine")
+    try:
+        with open(manifest.shm, "rb") as file:
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as err:
+        raise ShmUnavailable(f"version {manifest.version}: cannot map {manifest.shm}: {err}") from err
+    whole = torch.frombuffer(mapped, dtype=torch.uint8) if len(mapped) else torch.empty(0, dtype=torch.uint8)
+    buffers = []
+    for entry in manifest.tensors:
+        start, nbytes = int(entry["file_offset"]), int(entry["nbytes"])
+        if start < 0 or start + nbytes > whole.numel():
+            raise PayloadError(f"version {manifest.version}: {manifest.shm} is shorter than its header says")
+        buffers.append(whole[start : start + nbytes])
+    view = memoryview(mapped)
+    for index, offset, length, digest in manifest.chunks:
+        start = int(manifest.tensors[index]["file_offset"]) + offset
+        if _digest(view[start : start + length]) != digest:
+            raise PayloadError(f"version {manifest.version}: chunk of tensor {index} at {offset} is corrupt in shm")
+    view.release()
+    return assemble(manifest, buffers)
 
 
 class WeightSubscriber:
-    """Polls a publisher from a background thread and hands each newer version to `on_update`."""
+    """Fetches each newer version from a background thread and hands it to `on_update` (never a partial one)."""
 
-    def __init__(self, endpoint: str, on_update: Callable[[WeightUpdate], None], poll_s: float = 0.05):
+    def __init__(
+        self,
+        endpoint: str,
+        on_update: Callable[[WeightUpdate], None],
+        poll_s: float = 0.05,
+        use_shm: bool = True,
+        timeout_s: float = 5.0,
+    ):
         self.endpoint = endpoint
         self._on_update = on_update
         self._poll_s = poll_s
+        self._use_shm = use_shm
+        self._timeout_ms = int(timeout_s * 1000)
         self.have = -1
         self.rejected = 0
+        """Headers and chunks that did not check out (each was fetched again, never applied)."""
         self.received = 0
+        self.via_shm = 0
+        self.last_fetch_s = 0.0
         self._stop = threading.Event()
+        self._socket: zmq.Socket | None = None
         self._thread = threading.Thread(target=self._run, name="weight-subscriber", daemon=True)
         self._thread.start()
 
+    def _connect(self) -> zmq.Socket:
+        if self._socket is not None:
+            self._socket.close(0)
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.endpoint)
+        return self._socket
+
     def _run(self) -> None:
-        context = zmq.Context.instance()
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.endpoint)
+        socket = self._connect()
         try:
             while not self._stop.is_set():
-                socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": self.have}))
-                if not socket.poll(5000):  # publisher gone or busy: reconnect with a fresh socket
-                    socket.close(0)
-                    socket = context.socket(zmq.DEALER)
-                    socket.setsockopt(zmq.LINGER, 0)
-                    socket.connect(self.endpoint)
-                    continue
-                frames = socket.recv_multipart()
                 try:
-                    update = decode_payload(frames)
-                except PayloadError:
-                    self.rejected += 1
+                    update = self._fetch_latest(socket)
+                except TimeoutError:  # publisher gone or busy: reconnect with a fresh socket
+                    socket = self._connect()
                     continue
                 if update is not None and update.version > self.have:
                     self._on_update(update)
@@ -200,7 +373,76 @@ class WeightSubscriber:
                 else:
                     self._stop.wait(self._poll_s)
         finally:
-            socket.close(0)
+            if self._socket is not None:
+                self._socket.close(0)
+
+    def _recv(self, socket: zmq.Socket) -> list[zmq.Frame]:
+        if not socket.poll(self._timeout_ms):
+            raise TimeoutError
+        return socket.recv_multipart(copy=False)
+
+    def _fetch_latest(self, socket: zmq.Socket) -> WeightUpdate | None:
+        started = time.perf_counter()
+        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": self.have}))
+        try:
+            manifest = parse_header(self._recv(socket)[0].bytes)
+        except PayloadError:
+            self.rejected += 1
+            return None
+        if isinstance(manifest, int):
+            return None
+        update = None
+        if self._use_shm and manifest.shm:
+            try:
+                update = read_shm(manifest)
+                self.via_shm += 1
+            except ShmUnavailable:
+                pass
+            except PayloadError:
+                self.rejected += 1
+        if update is None:
+            update = self._fetch_chunks(socket, manifest)
+        if update is not None:
+            self.last_fetch_s = time.perf_counter() - started
+        return update
+
+    def _fetch_chunks(self, socket: zmq.Socket, manifest: Manifest) -> WeightUpdate | None:
+        """Fetch every chunk over ZMQ with WINDOW_CHUNKS in flight; refetch bad ones; None if the version is gone."""
+        buffers = [torch.empty(int(entry["nbytes"]), dtype=torch.uint8) for entry in manifest.tensors]
+        pending = list(range(len(manifest.chunks)))[::-1]  # a stack: pop() yields chunk 0 first
+        in_flight = 0
+        while pending or in_flight:
+            while pending and in_flight < WINDOW_CHUNKS:
+                index = pending.pop()
+                socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": manifest.version,
+                                           "index": index}))  # fmt: skip
+                in_flight += 1
+            frames = self._recv(socket)
+            in_flight -= 1
+            try:
+                reply = msgpack.unpackb(frames[0].bytes, max_bin_len=0, max_str_len=64, max_map_len=8)
+                index = int(reply["index"])
+                if int(reply["version"]) != manifest.version or not 0 <= index < len(manifest.chunks):
+                    raise ValueError("reply for another request")
+            except Exception:
+                self.rejected += 1
+                self._drain(socket, in_flight)
+                return None
+            if reply.get("gone"):  # superseded while we fetched: start over on the latest
+                self._drain(socket, in_flight)
+                return None
+            tensor, offset, length, digest = manifest.chunks[index]
+            data = frames[1].buffer if len(frames) == 2 else b""
+            if len(data) != length or _digest(data) != digest:
+                self.rejected += 1
+                pending.append(index)  # fetch this chunk again
+                continue
+            buffers[tensor].numpy()[offset : offset + length] = np.frombuffer(data, dtype=np.uint8)
+        return assemble(manifest, buffers)
+
+    def _drain(self, socket: zmq.Socket, in_flight: int) -> None:
+        for _ in range(in_flight):
+            self._recv(socket)
 
     def wait_for(self, version: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -210,4 +452,4 @@ class WeightSubscriber:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=6)
+        self._thread.join(timeout=self._timeout_ms / 1000 + 1)

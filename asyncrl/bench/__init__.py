@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "wire": "asyncrl.bench.wire_bench:run",
     "engine": "asyncrl.bench.engine_bench:run",
     "buffer": "asyncrl.bench.buffer_bench:run",
+    "sync": "asyncrl.bench.sync_bench:run",
 }
 
 

@@ -164,6 +164,11 @@ class EmbeddedEngine:
         return self._version
 
     @property
+    def num_active(self) -> int:
+        """Sequences in the KV cache: each decodes one token in the next step."""
+        return len(self._active)
+
+    @property
     def busy(self) -> bool:
         return bool(self._active or self._queue)
 

@@ -1,8 +1,10 @@
-"""Weight publication over real ZMQ sockets: latest-version delivery, late subscribers, corrupt payloads."""
+"""Weight publication over real ZMQ sockets and /dev/shm: latest-version delivery, late subscribers, chunking,
+corrupt chunks and files, superseded versions, hostile headers and requests."""
 
 from __future__ import annotations
 
-import threading
+import glob
+import os
 
 import msgpack
 import pytest
@@ -10,100 +12,169 @@ import torch
 import zmq
 
 from quant_sync.export import export_rollout_tensors
-from quant_sync.transport import PayloadError, WeightPublisher, WeightSubscriber, decode_payload
+from quant_sync.transport import (
+    PROTOCOL_VERSION,
+    Manifest,
+    PayloadError,
+    WeightPublisher,
+    WeightSubscriber,
+    parse_header,
+)
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     state = {
-        "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, generator=gen),
-        "model.norm.weight": torch.randn(8, generator=gen),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(48, 40, generator=gen),
+        "model.norm.weight": torch.randn(40, generator=gen),
+        "model.embed_tokens.weight": torch.randn(30, 40, generator=gen),
     }
     return export_rollout_tensors(state, "int8")
 
 
-def test_subscribers_receive_latest_and_late_ones_catch_up():
-    publisher = WeightPublisher()
+def assert_identical(update, expected: dict[str, torch.Tensor]) -> None:
+    assert set(update.tensors) == set(expected)
+    for name, value in expected.items():
+        assert update.tensors[name].dtype == value.dtype and torch.equal(update.tensors[name], value), name
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_subscribers_receive_latest_and_late_ones_catch_up(use_shm):
+    publisher = WeightPublisher(chunk_bytes=256)  # many chunks per tensor
     received: list[int] = []
     try:
         publisher.publish(0, tensors(0), "int8")
-        early = WeightSubscriber(publisher.endpoint, lambda u: received.append(u.version), poll_s=0.01)
+        early = WeightSubscriber(publisher.endpoint, lambda u: received.append(u.version), 0.01, use_shm=use_shm)
         assert early.wait_for(0, 10)
         publisher.publish(1, tensors(1), "int8")
         publisher.publish(2, tensors(2), "int8")
         assert early.wait_for(2, 10)
         assert received == sorted(received) and received[-1] == 2
         late_updates = []
-        late = WeightSubscriber(publisher.endpoint, late_updates.append, poll_s=0.01)
+        late = WeightSubscriber(publisher.endpoint, late_updates.append, poll_s=0.01, use_shm=use_shm)
         assert late.wait_for(2, 10)
         assert late_updates[0].version == 2  # a late worker gets the latest version first, not version 0
-        for name, value in tensors(2).items():
-            assert torch.equal(late_updates[0].tensors[name], value)  # bit-identical to what was published
-        assert late_updates[0].tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+        assert_identical(late_updates[0], tensors(2))  # bit-identical to what was published
+        assert (late.via_shm > 0) == use_shm and late.rejected == 0
+        assert (publisher.chunks_served > 0) == (not use_shm)
         early.close()
         late.close()
     finally:
         publisher.close()
 
 
-def test_corrupt_frame_is_rejected():
-    publisher = WeightPublisher()
+def test_a_corrupt_chunk_is_rejected_and_fetched_again():
+    publisher = WeightPublisher(chunk_bytes=128, shm_dir=None)
+    original = publisher._answer_chunk
+    corrupted = {"n": 0}
+
+    def corrupting(identity, version, index):
+        if index == 3 and corrupted["n"] < 2:  # the same chunk arrives damaged twice: flipped, then truncated
+            corrupted["n"] += 1
+            data = bytearray(publisher._versions[version].chunks[index])
+            data = data[:-1] if corrupted["n"] == 2 else bytes([data[0] ^ 0xFF]) + data[1:]
+            reply = {"v": PROTOCOL_VERSION, "version": version, "index": index}
+            publisher._socket.send_multipart([identity, msgpack.packb(reply), bytes(data)])
+            return
+        original(identity, version, index)
+
+    publisher._answer_chunk = corrupting
+    applied = []
     try:
-        publisher.publish(3, tensors(3), "int8")
-        latest = publisher._latest
-        frames = [latest.header] + [bytes(f) for f in latest.frames]
-        assert decode_payload(frames).version == 3
-        corrupt = list(frames)
-        flipped = bytearray(corrupt[1])
-        flipped[0] ^= 0xFF
-        corrupt[1] = bytes(flipped)
-        with pytest.raises(PayloadError, match="corrupt or partial"):
-            decode_payload(corrupt)
-        with pytest.raises(PayloadError, match="header lists"):
-            decode_payload(frames[:-1])
-        with pytest.raises(PayloadError, match="unreadable"):
-            decode_payload([b"\xc1garbage"])
+        publisher.publish(5, tensors(5), "int8")
+        subscriber = WeightSubscriber(publisher.endpoint, applied.append, poll_s=0.01)
+        assert subscriber.wait_for(5, 10)
+        assert subscriber.rejected == 2 and corrupted["n"] == 2
+        assert [u.version for u in applied] == [5]
+        assert_identical(applied[0], tensors(5))
+        subscriber.close()
     finally:
         publisher.close()
 
 
-def test_subscriber_refetches_after_a_corrupt_payload():
-    """A publisher that corrupts its first answer: the subscriber counts it, asks again, applies only the good one."""
-    good = WeightPublisher()
-    good.publish(5, tensors(5), "int8")
-    frames = [good._latest.header] + [bytes(f) for f in good._latest.frames]
-    good.close()
-    context = zmq.Context.instance()
-    router = context.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-
-    def serve():
-        answered = 0
-        while not stop.is_set():
-            if not router.poll(50):
-                continue
-            identity, request = router.recv_multipart()
-            assert msgpack.unpackb(request)["type"] == "get"
-            payload = list(frames)
-            if answered == 0:
-                payload[1] = payload[1][:-1]  # truncated tensor
-            router.send_multipart([identity, *payload])
-            answered += 1
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+def test_a_corrupt_shared_memory_file_falls_back_to_zmq():
+    publisher = WeightPublisher()
+    if publisher.shm_dir is None:
+        publisher.close()
+        pytest.fail("/dev/shm is not writable on this machine: the local fast path cannot be tested")
     applied = []
-    subscriber = WeightSubscriber(f"tcp://127.0.0.1:{port}", applied.append, poll_s=0.01)
     try:
-        assert subscriber.wait_for(5, 10)
-        assert subscriber.rejected >= 1
-        assert [u.version for u in applied] == [5]
-    finally:
+        publisher.publish(7, tensors(7), "int8")
+        path = publisher._latest.shm_path
+        with open(path, "r+b") as file:  # flip one byte of the first tensor in place
+            first = file.read(1)
+            file.seek(0)
+            file.write(bytes([first[0] ^ 0x55]))
+        subscriber = WeightSubscriber(publisher.endpoint, applied.append, poll_s=0.01)
+        assert subscriber.wait_for(7, 10)
+        assert subscriber.rejected == 1 and subscriber.via_shm == 0 and publisher.chunks_served > 0
+        assert_identical(applied[0], tensors(7))
         subscriber.close()
-        stop.set()
-        thread.join()
-        router.close(0)
+    finally:
+        publisher.close()
+
+
+def test_shared_memory_files_are_evicted_and_removed():
+    publisher = WeightPublisher(keep_versions=2)
+    try:
+        for version in range(4):
+            publisher.publish(version, tensors(version), "int8")
+        files = glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "*"))
+        assert sorted(os.path.basename(f).rsplit("-", 1)[1] for f in files) == ["v2", "v3"]
+    finally:
+        publisher.close()
+    assert not glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "*"))
+
+
+def test_a_superseded_version_answers_gone():
+    publisher = WeightPublisher(keep_versions=1, shm_dir=None)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(publisher.endpoint)
+    try:
+        publisher.publish(1, tensors(1), "int8")
+        dealer.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": -1}))
+        assert dealer.poll(5000)
+        manifest = parse_header(dealer.recv())
+        assert isinstance(manifest, Manifest) and manifest.version == 1
+        publisher.publish(2, tensors(2), "int8")  # keep_versions=1: version 1 is dropped mid-fetch
+        dealer.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": 1, "index": 0}))
+        assert dealer.poll(5000)
+        assert msgpack.unpackb(dealer.recv_multipart()[0]).get("gone") is True
+    finally:
+        dealer.close(0)
+        publisher.close()
+
+
+def header(**changes) -> bytes:
+    base = {"v": PROTOCOL_VERSION, "version": 3, "scheme": "int8", "shm": None, "boot_id": "",
+            "tensors": [{"name": "w", "dtype": "int8", "shape": [2, 4], "nbytes": 8, "file_offset": 0}],
+            "chunks": [[0, 0, 4, 1], [0, 4, 4, 2]]}  # fmt: skip
+    base.update(changes)
+    return msgpack.packb(base)
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (b"\xc1garbage", "unreadable"),
+        (msgpack.packb({"v": 1, "version": 3}), "protocol 1"),
+        (header(chunks=[[0, 0, 4, 1]]), "sizes disagree"),
+        (header(chunks=[[0, 0, 4, 1], [0, 2, 6, 2]]), "does not tile"),
+        (header(chunks=[[1, 0, 8, 1]]), "does not tile"),
+        (header(tensors=[{"name": "w", "dtype": "int64", "shape": [2, 4], "nbytes": 8}]), "malformed"),
+        (header(tensors=[{"name": "w", "dtype": "float32", "shape": [2, 4], "nbytes": 8}]), "sizes disagree"),
+        (header(tensors=[{"name": "w", "dtype": "int8", "shape": [-2, -4], "nbytes": 8}]), "sizes disagree"),
+    ],
+)
+def test_inconsistent_headers_are_rejected_whole(frame, message):
+    with pytest.raises(PayloadError, match=message):
+        parse_header(frame)
+
+
+def test_a_consistent_header_parses():
+    manifest = parse_header(header())
+    assert isinstance(manifest, Manifest) and manifest.version == 3 and len(manifest.chunks) == 2
+    assert parse_header(msgpack.packb({"v": PROTOCOL_VERSION, "version": 9})) == 9  # nothing newer
 
 
 def test_publisher_survives_malformed_requests():
@@ -112,13 +183,17 @@ def test_publisher_survives_malformed_requests():
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(publisher.endpoint)
     try:
-        for junk in (b"", b"\xff\xfe", msgpack.packb({"type": "get"}), msgpack.packb([1, 2, 3])):
-            dealer.send(junk)
+        junk = [b"", b"\xff\xfe", msgpack.packb({"type": "get"}), msgpack.packb([1, 2, 3]),
+                msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": "x", "index": 0})]  # fmt: skip
+        for frame in junk:
+            dealer.send(frame)
+        dealer.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": 0, "index": 10**6}))
+        assert dealer.poll(5000) and msgpack.unpackb(dealer.recv_multipart()[0]).get("gone") is True
         got = []
         subscriber = WeightSubscriber(publisher.endpoint, got.append, poll_s=0.01)
         assert subscriber.wait_for(0, 10)
         subscriber.close()
-        assert publisher.bad_requests >= 3
+        assert publisher.bad_requests == len(junk)
     finally:
         dealer.close(0)
         publisher.close()

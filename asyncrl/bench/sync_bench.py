@@ -1,0 +1,189 @@
+"""`asyncrl bench sync`: weight publication latency, and what republishing costs workers that keep generating.
+
+For the built-in model and a random ~100M-parameter Llama (hidden 1024), with INT8 rollout weights and 2 worker
+processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, subscribed to the publisher):
+
+1. steady phase: workers decode, nothing is published;
+2. sync phase: versions are published back to back (the next as soon as every worker runs the previous one).
+
+- `publish_vs_memcpy`: `max(0, latency - 0.05 s) / memcpy_time` on the ~100M config, where latency (median over
+  the sync phase) runs from the hand-off of already-quantized tensors to `WeightPublisher.publish` until every
+  worker runs the version, and memcpy_time copies the same bytes into a warm buffer in the same run.
+- `tok_s_during_sync_vs_steady`: decode tokens/s during the sync phase over the steady phase (worst worker, worst
+  model).
+- `max_gap_over_median`: largest gap between two decode steps during the sync phase over the median gap (worst).
+
+Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
+workers for the cores, which is part of what is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import torch
+import zmq
+
+from asyncrl.bench import BenchResult
+
+LATENCY_ALLOWANCE_S = 0.05
+SCHEME = "int8"
+
+
+def _memcpy_seconds(tensors: dict[str, torch.Tensor]) -> float:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    source = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors.values()])
+    target = torch.empty(total, dtype=torch.uint8)
+    target.copy_(source)  # warm the destination pages
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _versions(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Two different quantized tensor sets, alternated under increasing version numbers."""
+    from quant_sync.export import export_rollout_tensors
+
+    state = model.state_dict()
+    nudged = {name: value + 1e-3 * torch.randn_like(value) for name, value in state.items()}
+    return [export_rollout_tensors(state, SCHEME), export_rollout_tensors(nudged, SCHEME)]
+
+
+def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> dict[str, float]:
+    from quant_sync.transport import WeightPublisher
+
+    versions = _versions(model)
+    nbytes = sum(t.numel() * t.element_size() for t in versions[0].values())
+    memcpy_s = _memcpy_seconds(versions[0])
+    steady_s, sync_s = (3.0, 6.0) if quick else (8.0, 16.0)
+    publisher = WeightPublisher()
+    context = zmq.Context.instance()
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    report = f"tcp://127.0.0.1:{inbox.bind_to_random_port('tcp://127.0.0.1')}"
+    publisher.publish(0, versions[0], SCHEME)
+    big = name == "big"
+    spec = {"report": report, "weights": publisher.endpoint, "model_dir": model_dir, "batch": 8 if big else 32,
+            "max_new_tokens": 48, "seconds": 0.0}  # fmt: skip
+    workers, events = [], []
+    try:
+        for worker in range(2):
+            spec.update(worker=worker, seconds=steady_s + sync_s + 120.0)  # a backstop: the bench stops them
+            args = [sys.executable, "-m", "asyncrl.bench.sync_worker", json.dumps(spec)]
+            workers.append(subprocess.Popen(args, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        ready = 0
+        while ready < 2:
+            ready += _next(inbox, events, workers)["event"] == "ready"
+        time.sleep(1.0)  # let both settle into steady decoding
+        steady_start = time.monotonic()
+        time.sleep(steady_s)
+        sync_start = time.monotonic()
+        latencies, version = [], 0
+        while time.monotonic() - sync_start < sync_s:
+            version += 1
+            handed_off = time.monotonic()
+            publisher.publish(version, versions[version % 2], SCHEME)
+            running = set()
+            while len(running) < 2:
+                event = _next(inbox, events, workers)
+                if event["event"] == "swap" and event["version"] == version:
+                    running.add(event["worker"])
+                    last = event["t"]
+            latencies.append(last - handed_off)
+        sync_end = time.monotonic()
+        for process in workers:
+            process.terminate()  # the worker finishes its step and reports its stamps
+        stamps = _collect_stamps(inbox, events, workers)
+        for process in workers:
+            process.wait(timeout=30)
+    finally:
+        for process in workers:
+            if process.poll() is None:
+                process.kill()
+        publisher.close()
+        inbox.close(0)
+    steady_rate, sync_rate, gap_ratio, steady_gap_ratio = [], [], [], []
+    for worker_stamps, worker_tokens in stamps:
+        steady_rate.append(_rate(worker_stamps, worker_tokens, steady_start, steady_start + steady_s))
+        sync_rate.append(_rate(worker_stamps, worker_tokens, sync_start, sync_end))
+        gap_ratio.append(_gap_ratio(worker_stamps, sync_start, sync_end))
+        steady_gap_ratio.append(_gap_ratio(worker_stamps, steady_start, steady_start + steady_s))
+    latency = statistics.median(latencies)
+    return {
+        f"{name}_published_bytes": float(nbytes),
+        f"{name}_memcpy_s": memcpy_s,
+        f"{name}_publish_latency_median_s": latency,
+        f"{name}_publish_latency_max_s": max(latencies),
+        f"{name}_publish_call_s": publisher.last_publish_s,
+        f"{name}_versions_published": float(len(latencies)),
+        f"{name}_steady_tok_per_s": sum(steady_rate),
+        f"{name}_sync_tok_per_s": sum(sync_rate),
+        f"{name}_tok_s_ratio_worst_worker": min(s / max(b, 1e-9) for s, b in zip(sync_rate, steady_rate)),
+        f"{name}_max_gap_over_median": max(gap_ratio),
+        f"{name}_steady_max_gap_over_median": max(steady_gap_ratio),  # the same statistic with nothing published
+        f"{name}_publish_vs_memcpy": max(0.0, latency - LATENCY_ALLOWANCE_S) / memcpy_s,
+    }
+
+
+def _next(inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]) -> dict:
+    deadline = time.monotonic() + 180
+    while not inbox.poll(500):
+        failed = [p.returncode for p in workers if p.poll() not in (None, 0, -15)]
+        if failed or time.monotonic() > deadline:
+            raise RuntimeError(f"bench sync: a worker stopped reporting (exit codes {failed}; its stderr is above)")
+    event = msgpack.unpackb(inbox.recv())
+    events.append(event)
+    return event
+
+
+def _collect_stamps(
+    inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]
+) -> list[tuple[list[float], list[int]]]:
+    """Each worker's step stamps and tokens, from the `done` report it sends when terminated."""
+    done = {e["worker"]: e for e in events if e["event"] == "done"}
+    while len(done) < 2:
+        event = _next(inbox, events, workers)
+        if event["event"] == "done":
+            done[event["worker"]] = event
+    return [(done[w]["stamps"], done[w]["tokens"]) for w in sorted(done)]
+
+
+def _gap_ratio(stamps: list[float], start: float, end: float) -> float:
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if start <= a and b <= end]
+    return max(gaps) / statistics.median(gaps)
+
+
+def _rate(stamps: list[float], tokens: list[int], start: float, end: float) -> float:
+    inside = [n for t, n in zip(stamps, tokens) if start <= t <= end]
+    return sum(inside) / (end - start)
+
+
+def run(quick: bool) -> BenchResult:
+    from asyncrl.bench.engine_bench import _big_model, _tiny_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    metrics: dict[str, float] = {}
+    try:
+        tiny, tiny_dir = _tiny_model()
+        metrics.update(_measure("tiny", tiny, str(tiny_dir), quick))
+        with tempfile.TemporaryDirectory() as big_dir:
+            metrics.update(_measure("big", _big_model(big_dir), big_dir, quick))
+    finally:
+        torch.set_num_threads(threads)
+    ratios = {
+        "publish_vs_memcpy": metrics["big_publish_vs_memcpy"],
+        "tok_s_during_sync_vs_steady": min(metrics[f"{m}_tok_s_ratio_worst_worker"] for m in ("tiny", "big")),
+        "max_gap_over_median": max(metrics[f"{m}_max_gap_over_median"] for m in ("tiny", "big")),
+    }
+    return BenchResult(name="sync", metrics=metrics, ratios=ratios)

@@ -1,0 +1,75 @@
+"""A rollout-worker stand-in for `asyncrl bench sync`: an embedded engine decoding nonstop while weights stream in.
+
+Run as `python -m asyncrl.bench.sync_worker SPEC_JSON`. It subscribes to the publisher, decodes a steady stream of
+requests (staggered lengths, so sequences finish and join one at a time, as in a rollout worker), and reports to
+the bench over a ZMQ PUSH socket with msgpack messages:
+
+    {"event": "ready", "worker"}                        once version 0 runs
+    {"event": "swap", "worker", "version", "t"}         when a new version runs (t: time.monotonic(), system-wide)
+    {"event": "done", "worker", "stamps", "tokens"}     on SIGTERM (or at its deadline): every step's end time
+                                                        (time.monotonic()) and the tokens decoded in that step
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+
+import msgpack
+import torch
+import zmq
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = json.loads((argv or sys.argv[1:])[0])
+    torch.set_num_threads(1)
+    from quant_sync.transport import WeightSubscriber
+    from rollout_workers.embedded.engine import EmbeddedEngine
+    from rollout_workers.engine import SamplingParams
+
+    worker = spec["worker"]
+    report = zmq.Context.instance().socket(zmq.PUSH)
+    report.setsockopt(zmq.LINGER, 5000)
+    report.connect(spec["report"])
+    engine = EmbeddedEngine(spec["model_dir"], max_batch=spec["batch"], seed=worker)
+    subscriber = WeightSubscriber(spec["weights"], engine.stage_weights, poll_s=0.005)
+    if not subscriber.wait_for(0, 120):
+        raise SystemExit(f"sync worker {worker}: no weights from {spec['weights']}")
+    engine.apply_staged()
+    vocab = engine.arch.vocab_size
+    generator = torch.Generator().manual_seed(worker)
+    longest = spec["max_new_tokens"]
+
+    def submit(length: int) -> None:
+        prompt = torch.randint(3, vocab, (8,), generator=generator).tolist()
+        engine.submit(prompt, SamplingParams(max_new_tokens=length, stop_token_ids=(-1,)), [len(stamps)])
+
+    stamps: list[float] = []
+    tokens: list[int] = []
+    for index in range(spec["batch"]):  # staggered lengths: one sequence finishes (and one joins) at a time
+        submit(longest // 2 + (index * longest) // (2 * spec["batch"]) + 1)
+    report.send(msgpack.packb({"event": "ready", "worker": worker}))
+    version = engine.version
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    deadline = time.monotonic() + spec["seconds"]
+    while not stopping and time.monotonic() < deadline:
+        active = engine.num_active
+        finished = engine.step()
+        stamps.append(time.monotonic())
+        tokens.append(active)
+        for _ in finished:
+            submit(longest)
+        if engine.version != version:
+            version = engine.version
+            report.send(msgpack.packb({"event": "swap", "worker": worker, "version": version, "t": stamps[-1]}))
+    subscriber.close()
+    report.send(msgpack.packb({"event": "done", "worker": worker, "stamps": stamps, "tokens": tokens}))
+    report.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
