@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -349,7 +349,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "data.eval_size": (0, None),
     "train.steps": (1, None),
     "train.groups_per_step": (1, None),
-    "train.group_size": (1, None),
+    "train.group_size": (2, None),  # one sample per prompt has no group baseline: every advantage is 0
     "train.eval_every": (0, None),
     "rollout.num_workers": (0, None),
     "rollout.max_new_tokens": (1, None),
@@ -522,6 +522,21 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _check_sections(schema: type, node: DictConfig, source: str, prefix: str) -> None:
+    """A section given as a scalar or list (`loss: tis`) is reported by its name, not as a bare merge error."""
+    hints = get_type_hints(schema)
+    for key in node:
+        section = hints.get(str(key))
+        if not (isinstance(section, type) and is_dataclass(section)):
+            continue
+        value = node._get_node(key)  # type: ignore[union-attr]
+        if not isinstance(value, DictConfig):
+            given = OmegaConf.to_container(node)[key]  # type: ignore[index]
+            raise ConfigError(f"{source}: `{prefix}{key}` is a section and must be a mapping of its keys "
+                              f"(e.g. `{prefix}{key}.<key>: value`), got {given!r}")  # fmt: skip
+        _check_sections(section, value, source, f"{prefix}{key}.")
+
+
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults, then the YAML file at `path`, then `key=value` overrides; validated.
 
@@ -538,6 +553,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             raise ConfigError(f"{source}: cannot parse YAML: {err}") from err
         if not isinstance(file_cfg, DictConfig):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
+        _check_sections(Config, file_cfg, source, "")
         try:
             merged = OmegaConf.merge(merged, file_cfg)
         except OmegaConfBaseException as err:
@@ -546,7 +562,9 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            dotlist = OmegaConf.from_dotlist([item])
+            _check_sections(Config, dotlist, f"override {item!r}", "")
+            merged = OmegaConf.merge(merged, dotlist)
         except OmegaConfBaseException as err:
             raise _explain(err, f"override {item!r}") from err
     try:

@@ -52,8 +52,9 @@ def test_overrides_apply_in_order():
         ("rollout.max_seq_len=8", "`rollout.max_seq_len` (8) must exceed `rollout.max_new_tokens` (8)"),
         ("rollout.max_batch=0", "`rollout.max_batch` is out of range"),
         ("steps", "must look like key=value"),
+        ("loss=tis", "`loss` is a section and must be a mapping of its keys"),
+        ("loss.acrl=2", "`loss.acrl` is a section"),
         ("checkpoint.every=5", "`checkpoint.every=5` is valid but not implemented in this version"),
-        ("learner.world_size=2", "not implemented in this version"),
     ],
 )
 def test_bad_overrides_name_the_key(override, expected):
@@ -110,3 +111,20 @@ def test_config_import_stays_light():
     code = "import sys, asyncrl.cli, asyncrl.config; print(any(m in sys.modules for m in ('torch', 'ray', 'zmq')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+BAD_CONFIGS = sorted((Path(__file__).parents[2] / "data" / "bad_configs").glob("*.yaml"))
+
+
+def test_the_invalid_config_corpus_is_large():
+    assert len(BAD_CONFIGS) >= 30
+
+
+@pytest.mark.parametrize("path", BAD_CONFIGS, ids=lambda p: p.stem)
+def test_every_invalid_config_is_rejected_naming_the_key(path):
+    """Each file's first line says what the error must name: `# expect: <text>`."""
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), path
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert first.removeprefix("# expect: ") in str(err.value)
