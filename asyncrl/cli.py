@@ -3,6 +3,8 @@
 asyncrl up CONFIG [key=value ...]     train (a local Ray cluster unless ray.address is set)
 asyncrl bench NAME [--json PATH]      run a benchmark, print its table, write {"name", "metrics", "ratios"}
 asyncrl config CONFIG [key=value ...] print the fully merged, validated config as YAML
+asyncrl keys DIR                      write CurveZMQ keys for a buffer bound beyond loopback (buffer/curve.py)
+asyncrl serve MODEL [--port N ...]    the embedded engine behind SGLang's HTTP API (rollout_workers/sglang_api)
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="PNGs comparing runs (reward, accuracy, mismatch, staleness, lr, ...)")
     plot.add_argument("runs", nargs="+", help="run directories (runs/<name>)")
     plot.add_argument("--out", default="runs/plots", help="directory for the PNGs")
+    keys = sub.add_parser("keys", help="write CurveZMQ keys for the buffer (needed when buffer.host is not loopback)")
+    keys.add_argument("dir", help="new directory for the keys; then run with buffer.curve_keys_dir=DIR")
+    serve = sub.add_parser("serve", help="a model behind SGLang's HTTP API (`asyncrl serve --help`)", add_help=False)
+    serve.add_argument("args", nargs=argparse.REMAINDER)
     bench = sub.add_parser("bench", help="run a benchmark")
     bench.add_argument("name", help="benchmark name (`asyncrl bench list` lists them)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
@@ -41,6 +47,11 @@ def _load(config: str, overrides: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its own parser (rollout_workers/sglang_api/server.py)
+        from rollout_workers.sglang_api.server import main as serve
+
+        return serve(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "config":
         from omegaconf import OmegaConf
@@ -67,6 +78,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         for path in written:
             print(path)
+        return 0
+    if args.command == "keys":
+        from buffer.curve import create_keys
+
+        try:
+            written = create_keys(args.dir)
+        except (FileExistsError, OSError) as err:
+            print(f"asyncrl: {err}", file=sys.stderr)
+            return 2
+        for path in written:
+            print(path)
+        print(f"use: buffer.host=0.0.0.0 buffer.curve_keys_dir={args.dir}")
         return 0
     if args.command == "bench":
         from asyncrl.bench import BENCHMARKS, print_table, resolve, write_json

@@ -11,6 +11,7 @@ This module must stay importable without torch, ray or zmq: the CLI parses confi
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -93,6 +94,45 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SGLangConfig:
+    """The SGLang backend (`rollout.backend: sglang`): one server per rollout worker, docs/sglang.md."""
+
+    launcher: str = "sglang"
+    """Server program: `sglang` (`python -m sglang.launch_server`, GPUs) or `asyncrl` (`asyncrl serve`: the embedded
+    engine behind SGLang's HTTP API, CPU; what the tests run)."""
+    python: str = ""
+    """Python executable that runs the server; empty: the worker's own interpreter."""
+    host: str = "127.0.0.1"
+    """Address each server binds to (and the worker reaches it at)."""
+    base_port: int = 0
+    """Worker i's server listens on base_port + i; 0 picks a free port at every launch."""
+    tp: int = 1
+    """Tensor-parallel GPUs per SGLang server (`--tp`)."""
+    gpus_per_server: int = 0
+    """GPUs of each server on its node: worker i's server gets CUDA_VISIBLE_DEVICES i*n .. i*n+n-1; 0: inherit."""
+    mem_fraction_static: float = 0.8
+    """Fraction of GPU memory SGLang reserves for weights and KV cache (`--mem-fraction-static`)."""
+    pause_mode: str = "retract"
+    """How a weight update pauses generation: `retract` (KV recomputed with the new weights), `in_place` (KV kept) or
+    `abort` (requests end and are resubmitted with their tokens)."""
+    weight_sync: str = "disk"
+    """How weights reach the server: `disk` (a quantized checkpoint for /update_weights_from_disk) or `distributed`
+    (NCCL /update_weights_from_distributed; GPUs only, untested in this project's CI)."""
+    ckpt_dir: str = ""
+    """Parent directory of the weight checkpoints written for `disk`; empty: /dev/shm (else the temp directory)."""
+    startup_timeout_s: float = 600.0
+    """Seconds a launched server may take to answer /health."""
+    request_timeout_s: float = 600.0
+    """Seconds one HTTP request to the server may take."""
+    max_restarts: int = 3
+    """Relaunches of a dead server before the worker reports failure."""
+    max_retries: int = 2
+    """Resubmissions of a sample after an abort the worker did not ask for (then it is pushed with finish=abort)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for the server, e.g. [--attention-backend, fa3]."""
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     backend: str = "embedded"
     """Rollout engine: `embedded` (our PyTorch engine, CPU or GPU) or `sglang` (GPU servers)."""
@@ -118,12 +158,23 @@ class RolloutConfig:
     """Prompt + response positions per KV-cache slot (capped at the model's max_position_embeddings)."""
     device: str = "cpu"
     """Device of the embedded engine: `cpu`, `cuda` or `cuda:N` (GPU path written to torch's APIs, untested on GPU)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a socket on this machine (127.0.0.0/8, ::1, `localhost`); `buffer.host` check."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a hostname, an interface name or `*`: assume it is reachable from outside
+        return False
 
 
 @dataclass(kw_only=True, slots=True)
 class BufferConfig:
     host: str = "127.0.0.1"
-    """Address the buffer service binds to."""
+    """Address the buffer service binds to; anything but a loopback address (e.g. 0.0.0.0) needs `curve_keys_dir`."""
     port: int = 0
     """TCP port of the buffer service (0 picks a free one)."""
     lease_timeout_s: float = 60.0
@@ -134,10 +185,21 @@ class BufferConfig:
     """Append admitted trajectories and consumption marks to runs/<name>/buffer.journal."""
     fsync: str = "batch"
     """Journal fsync policy: `always`, `batch` (once per burst of requests, before replying) or `never`."""
-    worker_timeout_s: float = 0.0
-    """Seconds without any request from a worker after which it is declared dead and its leases return; 0: off."""
+    worker_timeout_s: float = 30.0
+    """Seconds without any request from a worker after which it is declared dead and its leases return; 0: off.
+    Rollout workers send a heartbeat every worker_timeout_s / 6 seconds, also while generating."""
     compact_bytes: int = 67108864
     """Journal size in bytes that triggers compaction into a snapshot of the live state."""
+    curve_keys_dir: str = ""
+    """Directory of CurveZMQ keys (`asyncrl keys DIR`; layout in buffer/curve.py): encrypts the buffer socket and
+    admits only allow-listed clients. Required when `host` is not a loopback address; empty: plain ZMQ."""
+
+    def __post_init__(self) -> None:
+        if not self.curve_keys_dir and not is_loopback(self.host):
+            raise ConfigError(
+                f"`buffer.host={self.host}` binds beyond loopback, so the buffer needs CurveZMQ keys: set "
+                "`buffer.curve_keys_dir` to a directory made by `asyncrl keys DIR`"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,13 +276,13 @@ class LearnerConfig:
     minibatches: int = 1
     """PPO minibatches (optimizer steps) per learner step."""
     micro_batch_tokens: int = 16384
-    """Token budget of one forward/backward micro-batch."""
+    """Token budget of one forward/backward micro-batch: its rows x their longest prompt + response, in tokens."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = 1
     """torch intra-op threads of each learner rank."""
     world_size: int = 1
-    """Learner ranks (FSDP2)."""
+    """Learner ranks (FSDP2, gloo on CPU), each a Ray actor requesting `ray.learner_cpus / world_size` CPUs."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -242,6 +304,10 @@ class PrecisionConfig:
     """Learner compute precision: fp32, bf16 or fp16."""
     rollout: str = "fp32"
     """Rollout compute precision of non-quantized parts: fp32, bf16 or fp16."""
+    loss_scale_init: float = 65536.0
+    """fp16 training: initial dynamic loss scale, a power of two (halved on every step with inf/nan gradients)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 training: consecutive clean optimizer steps after which the loss scale doubles."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -303,7 +369,7 @@ class RayConfig:
     worker_cpus: float = 0.5
     """CPU request of each rollout worker actor."""
     learner_cpus: float = 1.0
-    """CPU request of each learner actor."""
+    """CPU request of the whole learner, split evenly over its `learner.world_size` rank actors."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -330,6 +396,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.task": TASKS,
     "rollout.backend": BACKENDS,
     "rollout.swap_mode": SWAP_MODES,
+    "rollout.sglang.launcher": ("sglang", "asyncrl"),
+    "rollout.sglang.pause_mode": ("retract", "in_place", "abort"),
+    "rollout.sglang.weight_sync": ("disk", "distributed"),
     "buffer.fsync": ("always", "batch", "never"),
     "loss.weighting": WEIGHTINGS,
     "loss.agg": AGGREGATIONS,
@@ -360,6 +429,14 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "rollout.threads": (1, None),
     "rollout.max_batch": (1, None),
     "rollout.max_seq_len": (2, None),
+    "rollout.sglang.base_port": (0, 65535),
+    "rollout.sglang.tp": (1, None),
+    "rollout.sglang.gpus_per_server": (0, None),
+    "rollout.sglang.mem_fraction_static": (0.01, 1.0),
+    "rollout.sglang.startup_timeout_s": (1.0, None),
+    "rollout.sglang.request_timeout_s": (0.1, None),
+    "rollout.sglang.max_restarts": (0, None),
+    "rollout.sglang.max_retries": (0, None),
     "buffer.port": (0, 65535),
     "buffer.lease_timeout_s": (0.1, None),
     "buffer.max_queued_groups": (1, None),
@@ -378,6 +455,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "learner.micro_batch_tokens": (1, None),
     "learner.threads": (1, None),
     "learner.world_size": (1, None),
+    "precision.loss_scale_init": (2.0**-24, 2.0**64),
+    "precision.loss_scale_growth_interval": (1, None),
     "quant.uaq.scale": (1e-3, None),
     "optim.lr": (0.0, None),
     "optim.warmup_steps": (0, None),
@@ -464,11 +543,15 @@ def _check_cross_field(cfg: Config) -> None:
             f"`quant.scheme={cfg.quant.scheme}` is a simulation scheme of the embedded engine; "
             "rollout.backend=sglang serves int8 or fp8"
         )
+    if cfg.rollout.backend == "sglang":
+        _check_sglang(cfg)
     if cfg.algo.overlong.len >= cfg.rollout.max_new_tokens and cfg.algo.overlong.len > 0:
         raise ConfigError(
             f"`algo.overlong.len` ({cfg.algo.overlong.len}) must be below `rollout.max_new_tokens` "
             f"({cfg.rollout.max_new_tokens})"
         )
+    if cfg.learner.rollout_aligned and cfg.quant.scheme == "none":
+        raise ConfigError("`learner.rollout_aligned=true` needs a quantized `quant.scheme` (int8, fp8, ...), got none")
     if cfg.rollout.num_workers < 1:
         raise ConfigError("`rollout.num_workers` must be at least 1 to start a run")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.rollout.device):
@@ -493,13 +576,26 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"`model.path` {cfg.model.path!r} is not a directory (nor builtin:<name>)")
 
 
+def _check_sglang(cfg: Config) -> None:
+    sglang = cfg.rollout.sglang
+    if sglang.launcher == "sglang" and cfg.quant.scheme == "int8":
+        raise ConfigError(
+            "`quant.scheme=int8` with `rollout.backend=sglang`: SGLang's w8a8_int8 layers cannot reload weights (after "
+            "the first load they replace their weights with transposed tensors that have no weight loader, so "
+            "/update_weights_from_disk fails and rolls back; docs/sglang.md). Use `quant.scheme=fp8` (block FP8 "
+            "reloads), `rollout.backend=embedded` (INT8 on our engine), or `rollout.sglang.launcher=asyncrl`"
+        )
+    if sglang.launcher == "asyncrl" and sglang.weight_sync == "distributed":
+        raise ConfigError("`rollout.sglang.weight_sync=distributed` needs NCCL and real SGLang servers "
+                          "(`rollout.sglang.launcher=sglang`); `asyncrl serve` loads weights with `disk`")  # fmt: skip
+    if not is_loopback(sglang.host):
+        raise ConfigError(f"`rollout.sglang.host={sglang.host}` would expose SGLang's unauthenticated HTTP API "
+                          "beyond this machine; keep it on a loopback address")  # fmt: skip
+
+
 # Valid settings that this version cannot run yet: rejected up front rather than silently ignored.
 # key -> (the values that work now, where the rest is coming from)
 NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
-    "rollout.backend": (("embedded",), "the SGLang backend (issue 8)"),
-    "precision.train": (("fp32",), "the learner issue (5)"),
-    "learner.world_size": ((1,), "FSDP2 in the learner issue (5)"),
-    "learner.rollout_aligned": ((False,), "the learner issue (5)"),
     "checkpoint.every": ((0,), "periodic checkpoints and resume (issue 7)"),
 }
 

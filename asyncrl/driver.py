@@ -29,7 +29,11 @@ from asyncrl.metrics import MetricsLogger
 
 
 def start_buffer(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]:
-    """Launch the buffer service process and wait for its READY line; returns (process, endpoint)."""
+    """Launch the buffer service process and wait for its READY line; returns (process, endpoint).
+
+    With `buffer.curve_keys_dir` the service and every client (workers, learner, `_buffer_stats`) load their own
+    CurveZMQ keys from it; `check_inputs` has checked that both sides' keys are there.
+    """
     from buffer.launcher import start_service
 
     return start_service(to_dict(cfg), run_dir)
@@ -63,14 +67,21 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 def check_inputs(cfg: Config, model_dir: str) -> None:
-    """Load the dataset and the model's config here, so that bad rows or a bad model dir fail before Ray starts."""
+    """Load the dataset, the model's config and the buffer's CurveZMQ keys here, so that bad rows, a bad model dir
+    or a missing key fail before anything starts."""
     from asyncrl.tasks import DatasetError, make_source
+    from buffer.curve import CurveKeyError, client_keys, server_keys
     from rollout_workers.embedded.model import ArchConfig, ModelDirError
 
     try:
         make_source(cfg.data)
     except DatasetError as err:
         raise StartupError(f"data.path: {err}") from None
+    try:
+        server_keys(cfg.buffer.curve_keys_dir)
+        client_keys(cfg.buffer.curve_keys_dir)
+    except CurveKeyError as err:
+        raise StartupError(str(err)) from None
     try:
         ArchConfig.from_model_dir(model_dir)
     except ModelDirError as err:
@@ -116,12 +127,12 @@ def quiet_libraries() -> None:
 def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, logger: MetricsLogger) -> dict[str, Any]:
     import ray
 
-    from learner.trainer import Learner
+    from learner.group import LearnerGroup
     from rollout_workers.worker import RolloutWorker
 
     config = to_dict(cfg)
-    learner = ray.remote(num_cpus=cfg.ray.learner_cpus)(Learner).remote(config, model_dir, buffer_endpoint)
-    weights_endpoint = ray.get(learner.weights_endpoint.remote())
+    learner = LearnerGroup(cfg, model_dir, buffer_endpoint)  # learner.world_size ranks (FSDP2), as Ray actors
+    weights_endpoint = learner.weights_endpoint()
     worker_cls = ray.remote(num_cpus=cfg.ray.worker_cpus, max_concurrency=4)(RolloutWorker)
     workers = [
         worker_cls.remote(config, f"worker-{i}", model_dir, buffer_endpoint, weights_endpoint)
@@ -133,7 +144,7 @@ def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, log
     last = {"tokens": 0, "samples": 0, "correct": 0, "reward_sum": 0.0}
     last_time = time.monotonic()
     for step in range(cfg.train.steps):
-        metrics = ray.get(learner.train_step.remote(step))
+        metrics = learner.train_step(step)
         metrics.update(
             _rollout_metrics(ray.get([w.stats.remote() for w in workers]), last, time.monotonic() - last_time)
         )
@@ -145,15 +156,15 @@ def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, log
 
         held_out = make_source(cfg.data).eval_set()
         prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
-        summary["eval/acc_greedy"] = ray.get(learner.evaluate.remote(prompts, answers, cfg.rollout.max_new_tokens))
+        summary["eval/acc_greedy"] = learner.evaluate(prompts, answers, cfg.rollout.max_new_tokens)
         logger.event("eval", after_steps=cfg.train.steps, acc_greedy=summary["eval/acc_greedy"], problems=len(prompts))
         logger.info(f"held-out greedy accuracy (full precision): {summary['eval/acc_greedy']:.3f} on {len(prompts)}")
     if cfg.checkpoint.final:
-        summary["final_checkpoint"] = ray.get(learner.save.remote(str(run_dir / "final")))
+        summary["final_checkpoint"] = learner.save(str(run_dir / "final"))
     worker_stats = ray.get([w.stop.remote() for w in workers])
     summary["workers"] = worker_stats
-    summary["buffer"] = _buffer_stats(buffer_endpoint)
-    ray.get(learner.close.remote())
+    summary["buffer"] = _buffer_stats(buffer_endpoint, cfg.buffer.curve_keys_dir)
+    learner.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     logger.info(f"done: {cfg.train.steps} steps; metrics in {run_dir / 'metrics.jsonl'}")
     return summary
@@ -177,13 +188,25 @@ def _rollout_metrics(worker_stats: list[dict[str, Any]], last: dict[str, float],
         "perf/step_s": seconds,
         "rollout/min_worker_version": float(min(s["version"] for s in worker_stats)),
         "rollout/errors": float(sum(s["errors"] for s in worker_stats)),
+        **_sglang_metrics(worker_stats),
     }
 
 
-def _buffer_stats(endpoint: str) -> dict[str, Any]:
-    from buffer.client import BufferClient
+def _sglang_metrics(worker_stats: list[dict[str, Any]]) -> dict[str, float]:
+    """SGLang backend: the longest generation pause of a weight update (last one per worker) and server restarts."""
+    if not worker_stats or "sglang_pause_s_last" not in worker_stats[0]:
+        return {}
+    return {
+        "rollout/weight_pause_s": max(float(s["sglang_pause_s_last"]) for s in worker_stats),
+        "rollout/server_restarts": float(sum(s["sglang_server_restarts"] for s in worker_stats)),
+    }
 
-    with BufferClient(endpoint, identity="driver-stats", timeout_s=10) as client:
+
+def _buffer_stats(endpoint: str, curve_keys_dir: str) -> dict[str, Any]:
+    from buffer.client import BufferClient
+    from buffer.curve import client_keys
+
+    with BufferClient(endpoint, identity="driver-stats", timeout_s=10, curve=client_keys(curve_keys_dir)) as client:
         return client.stats()
 
 

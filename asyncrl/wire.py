@@ -689,22 +689,25 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The buffer's ingest path: a PushGroup validated exactly like `decode` does, but kept as its msgpack maps, so the
-# buffer never builds Trajectory objects nor re-encodes them when it hands groups to the learner.
+# The buffer's ingest path: a PushGroup validated exactly like `decode` does, then kept as its encoded bytes, so the
+# buffer never builds Trajectory objects, never holds thousands of small Python objects per group, and hands groups
+# to the learner by copying the msgpack bytes of their trajectory arrays into the BatchReply.
 
 
 @dataclass(slots=True)
 class CheckedPush:
     """A PushGroup that passed every check of `decode`, as the buffer keeps it. Producer: `decode_request`.
 
-    `trajectories` are the canonical msgpack maps of the Trajectory schema (as `encode` writes them); the
-    per-trajectory lists are in the same order. `oldest_version` / `newest_version`: min / max over all tokens
-    (0 for an empty group).
+    `payload` is the validated PushGroup in `encode`'s layout (the bytes received, or their canonical re-encoding if
+    they were valid but laid out otherwise); its msgpack array of trajectories starts at `trajectories_at` and runs
+    to the end. The per-trajectory lists are in trajectory order. `oldest_version` / `newest_version`: min / max
+    over all tokens (0 for an empty group).
     """
 
     worker: str
     group: str
-    trajectories: list[dict[str, Any]]
+    payload: bytes | memoryview
+    trajectories_at: int
     uids: list[str]
     trajectory_groups: list[str]
     prompt_indices: list[int]
@@ -713,7 +716,57 @@ class CheckedPush:
     newest_version: int
 
 
-def _checked_push(obj: dict[str, Any]) -> CheckedPush | None:
+_TRAJECTORIES_KEY = b"\xactrajectories"  # msgpack fixstr "trajectories"
+_FIXED_SIZES = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_FIXED_SIZES.update({0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8})  # nil, false, true, floats, uints, ints: payload bytes
+_STR_WIDTHS = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str8/16/32: bytes of the length
+
+
+def _skip_scalar(view: memoryview, at: int) -> int | None:
+    """The offset after the msgpack int, float, bool, nil or str at `at`; None for any other type."""
+    if at >= len(view):
+        return None
+    head = view[at]
+    if head <= 0x7F or head >= 0xE0:  # positive / negative fixint
+        return at + 1
+    if 0xA0 <= head <= 0xBF:  # fixstr
+        return at + 1 + (head & 0x1F)
+    if head in _FIXED_SIZES:
+        return at + 1 + _FIXED_SIZES[head]
+    width = _STR_WIDTHS.get(head)
+    if width is None:
+        return None
+    return at + 1 + width + int.from_bytes(view[at + 1 : at + 1 + width], "big")
+
+
+def _trajectories_at(data: bytes | memoryview, count: int) -> int | None:
+    """Where the array of `count` trajectories starts in a valid PushGroup laid out as `encode` writes it: a map of
+    5 entries whose last key is "trajectories" (its value then runs to the end: msgpack refused trailing bytes). None
+    for any other layout (the caller re-encodes)."""
+    view = memoryview(data).cast("B")
+    if not view.nbytes or view[0] != 0x85:
+        return None
+    at: int | None = 1
+    for _ in range(8):  # the 4 other keys and their values: v, type, worker, group (str and int only)
+        at = _skip_scalar(view, at)
+        if at is None:
+            return None
+    if view[at : at + len(_TRAJECTORIES_KEY)] != _TRAJECTORIES_KEY:
+        return None
+    at += len(_TRAJECTORIES_KEY)
+    if at >= view.nbytes:
+        return None
+    head = view[at]
+    if head & 0xF0 == 0x90:  # fixarray
+        found = head & 0x0F
+    elif head in (0xDC, 0xDD):  # array16 / array32
+        found = int.from_bytes(view[at + 1 : at + (3 if head == 0xDC else 5)], "big")
+    else:
+        return None
+    return at if found == count else None
+
+
+def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush | None:
     if len(obj) != 3:
         return None
     worker, group, maps = obj.get("worker"), obj.get("group"), obj.get("trajectories")
@@ -722,47 +775,50 @@ def _checked_push(obj: dict[str, Any]) -> CheckedPush | None:
     scan = _scan(maps, build=False)
     if scan is None:
         return None
+    assert type(maps) is list
+    at = _trajectories_at(data, len(maps))
+    if at is None:
+        return None
     oldest = newest = 0
     if scan.versions:
         versions = np.frombuffer(b"".join(scan.versions), _I4)
         oldest, newest = int(versions.min()), int(versions.max())
-    assert type(maps) is list
     return CheckedPush(
-        worker, group, maps, scan.uids, scan.groups, scan.prompt_indices, scan.rewards, oldest, newest
+        worker, group, data, at, scan.uids, scan.groups, scan.prompt_indices, scan.rewards, oldest, newest
     )  # fmt: skip
 
 
 def decode_request(data: bytes | bytearray | memoryview) -> Message | CheckedPush:
     """`decode`, except that a valid PushGroup comes back as a CheckedPush (same validation, no Trajectory objects).
 
-    A PushGroup that is valid but not canonically encoded (an int where `encode` writes a float) is accepted too:
-    it is decoded generically and re-encoded to canonical maps.
+    A PushGroup that is valid but not canonically encoded (an int where `encode` writes a float, fields in another
+    order) is accepted too: it is decoded generically and its canonical re-encoding becomes the payload.
     """
     name, obj = _unpack(data)
     if name == "PushGroup":
-        checked = _checked_push(obj)
+        checked = _checked_push(obj, data if isinstance(data, bytes | memoryview) else bytes(data))
         if checked is not None:
             return checked
         msg = _decode_fields(name, obj)  # raises the precise WireError, or the message was valid after all
-        checked = _checked_push(_unpack(encode(msg))[1])
+        canonical = encode(msg)
+        checked = _checked_push(_unpack(canonical)[1], canonical)
         assert checked is not None, "a decoded PushGroup re-encodes canonically"
         return checked
     return _decode_fields(name, obj)
 
 
-def encode_batch_reply(step: int, groups: list[list[dict[str, Any]]], dropped_stale: int, ready: bool) -> bytes:
-    """A BatchReply whose groups are lists of CheckedPush.trajectories maps (already valid: packed as they are)."""
+def encode_batch_reply(step: int, groups: list[bytes | memoryview], dropped_stale: int, ready: bool) -> bytes:
+    """A BatchReply whose groups are msgpack arrays of trajectories, already encoded and valid (the
+    `CheckedPush.payload[trajectories_at:]` of each group): copied in as they are, never decoded again."""
     if len(groups) > MAX_GROUP:
         raise WireError("oversized", f"`groups` has {len(groups)} > {MAX_GROUP} items")
-    payload = {
-        "v": SCHEMA_VERSION,
-        "type": "BatchReply",
-        "step": _dec_nat(step, "step"),
-        "groups": groups,
-        "dropped_stale": _dec_nat(dropped_stale, "dropped_stale"),
-        "ready": _dec_bool(ready, "ready"),
-    }
-    data = msgpack.packb(payload, use_bin_type=True)
+    pack = msgpack.Packer(use_bin_type=True)
+    head = [pack.pack_map_header(6)]
+    for key, value in (("v", SCHEMA_VERSION), ("type", "BatchReply"), ("step", _dec_nat(step, "step"))):
+        head += (pack.pack(key), pack.pack(value))
+    tail = [pack.pack("dropped_stale"), pack.pack(_dec_nat(dropped_stale, "dropped_stale"))]
+    tail += (pack.pack("ready"), pack.pack(_dec_bool(ready, "ready")))
+    data = b"".join([*head, pack.pack("groups"), pack.pack_array_header(len(groups)), *groups, *tail])
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError("oversized", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
     return data

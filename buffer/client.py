@@ -5,11 +5,19 @@ waits at most `timeout_s` (plus `wait_s` for `fetch_batch`) for its reply and ot
 the socket is then closed and recreated under a fresh routing id, so a late reply to the abandoned request can
 never be taken for the answer to the next one. Routing ids are `<identity>/<random>` so that two clients with the
 same identity never collide in the service's ROUTER.
+
+CurveZMQ: pass `curve=client_keys(cfg.buffer.curve_keys_dir)` (buffer/curve.py) when the buffer has keys. A client
+with no key, a wrong server key or a key the buffer does not allow is refused at the handshake: its requests raise
+`BufferUnavailable` after `timeout_s`, like a buffer that is down (ZMQ does not tell the client why).
+
+`Heartbeat`: a thread with its own client that keeps a busy worker's leases alive (see buffer/state.py).
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Callable
 from typing import TypeVar
 
 import zmq
@@ -29,6 +37,7 @@ from asyncrl.wire import (
     StatsRequest,
     Trajectory,
 )
+from buffer.curve import ClientKeys
 
 HWM = 1000
 R = TypeVar("R")
@@ -50,10 +59,11 @@ class BufferRequestError(RuntimeError):
 class BufferClient:
     """Typed calls to the buffer service at `endpoint` (e.g. "tcp://127.0.0.1:5555")."""
 
-    def __init__(self, endpoint: str, identity: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, identity: str, timeout_s: float = 30.0, curve: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.identity = identity
         self.timeout_s = timeout_s
+        self.curve = curve
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._connect()
@@ -62,6 +72,10 @@ class BufferClient:
         """Lease up to `max_groups` prompts; returns (leases, retry_after_s)."""
         reply = self._request(LeaseRequest(worker=self.identity, max_groups=max_groups), LeaseReply)
         return reply.leases, reply.retry_after_s
+
+    def heartbeat(self) -> None:
+        """Tell the buffer this worker is alive (a LeaseRequest of 0 groups), so its leases are not returned."""
+        self._request(LeaseRequest(worker=self.identity, max_groups=0), LeaseReply)
 
     def push_group(self, group: str, trajectories: list[Trajectory]) -> PushReply:
         """Push the finished group of a lease (see PushReply for the outcomes).
@@ -102,6 +116,10 @@ class BufferClient:
         socket.setsockopt(zmq.SNDHWM, HWM)
         socket.setsockopt(zmq.RCVHWM, HWM)
         socket.setsockopt(zmq.ROUTING_ID, f"{self.identity}/{uuid.uuid4().hex[:12]}".encode()[-255:])
+        if self.curve is not None:
+            socket.curve_secretkey = self.curve.secret
+            socket.curve_publickey = self.curve.public
+            socket.curve_serverkey = self.curve.server_public
         socket.connect(self.endpoint)
         self._socket = socket
 
@@ -117,8 +135,9 @@ class BufferClient:
             raise BufferUnavailable(f"buffer at {self.endpoint}: cannot send {type(msg).__name__}") from None
         if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             self._connect()  # the abandoned request and any late reply go away with the old socket
+            hint = "" if self.curve is None else " (with CurveZMQ, also a sign of keys the buffer does not accept)"
             raise BufferUnavailable(
-                f"buffer at {self.endpoint} did not answer {type(msg).__name__} within {timeout_s:.1f}s"
+                f"buffer at {self.endpoint} did not answer {type(msg).__name__} within {timeout_s:.1f}s{hint}"
             )
         reply = wire.decode(self._socket.recv_multipart()[-1])
         if isinstance(reply, ErrorReply):
@@ -126,3 +145,48 @@ class BufferClient:
         if not isinstance(reply, expected):
             raise BufferRequestError("unexpected_reply", f"{type(reply).__name__} for {type(msg).__name__}")
         return reply
+
+
+class Heartbeat:
+    """A daemon thread that sends `BufferClient.heartbeat` for `identity` every `interval_s` while `alive()` holds.
+
+    It has its own socket (ZMQ sockets are not thread-safe), so it keeps beating while the worker's own thread is
+    busy generating a long batch. It stops when `alive()` turns false (the worker loop died: its leases should
+    return) or on `stop()`. A heartbeat the buffer does not answer is skipped, not retried: the next one follows.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        identity: str,
+        interval_s: float,
+        alive: Callable[[], bool] = lambda: True,
+        curve: ClientKeys | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.identity = identity
+        self.interval_s = interval_s
+        self.alive = alive
+        self.curve = curve
+        self.sent = 0
+        self.missed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{identity}-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval_s + 5.0)
+
+    def _run(self) -> None:
+        with BufferClient(self.endpoint, self.identity, timeout_s=max(self.interval_s, 1.0), curve=self.curve) as c:
+            while not self._stop.wait(self.interval_s) and self.alive():
+                try:
+                    c.heartbeat()
+                    self.sent += 1
+                except BufferUnavailable:
+                    self.missed += 1

@@ -26,8 +26,10 @@ never replayed and an admitted one never lost.
 from __future__ import annotations
 
 import os
+import queue
 import struct
 import sys
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,19 @@ import msgpack
 
 _HEADER = struct.Struct("<II")
 FSYNC_POLICIES = ("always", "batch", "never")
+WRITE_CHUNK_BYTES = 1024 * 1024
+"""Appended records are handed to the writer thread in chunks of about this size (and all of them at `commit`)."""
+_IOV_MAX = 1024
+_ADMIT_PREFIX = b"\x82\xa1k\xa5admit\xa1m"  # msgpack of {"k": "admit", "m": ...} up to the bytes of "m"
+
+
+def _bin_header(size: int) -> bytes:
+    """The msgpack header of a bin of `size` bytes (the shortest form, as msgpack.packb writes it)."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -67,11 +82,63 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+class _Writer:
+    """A thread that writes chunks of appended records to the journal file, so that the kernel's copy into the page
+    cache overlaps the service's next requests. `wait` returns once every submitted chunk is written (raising the
+    first write error, if any); the service calls it (via `Journal.commit`) before it replies."""
+
+    def __init__(self) -> None:
+        self._chunks: queue.Queue[tuple[int, list[bytes | memoryview]] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, fd: int, parts: list[bytes | memoryview]) -> None:
+        self._chunks.put((fd, parts))
+
+    def wait(self) -> None:
+        self._chunks.join()
+        if self._error is not None:
+            raise OSError(f"buffer journal write failed: {self._error}") from self._error
+
+    def stop(self) -> None:
+        self._chunks.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._chunks.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    _write_all(*item)
+            except BaseException as err:  # reported to the service thread by `wait`
+                self._error = err
+            finally:
+                self._chunks.task_done()
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    """os.writev until every byte of `parts` is written (a write may be partial; at most IOV_MAX buffers a call)."""
+    views = [memoryview(part).cast("B") for part in parts]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
 class Journal:
     """Appends records; `commit` makes them durable per the fsync policy before the service replies.
 
     `always`: fsync after every record; `batch`: one fsync per request (in `commit`); `never`: written to the OS at
-    `commit` (survives a killed process, not a power loss).
+    `commit` (survives a killed process, not a power loss). Appended records are checksummed at once and gathered in
+    memory (the large `admit` payloads are referenced, not copied); every `WRITE_CHUNK_BYTES` they go to a writer
+    thread, and `commit` waits until all of them are written before it fsyncs. Nothing is acknowledged before
+    `commit` returns, so what a killed service loses was never acknowledged.
     """
 
     def __init__(self, path: Path, fsync: str = "batch") -> None:
@@ -79,24 +146,51 @@ class Journal:
             raise ValueError(f"buffer.fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.path = path
         self.fsync = fsync
-        self._file = open(path, "ab")  # noqa: SIM115 - held open for the life of the service
+        self._fd = self._open()
+        self._size = os.fstat(self._fd).st_size
+        self._pending: list[bytes | memoryview] = []
+        self._pending_bytes = 0
         self._dirty = False
+        self._writer = _Writer()
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: dict[str, Any]) -> None:
-        payload = msgpack.packb(record, use_bin_type=True)
-        self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)))
-        self._file.write(payload)
+        self._append((msgpack.packb(record, use_bin_type=True),))
+
+    def append_admit(self, push: bytes | memoryview) -> None:
+        """`append({"k": "admit", "m": push})`, byte for byte, without copying the (large) encoded PushGroup."""
+        self._append((_ADMIT_PREFIX + _bin_header(memoryview(push).nbytes), push))
+
+    def _append(self, parts: tuple[bytes | memoryview, ...]) -> None:
+        """One record whose msgpack payload is the concatenation of `parts`."""
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        length = sum(memoryview(part).nbytes for part in parts)
+        self._pending += (_HEADER.pack(length, crc), *parts)
+        self._pending_bytes += _HEADER.size + length
+        self._size += _HEADER.size + length
         self._dirty = True
+        if self._pending_bytes >= WRITE_CHUNK_BYTES:
+            self._submit()
         if self.fsync == "always":
             self.commit()
 
+    def _submit(self) -> None:
+        if self._pending:
+            self._writer.submit(self._fd, self._pending)
+            self._pending, self._pending_bytes = [], 0
+
     def commit(self) -> None:
-        """Push appended records to the OS (and to disk unless fsync=never); call before replying."""
+        """Write appended records to the OS (and to disk unless fsync=never); call before replying."""
         if not self._dirty:
             return
-        self._file.flush()
+        self._submit()
+        self._writer.wait()
         if self.fsync != "never":
-            os.fsync(self._file.fileno())
+            os.fsync(self._fd)
         self._dirty = False
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
@@ -116,13 +210,19 @@ class Journal:
             os.fsync(directory)
         finally:
             os.close(directory)
-        self._file.close()
-        self._file = open(self.path, "ab")  # noqa: SIM115 - held open for the life of the service
+        os.close(self._fd)
+        self._fd = self._open()
+        self._size = os.fstat(self._fd).st_size
 
     def size_bytes(self) -> int:
-        return self._file.tell()
+        """Bytes of the journal, records not yet written included."""
+        return self._size
 
     def close(self) -> None:
-        if not self._file.closed:
-            self.commit()
-            self._file.close()
+        if self._fd >= 0:
+            try:
+                self.commit()
+            finally:
+                self._writer.stop()
+                os.close(self._fd)
+                self._fd = -1

@@ -17,9 +17,14 @@ Socket rules: the ROUTER binds `tcp://{buffer.host}:{buffer.port}` (port 0: a fr
 high-water marks of `HWM` messages, ROUTER_MANDATORY so a reply to a vanished peer raises instead of vanishing (an
 undelivered batch goes back to the head of the queue). A request is one frame from a DEALER; any envelope frames
 before it (a REQ peer's empty delimiter) are sent back unchanged. Readiness: after binding, exactly one stdout
-line `READY tcp://HOST:PORT`. Every reply is sent after the journal records of its request are committed. A
-malformed request gets an ErrorReply and is counted as `rejected_<reason>`; nothing a peer sends stops the service.
+line `READY tcp://HOST:PORT` (a wildcard host is advertised as this node's address). Every reply is sent after the
+journal records of its request are committed. A malformed request gets an ErrorReply and is counted as
+`rejected_<reason>`; nothing a peer sends stops the service.
 SIGTERM / SIGINT: commit the journal and exit 0.
+
+Security: with `buffer.curve_keys_dir` the ROUTER is a CurveZMQ server and a ZAP handler thread admits only the
+allow-listed client keys (buffer/curve.py); a refused handshake never reaches the loop and is counted as
+`rejected_handshakes`. Without keys the socket is plain ZMQ, which BufferConfig allows only on loopback.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket as net
 import sys
 import time
 import traceback
@@ -37,11 +43,23 @@ from typing import Any
 import zmq
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl import config as cfgmod
 from asyncrl import wire
 from asyncrl.tasks import make_source
-from asyncrl.wire import CheckedPush, ErrorReply, FetchBatch, LeaseRequest, SetMaxLag, StatsReply, StatsRequest
+from asyncrl.wire import (
+    CheckedPush,
+    ErrorReply,
+    FetchBatch,
+    LeaseRequest,
+    PushReply,
+    SetMaxLag,
+    StatsReply,
+    StatsRequest,
+)
+from buffer.curve import CurveKeyError, ServerKeys, server_keys
 from buffer.journal import Journal, read_records
 from buffer.state import BufferState, Queued, batch_reply
 
@@ -49,6 +67,9 @@ HWM = 10000
 POLL_MS = 50
 EXPIRY_CHECK_S = 0.02
 JOURNAL_NAME = "buffer.journal"
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 COMPACT_BYTES = 64 * 1024 * 1024
 """Default journal size that triggers compaction (config `buffer.compact_bytes`)."""
 
@@ -62,16 +83,7 @@ class ServiceConfig:
     train: cfgmod.TrainConfig
     algo: cfgmod.AlgoConfig
     data: cfgmod.DataConfig
-    pending: dict[str, Any]
-    """`buffer.*` keys this service reads that asyncrl.config.BufferConfig does not declare yet (see `setting`)."""
 
-    def setting(self, key: str, default: Any) -> Any:
-        """`buffer.<key>`: from BufferConfig once declared there, else from `pending`, else `default`."""
-        return getattr(self.buffer, key, self.pending.get(key, default))
-
-
-PENDING_BUFFER_KEYS: dict[str, type] = {"worker_timeout_s": float, "compact_bytes": int}
-"""Buffer settings implemented here ahead of their BufferConfig fields; accepted from the config JSON, type-checked."""
 
 _SECTIONS = {
     "buffer": cfgmod.BufferConfig,
@@ -88,15 +100,6 @@ def load_service_config(values: dict[str, Any]) -> ServiceConfig:
     Raises ConfigError naming the key on unknown keys, wrong types, invalid choices or out-of-range values.
     """
     sections: dict[str, Any] = {}
-    pending: dict[str, Any] = {}
-    buffer_values = dict(values.get("buffer") or {})
-    for key, kind in PENDING_BUFFER_KEYS.items():
-        if key in buffer_values and key not in cfgmod.BufferConfig.__dataclass_fields__:
-            value = buffer_values.pop(key)
-            if type(value) not in (kind, int) or value < 0:
-                raise cfgmod.ConfigError(f"`buffer.{key}` must be a {kind.__name__} >= 0, got {value!r}")
-            pending[key] = kind(value)
-    values = {**values, "buffer": buffer_values}
     for name, cls in _SECTIONS.items():
         try:
             merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(values.get(name) or {}))
@@ -113,7 +116,7 @@ def load_service_config(values: dict[str, Any]) -> ServiceConfig:
             value = getattr(sections[section], leaf)
             if (low is not None and value < low) or (high is not None and value > high):
                 raise cfgmod.ConfigError(f"value {value!r} for `{key}` is out of range [{low}, {high}]")
-    return ServiceConfig(**sections, pending=pending)
+    return ServiceConfig(**sections)
 
 
 @dataclass(slots=True)
@@ -140,21 +143,35 @@ class BufferService:
         self.stopping = False
         self._next_expiry_check = 0.0
 
-    def run(self) -> None:
+    def run(self, monitor: zmq.Socket | None = None) -> None:
+        """Serve until `stopping`; `monitor`: the socket's handshake-failure events (CurveZMQ), counted."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         while not self.stopping:
             events = dict(poller.poll(self._poll_timeout_ms()))
+            if monitor is not None and monitor in events:
+                self._count_handshake_failures(monitor)
             if self.socket in events:
                 for _ in range(1000):  # drain what is ready, then do the timed work
                     try:
-                        frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._on_frames(frames)
+                    self._on_frames([frame.bytes for frame in frames[:-1]], frames[-1].buffer)
                 self._flush()  # one journal commit (fsync) for every request drained above, then their replies
             self._timed_work()
             self._maybe_compact()
+
+    def _count_handshake_failures(self, monitor: zmq.Socket) -> None:
+        """A peer without the right keys never gets a message through; each refused handshake is counted."""
+        while True:
+            try:
+                recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.state.counters["rejected_handshakes"] += 1
 
     def _poll_timeout_ms(self) -> int:
         timeout = POLL_MS / 1000
@@ -182,11 +199,11 @@ class BufferService:
         self.state.counters["journal_compactions"] += 1
         self._compact_at = max(self.compact_bytes, 2 * self.journal.size_bytes())
 
-    def _on_frames(self, frames: list[bytes]) -> None:
-        if len(frames) < 2:  # a ROUTER always prepends the identity; nothing to answer otherwise
+    def _on_frames(self, envelope: list[bytes], payload: memoryview) -> None:
+        """One request: `envelope` (routing id, ...) and the payload, a view of the received frame (not copied)."""
+        if not envelope:  # a ROUTER always prepends the identity; nothing to answer otherwise
             self.state.counters["rejected_bad_envelope"] += 1
             return
-        envelope, payload = frames[:-1], frames[-1]
         try:
             reply = self._handle(envelope, payload)
         except wire.WireError as err:
@@ -197,15 +214,15 @@ class BufferService:
             self.state.counters["rejected_internal_error"] += 1
             reply = ErrorReply("internal_error", f"{type(err).__name__}: {err}"[:500])
         if reply is not None:  # None: parked, or a batch already sent
-            self.outbox.append([*envelope, wire.encode(reply)])
+            self.outbox.append([*envelope, _encode_reply(reply)])
 
-    def _handle(self, envelope: list[bytes], payload: bytes) -> wire.Message | None:
+    def _handle(self, envelope: list[bytes], payload: memoryview) -> wire.Message | None:
         msg = wire.decode_request(payload)
         state = self.state
         if isinstance(msg, LeaseRequest):
             return state.lease(msg.worker, msg.max_groups)
         if isinstance(msg, CheckedPush):
-            reply = state.push(msg, raw=payload)
+            reply = state.push(msg)
             if reply.accepted and reply.reason == "" and self.parked:
                 self._serve_parked()
             return reply
@@ -268,23 +285,66 @@ class BufferService:
         return out
 
 
+_PUSH_REPLIES: dict[tuple[bool, str], bytes] = {}
+"""Encoded PushReplies by (accepted, reason): BufferState answers a push with one of a few fixed reasons."""
+
+
+def _encode_reply(reply: wire.Message) -> bytes:
+    """wire.encode, with each possible PushReply (one per pushed group) encoded once."""
+    if type(reply) is not PushReply:
+        return wire.encode(reply)
+    key = (reply.accepted, reply.reason)
+    data = _PUSH_REPLIES.get(key)
+    if data is None:
+        data = _PUSH_REPLIES[key] = wire.encode(reply)
+    return data
+
+
 def bind(socket: zmq.Socket, host: str, port: int) -> str:
-    """Bind and return the endpoint peers connect to."""
+    """Bind and return the endpoint peers connect to (a wildcard host is advertised as this node's address)."""
     if port == 0:
         port = socket.bind_to_random_port(f"tcp://{host}")
     else:
         socket.bind(f"tcp://{host}:{port}")
-    return f"tcp://{host}:{port}"
+    return f"tcp://{advertised_host(host)}:{port}"
 
 
-def make_socket(context: zmq.Context) -> zmq.Socket:
+def advertised_host(host: str) -> str:
+    """`host`, or for a wildcard bind (0.0.0.0, *, ::) the address of the interface that routes off this node."""
+    if host not in ("0.0.0.0", "*", "::", "[::]"):
+        return host
+    with net.socket(net.AF_INET, net.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks the outgoing interface
+            return probe.getsockname()[0]
+        except OSError:
+            return net.gethostbyname(net.gethostname())
+
+
+def make_socket(context: zmq.Context, curve: ServerKeys | None = None) -> zmq.Socket:
+    """The service's ROUTER (socket rules in the module docstring); a CURVE server if `curve` is given.
+
+    With `curve`, start the authenticator (`start_authenticator`) before binding, or every client is refused.
+    """
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, HWM)
     socket.setsockopt(zmq.RCVHWM, HWM)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+    if curve is not None:
+        socket.curve_secretkey = curve.secret
+        socket.curve_publickey = curve.public
+        socket.curve_server = True
     return socket
+
+
+def start_authenticator(context: zmq.Context, curve: ServerKeys) -> ThreadAuthenticator:
+    """The ZAP handler (a thread of this process) that admits only the client public keys in `curve.allowed_dir`."""
+    auth = ThreadAuthenticator(context)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(curve.allowed_dir))
+    return auth
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_service_config(json.loads(Path(args.config_json).read_text()))
     except (OSError, ValueError) as err:
         print(f"buffer: bad config {args.config_json}: {err}", file=sys.stderr)
+        return 2
+    try:
+        curve = server_keys(cfg.buffer.curve_keys_dir)
+    except CurveKeyError as err:
+        print(f"buffer: {err}", file=sys.stderr)
         return 2
 
     run_dir = Path(args.run_dir)
@@ -309,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         filter_groups=cfg.algo.filter_groups,
         lease_timeout_s=cfg.buffer.lease_timeout_s,
         max_queued_groups=cfg.buffer.max_queued_groups,
-        worker_timeout_s=float(cfg.setting("worker_timeout_s", 0.0)),
+        worker_timeout_s=cfg.buffer.worker_timeout_s,
         seed=cfg.data.seed,
     )
     if cfg.buffer.journal:
@@ -326,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     context = zmq.Context()
-    socket = make_socket(context)
-    service = BufferService(state, socket, journal, int(cfg.setting("compact_bytes", COMPACT_BYTES)))
+    auth = start_authenticator(context, curve) if curve is not None else None
+    socket = make_socket(context, curve)
+    monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES) if curve is not None else None
+    service = BufferService(state, socket, journal, cfg.buffer.compact_bytes)
 
     def stop(signum: int, frame: object) -> None:
         service.stopping = True
@@ -337,10 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         endpoint = bind(socket, cfg.buffer.host, cfg.buffer.port)
         print(f"READY {endpoint}", flush=True)
-        service.run()
+        service.run(monitor)
     finally:
         if journal is not None:
             journal.close()
+        if monitor is not None:
+            socket.disable_monitor()
+            monitor.close(0)
         socket.close(0)
+        if auth is not None:
+            auth.stop()
         context.term()
     return 0

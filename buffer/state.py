@@ -19,8 +19,9 @@ Workers: every LeaseRequest or PushGroup is a heartbeat of the worker it names (
 pure heartbeat). A worker silent for `worker_timeout_s` (0: never) is declared dead and its leases return at once,
 without waiting for their deadlines.
 
-Queued groups are kept as the validated msgpack maps of `wire.CheckedPush`, handed to the learner without being
-re-encoded.
+Queued groups are kept as the validated PushGroup bytes of `wire.CheckedPush` (the received frame itself, not
+copied; no decoded objects are kept): they are journaled as they are and the learner's BatchReply copies in their
+trajectory arrays without decoding or re-encoding them.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
-
-import msgpack
 
 from asyncrl import wire
 from asyncrl.tasks import PromptSource
@@ -58,8 +57,13 @@ class Queued:
 
     group: str
     worker: str
-    trajectories: list[dict[str, Any]]  # wire.CheckedPush.trajectories
+    payload: bytes | memoryview  # wire.CheckedPush.payload: the validated PushGroup
+    trajectories_at: int  # where its msgpack array of trajectories starts (it runs to the end)
     oldest_version: int
+
+    @classmethod
+    def of(cls, msg: CheckedPush) -> Queued:
+        return cls(msg.group, msg.worker, msg.payload, msg.trajectories_at, msg.oldest_version)
 
 
 def group_id(index: int) -> str:
@@ -154,10 +158,10 @@ class BufferState:
             retry_after_s=0.0 if granted else RETRY_AFTER_S,
         )
 
-    def push(self, msg: CheckedPush, raw: bytes | None = None, now: float | None = None) -> PushReply:
+    def push(self, msg: CheckedPush, now: float | None = None) -> PushReply:
         """Admit a finished group, or say why not (the reason is counted as `rejected_<reason>`).
 
-        `raw`: the encoded PushGroup, journaled as it is (re-encoded from `msg` if None).
+        An admitted group's `msg.payload` is queued and journaled as it is.
         """
         now = time.time() if now is None else now
         self.heartbeat(msg.worker, now)
@@ -185,10 +189,11 @@ class BufferState:
             self.counters["dropped_stale" if outcome == "stale" else "filtered_groups"] += 1
             self._log({"k": "done", "g": [group], "why": outcome})
             return PushReply(True, outcome)
-        self.queue.append(Queued(group, msg.worker, msg.trajectories, msg.oldest_version))
+        self.queue.append(Queued.of(msg))
         self.counters["admitted_groups"] += 1
-        self.counters["admitted_trajectories"] += len(msg.trajectories)
-        self._log({"k": "admit", "m": raw if raw is not None else encode_push(self.queue[-1])})
+        self.counters["admitted_trajectories"] += len(msg.uids)
+        if self.journal is not None:
+            self.journal.append_admit(msg.payload)
         return PushReply(True, "")
 
     def take_batch(self, step: int, num_groups: int) -> tuple[list[Queued] | None, int]:
@@ -274,7 +279,15 @@ class BufferState:
 
     def stats(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(self.counters)
-        for key in ("admitted_groups", "consumed_groups", "dropped_stale", "filtered_groups", "expired_leases"):
+        for key in (
+            "admitted_groups",
+            "consumed_groups",
+            "dropped_stale",
+            "filtered_groups",
+            "expired_leases",
+            "dead_workers",
+            "dead_worker_leases",
+        ):
             out.setdefault(key, 0)
         cursor = self.cursor_state()
         out.update(
@@ -313,7 +326,7 @@ class BufferState:
             "max_lag": self.max_lag,
             "pending": pending,
         }
-        return [head, *({"k": "admit", "m": encode_push(q)} for q in self.queue)]
+        return [head, *({"k": "admit", "m": q.payload} for q in self.queue)]
 
     def replay(self, records: list[dict[str, Any]], now: float | None = None) -> None:
         """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step and
@@ -335,7 +348,7 @@ class BufferState:
             elif kind == "admit":
                 msg = wire.decode_request(record["m"])
                 assert isinstance(msg, CheckedPush)
-                queued = Queued(msg.group, msg.worker, msg.trajectories, msg.oldest_version)
+                queued = Queued.of(msg)
                 admitted[msg.group] = pending[msg.group] = queued
                 admitted_count += 1
                 index = group_index(msg.group)
@@ -366,7 +379,7 @@ class BufferState:
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _check_group(self, msg: CheckedPush, lease: _Lease) -> str:
-        if len(msg.trajectories) != self.group_size:
+        if len(msg.uids) != self.group_size:
             return "group_size"
         if any(g != msg.group for g in msg.trajectory_groups):
             return "group_mismatch"
@@ -387,19 +400,7 @@ class BufferState:
             self.journal.append(record)
 
 
-def encode_push(queued: Queued) -> bytes:
-    """The PushGroup bytes of a queued group (its maps are already valid: packed as they are)."""
-    payload = {
-        "v": wire.SCHEMA_VERSION,
-        "type": "PushGroup",
-        "worker": queued.worker,
-        "group": queued.group,
-        "trajectories": queued.trajectories,
-    }
-    return msgpack.packb(payload, use_bin_type=True)
-
-
 def batch_reply(step: int, taken: list[Queued] | None, dropped: int) -> bytes:
     """The encoded BatchReply for a take_batch result (ready iff groups were taken)."""
-    groups = [q.trajectories for q in taken] if taken is not None else []
+    groups = [memoryview(q.payload)[q.trajectories_at :] for q in taken] if taken is not None else []
     return wire.encode_batch_reply(step, groups, dropped, taken is not None)

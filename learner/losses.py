@@ -61,6 +61,17 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, max_len: in
     raise ValueError(f"unknown loss.agg {agg!r}")
 
 
+def loss_normalizer(mask: torch.Tensor, cfg: LossConfig) -> float:
+    """What `policy_loss` divides by on rows with this mask (B, T): tokens for token_mean, else responses.
+
+    `policy_loss` of a batch is the normalizer-weighted mean of its parts' losses, which is how micro-batches and
+    learner ranks split one minibatch (learner.update).
+    """
+    if cfg.weighting in TOKEN_WEIGHTINGS and cfg.agg == "token_mean":
+        return float(mask.sum())
+    return float(mask.shape[0])
+
+
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: torch.Tensor | float):
     """min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) per token; eps_high may be a per-token tensor (ACR)."""
     upper = 1.0 + eps_high

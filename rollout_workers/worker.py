@@ -6,6 +6,9 @@ decode steps.
 
 One `RolloutWorker` per process (a Ray actor in `asyncrl up`); `start()` runs the loop on a thread so that
 `stats()` and `stop()` stay callable. A group the buffer refuses for backpressure is retried, never dropped.
+While the loop runs, a heartbeat thread (its own socket) tells the buffer every `buffer.worker_timeout_s / 6`
+seconds that the worker is alive, even in the middle of a long batch; if the process or its loop dies, the beats
+stop and the buffer returns the worker's leases after `buffer.worker_timeout_s`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import numpy as np
 
 from asyncrl.config import Config, from_dict
 from asyncrl.wire import PromptLease, Trajectory
-from buffer.client import BufferClient, BufferUnavailable
+from buffer.client import BufferClient, BufferUnavailable, Heartbeat
+from buffer.curve import client_keys
 
 
 class RolloutWorker:
@@ -42,10 +46,15 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.source = make_source(self.cfg.data)
         seed = self.cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
-        self.engine = EmbeddedEngine(
-            model_dir, max_batch=rollout.max_batch, seed=seed, swap_mode=rollout.swap_mode,
-            max_seq_len=rollout.max_seq_len, precision=self.cfg.precision.rollout, device=rollout.device,
-        )  # fmt: skip
+        if rollout.backend == "sglang":  # an SGLang server per worker (rollout_workers/sglang_api/backend.py)
+            from rollout_workers.sglang_api.backend import SGLangEngine
+
+            self.engine = SGLangEngine(self.cfg, model_dir, worker_id=worker_id, seed=seed)
+        else:
+            self.engine = EmbeddedEngine(
+                model_dir, max_batch=rollout.max_batch, seed=seed, swap_mode=rollout.swap_mode,
+                max_seq_len=rollout.max_seq_len, precision=self.cfg.precision.rollout, device=rollout.device,
+            )  # fmt: skip
         self.params = SamplingParams(
             max_new_tokens=rollout.max_new_tokens,
             temperature=rollout.temperature,
@@ -54,6 +63,8 @@ class RolloutWorker:
             stop_token_ids=tuple(self.engine.arch.eos_token_ids),
         )
         self.buffer_endpoint = buffer_endpoint
+        self.curve = client_keys(self.cfg.buffer.curve_keys_dir)
+        self.heartbeat: Heartbeat | None = None
         self.subscriber = WeightSubscriber(weights_endpoint, self.engine.stage_weights)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -68,14 +79,24 @@ class RolloutWorker:
             raise RuntimeError(f"{self.worker_id}: no weights from the publisher at {self.subscriber.endpoint}")
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop", daemon=True)
         self._thread.start()
+        if self.cfg.buffer.worker_timeout_s > 0:
+            interval_s = self.cfg.buffer.worker_timeout_s / 6
+            alive = self._thread.is_alive  # a dead loop stops the beats, so its leases return
+            self.heartbeat = Heartbeat(self.buffer_endpoint, self.worker_id, interval_s, alive, self.curve)
+            self.heartbeat.start()
         return True
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.subscriber.close()
-        return self.stats()
+        stats = self.stats()
+        if hasattr(self.engine, "close"):  # the SGLang backend stops its server
+            self.engine.close()
+        return stats
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -85,10 +106,11 @@ class RolloutWorker:
             "swaps": self.engine.swaps,
             "alive": self._thread is not None and self._thread.is_alive(),
             "last_error": self.last_error,
+            **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
         }
 
     def _loop(self) -> None:
-        client = BufferClient(self.buffer_endpoint, identity=self.worker_id)
+        client = BufferClient(self.buffer_endpoint, identity=self.worker_id, curve=self.curve)
         try:
             while not self._stop.is_set():
                 try:

@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "asyncrl.bench.engine_bench:run",
     "buffer": "asyncrl.bench.buffer_bench:run",
     "sync": "asyncrl.bench.sync_bench:run",
+    "learner": "asyncrl.bench.learner_bench:run",
 }
 
 

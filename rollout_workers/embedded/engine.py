@@ -12,7 +12,7 @@ A scheduler runs one `step` at a time:
   before top-k/top-p filtering (SGLang's convention), and its version is the version of the weights that computed
   those logits.
 - New weights are staged from any thread and swapped in atomically between two decode steps, once their fused
-  layout is built (between steps, a layer at a time, within a quarter of a step). `in_place`: in-flight
+  layout is built (between steps, a layer at a time, within half a step). `in_place`: in-flight
   sequences keep the K/V computed with older weights. `retract`: their K/V is recomputed with the new weights
   before the next decode step.
 - Sampling is by inverse CDF with one uniform per (sequence, step) from a counter-based hash of the call's seed
@@ -45,7 +45,8 @@ from rollout_workers.engine import Completion, SamplingParams, WeightUpdate
 SCALE_SUFFIX = "_scale"
 SWAP_MODES = ("in_place", "retract")
 BUILD_SLICE_MIN_S = 0.02
-BUILD_SLICE_OF_STEP = 0.25
+BUILD_SLICE_OF_STEP = 0.5
+"""Build work between two steps, as a fraction of a step: the swap gap stays under 1.5 steps (target <= 2)."""
 _MASK64 = (1 << 64) - 1
 
 
@@ -225,6 +226,41 @@ class EmbeddedEngine:
         for start in range(0, len(samples), self.max_batch):
             self._queue.append(_Group(list(prompt), samples[start : start + self.max_batch]))
         return samples
+
+    def abort(self, sequences: list[Sequence]) -> list[Sequence]:
+        """End these sequences between two steps with finish="abort" and what they have; frees their slots.
+
+        Queued samples leave the queue; active ones leave the KV cache. Returns the sequences it ended.
+        """
+        targets = {id(seq) for seq in sequences if seq.completion is None}
+        if not targets:
+            return []
+        ended: list[Sequence] = []
+        for group in list(self._queue):
+            kept = [seq for seq in group.samples if id(seq) not in targets]
+            ended.extend(seq for seq in group.samples if id(seq) in targets)
+            if not kept:
+                self._queue.remove(group)
+            group.samples = kept
+        active = [seq for seq in self._active if id(seq) in targets]
+        for seq in ended + active:
+            seq.completion = Completion(seq.response, seq.logp, seq.versions, finish="abort")
+        self._retire(active)
+        return ended + active
+
+    @torch.inference_mode()
+    def swap_now(self, recompute_kv: bool = False) -> bool:
+        """Finish building the staged version and swap it in now (for a paused scheduler); returns whether it swapped.
+
+        With `recompute_kv` the in-flight sequences' K/V is recomputed with the new weights (SGLang's `retract`).
+        """
+        swapped = False
+        with self.device:
+            while self._staged is not None and not swapped:
+                swapped = self.apply_staged()
+            if swapped and recompute_kv and self._active:
+                self._retract()
+        return swapped
 
     def _check(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

@@ -95,3 +95,22 @@ def test_every_weighting_runs_end_to_end(tmp_path, weighting):
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["loss"] is not None and r["skipped_steps"] == 0 for r in rows), rows
     assert rows[-1]["version"] == steps
+
+
+@pytest.mark.slow
+def test_up_with_fsdp2_ranks_bf16_and_the_rollout_aligned_forward(tmp_path):
+    """Two FSDP2 learner ranks (gloo) in bf16, training on the published INT8 operands, end to end."""
+    steps = 2
+    proc = run_up(
+        tmp_path, "model.path=builtin:micro", f"train.steps={steps}", "train.groups_per_step=2", "train.group_size=4",
+        "algo.filter_groups=false", "logging.name=fsdp", "data.eval_size=0", "rollout.num_workers=1",
+        "ray.worker_cpus=0.5", "learner.world_size=2", "precision.train=bf16", "learner.rollout_aligned=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["loss"] is not None and r["skipped_steps"] == 0 and r["version"] == r["step"] + 1 for r in rows)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "final")  # gathered from both ranks

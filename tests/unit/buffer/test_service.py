@@ -26,6 +26,7 @@ from asyncrl.config import Config, DataConfig, to_dict
 from asyncrl.tasks import make_source
 from asyncrl.wire import PromptLease, Trajectory
 from buffer.client import BufferClient, BufferUnavailable
+from buffer.curve import ClientKeys, client_keys
 
 ROOT = Path(__file__).resolve().parents[3]
 GROUP_SIZE = 2
@@ -33,12 +34,13 @@ BATCH = 2  # groups_per_step
 
 
 class Buffer:
-    """A running `python -m buffer` and a client to it."""
+    """A running `python -m buffer` and a client to it (with the run's CurveZMQ client keys, if any)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], endpoint: str) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], endpoint: str, curve: ClientKeys | None = None) -> None:
         self.proc = proc
         self.endpoint = endpoint
-        self.client = BufferClient(endpoint, "test", timeout_s=5.0)
+        self.curve = curve
+        self.client = BufferClient(endpoint, "test", timeout_s=5.0, curve=curve)
 
     def stats(self) -> dict[str, Any]:
         return self.client.stats()
@@ -73,7 +75,7 @@ def running_buffer(tmp_path: Path, run_dir: Path | None = None, **sections: dict
     if not line.startswith("READY tcp://"):
         proc.kill()
         raise AssertionError(f"buffer did not start: {line!r}, rc={proc.poll()}")
-    buffer = Buffer(proc, line.split()[1])
+    buffer = Buffer(proc, line.split()[1], client_keys(sections.get("buffer", {}).get("curve_keys_dir", "")))
     try:
         yield buffer
     finally:

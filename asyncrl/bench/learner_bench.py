@@ -1,0 +1,278 @@
+"""`asyncrl bench learner`: what each mismatch weighting costs, FSDP2 over 2 ranks, bf16 against fp32.
+
+All on one seeded Llama-family model and one seeded batch (groups of responses with behavior log-probs = the
+model's plus noise, so every weighting has real work: truncations, masks, clipping):
+
+- `overhead_<weighting>`: the learner's loss+backward step with that weighting over the same step with `none`,
+  minus 1. The two steps differ only in the weighting-dependent work (advantages, ACRL's Y_g and X, the loss and
+  its backward down to lc: `learner.update.step_inputs` + `micro_loss`); the model's forward and backward are the
+  same computation. So the difference is timed directly on that work and divided by the whole `none` step
+  (`learner.update.step_inputs` + `minibatch_backward`): whole-step timings on this shared machine have a noise
+  floor of a few percent, far above the 0.1% to resolve; they are reported too, as `e2e_overhead_<weighting>`.
+  `max_weighting_overhead` is the largest (target <= 0.01; ACRL reports 0.1%).
+- `fsdp2_w2_vs_single`: tokens/s of a whole train step (proximal forward, loss, backward, AdamW) on 2 FSDP2 ranks
+  (gloo, one thread each, spawned processes) over one process with as many threads: same cores, same batch.
+- `bf16_vs_fp32`: tokens/s of the loss+backward step under bf16 autocast over fp32 (fp16 reported as a metric).
+  On CPUs without bf16 matrix units this is below 1: autocast adds casts and the GEMMs are not faster.
+
+Contenders alternate within every round and each reports its best round (machines here are noisy; the minimum
+is the least disturbed measurement of the same work).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable
+
+import torch
+
+from asyncrl.bench import BenchResult
+from asyncrl.config import PRECISIONS, WEIGHTINGS, Config, load_config
+
+HIDDEN, LAYERS, VOCAB = 128, 4, 1024
+GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 4, 8, 16, 32
+FSDP_WORLD = 2
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=PROMPT_LEN + RESPONSE_LEN,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+    return model.train()
+
+
+def _batch(model: torch.nn.Module, seed: int = 0):
+    """Responses of 16..32 tokens after 16-token prompts; behavior log-probs = the model's + N(0, 0.3)."""
+    from learner.batch import Batch, token_logp
+
+    gen = torch.Generator().manual_seed(seed)
+    n = GROUPS * GROUP_SIZE
+    resp_len = torch.randint(RESPONSE_LEN // 2, RESPONSE_LEN + 1, (n,), generator=gen)
+    seq_len = PROMPT_LEN + RESPONSE_LEN
+    input_ids = torch.randint(1, VOCAB, (n, seq_len), generator=gen)
+    attention = (torch.arange(seq_len)[None, :] < PROMPT_LEN + resp_len[:, None]).long()
+    mask = (torch.arange(RESPONSE_LEN)[None, :] < resp_len[:, None]).float()
+    response_pos = (PROMPT_LEN + torch.arange(RESPONSE_LEN))[None, :].expand(n, -1) * mask.long()
+    rewards = torch.randint(0, 2, (n,), generator=gen).float()
+    batch = Batch(
+        input_ids=input_ids * attention,
+        attention_mask=attention,
+        response_pos=response_pos,
+        response_ids=input_ids[:, PROMPT_LEN:] * mask.long(),
+        mask=mask,
+        behav_logp=torch.zeros((n, RESPONSE_LEN)),
+        versions=torch.zeros((n, RESPONSE_LEN), dtype=torch.long),
+        rewards=rewards,
+        correct=rewards.clone(),
+        group_index=torch.arange(GROUPS).repeat_interleave(GROUP_SIZE),
+        truncated=resp_len == RESPONSE_LEN,
+    )
+    with torch.no_grad():
+        logp, _ = token_logp(model, batch, 1.0)
+    batch.behav_logp = (logp + 0.3 * torch.randn(logp.shape, generator=gen)).clamp_max(0.0) * mask
+    return batch
+
+
+def _config(*overrides: str) -> Config:
+    base = (f"rollout.max_new_tokens={RESPONSE_LEN}", "rollout.temperature=1.0", "algo.overlong.len=8",
+            "loss.cap=2.0", "learner.micro_batch_tokens=100000")  # fmt: skip
+    return load_config(None, [*base, *overrides])
+
+
+def _best(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Best (minimum) seconds of each contender over `rounds`; the order rotates every round."""
+    names = list(contenders)
+    best = {name: float("inf") for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            contenders[name]()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _loss_step(model: torch.nn.Module, batch, cfg: Config, prox_logp: torch.Tensor) -> Callable[[], object]:
+    """The weighting-dependent part of a train step: step inputs, then forward + loss + backward of the batch."""
+    from learner.acrl import AcrlReference
+    from learner.precision import LossScaler
+    from learner.update import minibatch_backward, step_inputs
+
+    reference, scaler = AcrlReference(cfg.loss.acrl), LossScaler(enabled=False)
+
+    def run() -> object:
+        model.zero_grad(set_to_none=True)
+        inputs = step_inputs(batch, prox_logp, cfg, reference)
+        return minibatch_backward(model, batch, (0, batch.rows), inputs, cfg, scaler)
+
+    return run
+
+
+def _loss_part(
+    batch, cfg: Config, prox_logp: torch.Tensor, cur_logp: torch.Tensor, repeat: int
+) -> Callable[[], object]:
+    """What differs between weightings, `repeat` times: step inputs, the loss, and its backward down to lc (B, T).
+
+    The model's forward and backward around it are the same computation whatever the weighting.
+    """
+    from learner.acrl import AcrlReference
+    from learner.update import micro_loss, step_inputs
+
+    reference = AcrlReference(cfg.loss.acrl)
+
+    def run() -> object:
+        for _ in range(repeat):
+            leaf = cur_logp.detach().requires_grad_()
+            out = micro_loss(batch, (0, batch.rows), leaf, step_inputs(batch, prox_logp, cfg, reference), cfg)
+            out.loss.backward()
+        return out
+
+    return run
+
+
+def _weightings_and_precision(quick: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """overhead_<w> = (loss part of w - loss part of none) / whole loss+backward step of none.
+
+    Both loss parts are timed directly (many repetitions, alternating, best of rounds), so the ratio resolves
+    0.1% differences that whole-step timings on a shared machine cannot; the whole steps of every weighting are
+    timed too and reported as `e2e_overhead_<w>` metrics (their noise floor is a few percent here).
+    """
+    from learner.update import proximal_logp
+
+    model = _model()
+    batch = _batch(model)
+    prox_logp, _ = proximal_logp(model, batch, _config(), _single())
+    gen = torch.Generator().manual_seed(1)
+    cur_logp = (prox_logp + 0.05 * torch.randn(prox_logp.shape, generator=gen)) * batch.mask  # r != 1: clipping
+    configs = {w: _config(f"loss.weighting={w}") for w in WEIGHTINGS}
+    repeat = 20
+    parts = {w: _loss_part(batch, cfg, prox_logp, cur_logp, repeat) for w, cfg in configs.items()}
+    steps = {w: _loss_step(model, batch, cfg, prox_logp) for w, cfg in configs.items()}
+    for run in [*parts.values(), *steps.values()]:  # warm-up: allocator, caches
+        run()
+    part_s = {w: s / repeat for w, s in _best(parts, 10 if quick else 40).items()}
+    step_s = _best(steps, 3 if quick else 20)
+    metrics = {f"loss_part_us_{w}": 1e6 * s for w, s in part_s.items()}
+    metrics.update({f"step_ms_{w}": 1e3 * s for w, s in step_s.items()})
+    metrics.update({f"e2e_overhead_{w}": step_s[w] / step_s["none"] - 1.0 for w in WEIGHTINGS})
+    metrics["batch_response_tokens"] = float(batch.mask.sum())
+    ratios = {f"overhead_{w}": (part_s[w] - part_s["none"]) / step_s["none"] for w in WEIGHTINGS}
+    ratios["max_weighting_overhead"] = max(ratios[f"overhead_{w}"] for w in WEIGHTINGS)
+    # Precision: few rounds (half-precision GEMMs are emulated, hence slow, on CPUs without bf16/fp16 units).
+    contenders = {p: _loss_step(model, batch, _config(f"precision.train={p}"), prox_logp) for p in PRECISIONS}
+    seconds = _best(contenders, 2 if quick else 6)  # the first round is the warm-up of the others
+    metrics.update({f"step_ms_none_{p}": 1e3 * s for p, s in seconds.items()})
+    ratios["bf16_vs_fp32"] = seconds["fp32"] / seconds["bf16"]  # tokens/s ratio on the same batch
+    metrics["fp16_vs_fp32"] = seconds["fp32"] / seconds["fp16"]
+    return metrics, ratios
+
+
+def _single():
+    from learner.distributed import SINGLE
+
+    return SINGLE
+
+
+def _train_step_runner(ranks) -> Callable[[], object]:  # noqa: ANN001 - learner.distributed.Dist
+    """A whole train step (prox forward, loss, backward, AdamW) on this rank's model; FSDP2-sharded if world > 1."""
+    from learner.acrl import AcrlReference
+    from learner.distributed import shard_model
+    from learner.precision import LossScaler
+    from learner.update import train_on_batch
+
+    model = _model()
+    batch = _batch(model)
+    if ranks.world > 1:
+        shard_model(model)
+    cfg = _config("loss.weighting=tis", "optim.lr=1e-6")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    scaler, reference = LossScaler(enabled=False), AcrlReference(cfg.loss.acrl)
+    return lambda: train_on_batch(model, optimizer, scaler, batch, cfg, reference, ranks)
+
+
+def _rank_loop(rank: int, world: int, rendezvous: str, commands, results) -> None:  # noqa: ANN001 - mp queues
+    """An FSDP2 rank: on each command, run that many train steps and (rank 0) report the best seconds."""
+    from learner.distributed import close, init_distributed
+
+    torch.set_num_threads(1)
+    ranks = init_distributed(rank, world, rendezvous)
+    step = _train_step_runner(ranks)
+    step()  # warm-up
+    results.put(("ready", rank))
+    while (steps := commands[rank].get()) is not None:
+        best = float("inf")
+        for _ in range(steps):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - start)
+        if rank == 0:
+            results.put(("best", best))
+    close(ranks)
+
+
+def _fsdp(rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """FSDP2 world 2 vs one process with FSDP_WORLD threads, alternating blocks of steps (never both at once)."""
+    from learner.distributed import start_rendezvous
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "learner.update", __name__])
+    store, rendezvous = start_rendezvous()
+    commands = [ctx.Queue() for _ in range(FSDP_WORLD)]
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_loop, args=(r, FSDP_WORLD, rendezvous, commands, results), daemon=True)
+        for r in range(FSDP_WORLD)
+    ]
+    for proc in procs:
+        proc.start()
+    threads = torch.get_num_threads()
+    try:
+        for _ in procs:
+            results.get(timeout=600)
+        torch.set_num_threads(FSDP_WORLD)
+        single = _train_step_runner(_single())
+        single()
+        best_single, best_fsdp = float("inf"), float("inf")
+        for _ in range(rounds):
+            best_single = min(best_single, _best({"single": single}, 2)["single"])
+            for queue in commands:
+                queue.put(2)
+            best_fsdp = min(best_fsdp, results.get(timeout=600)[1])
+        for queue in commands:
+            queue.put(None)
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        torch.set_num_threads(threads)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        del store
+    tokens = float(GROUPS * GROUP_SIZE * (PROMPT_LEN + RESPONSE_LEN))
+    metrics = {"train_tok_s_single": tokens / best_single, "train_tok_s_fsdp2_w2": tokens / best_fsdp}
+    return metrics, {"fsdp2_w2_vs_single": best_single / best_fsdp}
+
+
+def run(quick: bool) -> BenchResult:
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the weighting comparison: one thread, the least noisy
+    try:
+        metrics, ratios = _weightings_and_precision(quick)
+    finally:
+        torch.set_num_threads(threads)
+    fsdp_metrics, fsdp_ratios = _fsdp(rounds=2 if quick else 6)
+    metrics.update(fsdp_metrics)
+    ratios.update(fsdp_ratios)
+    return BenchResult(name="learner", metrics=metrics, ratios=ratios)

@@ -1,0 +1,138 @@
+"""Learner ranks: torch.distributed (gloo on CPU, NCCL on GPU) and FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Data parallel over responses, parameters sharded: every decoder layer is its own FSDP2 unit, the root holds the
+embeddings, final norm and LM head. Rank 0 talks to the buffer and to quant_sync; it collates each batch and
+broadcasts its tensors (no pickle) to the other ranks, which take their share of the rows. Gradients are reduced
+by FSDP2 as an average over ranks, so each rank scales its loss by the world size to obtain the sum: the same
+gradient as one process over all rows (gloo has no pre-multiplied sum, so `set_gradient_divide_factor` is out).
+
+With world size 1 every helper here is a no-op and the model stays a plain module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from learner.batch import Batch
+
+# Wire codes of the batch fields' dtypes for the broadcast header (bool travels as uint8: gloo has no bool).
+_DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8}
+_CODES = {torch.int64: 0, torch.float32: 1, torch.bool: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = Dist()
+"""One process, no torch.distributed."""
+
+
+def start_rendezvous(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
+    """A torch.distributed key-value store on a port the OS picks (no race), hosted by the caller.
+
+    Returns the store (keep it alive until every rank has joined) and its `host:port` for `init_distributed`.
+    """
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    return store, f"{host}:{store.port}"
+
+
+def init_distributed(rank: int, world: int, rendezvous: str, timeout_s: float = 300.0) -> Dist:
+    """Join the learner's process group (gloo on CPU, NCCL when CUDA is available) at `host:port`."""
+    if world == 1:
+        return Dist()
+    if not rendezvous:
+        raise ValueError("learner.world_size > 1 needs a rendezvous address (host:port of start_rendezvous)")
+    host, port = rendezvous.rsplit(":", 1)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return Dist(rank=rank, world=world)
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, LM head).
+
+    The root reshards after forward too (FSDP2 keeps it gathered by default), so that between forwards every
+    parameter is this rank's shard: the step's snapshot, restore and norm_update work on shards.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model, reshard_after_forward=True)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly DTensor) parameter or gradient."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def to_float(value: torch.Tensor | float) -> float:
+    """A Python float from a scalar tensor, DTensor (e.g. a global grad norm) or float."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+def all_reduce_(tensor: torch.Tensor, ranks: Dist, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce (`sum` or `max`) over the learner ranks; identity with one rank."""
+    if ranks.world > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_batch(batch: Batch | None, ranks: Dist) -> Batch:
+    """Rank 0's batch on every rank: a header of dtypes and shapes, then one broadcast per field."""
+    if ranks.world == 1:
+        assert batch is not None
+        return batch
+    names = [f.name for f in fields(Batch)]
+    header = torch.zeros((len(names), 4), dtype=torch.int64)  # dtype code, ndim, dim 0, dim 1
+    if ranks.is_main:
+        assert batch is not None
+        for i, name in enumerate(names):
+            value = getattr(batch, name)
+            header[i, 0], header[i, 1] = _CODES[value.dtype], value.dim()
+            header[i, 2 : 2 + value.dim()] = torch.tensor(value.shape)
+    dist.broadcast(header, src=0)
+    values = {}
+    for i, name in enumerate(names):
+        code, ndim = int(header[i, 0]), int(header[i, 1])
+        shape = header[i, 2 : 2 + ndim].tolist()
+        if ranks.is_main:
+            assert batch is not None
+            original = getattr(batch, name)
+            buf = original.to(torch.uint8) if original.dtype == torch.bool else original.contiguous()
+        else:
+            buf = torch.empty(shape, dtype=_DTYPES[code])
+        dist.broadcast(buf, src=0)
+        values[name] = buf.bool() if code == _CODES[torch.bool] else buf
+    return Batch(**values)
+
+
+def full_state_dict(model: torch.nn.Module, ranks: Dist) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict: on rank 0 with FSDP2 (a collective: every rank must call it), else live."""
+    if ranks.world == 1:
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if ranks.is_main else {}
+
+
+def close(ranks: Dist) -> None:
+    if ranks.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()

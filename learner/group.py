@@ -1,0 +1,51 @@
+"""The learner as the driver sees it: `learner.world_size` ranks as Ray actors behind one blocking interface.
+
+Every rank is a `learner.trainer.Learner` actor; they meet in a torch.distributed process group at a rendezvous
+address hosted here. Calls go to all ranks at once (FSDP2's collectives need every rank) and the answer comes from
+rank 0, the one that talks to the buffer and to quant_sync. The learner's CPU request `ray.learner_cpus` is split
+evenly over its ranks, so a world of 2 fits the same Ray cluster as a world of 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.config import Config, to_dict
+
+
+class LearnerGroup:
+    def __init__(self, cfg: Config, model_dir: str, buffer_endpoint: str):
+        import ray
+
+        from learner.distributed import start_rendezvous
+        from learner.trainer import Learner
+
+        world = cfg.learner.world_size
+        self.store, address = start_rendezvous() if world > 1 else (None, "")  # alive while the ranks are
+        actor = ray.remote(num_cpus=cfg.ray.learner_cpus / world)(Learner)
+        config = to_dict(cfg)
+        self.ranks = [
+            actor.remote(config, model_dir, buffer_endpoint, rank=rank, rendezvous=address) for rank in range(world)
+        ]
+
+    def _all(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
+
+    def weights_endpoint(self) -> str:
+        import ray
+
+        return ray.get(self.ranks[0].weights_endpoint.remote())
+
+    def train_step(self, step: int) -> dict[str, float]:
+        return self._all("train_step", step)
+
+    def evaluate(self, prompts: list[str], answers: list[str], max_new_tokens: int) -> float:
+        return self._all("evaluate", prompts, answers, max_new_tokens)
+
+    def save(self, out_dir: str) -> str:
+        return self._all("save", out_dir)
+
+    def close(self) -> None:
+        self._all("close")

@@ -1,0 +1,222 @@
+"""One learner update on a collated batch: proximal forward, decoupled PPO minibatches, AdamW, skip on non-finite.
+
+    batch (every rank holds all rows)
+      -> advantages (DAPO overlong shaping first)       -> proximal log-probs: no-grad forward (or lb)
+      -> for each PPO minibatch: this rank's rows, in micro-batches of at most `learner.micro_batch_tokens`
+           loss of a micro-batch = policy_loss(micro) * its share of the minibatch's normalizer
+           backward(loss * loss_scale * world_size)   (FSDP2 averages over ranks; the factor makes it a sum)
+         unscale, clip the global grad norm, AdamW step, unless the loss or the gradient is not finite
+
+The minibatch's gradient is therefore the gradient of `policy_loss` over all its rows, whatever the micro-batching
+and the number of ranks. A non-finite loss or gradient skips the whole train step: the step's earlier minibatch
+updates (parameters and AdamW state) are undone, the loss scale halves (fp16), and the caller must not publish.
+Ranks run the same number of forwards (FSDP2's collectives): a rank with fewer micro-batches runs zero-weight ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.config import Config
+from learner.acrl import AcrlReference
+from learner.batch import Batch, micro_batches, overlong_shaping, rank_rows, token_logp
+from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
+from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
+from learner.precision import LossScaler, autocast
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What the loss needs beyond the batch, computed once per train step over the whole batch."""
+
+    prox_logp: torch.Tensor  # (B, T) lp
+    adv: torch.Tensor  # (B,) advantages (after DAPO overlong shaping)
+    acrl_x: float | None = None  # ACRL reference X; acrl only
+    acrl_y: torch.Tensor | None = None  # (n_groups,) ACRL Y_g over whole groups; acrl only
+
+
+@dataclass(slots=True)
+class UpdateResult:
+    skipped: bool
+    prox_logp: torch.Tensor  # (B, T)
+    entropy: torch.Tensor  # (B, T), zeros with learner.prox = behav
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _plan(batch: Batch, lo: int, hi: int, cfg: Config, ranks: Dist) -> tuple[list[tuple[int, int]], int]:
+    """This rank's micro-batches of rows lo..hi-1 and the number every rank runs (the max over ranks)."""
+    mine = rank_rows(lo, hi, ranks.rank, ranks.world)
+    plan = micro_batches(batch, *mine, cfg.learner.micro_batch_tokens)
+    count = int(all_reduce_(torch.tensor([len(plan)]), ranks, op="max"))
+    return plan, count
+
+
+@torch.no_grad()
+def proximal_logp(model: torch.nn.Module, batch: Batch, cfg: Config, ranks: Dist) -> tuple[torch.Tensor, torch.Tensor]:
+    """lp and entropy (B, T) with the weights at the start of the step; each rank computes its rows, then a sum."""
+    prox = torch.zeros_like(batch.behav_logp)
+    entropy = torch.zeros_like(batch.behav_logp)
+    plan, count = _plan(batch, 0, batch.rows, cfg, ranks)
+    for i in range(count):
+        lo, hi = plan[i] if i < len(plan) else (0, 1)  # past this rank's rows: a forward for FSDP's collectives
+        with autocast(cfg.precision.train):
+            logp, ent = token_logp(model, batch.select(lo, hi), cfg.rollout.temperature)
+        if i < len(plan):
+            prox[lo:hi], entropy[lo:hi] = logp, ent
+    return all_reduce_(prox, ranks), all_reduce_(entropy, ranks)
+
+
+def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@torch.no_grad()
+def _restore(model: torch.nn.Module, before: list[torch.Tensor]) -> None:
+    for param, old in zip(model.parameters(), before):
+        param.copy_(old)
+
+
+def step_inputs(batch: Batch, prox_logp: torch.Tensor, cfg: Config, acrl_reference: AcrlReference) -> StepInputs:
+    """Advantages (DAPO overlong shaping first) and, for ACRL, Y_g over whole groups and the reference X."""
+    lengths = batch.mask.sum(-1)
+    shaped = batch.rewards + overlong_shaping(
+        lengths, batch.truncated, cfg.rollout.max_new_tokens, cfg.algo.overlong.len
+    )
+    inputs = StepInputs(prox_logp=prox_logp, adv=advantages(shaped, batch.group_index, cfg.algo.adv))
+    if cfg.loss.weighting == "acrl":  # Y_g over whole groups, before minibatches split them (ACRL eq. 9)
+        inputs.acrl_y = group_discrepancy(batch.behav_logp, prox_logp, batch.mask, batch.group_index)
+        inputs.acrl_x = acrl_reference.update_and_get(inputs.acrl_y)
+    return inputs
+
+
+def micro_loss(
+    micro: Batch, rows: tuple[int, int], cur_logp: torch.Tensor, inputs: StepInputs, cfg: Config
+) -> LossOutputs:
+    """`policy_loss` of micro-batch `micro` = rows lo..hi-1 of the step's batch, given its lc (B_micro, T)."""
+    lo, hi = rows
+    return policy_loss(
+        LossInputs(
+            behav_logp=micro.behav_logp,
+            prox_logp=inputs.prox_logp[lo:hi],
+            cur_logp=cur_logp,
+            advantages=inputs.adv[lo:hi],
+            mask=micro.mask,
+            max_len=cfg.rollout.max_new_tokens,
+            group_index=micro.group_index,
+            acrl_x=inputs.acrl_x,
+            acrl_y=inputs.acrl_y,
+        ),
+        cfg.loss,
+    )
+
+
+def minibatch_backward(
+    model: torch.nn.Module,
+    batch: Batch,
+    rows: tuple[int, int],
+    inputs: StepInputs,
+    cfg: Config,
+    scaler: LossScaler,
+    ranks: Dist = SINGLE,
+) -> tuple[float, dict[str, float]]:
+    """Forward, loss and backward of PPO minibatch `rows` on this rank (gradients accumulate in the parameters).
+
+    Returns the minibatch's loss and its loss metrics, reduced over ranks.
+    """
+    normalizer = max(loss_normalizer(batch.mask[rows[0] : rows[1]], cfg.loss), 1.0)
+    plan, count = _plan(batch, *rows, cfg, ranks)
+    loss_sum = torch.zeros(())
+    metric_sums: dict[str, float] = {}
+    for i in range(count):
+        real = i < len(plan)
+        lo, hi = plan[i] if real else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
+        micro = batch.select(lo, hi)
+        with autocast(cfg.precision.train):
+            cur_logp, _ = token_logp(model, micro, cfg.rollout.temperature)
+        if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
+            (scaler.scale_loss(cur_logp.nan_to_num(0.0, 0.0, 0.0).sum()) * 0.0).backward()
+            continue
+        out = micro_loss(micro, (lo, hi), cur_logp, inputs, cfg)
+        share = loss_normalizer(micro.mask, cfg.loss) / normalizer  # this micro-batch's part of the mean
+        scaler.scale_loss(out.loss * (share * ranks.world)).backward()
+        loss_sum += out.loss.detach() * share
+        for key, value in out.metrics.items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value * share
+    # Fixed per weighting; with several ranks, one without real micro-batches still reports every key (as zeros).
+    keys = metric_names(cfg) if ranks.world > 1 else sorted(metric_sums)
+    packed = all_reduce_(torch.tensor([float(loss_sum)] + [metric_sums.get(k, 0.0) for k in keys]), ranks)
+    return float(packed[0]), dict(zip(keys, packed[1:].tolist()))
+
+
+_METRIC_NAMES: dict[str, list[str]] = {}
+
+
+def metric_names(cfg: Config) -> list[str]:
+    """The metric keys `policy_loss` reports for this weighting (from a one-token dummy call, cached)."""
+    if cfg.loss.weighting in _METRIC_NAMES:
+        return _METRIC_NAMES[cfg.loss.weighting]
+    one = torch.zeros((1, 1))
+    out = policy_loss(
+        LossInputs(
+            behav_logp=one, prox_logp=one, cur_logp=one, advantages=torch.ones(1), mask=torch.ones((1, 1)),
+            max_len=1, group_index=torch.zeros(1, dtype=torch.long), acrl_x=1.0, acrl_y=torch.zeros(1),
+        ),
+        cfg.loss,
+    )  # fmt: skip
+    _METRIC_NAMES[cfg.loss.weighting] = sorted(out.metrics)
+    return _METRIC_NAMES[cfg.loss.weighting]
+
+
+def train_on_batch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    batch: Batch,
+    cfg: Config,
+    acrl_reference: AcrlReference,
+    ranks: Dist = SINGLE,
+) -> UpdateResult:
+    """One train step on `batch` (every rank passes the same batch). Returns metrics; on skip, nothing changed."""
+    if cfg.learner.prox == "recompute":
+        prox_logp, entropy = proximal_logp(model, batch, cfg, ranks)
+    else:
+        prox_logp, entropy = batch.behav_logp.clone(), torch.zeros_like(batch.behav_logp)
+    inputs = step_inputs(batch, prox_logp, cfg, acrl_reference)
+    before = _snapshot(model)
+    optim_before = copy.deepcopy(optimizer.state_dict()) if cfg.learner.minibatches > 1 else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    metrics: dict[str, float] = {"loss_scale": scaler.scale}
+    bounds = torch.linspace(0, batch.rows, cfg.learner.minibatches + 1).long().tolist()
+    skipped = False
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        optimizer.zero_grad(set_to_none=True)
+        loss_value, loss_metrics = minibatch_backward(model, batch, (lo, hi), inputs, cfg, scaler, ranks)
+        scaler.unscale_(params)
+        grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree
+        metrics["loss"], metrics["grad_norm"] = loss_value, grad_norm
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            scaler.update(finite=False)
+            skipped = True
+            break
+        optimizer.step()
+        scaler.update(finite=True)
+        metrics.update(loss_metrics)
+    optimizer.zero_grad(set_to_none=True)
+    if skipped:
+        _restore(model, before)
+        if optim_before is not None:
+            optimizer.load_state_dict(optim_before)
+        metrics["skipped_nonfinite"] = 1.0
+    with torch.no_grad():
+        sums = torch.zeros(2, dtype=torch.float64)
+        for param, old in zip(model.parameters(), before):
+            sums[0] += (local(param.detach()).double() - local(old).double()).pow(2).sum()
+            sums[1] += local(old).double().pow(2).sum()
+        delta, base = all_reduce_(sums, ranks).tolist()
+    metrics["norm_update"] = delta / max(base, 1e-30)
+    return UpdateResult(skipped=skipped, prox_logp=prox_logp, entropy=entropy, metrics=metrics)

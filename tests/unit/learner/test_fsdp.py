@@ -1,0 +1,84 @@
+"""FSDP2 across 2 learner ranks (real torch.distributed, gloo, spawned processes) = one process, to 1e-5."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import torch
+import torch.multiprocessing as mp
+from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
+
+from learner.acrl import AcrlReference
+from learner.distributed import SINGLE, Dist, broadcast_batch, full_state_dict, shard_model, start_rendezvous
+from learner.precision import LossScaler
+from learner.update import train_on_batch
+
+CASES = [  # (weighting, extra overrides): token-level, ACRL (Y_g over whole groups), sequence-level, another agg
+    ("tis", ()),
+    ("acrl", ()),
+    ("tbpo", ()),
+    ("none", ("loss.agg=seq_mean_token_mean",)),
+]
+# Two minibatches (two optimizer steps) and micro-batches of ~2 rows: the ranks run different numbers of them.
+COMMON = ("learner.minibatches=2", "learner.micro_batch_tokens=26", "optim.grad_clip=0.5")
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a full copy of every gradient it applies (gathered from the shards under FSDP2)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.applied: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        grads = [p.grad for group in self.param_groups for p in group["params"]]
+        self.applied.append([(g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone() for g in grads])
+        return super().step(closure)
+
+
+def run_case(weighting: str, extra: tuple[str, ...], ranks: Dist) -> dict[str, object]:
+    model = tiny_model(seed=5)
+    batch = with_behavior(tiny_batch(seed=7, groups=3, group_size=3), tiny_model(seed=5), seed=8)
+    batch = broadcast_batch(batch if ranks.is_main else None, ranks)
+    if ranks.world > 1:
+        shard_model(model)
+    cfg = tiny_config(f"loss.weighting={weighting}", *COMMON, *extra)
+    optimizer = RecordingSGD(model.parameters(), lr=0.05)
+    result = train_on_batch(
+        model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl), ranks
+    )
+    state = {k: v.clone() for k, v in full_state_dict(model, ranks).items()}
+    return {"grads": optimizer.applied, "metrics": result.metrics, "prox": result.prox_logp, "state": state}
+
+
+def _rank_main(rank: int, world: int, address: str, out_path: str) -> None:
+    from learner.distributed import close, init_distributed
+
+    torch.set_num_threads(1)
+    ranks = init_distributed(rank, world, address)
+    outputs = {f"{w}{extra}": run_case(w, extra, ranks) for w, extra in CASES}
+    if ranks.is_main:
+        torch.save(outputs, out_path)
+    close(ranks)
+
+
+def test_fsdp2_world_2_gives_the_gradients_of_one_process(tmp_path):
+    out_path = str(tmp_path / "rank0.pt")
+    # A fork server that imports torch, transformers and this module once, then forks both ranks: half the start-up.
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+    store, address = start_rendezvous()
+    mp.start_processes(_rank_main, args=(2, address, out_path), nprocs=2, join=True, start_method="forkserver")
+    del store
+    sharded = torch.load(out_path, weights_only=False)
+    for weighting, extra in CASES:
+        single, dist = run_case(weighting, extra, SINGLE), sharded[f"{weighting}{extra}"]
+        assert len(single["grads"]) == len(dist["grads"]) == 2, weighting  # two minibatches, none skipped
+        for step_single, step_dist in zip(single["grads"], dist["grads"]):
+            for g_single, g_dist in zip(step_single, step_dist):
+                torch.testing.assert_close(g_dist, g_single, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dist["prox"], single["prox"], rtol=1e-5, atol=1e-5)
+        for key in ("loss", "grad_norm", "norm_update"):
+            assert abs(dist["metrics"][key] - single["metrics"][key]) <= 1e-5 * max(1.0, abs(single["metrics"][key]))
+        assert dist["state"].keys() == single["state"].keys()
+        for name, value in single["state"].items():
+            torch.testing.assert_close(dist["state"][name], value, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,166 @@
+"""precision.train: dynamic loss scaling (pure and through the step), bf16 / fp16 steps, no publication on skip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
+
+from asyncrl.config import to_dict
+from asyncrl.wire import Trajectory
+from learner.acrl import AcrlReference
+from learner.precision import LossScaler, autocast
+from learner.update import train_on_batch
+
+
+def test_scaler_halves_and_skips_on_nonfinite_then_grows_after_clean_interval():
+    scaler = LossScaler(scale=1024.0, growth_interval=3)
+    scaler.update(finite=False)
+    assert (scaler.scale, scaler.skipped, scaler.clean_steps) == (512.0, 1, 0)
+    scaler.update(finite=True)
+    scaler.update(finite=True)
+    assert scaler.scale == 512.0  # two clean steps: not yet
+    scaler.update(finite=False)  # an overflow resets the clean run
+    assert (scaler.scale, scaler.clean_steps) == (256.0, 0)
+    for _ in range(3):
+        scaler.update(finite=True)
+    assert (scaler.scale, scaler.clean_steps, scaler.skipped) == (512.0, 0, 2)
+    for _ in range(3):
+        scaler.update(finite=True)
+    assert scaler.scale == 1024.0
+
+
+def test_scaler_scales_loss_and_unscales_gradients_exactly():
+    scaler = LossScaler(scale=2.0**10, growth_interval=5)
+    param = torch.nn.Parameter(torch.tensor([0.3, -1.7]))
+    coeffs = torch.tensor([0.1, 3.0])
+    scaler.scale_loss((param * coeffs).sum()).backward()
+    assert torch.equal(param.grad, coeffs * 2**10)
+    scaler.unscale_([param])
+    assert torch.equal(param.grad, coeffs)  # powers of two: exact
+
+
+def test_disabled_scaler_is_the_identity():
+    scaler = LossScaler(scale=2.0**16, enabled=False)
+    assert scaler.scale == 1.0
+    loss = torch.tensor(3.0)
+    assert scaler.scale_loss(loss) is loss
+    scaler.update(finite=False)
+    assert scaler.scale == 1.0 and scaler.skipped == 1
+
+
+def _step(precision: str, *overrides: str, scaler: LossScaler | None = None, model=None):
+    model = model if model is not None else tiny_model()
+    batch = with_behavior(tiny_batch(), model)
+    cfg = tiny_config(f"precision.train={precision}", *overrides)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = scaler or LossScaler(enabled=precision == "fp16")
+    result = train_on_batch(model, optimizer, scaler, batch, cfg, AcrlReference(cfg.loss.acrl))
+    return model, optimizer, scaler, result
+
+
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_leaves_weights_and_adam_untouched():
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scaler = LossScaler(scale=2.0**40, growth_interval=1)  # loss * 2^40 overflows fp16 in the backward
+    model, optimizer, scaler, result = _step("fp16", "learner.minibatches=2", scaler=scaler, model=model)
+    assert result.skipped and result.metrics["skipped_nonfinite"] == 1.0
+    assert scaler.scale == 2.0**39 and scaler.skipped == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert result.metrics["norm_update"] == 0.0
+    assert not optimizer.state  # no AdamW moments were kept from a skipped step
+
+
+def test_fp16_clean_step_updates_weights_and_grows_the_scale_after_its_interval():
+    scaler = LossScaler(scale=2.0**8, growth_interval=2)
+    model, _, scaler, result = _step("fp16", "learner.minibatches=2", scaler=scaler)
+    assert not result.skipped
+    assert scaler.scale == 2.0**9  # two clean optimizer steps (minibatches) -> doubled once
+    assert result.metrics["norm_update"] > 0 and np.isfinite(result.metrics["loss"])
+
+
+def test_fp16_recovers_from_a_too_large_scale_within_a_few_steps():
+    model = tiny_model()
+    scaler = LossScaler(scale=2.0**24, growth_interval=1000)
+    skipped = 0
+    for _ in range(20):
+        _, _, _, result = _step("fp16", scaler=scaler, model=model)
+        if not result.skipped:
+            break
+        skipped += 1
+    assert not result.skipped and 1 <= skipped < 20
+    assert scaler.scale == 2.0 ** (24 - skipped)
+
+
+@pytest.mark.parametrize("weighting", ["tis", "tbpo"])
+def test_bf16_and_fp16_steps_are_finite_and_close_to_fp32(weighting):
+    results = {p: _step(p, f"loss.weighting={weighting}")[3].metrics for p in ("fp32", "bf16", "fp16")}
+    for precision in ("bf16", "fp16"):
+        assert np.isfinite(results[precision]["loss"])
+        assert results[precision]["loss"] == pytest.approx(results["fp32"]["loss"], rel=2e-2, abs=2e-3)
+        assert results[precision]["grad_norm"] == pytest.approx(results["fp32"]["grad_norm"], rel=3e-2)
+    assert results["fp16"]["loss"] != results["fp32"]["loss"]  # really computed in half precision
+
+
+def test_autocast_computes_matmuls_in_the_training_dtype():
+    layer = torch.nn.Linear(8, 8)
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        with autocast(precision):
+            assert layer(torch.randn(2, 8)).dtype == dtype
+    assert layer.weight.dtype == torch.float32  # master weights stay fp32
+
+
+def _groups(vocab: int, n_groups: int = 2, size: int = 4) -> list[list[Trajectory]]:
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(n_groups):
+        group = []
+        for i in range(size):
+            r = int(rng.integers(2, 6))
+            group.append(
+                Trajectory(
+                    uid=f"g{g}/{i}",
+                    group=f"g{g}",
+                    prompt_index=g,
+                    prompt_ids=rng.integers(3, vocab, 4).astype(np.int32),
+                    response_ids=rng.integers(3, vocab, r).astype(np.int32),
+                    behav_logp=-rng.uniform(0.5, 3.0, r).astype(np.float32),
+                    versions=np.zeros(r, dtype=np.int32),
+                    reward=float(i % 2),
+                    correct=bool(i % 2),
+                    finish="stop",
+                    worker="w",
+                    t_start=0.0,
+                    t_end=1.0,
+                )  # fmt: skip
+            )
+        groups.append(group)
+    return groups
+
+
+def test_learner_never_publishes_a_skipped_fp16_step_and_publishes_a_clean_one(tmp_path):
+    from asyncrl.builtin_model import resolve_model_path
+    from asyncrl.config import load_config
+    from learner.trainer import Learner
+
+    model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
+    cfg = load_config(None, ["model.path=builtin:micro", "precision.train=fp16", "precision.loss_scale_init=16777216"])
+    learner = Learner(to_dict(cfg), model_dir, "tcp://127.0.0.1:9")  # the buffer is never contacted: fetch is ours
+    try:
+        groups = _groups(learner.model.config.vocab_size)
+        learner.fetch = lambda step: (groups, 0, 0.0)
+        before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        scales = []
+        for step in range(40):
+            metrics = learner.train_step(step)
+            scales.append(metrics["loss_scale"])
+            if metrics["version"] == step + 1:
+                break
+            assert learner.publisher.version == 0  # a skipped step publishes nothing
+            assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+        assert metrics["skipped_steps"] == step >= 1
+        assert scales == [2.0 ** (24 - i) for i in range(step + 1)]
+        assert learner.publisher.version == step + 1
+    finally:
+        learner.close()

@@ -1,0 +1,67 @@
+"""The train step: token-budget micro-batches change nothing but memory; a non-finite minibatch undoes the step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
+
+from learner.acrl import AcrlReference
+from learner.batch import micro_batches, rank_rows
+from learner.precision import LossScaler
+from learner.update import train_on_batch
+
+
+def test_micro_batches_respect_the_token_budget_and_cover_every_row_once():
+    batch = tiny_batch(groups=4, group_size=4)
+    lengths = batch.attention_mask.sum(-1).tolist()
+    for budget in (1, 13, 30, 64, 10_000):
+        plan = micro_batches(batch, 2, 15, budget)
+        assert [r for lo, hi in plan for r in range(lo, hi)] == list(range(2, 15))
+        for lo, hi in plan:
+            assert hi - lo == 1 or (hi - lo) * max(lengths[lo:hi]) <= budget
+    assert micro_batches(batch, 0, 16, 10_000) == [(0, 16)]
+    assert [rank_rows(0, 7, r, 2) for r in range(2)] == [(0, 3), (3, 7)]
+
+
+@pytest.mark.parametrize("weighting", ["tis", "acrl", "gspo"])
+def test_gradients_do_not_depend_on_the_micro_batch_budget(weighting):
+    grads = {}
+    for budget in (12, 100_000):  # one row per micro-batch vs the whole minibatch at once
+        model = tiny_model()
+        batch = with_behavior(tiny_batch(), model)
+        cfg = tiny_config(f"loss.weighting={weighting}", f"learner.micro_batch_tokens={budget}", "optim.grad_clip=0")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # one step: new weight = old - grad
+        before = [p.detach().clone() for p in model.parameters()]
+        result = train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
+        grads[budget] = ([old - p.detach() for old, p in zip(before, model.parameters())], result.metrics)
+    (small, small_metrics), (whole, whole_metrics) = grads[12], grads[100_000]
+    for a, b in zip(small, whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert small_metrics["loss"] == pytest.approx(whole_metrics["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_a_nonfinite_second_minibatch_undoes_the_first_ones_update_and_adam_state():
+    model = tiny_model()
+    batch = with_behavior(tiny_batch(), model)
+    cfg = tiny_config("loss.weighting=decoupled", "learner.minibatches=2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # One earlier clean step, so that there is AdamW state to protect.
+    train_on_batch(model, optimizer, LossScaler(enabled=False), tiny_batch(seed=3), tiny_config("learner.prox=behav"),
+                   AcrlReference(cfg.loss.acrl))  # fmt: skip
+    weights = copy.deepcopy(model.state_dict())
+    adam = copy.deepcopy(optimizer.state_dict())
+    batch.behav_logp[-1, 0] = float("nan")  # the last row, in the second minibatch: its loss is nan
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    result = train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
+    assert len(steps) == 1  # the first minibatch did step ...
+    assert result.skipped and result.metrics["norm_update"] == 0.0  # ... and was undone
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    restored = optimizer.state_dict()
+    assert restored["state"].keys() == adam["state"].keys()
+    for key, state in adam["state"].items():
+        for name, value in state.items():
+            assert torch.equal(restored["state"][key][name], value), (key, name)

@@ -1,0 +1,215 @@
+"""`rollout.backend: sglang` with `asyncrl serve` servers in real subprocesses: the Engine protocol over HTTP, weight
+updates through pause / update_weights_from_disk / continue with per-token versions, and the supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncrl.builtin_model import resolve_model_path
+from asyncrl.config import load_config
+from quant_sync.export import export_rollout_tensors
+from rollout_workers.engine import SamplingParams, WeightUpdate
+from rollout_workers.sglang_api.backend import SGLangEngine
+from rollout_workers.sglang_api.checkpoint import read_tensors
+
+PROMPT = [3, 4, 10, 5, 12]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(resolve_model_path("builtin:micro", log=lambda *a: None))
+
+
+def version(model_dir: str, number: int) -> WeightUpdate:
+    floats = {name: tensor.to(torch.float32) for name, tensor in read_tensors(model_dir).items()}
+    torch.manual_seed(number)
+    nudged = {
+        name: t + 0.3 * number * torch.randn_like(t) * t.std() if t.dim() == 2 else t for name, t in floats.items()
+    }
+    return WeightUpdate(number, export_rollout_tensors(nudged, "int8"), "int8")
+
+
+def backend(model_dir: str, tmp_path, *overrides: str) -> SGLangEngine:
+    cfg = load_config(
+        None,
+        [
+            "model.path=builtin:micro",
+            "rollout.backend=sglang",
+            "rollout.sglang.launcher=asyncrl",
+            f"rollout.sglang.ckpt_dir={tmp_path}",
+            "rollout.sglang.startup_timeout_s=120",
+            *overrides,
+        ],
+    )
+    return SGLangEngine(cfg, model_dir, worker_id="worker-0", seed=0)
+
+
+def wait_version(engine: SGLangEngine, number: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.version < number:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.05)
+
+
+def generate_across_update(engine: SGLangEngine, model_dir: str, number: int, n: int = 4) -> list:
+    """Generate n long samples; publish version `number` while they run (the server slowed to 20 ms a step)."""
+    engine._client.request("POST", "/slow_down", {"forward_sleep_time": 0.02})
+    staging = threading.Timer(0.3, lambda: engine.stage_weights(version(model_dir, number)))
+    staging.start()
+    try:
+        return engine.generate([PROMPT] * n, SamplingParams(max_new_tokens=40, stop_token_ids=(-1,)))
+    finally:
+        staging.join()
+        engine._client.request("POST", "/slow_down", {"forward_sleep_time": None})
+
+
+@pytest.mark.slow  # two server starts (launch, relaunch): 20-35 s on 2 shared cores
+def test_abort_mode_resubmits_and_a_dead_server_is_relaunched(model_dir, tmp_path):
+    engine = backend(model_dir, tmp_path, "rollout.sglang.pause_mode=abort")
+    try:
+        engine.stage_weights(version(model_dir, 0))
+        wait_version(engine, 0)
+        completions = generate_across_update(engine, model_dir, 1)
+        for completion in completions:  # aborted by the pause, resubmitted with their tokens, finished on version 1
+            assert completion.finish == "length" and len(completion.response_ids) == 40
+            assert len(completion.behav_logp) == 40 and all(lp <= 0 for lp in completion.behav_logp)
+            switch = completion.versions.index(1)
+            assert switch > 0 and completion.versions == [0] * switch + [1] * (40 - switch)
+        stats = engine.stats()
+        assert stats["sglang_resubmitted"] >= 4 and stats["sglang_weight_updates"] == 2
+        assert 0 < stats["sglang_pause_s_last"] <= stats["sglang_pause_s_max"] < 30
+        # the server dies: the supervisor relaunches it from the newest checkpoint, generation goes on
+        os.kill(engine.server_pid, signal.SIGKILL)
+        (after,) = engine.generate([PROMPT], SamplingParams(max_new_tokens=5, stop_token_ids=(-1,)))
+        assert after.finish == "length" and after.versions == [1] * 5
+        assert engine.stats()["sglang_server_restarts"] == 1 and engine.version == 1
+    finally:
+        pid = engine.server_pid
+        engine.close()
+    assert not engine.root.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("mode", ["retract"])
+def test_in_flight_modes_tag_every_token_with_its_version(model_dir, tmp_path, mode):
+    engine = backend(model_dir, tmp_path, f"rollout.sglang.pause_mode={mode}")
+    try:
+        engine.stage_weights(version(model_dir, 0))
+        wait_version(engine, 0)
+        completions = generate_across_update(engine, model_dir, 1)
+        assert engine.stats()["sglang_resubmitted"] == 0  # nothing was aborted: the requests stayed in flight
+        for completion in completions:
+            switch = completion.versions.index(1)
+            assert switch > 0 and completion.versions == [0] * switch + [1] * (40 - switch)
+        # the logprobs of one seeded sample are those of the engine's own generate on the same weights
+        from rollout_workers.embedded.engine import EmbeddedEngine
+
+        reference = EmbeddedEngine(model_dir, max_batch=2)
+        reference.stage_weights(version(model_dir, 1))
+        params = SamplingParams(max_new_tokens=8, stop_token_ids=(-1,), seed=5)
+        (served,) = engine.generate([PROMPT], params)
+        (local,) = reference.generate([PROMPT], params)
+        assert served.response_ids == local.response_ids
+        assert served.behav_logp == pytest.approx(local.behav_logp, abs=1e-5)
+        # an abort the worker did not ask for (here /abort_request): the samples are resubmitted and complete
+        engine._client.request("POST", "/slow_down", {"forward_sleep_time": 0.02})
+        aborter = threading.Timer(0.3, lambda: engine._client.abort(abort_all=True))
+        aborter.start()
+        retried = engine.generate([PROMPT] * 2, SamplingParams(max_new_tokens=30, stop_token_ids=(-1,)))
+        aborter.join()
+        assert [c.finish for c in retried] == ["length", "length"] and all(len(c.versions) == 30 for c in retried)
+        assert engine.stats()["sglang_resubmitted"] == 2
+    finally:
+        engine.close()
+
+
+def test_real_sglang_command_and_the_int8_reload_refusal():
+    from asyncrl.config import ConfigError
+    from rollout_workers.sglang_api.backend import server_command
+
+    with pytest.raises(ConfigError, match="w8a8_int8.*quant.scheme=fp8"):
+        load_config(None, ["rollout.backend=sglang", "quant.scheme=int8"])
+    with pytest.raises(ConfigError, match="loopback"):
+        load_config(None, ["rollout.backend=sglang", "quant.scheme=fp8", "rollout.sglang.host=0.0.0.0"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.backend=sglang",
+            "quant.scheme=fp8",
+            "rollout.sglang.tp=2",
+            "rollout.sglang.mem_fraction_static=0.7",
+            "rollout.sglang.extra_args=[--log-level,error]",
+        ],
+    )
+    command = server_command(cfg, "/ckpt/v3", 30001, "3", seed=7)
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    flags = dict(zip(command[3:-2:2], command[4:-2:2]))
+    assert flags == {
+        "--model-path": "/ckpt/v3",
+        "--host": "127.0.0.1",
+        "--port": "30001",
+        "--tp": "2",
+        "--mem-fraction-static": "0.7",
+        "--weight-version": "3",
+        "--random-seed": "7",
+        "--quantization": "fp8",
+    }
+    assert command[-2:] == ["--log-level", "error"]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "none"])
+def test_checkpoint_layouts_round_trip(model_dir, tmp_path, scheme):
+    import json
+
+    from rollout_workers.sglang_api.checkpoint import (
+        checkpoint_scheme,
+        rollout_tensors,
+        sglang_tensors,
+        write_version_dir,
+    )
+
+    published = (
+        version(model_dir, 2)
+        if scheme == "int8"
+        else WeightUpdate(
+            2, export_rollout_tensors({k: v.float() for k, v in read_tensors(model_dir).items()}, scheme), scheme
+        )
+    )
+    path = write_version_dir(tmp_path, "v2", sglang_tensors(published), model_dir, scheme)
+    on_disk = read_tensors(path)
+    config = json.loads((path / "config.json").read_text())
+    linear = "model.layers.0.mlp.down_proj.weight"
+    if scheme == "int8":  # w8a8_int8: int8 weight + (out, 1) weight_scale, the very values published
+        assert config["quantization_config"] == {"quant_method": "w8a8_int8"}
+        assert on_disk[linear].dtype == torch.int8 and on_disk[linear + "_scale"].shape[1] == 1
+        assert torch.equal(rollout_tensors(on_disk, "int8")[linear], published.tensors[linear])
+    elif scheme == "fp8":  # block FP8: e4m3 weight + weight_scale_inv per 128x128 block
+        assert config["quantization_config"]["weight_block_size"] == [128, 128]
+        assert (
+            on_disk[linear].dtype == torch.float8_e4m3fn and "model.layers.0.mlp.down_proj.weight_scale_inv" in on_disk
+        )
+        served = rollout_tensors(on_disk, "fp8")
+        rows = published.tensors[linear].float() * published.tensors[linear + "_scale"][:, None]
+        back = served[linear].float() * served[linear + "_scale"][:, None]
+        assert (back - rows).norm() / rows.norm() < 0.1
+    else:
+        assert "quantization_config" not in config and on_disk[linear].dtype == torch.float32
+    assert checkpoint_scheme(path)[0] == scheme
+    assert (path / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("recipe", ["dapo_fp8_qwen2.5_7b.yaml", "dapo_int8_qwen2.5_7b.yaml"])
+def test_gpu_recipes_are_valid_configs(recipe):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "configs" / recipe
+    cfg = load_config(path, ["model.path=builtin:micro"])  # the recipes name a local 7B directory
+    assert cfg.quant.scheme in ("fp8", "int8") and cfg.precision.rollout == "bf16"
+    assert (cfg.rollout.backend == "sglang") == (cfg.quant.scheme == "fp8")  # SGLang cannot reload w8a8_int8
