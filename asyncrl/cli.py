@@ -1,6 +1,11 @@
 """The `asyncrl` command line. Parses config before importing torch or ray, so bad input fails in well under a second.
 
 asyncrl up CONFIG [key=value ...]     train (a local Ray cluster unless ray.address is set)
+asyncrl up --resume RUN [key=value]   continue runs/<name> from its latest checkpoint
+asyncrl status [RUN] [--json]         a running job: step, workers and their versions, buffer, staleness, errors
+asyncrl scale rollout=N [--run RUN]   add or remove rollout workers live
+asyncrl set key=value ... [--run RUN] change live keys (asyncrl.config.LIVE_KEYS) at the next step boundary
+asyncrl down [RUN]                    stop gracefully: workers stop, final checkpoint, journal flushed
 asyncrl bench NAME [--json PATH]      run a benchmark, print its table, write {"name", "metrics", "ratios"}
 asyncrl config CONFIG [key=value ...] print the fully merged, validated config as YAML
 asyncrl keys DIR                      write CurveZMQ keys for a buffer bound beyond loopback (buffer/curve.py)
@@ -16,9 +21,22 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL for LLMs with quantized rollout.")
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start a training run")
-    up.add_argument("config", help="YAML file of overrides (see configs/)")
+    up = sub.add_parser("up", help="start a training run (or continue one: --resume runs/<name>)")
+    up.add_argument("config", nargs="?", help="YAML file of overrides (see configs/); not with --resume")
     up.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=10 loss.weighting=acr")
+    up.add_argument("--resume", metavar="RUN", default=None, help="run directory to continue (latest checkpoint)")
+    status = sub.add_parser("status", help="state of a running job (RUN: default the newest runs/* being served)")
+    status.add_argument("run", nargs="?", default=None)
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    scale = sub.add_parser("scale", help="change the number of rollout workers of a running job: rollout=N")
+    scale.add_argument("target", help="rollout=N")
+    scale.add_argument("--run", default=None, help="run directory (default: the newest running one)")
+    live = sub.add_parser("set", help="change live-tunable keys of a running job at its next step boundary")
+    live.add_argument("items", nargs="+", help="key=value, e.g. staleness.max_lag=0 loss.cap=3")
+    live.add_argument("--run", default=None, help="run directory (default: the newest running one)")
+    down = sub.add_parser("down", help="stop a running job gracefully (workers, checkpoint, journal)")
+    down.add_argument("run", nargs="?", default=None)
+    down.add_argument("--no-wait", action="store_true", help="return once the driver accepted the request")
     show = sub.add_parser("config", help="print the merged, validated config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
@@ -59,15 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(OmegaConf.structured(_load(args.config, args.overrides))), end="")
         return 0
     if args.command == "up":
-        cfg = _load(args.config, args.overrides)
-        from asyncrl.driver import StartupError, run
-
-        try:
-            run(cfg)
-        except StartupError as err:
-            print(f"asyncrl: {err}", file=sys.stderr)
-            return 2
-        return 0
+        return _up(args)
+    if args.command in ("status", "scale", "set", "down"):
+        return _control(args)
     if args.command == "plot":
         from asyncrl.plot import plot_runs
 
@@ -109,6 +121,74 @@ def main(argv: list[str] | None = None) -> int:
             write_json(result, args.json_path)
         return 0
     return 2
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None:
+        overrides = ([args.config] if args.config else []) + args.overrides
+        if any("=" not in item for item in overrides):
+            print("asyncrl: with --resume give only key=value overrides (the config is the run's config.json)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if not (resume / "config.json").is_file():
+            print(f"asyncrl: cannot resume {resume}: not a run directory (no config.json)", file=sys.stderr)
+            return 2
+        from asyncrl import checkpoint
+
+        latest = checkpoint.latest(resume)
+        live = checkpoint.read_meta(latest).get("live", {}) if latest is not None else {}
+        cfg = _load(str(resume / "config.json"), [f"{k}={v}" for k, v in live.items()] + overrides)
+    elif args.config is None:
+        print("asyncrl: up needs a CONFIG file (or --resume RUN)", file=sys.stderr)
+        return 2
+    else:
+        cfg = _load(args.config, args.overrides)
+    from asyncrl.driver import StartupError, run
+    from asyncrl.supervise import SupervisionError
+
+    try:
+        run(cfg, resume=resume)
+    except (StartupError, SupervisionError) as err:
+        print(f"asyncrl: {err}", file=sys.stderr)
+        return 2 if isinstance(err, StartupError) else 1
+    return 0
+
+
+def _control(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from asyncrl.control import CONTROL_FILE, ControlError, find_run, format_status, request
+
+    try:
+        run_dir = find_run(getattr(args, "run", None))
+        if args.command == "status":
+            reply = request(run_dir, "status")
+            print(json.dumps(reply, indent=2, default=str) if args.json else format_status(reply))
+        elif args.command == "scale":
+            key, _, value = args.target.partition("=")
+            if key != "rollout" or not value.strip().isdigit():
+                raise ControlError(f"scale takes rollout=N (a whole number), got {args.target!r}")
+            reply = request(run_dir, "scale", rollout=int(value))
+            print(f"rollout workers: added {reply['added'] or 'none'}, removing {reply['removed'] or 'none'}")
+        elif args.command == "set":
+            reply = request(run_dir, "set", items=list(args.items))
+            changes = ", ".join(f"{k}={v}" for k, v in reply["changes"].items()) or "nothing (values unchanged)"
+            print(f"set {changes}: applies from step {reply['applies_at_step']}")
+        else:
+            reply = request(run_dir, "down")
+            print(reply["message"])
+            if not args.no_wait:
+                while (run_dir / CONTROL_FILE).exists():
+                    time.sleep(0.5)
+                print(f"{run_dir}: stopped")
+    except ControlError as err:
+        print(f"asyncrl: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

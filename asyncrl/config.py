@@ -158,6 +158,10 @@ class RolloutConfig:
     """Prompt + response positions per KV-cache slot (capped at the model's max_position_embeddings)."""
     device: str = "cpu"
     """Device of the embedded engine: `cpu`, `cuda` or `cuda:N` (GPU path written to torch's APIs, untested on GPU)."""
+    max_restarts: int = 5
+    """Restarts of crashed rollout worker actors, over the whole run, before the run fails (asyncrl/supervise.py)."""
+    restart_backoff_s: float = 1.0
+    """Delay before restarting a crashed worker; doubles with every further crash (capped at 60 s)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
@@ -353,9 +357,9 @@ class LoggingConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     every: int = 0
-    """Save a checkpoint every this many steps (0: only the final one)."""
+    """Save a resumable checkpoint (runs/<name>/checkpoints/step_<k>) every this many steps (0: only on `down`)."""
     keep_last: int = 2
-    """Checkpoints kept on disk."""
+    """Resumable checkpoints kept on disk (the oldest are deleted)."""
     final: bool = True
     """Save a final Hugging Face model directory when the run ends."""
 
@@ -370,6 +374,11 @@ class RayConfig:
     """CPU request of each rollout worker actor."""
     learner_cpus: float = 1.0
     """CPU request of the whole learner, split evenly over its `learner.world_size` rank actors."""
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each rollout worker actor requests, e.g. {rollout_node: 0.1} to place them on the nodes
+    started with `ray start --resources '{"rollout_node": 1}'`."""
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources of the whole learner, split evenly over its rank actors like `learner_cpus`."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -429,6 +438,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "rollout.threads": (1, None),
     "rollout.max_batch": (1, None),
     "rollout.max_seq_len": (2, None),
+    "rollout.max_restarts": (0, None),
+    "rollout.restart_backoff_s": (0.0, None),
     "rollout.sglang.base_port": (0, 65535),
     "rollout.sglang.tp": (1, None),
     "rollout.sglang.gpus_per_server": (0, None),
@@ -563,6 +574,13 @@ def _check_cross_field(cfg: Config) -> None:
         )
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"`optim.betas` must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
+    if cfg.checkpoint.every and cfg.learner.world_size > 1:
+        raise ConfigError("`checkpoint.every` needs `learner.world_size=1`: resumable checkpoints of sharded (FSDP2) "
+                          "optimizer state are not implemented yet")  # fmt: skip
+    for key in ("ray.worker_resources", "ray.learner_resources"):
+        for name, amount in _get(cfg, key).items():
+            if not amount > 0:
+                raise ConfigError(f"`{key}.{name}` must be a positive amount of that resource, got {amount}")
     if cfg.model.path.startswith("builtin:"):
         from asyncrl.models_registry import BUILTIN_MODELS
 
@@ -595,9 +613,7 @@ def _check_sglang(cfg: Config) -> None:
 
 # Valid settings that this version cannot run yet: rejected up front rather than silently ignored.
 # key -> (the values that work now, where the rest is coming from)
-NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
-    "checkpoint.every": ((0,), "periodic checkpoints and resume (issue 7)"),
-}
+NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {}
 
 
 def _check_not_yet(cfg: Config) -> None:
@@ -608,6 +624,17 @@ def _check_not_yet(cfg: Config) -> None:
                 f"`{key}={value}` is valid but not implemented in this version (it comes with {where}); "
                 f"working now: {', '.join(map(str, working))}"
             )
+
+
+LIVE_KEYS: tuple[str, ...] = (
+    "staleness.max_lag",
+    "loss.cap",
+    "loss.eps_low",
+    "loss.eps_high",
+    "loss.acrl.gamma",
+    "optim.lr",
+)
+"""Keys `asyncrl set key=value` may change in a running job (applied at the next step boundary)."""
 
 
 def validate(cfg: Config) -> Config:
@@ -654,6 +681,13 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             merged = OmegaConf.merge(merged, file_cfg)
         except OmegaConfBaseException as err:
             raise _explain(err, source) from err
+    cfg = _merge_overrides(merged, overrides)
+    if not cfg.logging.name:
+        cfg.logging.name = Path(path).stem if path is not None else "run"
+    return validate(cfg)
+
+
+def _merge_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...]) -> Config:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
@@ -668,9 +702,32 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     except OmegaConfBaseException as err:
         raise _explain(err, "config") from err
     assert isinstance(cfg, Config)
-    if not cfg.logging.name:
-        cfg.logging.name = Path(path).stem if path is not None else "run"
-    return validate(cfg)
+    return cfg
+
+
+def live_update(cfg: Config, items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Validate `key=value` changes of a running job against `cfg` exactly like a config; returns {key: new value}.
+
+    Raises ConfigError for a malformed item, an unknown key (with the closest valid key), a key that is not live
+    (naming the live keys), a wrong type or an out-of-range value. `cfg` itself is not modified.
+    """
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        if "=" in item and key in all_keys() and key not in LIVE_KEYS:
+            raise ConfigError(f"`{key}` cannot change in a running job; live keys: {', '.join(LIVE_KEYS)}")
+    updated = validate(_merge_overrides(OmegaConf.structured(cfg), items))
+    return {key: _get(updated, key) for key in LIVE_KEYS if _get(updated, key) != _get(cfg, key)}
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    """The value of a dotted key of a config, e.g. `get_key(cfg, "loss.acrl.gamma")`."""
+    return _get(cfg, dotted)
+
+
+def set_key(cfg: Any, dotted: str, value: Any) -> None:
+    """Set the dotted key of a config in place (e.g. a validated live change from `live_update`)."""
+    section, _, leaf = dotted.rpartition(".")
+    setattr(_get(cfg, section) if section else cfg, leaf, value)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -24,19 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl import checkpoint
 from asyncrl.config import Config, to_dict
 from asyncrl.metrics import MetricsLogger
-
-
-def start_buffer(cfg: Config, run_dir: Path) -> tuple[subprocess.Popen, str]:
-    """Launch the buffer service process and wait for its READY line; returns (process, endpoint).
-
-    With `buffer.curve_keys_dir` the service and every client (workers, learner, `_buffer_stats`) load their own
-    CurveZMQ keys from it; `check_inputs` has checked that both sides' keys are there.
-    """
-    from buffer.launcher import start_service
-
-    return start_service(to_dict(cfg), run_dir)
+from asyncrl.operations import Operations
+from asyncrl.supervise import WorkerPool
 
 
 def init_ray(cfg: Config) -> None:
@@ -44,8 +36,10 @@ def init_ray(cfg: Config) -> None:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True)
+    if cfg.ray.address:  # a cluster started elsewhere: its actors get this process's quiet settings explicitly
+        quiet = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TOKENIZERS_PARALLELISM", "PYTHONWARNINGS")
+        env_vars = {name: os.environ[name] for name in quiet if name in os.environ}
+        ray.init(address=cfg.ray.address, log_to_driver=True, runtime_env={"env_vars": env_vars})
     else:
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True,
                  _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # fmt: skip
@@ -93,20 +87,30 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
         raise StartupError(f"model.path: {model_dir} has no tokenizer (tokenizer.json or tokenizer_config.json)")
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Run a whole training job; returns a summary (also written to runs/<name>/summary.json)."""
+def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
+    """Run a whole training job, or continue `resume` (a run directory) from its latest checkpoint; returns a summary
+    (also written to runs/<name>/summary.json)."""
     from asyncrl.builtin_model import resolve_model_path
 
     quiet_libraries()
     model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     check_inputs(cfg, model_dir)
-    run_dir = new_run_dir(cfg)
+    run_dir = resume if resume is not None else new_run_dir(cfg)
+    checkpoint_dir = checkpoint.latest(run_dir) if resume is not None else None
+    start_step = checkpoint.read_meta(checkpoint_dir)["step"] if checkpoint_dir is not None else 0
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     logger = MetricsLogger(cfg.logging, run_dir)
-    buffer_proc, buffer_endpoint = start_buffer(cfg, run_dir)
+    if resume is not None:
+        logger.event("resume", step=start_step, checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
+        logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
+    from buffer.launcher import start_service
+
+    buffer_proc, buffer_endpoint = start_service(
+        to_dict(cfg), run_dir, resume_step=start_step if resume is not None else None
+    )
     try:
         init_ray(cfg)
-        return _train(cfg, run_dir, model_dir, buffer_endpoint, logger)
+        return _train(cfg, run_dir, model_dir, buffer_endpoint, logger, checkpoint_dir, start_step)
     finally:
         import ray
 
@@ -124,59 +128,77 @@ def quiet_libraries() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
 
 
-def _train(cfg: Config, run_dir: Path, model_dir: str, buffer_endpoint: str, logger: MetricsLogger) -> dict[str, Any]:
+def _train(
+    cfg: Config,
+    run_dir: Path,
+    model_dir: str,
+    buffer_endpoint: str,
+    logger: MetricsLogger,
+    checkpoint_dir: Path | None,
+    start_step: int,
+) -> dict[str, Any]:
     import ray
 
     from learner.group import LearnerGroup
-    from rollout_workers.worker import RolloutWorker
 
-    config = to_dict(cfg)
-    learner = LearnerGroup(cfg, model_dir, buffer_endpoint)  # learner.world_size ranks (FSDP2), as Ray actors
-    weights_endpoint = learner.weights_endpoint()
-    worker_cls = ray.remote(num_cpus=cfg.ray.worker_cpus, max_concurrency=4)(RolloutWorker)
-    workers = [
-        worker_cls.remote(config, f"worker-{i}", model_dir, buffer_endpoint, weights_endpoint)
-        for i in range(cfg.rollout.num_workers)
-    ]
-    ray.get([w.start.remote() for w in workers])
-    logger.info(f"run {cfg.logging.name}: {len(workers)} rollout workers, buffer {buffer_endpoint}, "
-                f"weights {weights_endpoint}, model {model_dir}")  # fmt: skip
-    last = {"tokens": 0, "samples": 0, "correct": 0, "reward_sum": 0.0}
+    resume_dir = str(checkpoint_dir) if checkpoint_dir is not None else ""
+    learner = LearnerGroup(cfg, model_dir, buffer_endpoint, resume_dir=resume_dir, start_version=start_step)
+    pool = WorkerPool(cfg, model_dir, buffer_endpoint, learner.weights_endpoint(), logger.event)
+    ops = Operations(cfg, run_dir, pool, learner, buffer_endpoint, logger, start_step)
+    ops.buffer.set_max_lag(cfg.staleness.max_lag)  # the config wins over a max_lag the journal replayed
+    pool.start(cfg.rollout.num_workers)
+    logger.info(f"run {cfg.logging.name}: {cfg.rollout.num_workers} rollout workers, buffer {buffer_endpoint}, "
+                f"weights {learner.weights_endpoint()}, model {model_dir}, control {ops.control.endpoint}")  # fmt: skip
     last_time = time.monotonic()
-    for step in range(cfg.train.steps):
-        metrics = learner.train_step(step)
-        metrics.update(
-            _rollout_metrics(ray.get([w.stats.remote() for w in workers]), last, time.monotonic() - last_time)
-        )
-        last_time = time.monotonic()
-        logger.log_step(metrics)
-    summary: dict[str, Any] = {"steps": cfg.train.steps, "run_dir": str(run_dir)}
-    if cfg.data.eval_size:
-        from asyncrl.tasks import make_source
+    step = start_step
+    with ops.control, logger.live_view():
+        while step < cfg.train.steps and not ops.stopping:
+            refs = learner.train_step_async(step)
+            while not ray.wait(refs[:1], timeout=0)[0]:  # serve the control socket and supervise meanwhile
+                ops.control.poll(ops.handle, timeout_ms=100)
+                pool.poll()
+            metrics = ray.get(refs)[0]
+            pool.refresh()
+            metrics.update(_rollout_metrics(pool, ops.last_totals, time.monotonic() - last_time))
+            last_time = time.monotonic()
+            logger.log_step(metrics)
+            step += 1
+            ops.step_done(step, metrics)
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
+                ops.save_checkpoint(step)
+        summary: dict[str, Any] = {"steps": step, "run_dir": str(run_dir), "stopped_early": ops.stopping}
+        summary["workers"] = pool.stop_all()  # each finishes and pushes its batch in progress
+        if cfg.data.eval_size and not ops.stopping:
+            from asyncrl.tasks import make_source
 
-        held_out = make_source(cfg.data).eval_set()
-        prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
-        summary["eval/acc_greedy"] = learner.evaluate(prompts, answers, cfg.rollout.max_new_tokens)
-        logger.event("eval", after_steps=cfg.train.steps, acc_greedy=summary["eval/acc_greedy"], problems=len(prompts))
-        logger.info(f"held-out greedy accuracy (full precision): {summary['eval/acc_greedy']:.3f} on {len(prompts)}")
-    if cfg.checkpoint.final:
-        summary["final_checkpoint"] = learner.save(str(run_dir / "final"))
-    worker_stats = ray.get([w.stop.remote() for w in workers])
-    summary["workers"] = worker_stats
-    summary["buffer"] = _buffer_stats(buffer_endpoint, cfg.buffer.curve_keys_dir)
-    learner.close()
+            held_out = make_source(cfg.data).eval_set()
+            prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
+            summary["eval/acc_greedy"] = learner.evaluate(prompts, answers, cfg.rollout.max_new_tokens)
+            logger.event("eval", after_steps=step, acc_greedy=summary["eval/acc_greedy"], problems=len(prompts))
+            logger.info(f"held-out greedy accuracy (full precision): {summary['eval/acc_greedy']:.3f} "
+                        f"on {len(prompts)}")  # fmt: skip
+        if (cfg.checkpoint.every or ops.stopping) and cfg.learner.world_size == 1:
+            summary["checkpoint"] = str(ops.save_checkpoint(step))
+        if cfg.checkpoint.final:
+            summary["final_checkpoint"] = learner.save(str(run_dir / "final"))
+        summary["buffer"] = ops.buffer.stats()
+        learner.close()
+    ops.buffer.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    logger.info(f"done: {cfg.train.steps} steps; metrics in {run_dir / 'metrics.jsonl'}")
+    logger.info(f"done: {step} steps; metrics in {run_dir / 'metrics.jsonl'}")
     return summary
 
 
-def _rollout_metrics(worker_stats: list[dict[str, Any]], last: dict[str, float], seconds: float) -> dict[str, float]:
+def _rollout_metrics(pool: WorkerPool, last: dict[str, float], seconds: float) -> dict[str, float]:
     """Rollout-side metrics over the interval since the previous step; `last` holds (and is updated to) totals.
 
     `acc/mean` and `reward/mean` cover every response generated in the interval, including groups the dynamic-
-    sampling filter drops, so they measure the policy rather than the (filtered) training batch.
+    sampling filter drops, so they measure the policy rather than the (filtered) training batch. Totals include
+    workers that were removed or crashed (`WorkerPool.totals`).
     """
-    totals = {key: sum(s[key] for s in worker_stats) for key in last}
+    worker_stats = [w.stats for w in pool.workers.values() if w.stats]
+    all_totals = pool.totals()
+    totals = {key: all_totals[key] for key in last}
     delta = {key: totals[key] - last[key] for key in last}
     last.update(totals)
     samples = max(delta["samples"], 1)
@@ -186,8 +208,10 @@ def _rollout_metrics(worker_stats: list[dict[str, Any]], last: dict[str, float],
         "rollout/samples": float(delta["samples"]),
         "perf/rollout_tok_s": delta["tokens"] / max(seconds, 1e-9),
         "perf/step_s": seconds,
-        "rollout/min_worker_version": float(min(s["version"] for s in worker_stats)),
-        "rollout/errors": float(sum(s["errors"] for s in worker_stats)),
+        "rollout/min_worker_version": float(min((s["version"] for s in worker_stats), default=-1)),
+        "rollout/errors": all_totals["errors"],
+        "rollout/workers": float(len(pool.active())),
+        "rollout/restarts": float(pool.crashes),
         **_sglang_metrics(worker_stats),
     }
 
@@ -200,14 +224,6 @@ def _sglang_metrics(worker_stats: list[dict[str, Any]]) -> dict[str, float]:
         "rollout/weight_pause_s": max(float(s["sglang_pause_s_last"]) for s in worker_stats),
         "rollout/server_restarts": float(sum(s["sglang_server_restarts"] for s in worker_stats)),
     }
-
-
-def _buffer_stats(endpoint: str, curve_keys_dir: str) -> dict[str, Any]:
-    from buffer.client import BufferClient
-    from buffer.curve import client_keys
-
-    with BufferClient(endpoint, identity="driver-stats", timeout_s=10, curve=client_keys(curve_keys_dir)) as client:
-        return client.stats()
 
 
 def _shutdown(proc: subprocess.Popen) -> None:

@@ -1,13 +1,20 @@
 """Run logging: one JSON object per step in runs/<name>/metrics.jsonl, a console line per step, optional wandb.
 
+On a terminal (stdout is a TTY) the console shows a live table of the latest step instead (rich.live, see
+`live_view`), with the step lines scrolling above it; elsewhere (pipes, tests, CI) it prints the plain lines.
+
 wandb runs offline unless `logging.wandb_mode=online` (with an API key and no network, online `init` hangs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import sys
 import time
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +30,13 @@ CONSOLE_FIELDS = (
     ("perf/rollout_tok_s", "tok/s", "{:.0f}"),
     ("perf/step_s", "step_s", "{:.2f}"),
 )
+
+LIVE_FIELDS = (
+    "step", "version", "reward/mean", "acc/mean", "loss", "response_len/mean", "staleness/mean", "staleness/max",
+    "mismatch/acrl_d", "lr", "perf/rollout_tok_s", "perf/step_s", "perf/fetch_wait_s", "rollout/workers",
+    "rollout/restarts",
+)  # fmt: skip
+"""Rows of the live console table."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -48,6 +62,38 @@ class MetricsLogger:
         from rich.console import Console
 
         self.console = Console(highlight=False, soft_wrap=True)
+        self._live: Any = None
+        self._events: deque[str] = deque(maxlen=3)
+
+    @contextlib.contextmanager
+    def live_view(self) -> Iterator[None]:
+        """While open, and only on a TTY with `logging.console`: a live table of the latest step and events."""
+        if not (self.cfg.console and sys.stdout.isatty()):
+            yield
+            return
+        from rich.live import Live
+
+        with Live(self._table({}), console=self.console, refresh_per_second=2, transient=False) as live:
+            self._live = live
+            try:
+                yield
+            finally:
+                self._live = None
+
+    def _table(self, metrics: dict[str, Any]) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"asyncrl {self.cfg.name}", show_header=False, expand=False)
+        table.add_column("metric", style="bold")
+        table.add_column("value", justify="right")
+        for key in LIVE_FIELDS:
+            value = metrics.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                table.add_row(key, f"{value:.4g}")
+        table.add_row("elapsed", f"{time.time() - self._started:.0f} s")
+        for line in self._events:
+            table.add_row("event", line)
+        return table
 
     def info(self, message: str) -> None:
         if self.cfg.console:
@@ -55,7 +101,8 @@ class MetricsLogger:
 
     def event(self, kind: str, **fields: Any) -> None:
         """A non-step record (config change, restart, ...) in metrics.jsonl."""
-        self._file.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+        self._file.write(json.dumps({"event": kind, "time": time.time(), **fields}, default=str) + "\n")
+        self._events.append(f"{kind} " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)[:100])
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         record = {"time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -69,6 +116,8 @@ class MetricsLogger:
                 if isinstance(metrics.get(key), int | float)
             ]
             self.console.print("  ".join(parts))
+            if self._live is not None:
+                self._live.update(self._table(metrics))
 
     def close(self) -> None:
         self._file.close()

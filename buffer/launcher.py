@@ -16,12 +16,17 @@ from typing import Any
 
 
 def start_service(
-    config_values: dict[str, Any], run_dir: Path, timeout_s: float = 60.0
+    config_values: dict[str, Any], run_dir: Path, timeout_s: float = 60.0, resume_step: int | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """Write the config as JSON into run_dir, launch the service, wait for READY; returns (process, endpoint)."""
+    """Write the config as JSON into run_dir, launch the service, wait for READY; returns (process, endpoint).
+
+    `resume_step`: the next train step of the learner checkpoint being resumed; the service rewinds its journal to it.
+    """
     config_file = run_dir / "buffer_config.json"
     config_file.write_text(json.dumps(config_values))
     cmd = [sys.executable, "-m", "buffer", "--config-json", str(config_file), "--run-dir", str(run_dir)]
+    if resume_step is not None:
+        cmd += ["--resume-step", str(resume_step)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)

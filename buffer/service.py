@@ -351,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m buffer", description=__doc__.splitlines()[0])
     parser.add_argument("--config-json", required=True, help="JSON of asyncrl.config.to_dict(cfg)")
     parser.add_argument("--run-dir", required=True, help="run directory (holds buffer.journal)")
+    parser.add_argument("--resume-step", type=int, default=None,
+                        help="resuming a learner checkpoint whose next train step is this: rewind the replayed "
+                             "journal to it (BufferState.rewind)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         cfg = load_service_config(json.loads(Path(args.config_json).read_text()))
@@ -389,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        if args.resume_step is not None:
+            rewound = state.rewind(args.resume_step)
+            journal.commit()
+            print(f"buffer: rewound to train step {args.resume_step}: {rewound}", file=sys.stderr, flush=True)
+    elif args.resume_step is not None:
+        print("buffer: --resume-step needs buffer.journal=true", file=sys.stderr)
+        return 2
 
     context = zmq.Context()
     auth = start_authenticator(context, curve) if curve is not None else None

@@ -60,10 +60,11 @@ class Queued:
     payload: bytes | memoryview  # wire.CheckedPush.payload: the validated PushGroup
     trajectories_at: int  # where its msgpack array of trajectories starts (it runs to the end)
     oldest_version: int
+    newest_version: int
 
     @classmethod
     def of(cls, msg: CheckedPush) -> Queued:
-        return cls(msg.group, msg.worker, msg.payload, msg.trajectories_at, msg.oldest_version)
+        return cls(msg.group, msg.worker, msg.payload, msg.trajectories_at, msg.oldest_version, msg.newest_version)
 
 
 def group_id(index: int) -> str:
@@ -113,6 +114,8 @@ class BufferState:
         self.queue: deque[Queued] = deque()
         self.consumed_groups = 0
         self.counters: Counter[str] = Counter()
+        self._replayed: tuple[dict[str, Queued], dict[str, int]] | None = None  # for `rewind`: admits, consumes
+        self._compacted_step: int | None = None  # step of the `state` record of a compacted journal (for `rewind`)
 
     # -- throttle -----------------------------------------------------------------------------------------------
 
@@ -336,12 +339,14 @@ class BufferState:
         pending: dict[str, Queued] = {}  # admitted, not consumed nor dropped, in admission order
         unresolved: set[int] = set()  # indices leased and not yet admitted or dropped
         admitted_count = 0
+        consumed_at: dict[str, int] = {}  # group -> train step, in consumption order (for `rewind`)
         for record in records:
             kind, groups = record.get("k"), record.get("g", [])
             if kind == "state":  # the head of a compacted journal
                 self.cursor, self.step = int(record["cursor"]), int(record["step"])
                 self.consumed_groups, self.max_lag = int(record["consumed"]), int(record["max_lag"])
                 unresolved = set(record["pending"])
+                self._compacted_step = self.step
             elif kind == "lease":
                 unresolved.update(record["i"])
                 self.cursor = max(self.cursor, max(record["i"], default=-1) + 1)
@@ -361,10 +366,17 @@ class BufferState:
                 if kind == "consume":
                     self.step = int(record["s"])
                     self.consumed_groups += len(groups)
-            elif kind == "requeue":
+                    consumed_at.update((group, self.step) for group in groups)
+            elif kind in ("requeue", "rewind"):
                 self.consumed_groups -= len(groups)
                 requeued = {group: admitted[group] for group in groups}
                 pending = {**requeued, **pending}
+                for group in groups:
+                    consumed_at.pop(group, None)
+                for group in record.get("d", []):
+                    pending.pop(group, None)
+                if kind == "rewind":
+                    self.step = max(int(record["s"]) - 1, 0)
             elif kind == "max_lag":
                 self.max_lag = int(record["v"])
         self.queue = deque(pending.values())
@@ -375,6 +387,35 @@ class BufferState:
         self.counters["admitted_groups"] = admitted_count
         self.counters["consumed_groups"] = self.consumed_groups
         self.counters["replayed_groups"] = len(self.queue)
+        self._replayed = (admitted, consumed_at)
+
+    def rewind(self, next_step: int) -> dict[str, int]:
+        """After `replay`: go back to a learner checkpoint whose next train step is `next_step` (resume).
+
+        Groups consumed at steps >= next_step were trained by a learner whose updates are lost: they return to the
+        head of the queue in their consumption order, to be trained again at the same steps (so the staleness
+        bound holds as it did). Then every queued group with a token newer than version `next_step` is dropped:
+        those versions belong to the lost updates, not to the resumed learner. Journaled as one `rewind` record.
+        Groups consumed after the checkpoint whose records a journal compaction removed cannot return (counted
+        as `rewind_lost_groups`). Returns {"requeued", "dropped", "lost"}.
+        """
+        admitted, consumed_at = self._replayed or ({}, {})
+        self._replayed = None
+        back = [group for group, step in consumed_at.items() if step >= next_step and group in admitted]
+        compacted_step = self._compacted_step if self._compacted_step is not None else -1
+        lost = max(0, compacted_step - next_step + 1) * self.groups_per_step
+        for group in reversed(back):
+            self.queue.appendleft(admitted[group])
+        self.consumed_groups -= len(back)
+        dropped = [q.group for q in self.queue if q.newest_version > next_step]
+        self.queue = deque(q for q in self.queue if q.newest_version <= next_step)
+        self.step = max(next_step - 1, 0)
+        self.counters["consumed_groups"] = self.consumed_groups
+        self.counters["rewound_groups"] += len(back)
+        self.counters["rewind_dropped_groups"] += len(dropped)
+        self.counters["rewind_lost_groups"] += lost
+        self._log({"k": "rewind", "s": next_step, "g": back, "d": dropped})
+        return {"requeued": len(back), "dropped": len(dropped), "lost": lost}
 
     # -- helpers ------------------------------------------------------------------------------------------------
 

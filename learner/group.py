@@ -14,7 +14,7 @@ from asyncrl.config import Config, to_dict
 
 
 class LearnerGroup:
-    def __init__(self, cfg: Config, model_dir: str, buffer_endpoint: str):
+    def __init__(self, cfg: Config, model_dir: str, buffer_endpoint: str, resume_dir: str = "", start_version: int = 0):
         import ray
 
         from learner.distributed import start_rendezvous
@@ -22,11 +22,17 @@ class LearnerGroup:
 
         world = cfg.learner.world_size
         self.store, address = start_rendezvous() if world > 1 else (None, "")  # alive while the ranks are
-        actor = ray.remote(num_cpus=cfg.ray.learner_cpus / world)(Learner)
+        resources = {name: amount / world for name, amount in cfg.ray.learner_resources.items()}
+        options: dict[str, Any] = {"num_cpus": cfg.ray.learner_cpus / world}
+        if resources:
+            options["resources"] = resources
+        actor = ray.remote(**options)(Learner)
         config = to_dict(cfg)
         self.ranks = [
-            actor.remote(config, model_dir, buffer_endpoint, rank=rank, rendezvous=address) for rank in range(world)
-        ]
+            actor.remote(config, model_dir, buffer_endpoint, rank=rank, rendezvous=address, resume_dir=resume_dir,
+                         start_version=start_version)
+            for rank in range(world)
+        ]  # fmt: skip
 
     def _all(self, method: str, *args: Any) -> Any:
         import ray
@@ -40,6 +46,16 @@ class LearnerGroup:
 
     def train_step(self, step: int) -> dict[str, float]:
         return self._all("train_step", step)
+
+    def train_step_async(self, step: int) -> list[Any]:
+        """Start train step `step` on every rank; the refs (rank 0's result first) for `ray.wait` / `ray.get`."""
+        return [rank.train_step.remote(step) for rank in self.ranks]
+
+    def save_checkpoint(self, out_dir: str) -> str:
+        return self._all("save_checkpoint", out_dir)
+
+    def set_live(self, changes: dict[str, Any]) -> None:
+        self._all("set_live", changes)
 
     def evaluate(self, prompts: list[str], answers: list[str], max_new_tokens: int) -> float:
         return self._all("evaluate", prompts, answers, max_new_tokens)

@@ -8,17 +8,23 @@ One `Learner` per rank, each in its own process (a Ray actor; `learner.group` st
 and to quant_sync, and broadcasts each batch to the other ranks. The update itself is `learner.update`.
 Precision (`precision.train`) and rollout-aligned forwards (`learner.rollout_aligned`) are set up here.
 A step whose loss or gradient is not finite is skipped and counted, and its weights are never published.
+
+Resumable checkpoints (`save_checkpoint`, `resume_dir`): `model/` is a Hugging Face model directory of the (UAQ-
+reparametrized) fp32 master weights, `training_state.pt` holds the optimizer, LR schedule, loss scaler, ACRL
+reference, skipped-step count and RNG states (plain tensors and numbers: loaded with `weights_only=True`).
 """
 
 from __future__ import annotations
 
+import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.config import Config, from_dict
+from asyncrl.config import Config, from_dict, set_key
 from asyncrl.wire import Trajectory
 from learner import aligned, distributed
 from learner.acrl import AcrlReference
@@ -35,8 +41,16 @@ class Learner:
     """One learner rank. Rank 0 fetches batches, publishes weights and reports metrics; others only compute."""
 
     def __init__(
-        self, config: dict[str, Any], model_dir: str, buffer_endpoint: str, rank: int = 0, rendezvous: str = ""
+        self,
+        config: dict[str, Any],
+        model_dir: str,
+        buffer_endpoint: str,
+        rank: int = 0,
+        rendezvous: str = "",
+        resume_dir: str = "",
+        start_version: int = 0,
     ):
+        """`resume_dir`: a checkpoint of `save_checkpoint` to continue from; it was saved at `start_version`."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg: Config = from_dict(config)
@@ -45,8 +59,10 @@ class Learner:
         torch.manual_seed(cfg.train.seed)
         self.ranks = distributed.init_distributed(rank, cfg.learner.world_size, rendezvous)
         self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # fp32 master weights
-        apply_uaq(self.model, cfg.quant.uaq.scale)  # before the optimizer sees the parameters
+        source = str(Path(resume_dir) / "model") if resume_dir else model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)  # fp32 master weights
+        if not resume_dir:  # a checkpoint holds the reparametrized weights already
+            apply_uaq(self.model, cfg.quant.uaq.scale)  # before the optimizer sees the parameters
         if cfg.learner.rollout_aligned:
             aligned.make_rollout_aligned(self.model, cfg.quant.scheme, cache=self.ranks.world == 1)
         if self.ranks.world > 1:
@@ -77,7 +93,9 @@ class Learner:
             curve = client_keys(cfg.buffer.curve_keys_dir)
             self.client = BufferClient(buffer_endpoint, identity="learner", timeout_s=60, curve=curve)
             self.publisher = WeightPublisher(host=cfg.buffer.host)
-        self._publish(0)
+        if resume_dir:
+            self._load_training_state(Path(resume_dir) / "training_state.pt")
+        self._publish(start_version)
 
     def weights_endpoint(self) -> str:
         assert self.publisher is not None, "only rank 0 publishes weights"
@@ -175,14 +193,52 @@ class Learner:
             return ""
         target = Path(out_dir)
         staging = target.with_name(target.name + ".tmp")
+        if staging.exists():
+            shutil.rmtree(staging)
         model.save_pretrained(staging, safe_serialization=True)
         self.tokenizer.save_pretrained(staging)
         if target.exists():
-            import shutil
-
             shutil.rmtree(target)
         staging.rename(target)
         return str(target)
+
+    def save_checkpoint(self, out_dir: str) -> str:
+        """Write `out_dir/model` (Hugging Face directory) and `out_dir/training_state.pt` (one rank only).
+
+        The caller makes the directory appear atomically (asyncrl/checkpoint.py writes to a temporary name first).
+        """
+        if self.ranks.world > 1:
+            raise NotImplementedError("resumable checkpoints of FSDP2-sharded optimizer state (learner.world_size > 1)")
+        self.save(str(Path(out_dir) / "model"))
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "acrl": self.acrl_reference.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        torch.save(state, Path(out_dir) / "training_state.pt")
+        return out_dir
+
+    def _load_training_state(self, path: Path) -> None:
+        state = torch.load(path, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.acrl_reference.load_state_dict(state["acrl"])
+        self.skipped_steps = int(state["skipped_steps"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    def set_live(self, changes: dict[str, Any]) -> None:
+        """Apply validated live config changes (asyncrl.config.live_update) before the next train step."""
+        for key, value in changes.items():
+            if key == "optim.lr":  # length_decay keeps its halvings relative to the new peak
+                ratio = value / self.cfg.optim.lr if self.cfg.optim.lr > 0 else 1.0
+                self.schedule.decayed_lr = self.schedule.decayed_lr * ratio if self.cfg.optim.lr > 0 else value
+                self.schedule.lr_min = self.cfg.optim.lr_min_ratio * value
+            set_key(self.cfg, key, value)
 
     @torch.no_grad()
     def evaluate(self, prompts: list[str], answers: list[str], max_new_tokens: int) -> float:

@@ -86,7 +86,23 @@ class RolloutWorker:
             self.heartbeat.start()
         return True
 
+    def pid(self) -> int:
+        """The worker's process id (for supervision tests and `asyncrl status`)."""
+        import os
+
+        return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on ("" outside Ray)."""
+        try:
+            import ray
+
+            return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        except ImportError:
+            return ""
+
     def stop(self) -> dict[str, Any]:
+        """Stop after the batch in progress (its finished groups are still pushed); returns the final stats."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
@@ -132,10 +148,13 @@ class RolloutWorker:
             client.close()
 
     def _push(self, client: BufferClient, lease: PromptLease, trajectories: list[Trajectory]) -> None:
-        while not self._stop.is_set():
+        """Push until accepted or refused; when stopping, one attempt (an unpushed group's lease returns)."""
+        while True:
             try:
                 reply = client.push_group(lease.group, trajectories)
             except BufferUnavailable:
+                if self._stop.is_set():
+                    return
                 continue
             if reply.accepted:
                 self.counters["groups_pushed"] += 1
@@ -144,7 +163,8 @@ class RolloutWorker:
                 self.counters["groups_refused"] += 1
                 self.last_error = f"group {lease.group} refused: {reply.reason}"
                 return
-            self._stop.wait(0.2)
+            if self._stop.wait(0.2):
+                return
 
     def rollout(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
         """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch)."""

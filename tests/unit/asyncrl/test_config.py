@@ -54,7 +54,8 @@ def test_overrides_apply_in_order():
         ("steps", "must look like key=value"),
         ("loss=tis", "`loss` is a section and must be a mapping of its keys"),
         ("loss.acrl=2", "`loss.acrl` is a section"),
-        ("checkpoint.every=5", "`checkpoint.every=5` is valid but not implemented in this version"),
+        ("ray.worker_resources={rollout_node: 0}", "`ray.worker_resources.rollout_node` must be a positive amount"),
+        ("rollout.max_restarts=-1", "`rollout.max_restarts` is out of range"),
     ],
 )
 def test_bad_overrides_name_the_key(override, expected):

@@ -27,6 +27,7 @@ from asyncrl.tasks import make_source
 from asyncrl.wire import PromptLease, Trajectory
 from buffer.client import BufferClient, BufferUnavailable
 from buffer.curve import ClientKeys, client_keys
+from buffer.journal import read_records
 
 ROOT = Path(__file__).resolve().parents[3]
 GROUP_SIZE = 2
@@ -59,12 +60,14 @@ def write_config(path: Path, **sections: dict[str, Any]) -> Path:
 
 
 @contextmanager
-def running_buffer(tmp_path: Path, run_dir: Path | None = None, **sections: dict[str, Any]) -> Iterator[Buffer]:
+def running_buffer(
+    tmp_path: Path, run_dir: Path | None = None, args: tuple[str, ...] = (), **sections: dict[str, Any]
+) -> Iterator[Buffer]:
     config = write_config(tmp_path / "config.json", **sections)
     run_dir = run_dir or tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(run_dir), *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -298,6 +301,34 @@ def test_restart_replays_the_journal(tmp_path: Path) -> None:
     with running_buffer(tmp_path, run_dir=run_dir) as buffer:  # a clean restart after the torn tail was cut
         stats = buffer.stats()
         assert stats["queued_groups"] == 1 and stats["consumed_groups"] == 4 and stats["cursor"] == 6
+
+
+def test_resume_rewinds_the_journal_to_the_checkpoint_step(tmp_path: Path) -> None:
+    """Resuming a learner checkpoint whose next step is 1: what step 1 consumed returns, in order, for step 1 again;
+    groups with versions the lost learner published (2) are dropped; the rewind is journaled and survives restarts."""
+    run_dir = tmp_path / "run"
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:
+        lease_and_push(buffer, 4)
+        assert buffer.client.fetch_batch(step=0, num_groups=2, wait_s=0.0).ready
+        assert [g[0].group for g in buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.0).groups] == ["g2", "g3"]
+        lease_and_push(buffer, 2, version=2)  # g4, g5 on version 2, published by step 1 of the lost learner
+        buffer.proc.kill()
+        buffer.proc.wait()
+    with running_buffer(tmp_path, run_dir=run_dir, args=("--resume-step", "1")) as buffer:
+        stats = buffer.stats()
+        assert stats["consumed_groups"] == 2 and stats["queued_groups"] == 2
+        assert stats["rewound_groups"] == 2 and stats["rewind_dropped_groups"] == 2
+        assert [g[0].group for g in buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.0).groups] == ["g2", "g3"]
+        assert buffer.client.push_group("g4", make_group(_lease(4))).reason == "duplicate"
+    rewinds = [r for r in read_records(run_dir / "buffer.journal") if r["k"] == "rewind"]
+    assert rewinds == [{"k": "rewind", "s": 1, "g": ["g2", "g3"], "d": ["g4", "g5"]}]
+    with running_buffer(tmp_path, run_dir=run_dir) as buffer:  # a plain restart replays the rewind
+        stats = buffer.stats()
+        assert stats["consumed_groups"] == 4 and stats["queued_groups"] == 0 and stats["cursor"] == 6
+
+
+def _lease(index: int) -> PromptLease:
+    return PromptLease(f"g{index}", index, "1+1=", "2", 0.0)
 
 
 def test_malformed_messages_are_counted_and_survived(tmp_path: Path) -> None:

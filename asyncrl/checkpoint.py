@@ -1,0 +1,84 @@
+"""Resumable checkpoints of a run: runs/<name>/checkpoints/step_<k>/, written atomically, the last N kept.
+
+    step_<k>/                 k = train steps completed = the weight version the learner publishes next
+      model/                  Hugging Face model directory (AutoModelForCausalLM / AutoTokenizer load it)
+      training_state.pt       optimizer, LR schedule, loss scaler, ACRL reference, RNG states (learner/trainer.py)
+      meta.json               {"step": k, "version": k, "buffer": cursor and counters, "live": {key: value}, ...}
+
+Atomic: everything is written into `.step_<k>.tmp`, fsynced, then renamed to `step_<k>`; a directory named
+`step_<k>` is therefore complete, and leftovers of a crash (`.*.tmp`) are ignored and removed by the next save.
+
+The buffer is not copied: its journal (runs/<name>/buffer.journal) already records every lease, admission and
+consumption. On resume the buffer replays it and rewinds to the checkpoint's step (buffer/state.py `rewind`): groups
+consumed after the checkpoint go back to the queue, groups generated with the lost versions are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+META = "meta.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+    return [p for _, p in sorted(found) if (p / META).is_file()]
+
+
+def latest(run_dir: Path) -> Path | None:
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[-1] if dirs else None
+
+
+def read_meta(checkpoint_dir: Path) -> dict[str, Any]:
+    return json.loads((checkpoint_dir / META).read_text())
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(Path(root) / name, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, Any], keep_last: int) -> Path:
+    """Write checkpoint `step_<step>` with `write(tmp_dir)` (the learner's files) plus meta.json, atomically;
+    then delete all but the newest `keep_last` checkpoints. Returns the checkpoint directory."""
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    target = root / f"step_{step}"
+    staging = root / f".step_{step}.tmp"
+    staging.mkdir()
+    write(str(staging))
+    (staging / META).write_text(json.dumps({"step": step, **meta}, indent=2, default=str))
+    _fsync_tree(staging)
+    if target.exists():  # the same step saved again (e.g. `down` right after a periodic save)
+        shutil.rmtree(target)
+    staging.rename(target)
+    _fsync_dir(root)
+    for old in checkpoint_dirs(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target

@@ -1,0 +1,156 @@
+"""Live control of a running job from another terminal: `asyncrl status | scale | set | down`.
+
+    asyncrl status/scale/set/down --REQ, msgpack--> driver (REP on 127.0.0.1, polled by its step loop)
+                                  <--REP, msgpack--  {"ok": true, ...} | {"ok": false, "error": "..."}
+
+The driver binds a REP socket on 127.0.0.1 (a free port) and writes its endpoint to runs/<name>/control.json; the
+file is removed when the driver exits. Requests and replies are msgpack maps (never pickle), size-limited:
+
+| request | reply fields | effect |
+|---|---|---|
+| `{"cmd": "status"}` | run, step, steps, version, workers, buffer, staleness, throughput, live, errors | none |
+| `{"cmd": "scale", "rollout": N}` | added, removed | workers added now; removed ones finish their batch |
+| `{"cmd": "set", "items": ["k=v", ...]}` | changes, applies_at_step | validated now, applied at the next step |
+| `{"cmd": "down"}` | message | stop after the current step: workers stopped, checkpoint, journal flushed |
+
+`set` accepts only `asyncrl.config.LIVE_KEYS` and validates them exactly like the config (`live_update`). A request
+that does not decode, or names an unknown command, gets `ok: false` with the reason; the driver never dies of one.
+This module imports no torch or ray: the CLI side (`request`, `find_run`) must start instantly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+CONTROL_FILE = "control.json"
+MAX_REQUEST_BYTES = 1 << 16
+PROTOCOL_VERSION = 1
+
+
+class ControlError(RuntimeError):
+    """A control request failed: no such run, nobody answers, or the driver refused it (the message says why)."""
+
+
+class ControlServer:
+    """The driver's end: `poll(handler, timeout_ms)` answers the requests that arrived (each with handler(req))."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / CONTROL_FILE
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        tmp = self.path.with_name(CONTROL_FILE + ".tmp")
+        tmp.write_text(json.dumps({"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time()}))
+        tmp.rename(self.path)
+
+    def poll(self, handler: Callable[[dict[str, Any]], dict[str, Any]], timeout_ms: int = 0) -> int:
+        """Answer every pending request (waiting up to `timeout_ms` for the first); returns how many."""
+        answered = 0
+        while self.socket.poll(timeout_ms if answered == 0 else 0, zmq.POLLIN):
+            raw = self.socket.recv()
+            try:
+                request = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_array_len=256, max_map_len=32)
+                if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
+                    raise ControlError('a request must be a map with a string "cmd"')
+                reply = {"ok": True, **handler(request)}
+            except ControlError as err:
+                reply = {"ok": False, "error": str(err)}
+            except (ValueError, msgpack.UnpackException) as err:
+                reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            self.socket.send(msgpack.packb(reply, use_bin_type=True, default=str))
+            answered += 1
+        return answered
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> ControlServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def find_run(run: str | None, runs_root: str = "runs") -> Path:
+    """The run directory `run`, or the newest directory under `runs_root` whose driver serves control.json."""
+    if run:
+        path = Path(run)
+        if not path.is_dir():
+            raise ControlError(f"no run directory {run!r}")
+        return path
+    root = Path(runs_root)
+    candidates = [p for p in root.glob("*") if (p / CONTROL_FILE).is_file()] if root.is_dir() else []
+    if not candidates:
+        raise ControlError(f"no running job under {root}/ (no */{CONTROL_FILE}); name the run directory: RUN")
+    return max(candidates, key=lambda p: (p / CONTROL_FILE).stat().st_mtime)
+
+
+def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> dict[str, Any]:
+    """Send one request to the driver of `run_dir`; the reply map, or ControlError naming what went wrong."""
+    control = run_dir / CONTROL_FILE
+    if not control.is_file():
+        raise ControlError(f"{run_dir} is not running: no {CONTROL_FILE} (the run ended, or never started)")
+    try:
+        endpoint = json.loads(control.read_text())["endpoint"]
+    except (ValueError, KeyError) as err:
+        raise ControlError(f"{control} is unreadable: {err}") from None
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "cmd": cmd, **fields}, use_bin_type=True))
+        if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise ControlError(
+                f"no answer from the driver of {run_dir} at {endpoint} within {timeout_s:.0f}s: it is not running "
+                f"(killed? then {control} is stale; `asyncrl up --resume {run_dir}` continues the run)"
+            )
+        reply = msgpack.unpackb(socket.recv(), raw=False)
+    finally:
+        socket.close(0)
+    if not reply.get("ok"):
+        raise ControlError(str(reply.get("error", "refused")))
+    return reply
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A few human-readable lines of a status reply."""
+    lines = [
+        f"run {status['run']}: step {status['step']}/{status['steps']}, weight version {status['version']}"
+        + (" (stopping)" if status.get("stopping") else ""),
+    ]
+    tput = status.get("throughput", {})
+    stale = status.get("staleness", {})
+    lines.append(
+        f"throughput {tput.get('rollout_tok_s', 0):.0f} tok/s, {tput.get('step_s', 0):.2f} s/step; staleness mean "
+        f"{stale.get('mean', float('nan'))} max {stale.get('max', float('nan'))} (max_lag {stale.get('max_lag')})"
+    )
+    buf = status.get("buffer", {})
+    lines.append(
+        f"buffer: {buf.get('queued_groups', '?')} groups queued, {buf.get('leased_groups', '?')} leased, "
+        f"{buf.get('consumed_groups', '?')} consumed, {buf.get('dropped_stale', '?')} dropped stale"
+    )
+    lines.append(f"workers ({len(status.get('workers', []))}):")
+    for row in status.get("workers", []):
+        lines.append(
+            f"  {row['worker']:<14} {row.get('state', ''):<12} pid {row.get('pid') or '-':<8} "
+            f"version {row.get('version') if row.get('version') is not None else '-':<5} "
+            f"samples {row.get('samples', 0)}  errors {row.get('errors', 0)}"
+        )
+    live = status.get("live", {})
+    lines.append("live: " + ", ".join(f"{k}={v}" for k, v in live.items()))
+    errors = status.get("errors", [])
+    lines.append("recent errors: " + ("none" if not errors else ""))
+    lines += [f"  {e}" for e in errors]
+    return "\n".join(lines)

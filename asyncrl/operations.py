@@ -1,0 +1,155 @@
+"""The driver's side of live operations: control requests (asyncrl/control.py), live config changes applied at
+step boundaries, and resumable checkpoints (asyncrl/checkpoint.py).
+
+| request | answered | takes effect |
+|---|---|---|
+| status | at once (also while the learner trains) | - |
+| scale rollout=N | at once: workers added or told to stop | new workers generate once they have weights |
+| set key=value | at once (validated like the config) | at the next step boundary, logged as a `set` event |
+| down | at once | after the step in progress: workers stop, checkpoint, exit 0 |
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl import checkpoint
+from asyncrl.config import LIVE_KEYS, Config, ConfigError, get_key, live_update, set_key
+from asyncrl.control import ControlError, ControlServer
+from asyncrl.metrics import MetricsLogger
+from asyncrl.supervise import WorkerPool
+
+BUFFER_KEYS = ("cursor", "cursor_epoch", "cursor_position", "consumed_groups", "admitted_groups", "current_step")
+
+
+class Operations:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        pool: WorkerPool,
+        learner: Any,
+        buffer_endpoint: str,
+        logger: MetricsLogger,
+        start_step: int,
+    ) -> None:
+        from buffer.client import BufferClient
+        from buffer.curve import client_keys
+
+        self.cfg, self.run_dir, self.pool, self.learner, self.logger = cfg, run_dir, pool, learner, logger
+        curve = client_keys(cfg.buffer.curve_keys_dir)
+        self.buffer = BufferClient(buffer_endpoint, identity="driver", timeout_s=10, curve=curve)
+        self.control = ControlServer(run_dir)
+        self.step = start_step  # train steps completed
+        self.pending: dict[str, Any] = {}  # validated live changes waiting for the step boundary
+        self.stopping = False
+        self.last_metrics: dict[str, Any] = {}
+        self.last_totals = {"tokens": 0.0, "samples": 0.0, "correct": 0.0, "reward_sum": 0.0}
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        cmd = request["cmd"]
+        if cmd == "status":
+            return self.status()
+        if cmd == "scale":
+            return self.scale(request.get("rollout"))
+        if cmd == "set":
+            return self.set(request.get("items"))
+        if cmd == "down":
+            self.stopping = True
+            self.logger.event("down", step=self.step)
+            return {"message": f"stopping after step {self.step}: workers stop, then a checkpoint is written"}
+        raise ControlError(f"unknown command {cmd!r}; commands: status, scale, set, down")
+
+    def status(self) -> dict[str, Any]:
+        metrics = self.last_metrics
+        return {
+            "run": str(self.run_dir),
+            "step": self.step,
+            "steps": self.cfg.train.steps,
+            "version": metrics.get("version", self.step),
+            "stopping": self.stopping,
+            "workers": self.pool.describe(),
+            "buffer": self.buffer.stats(),
+            "staleness": {
+                "mean": metrics.get("staleness/mean"),
+                "max": metrics.get("staleness/max"),
+                "max_lag": self.cfg.staleness.max_lag,
+            },
+            "throughput": {
+                "rollout_tok_s": metrics.get("perf/rollout_tok_s", 0.0),
+                "step_s": metrics.get("perf/step_s", 0.0),
+            },
+            "live": {key: get_key(self.cfg, key) for key in LIVE_KEYS},
+            "pending": self.pending,
+            "errors": self.recent_errors(),
+        }
+
+    def recent_errors(self) -> list[str]:
+        """Worker crashes (supervision) and the last error each live worker reported, newest last."""
+        worker_errors = [f"{w['worker']}: {w['last_error']}" for w in self.pool.describe() if w.get("last_error")]
+        return [*self.pool.recent_errors, *worker_errors][-10:]
+
+    def scale(self, count: Any) -> dict[str, Any]:
+        import ray
+
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ControlError(f"rollout=N needs a whole number N >= 1, got {count!r}")
+        total = ray.cluster_resources()
+        need = {"CPU": self.cfg.ray.learner_cpus + count * self.cfg.ray.worker_cpus}
+        for name, amount in self.cfg.ray.worker_resources.items():
+            need[name] = need.get(name, 0.0) + count * amount
+        for name, amount in need.items():
+            if amount > total.get(name, 0.0) + 1e-9:
+                raise ControlError(
+                    f"{count} rollout workers need {amount:g} {name} but the Ray cluster has {total.get(name, 0.0):g}"
+                    f" (learner {self.cfg.ray.learner_cpus:g} CPU + `ray.worker_cpus`={self.cfg.ray.worker_cpus:g}"
+                    " per worker; lower it with `asyncrl up ... ray.worker_cpus=...`)"
+                )
+        added, removed = self.pool.scale(count)
+        self.logger.event("scale", rollout=count, added=added, removed=removed, step=self.step)
+        return {"added": added, "removed": removed}
+
+    def set(self, items: Any) -> dict[str, Any]:
+        if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+            raise ControlError("set needs one or more key=value items")
+        try:
+            changes = live_update(self.cfg, items)
+        except ConfigError as err:
+            raise ControlError(str(err)) from None
+        self.pending.update(changes)
+        return {"changes": changes, "applies_at_step": self.step + 1}
+
+    # -- step boundary ------------------------------------------------------------------------------------------
+
+    def step_done(self, step: int, metrics: dict[str, Any]) -> None:
+        """Called after train step `step - 1`: apply the pending live changes before step `step` starts."""
+        self.step, self.last_metrics = step, metrics
+        if not self.pending:
+            return
+        changes, self.pending = self.pending, {}
+        if "staleness.max_lag" in changes:
+            self.buffer.set_max_lag(int(changes["staleness.max_lag"]))
+        learner_changes = {k: v for k, v in changes.items() if k != "staleness.max_lag"}
+        if learner_changes:
+            self.learner.set_live(learner_changes)
+        for key, value in changes.items():
+            old = get_key(self.cfg, key)
+            set_key(self.cfg, key, value)
+            self.logger.event("set", key=key, value=value, old=old, step=step)
+            self.logger.info(f"set {key}={value} (was {old}) from step {step}")
+
+    def save_checkpoint(self, step: int) -> Path:
+        buffer_stats = self.buffer.stats()
+        meta = {
+            "version": step,
+            "time": time.time(),
+            "buffer": {key: buffer_stats.get(key) for key in BUFFER_KEYS},
+            "live": {key: get_key(self.cfg, key) for key in LIVE_KEYS},
+        }
+        path = checkpoint.save(self.run_dir, step, self.learner.save_checkpoint, meta, self.cfg.checkpoint.keep_last)
+        self.logger.event("checkpoint", step=step, path=str(path))
+        return path

@@ -1,0 +1,250 @@
+"""Rollout worker actors under supervision: start, scale live, restart the dead with backoff.
+
+The driver calls `WorkerPool.poll()` every few hundred milliseconds, also while the learner trains a step. The
+backoff before the n-th restart of the run is `rollout.restart_backoff_s * 2 ** (n - 1)`, capped at 60 s.
+
+| what poll sees | what it does |
+|---|---|
+| a worker's call fails with an actor error (killed, OOM, crash) | `worker_crashed`; restart after a backoff |
+| a worker whose loop thread died (`stats()["alive"]` false) | kill the actor, then as above |
+| a restart that is due | a new actor with a fresh identity (`worker-<slot>.<n>`), `worker_started` |
+| more than `rollout.max_restarts` crashes over the run | raise `SupervisionError` (the run fails with that message) |
+| a removed worker's `stop` has returned | its final counters are kept, the actor is killed |
+
+A fresh identity matters: the buffer returns the leases of a silent identity after `buffer.worker_timeout_s`
+(buffer/state.py), so the prompts a dead worker held are generated again and every group is still trained once.
+Counters of retired workers are kept (`totals`) so that rollout throughput never goes backwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.config import Config, to_dict
+
+MAX_BACKOFF_S = 60.0
+STATS_EVERY_S = 0.5
+COUNTERS = ("tokens", "samples", "correct", "reward_sum", "groups_pushed", "errors")
+
+
+class SupervisionError(RuntimeError):
+    """Rollout workers crashed more often than `rollout.max_restarts` allows."""
+
+
+@dataclass(slots=True)
+class _Worker:
+    slot: int
+    worker_id: str
+    handle: Any
+    started: Any  # ObjectRef of start(), None once it returned
+    state: str = "starting"  # starting | running | stopping
+    pid: int = 0
+    node: str = ""  # Ray node id
+    stats: dict[str, Any] = field(default_factory=dict)
+    stats_ref: Any = None
+    stop_ref: Any = None
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: str,
+        buffer_endpoint: str,
+        weights_endpoint: str,
+        event: Callable[..., None],
+    ) -> None:
+        import ray
+
+        from rollout_workers.worker import RolloutWorker
+
+        self.cfg = cfg
+        self.args = (to_dict(cfg), model_dir, buffer_endpoint, weights_endpoint)
+        options: dict[str, Any] = {"num_cpus": cfg.ray.worker_cpus, "max_concurrency": 4}
+        if cfg.ray.worker_resources:
+            options["resources"] = dict(cfg.ray.worker_resources)
+        self.actor_cls = ray.remote(**options)(RolloutWorker)
+        self.event = event
+        self.workers: dict[str, _Worker] = {}
+        self.generation: dict[int, int] = {}  # slot -> restarts of that slot
+        self.restarts: list[tuple[float, int, str]] = []  # (due, slot, id of the dead worker)
+        self.crashes = 0
+        self.retired: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.recent_errors: deque[str] = deque(maxlen=10)
+        self._next_stats = 0.0
+
+    # -- membership ---------------------------------------------------------------------------------------------
+
+    def start(self, count: int) -> None:
+        """Start `count` workers and wait until each runs (has weights and is generating)."""
+        import ray
+
+        for _ in range(count):
+            self._spawn(self._free_slot())
+        for worker in list(self.workers.values()):
+            ray.get(worker.started)
+            self._mark_running(worker)
+
+    def active(self) -> list[_Worker]:
+        """Workers starting or running (not the ones being removed)."""
+        return [w for w in self.workers.values() if w.state != "stopping"]
+
+    def target(self) -> int:
+        return len(self.active()) + len(self.restarts)
+
+    def scale(self, count: int) -> tuple[list[str], list[str]]:
+        """Add or remove workers until `count` are active (restarts pending count as active); (added, removed)."""
+        added, removed = [], []
+        while self.target() < count:
+            added.append(self._spawn(self._free_slot()).worker_id)
+        while self.target() > count and self.restarts:
+            self.restarts.pop()  # a pending restart is the cheapest to give up
+        for worker in sorted(self.active(), key=lambda w: -w.slot)[: max(0, self.target() - count)]:
+            worker.state = "stopping"
+            worker.stop_ref = worker.handle.stop.remote()  # finishes the batch in progress, pushes it
+            removed.append(worker.worker_id)
+            self.event("worker_removed", worker=worker.worker_id)
+        return added, removed
+
+    def _free_slot(self) -> int:
+        used = {w.slot for w in self.active()} | {slot for _, slot, _ in self.restarts}
+        return next(i for i in range(len(used) + 1) if i not in used)
+
+    def _spawn(self, slot: int, replaces: str = "") -> _Worker:
+        generation = self.generation.get(slot, 0)
+        worker_id = f"worker-{slot}" + (f".{generation}" if generation else "")
+        handle = self.actor_cls.remote(*self.args[:1], worker_id, *self.args[1:])
+        worker = _Worker(slot, worker_id, handle, handle.start.remote())
+        self.workers[worker_id] = worker
+        self.event("worker_starting", worker=worker_id, replaces=replaces or None)
+        return worker
+
+    def _mark_running(self, worker: _Worker) -> None:
+        import ray
+
+        worker.started, worker.state = None, "running"
+        worker.pid, worker.node = ray.get([worker.handle.pid.remote(), worker.handle.node_id.remote()])
+        self.event("worker_started", worker=worker.worker_id, pid=worker.pid, node=worker.node)
+
+    # -- supervision --------------------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """One round of supervision (non-blocking); raises SupervisionError past `rollout.max_restarts` crashes."""
+        import ray
+
+        now = time.monotonic()
+        for worker in list(self.workers.values()):
+            try:
+                if worker.started is not None and _ready(worker.started):
+                    ray.get(worker.started)
+                    self._mark_running(worker)
+                if worker.stats_ref is not None and _ready(worker.stats_ref):
+                    ref, worker.stats_ref = worker.stats_ref, None
+                    worker.stats = ray.get(ref)
+                    if worker.state == "running" and not worker.stats.get("alive", True):
+                        ray.kill(worker.handle)
+                        raise RuntimeError(f"its loop died: {worker.stats.get('last_error', '')}")
+                if worker.stop_ref is not None and _ready(worker.stop_ref):
+                    ref, worker.stop_ref = worker.stop_ref, None
+                    worker.stats = ray.get(ref)
+                    self._retire(worker)
+                    ray.kill(worker.handle)
+                    self.event("worker_stopped", worker=worker.worker_id)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, RuntimeError) as err:
+                self._crashed(worker, err, now)
+        if now >= self._next_stats:
+            self._next_stats = now + STATS_EVERY_S
+            for worker in self.workers.values():
+                if worker.state == "running" and worker.stats_ref is None:
+                    worker.stats_ref = worker.handle.stats.remote()
+        for due, slot, dead in [r for r in self.restarts if r[0] <= now]:
+            self.restarts.remove((due, slot, dead))
+            self.generation[slot] = self.generation.get(slot, 0) + 1
+            self._spawn(slot, replaces=dead)
+
+    def _crashed(self, worker: _Worker, err: BaseException, now: float) -> None:
+        self._retire(worker)
+        if worker.state == "stopping":  # it was leaving anyway
+            return
+        self.crashes += 1
+        message = f"{worker.worker_id} (pid {worker.pid or '?'}) died: {str(err).splitlines()[0][:300]}"
+        self.recent_errors.append(message)
+        if self.crashes > self.cfg.rollout.max_restarts:
+            self.event("worker_crashed", worker=worker.worker_id, error=message, restart_in_s=None)
+            raise SupervisionError(
+                f"rollout workers crashed {self.crashes} times, more than `rollout.max_restarts` "
+                f"({self.cfg.rollout.max_restarts}) allows; last: {message}"
+            )
+        delay = min(self.cfg.rollout.restart_backoff_s * 2 ** (self.crashes - 1), MAX_BACKOFF_S)
+        self.restarts.append((now + delay, worker.slot, worker.worker_id))
+        self.event("worker_crashed", worker=worker.worker_id, error=message, restart_in_s=delay, crashes=self.crashes)
+
+    def _retire(self, worker: _Worker) -> None:
+        for key in COUNTERS:
+            self.retired[key] += float(worker.stats.get(key, 0))
+        del self.workers[worker.worker_id]
+
+    # -- reporting ----------------------------------------------------------------------------------------------
+
+    def refresh(self, timeout_s: float = 10.0) -> None:
+        """Fresh stats of every running worker (blocking, at a step boundary); failures are left to `poll`."""
+        import ray
+
+        running = [w for w in self.workers.values() if w.state == "running"]
+        for worker in running:
+            if worker.stats_ref is None:
+                worker.stats_ref = worker.handle.stats.remote()
+        ray.wait([w.stats_ref for w in running], num_returns=len(running), timeout=timeout_s)
+        self._next_stats = 0.0
+        self.poll()
+
+    def totals(self) -> dict[str, float]:
+        """Counters summed over every worker the run had (retired ones included)."""
+        out = dict(self.retired)
+        for worker in self.workers.values():
+            for key in COUNTERS:
+                out[key] += float(worker.stats.get(key, 0))
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One row per worker for `asyncrl status`: id, pid, state, weight version, samples, errors, last error."""
+        rows = [
+            {
+                "worker": w.worker_id, "pid": w.pid, "node": w.node[:12], "state": w.state,
+                "version": w.stats.get("version"),
+                "samples": w.stats.get("samples", 0), "errors": w.stats.get("errors", 0),
+                "last_error": w.stats.get("last_error", ""),
+            }
+            for w in sorted(self.workers.values(), key=lambda w: w.slot)
+        ]  # fmt: skip
+        now = time.monotonic()
+        rows += [{"worker": dead, "state": f"restarting in {max(due - now, 0):.1f}s"} for due, _, dead in self.restarts]
+        return rows
+
+    def stop_all(self, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+        """Stop every worker (each finishes and pushes its batch); their final stats."""
+        import ray
+
+        workers = list(self.workers.values())
+        refs = [w.stop_ref if w.stop_ref is not None else w.handle.stop.remote() for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for worker, ref in zip(workers, refs):
+            try:
+                stats = ray.get(ref) if ref in ready else worker.stats
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                stats = worker.stats
+            out.append(stats)
+        self.restarts.clear()
+        return out
+
+
+def _ready(ref: Any) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)

@@ -1,0 +1,187 @@
+"""Operations end to end, with real processes and signals: kill and resume the driver, kill a rollout worker, and
+control a live run from another process (`asyncrl status | scale | set | down`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl import wire
+from buffer.journal import read_records
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = (
+    "model.path=builtin:micro", "train.groups_per_step=2", "train.group_size=4", "algo.filter_groups=false",
+    "data.eval_size=0", "checkpoint.final=false",
+)  # fmt: skip
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+def start_up(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`asyncrl up` in its own process group (so that the test can kill it and everything it started)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=ENV, cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+
+
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, env=ENV,
+                          cwd=tmp_path, timeout=60)  # fmt: skip
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) while waiting for {what}: {proc.stdout.read()}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def net_consumed(run_dir: Path) -> dict[str, int]:
+    """group -> train step, from the journal: consumption minus groups returned by a rewind or requeue; asserts that
+    no group is consumed twice."""
+    consumed: dict[str, int] = {}
+    for record in read_records(run_dir / "buffer.journal"):
+        if record["k"] == "consume":
+            for group in record["g"]:
+                assert group not in consumed, f"{group} consumed twice"
+                consumed[group] = record["s"]
+        elif record["k"] in ("rewind", "requeue"):
+            for group in record["g"]:
+                del consumed[group]
+    return consumed
+
+
+def assert_trained_once(run_dir: Path, steps: int, groups_per_step: int = 2) -> None:
+    consumed = net_consumed(run_dir)
+    assert len(consumed) == steps * groups_per_step
+    assert sorted(set(consumed.values())) == list(range(steps))
+    admitted = [wire.decode(r["m"]) for r in read_records(run_dir / "buffer.journal") if r["k"] == "admit"]
+    uids = [t.uid for push in admitted if push.group in consumed for t in push.trajectories]
+    assert len(uids) == len(set(uids)) == steps * groups_per_step * 4
+
+
+@pytest.mark.slow
+def test_driver_killed_then_resumed_continues_steps_and_trains_every_group_once(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=r",
+                    "train.steps=200", "checkpoint.every=2", "checkpoint.keep_last=2", *SMALL)  # fmt: skip
+    try:
+        wait_for(lambda: (run_dir / "checkpoints/step_4").is_dir(), 120, "checkpoint step_4", proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver, its buffer process and its Ray cluster
+        proc.wait()
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
+    assert 1 <= len(checkpoints) <= 2  # keep_last
+    resumed_at = json.loads((checkpoints[-1] / "meta.json").read_text())["step"]
+    steps = resumed_at + 4
+    resumed = cli(tmp_path, "up", "--resume", str(run_dir), f"train.steps={steps}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    rows = records(run_dir)
+    resume_at = next(i for i, r in enumerate(rows) if r.get("event") == "resume")
+    assert rows[resume_at]["step"] == resumed_at
+    after = [r for r in rows[resume_at:] if "loss" in r]
+    assert [r["step"] for r in after] == list(range(resumed_at, steps))  # step and version continue
+    assert all(r["version"] == r["step"] + 1 for r in after)
+    assert all(r["staleness/max"] <= 2 for r in rows if "loss" in r)  # staleness.max_lag holds across the resume
+    assert any(r["k"] == "rewind" and r["s"] == resumed_at for r in read_records(run_dir / "buffer.journal"))
+    assert_trained_once(run_dir, steps)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run_dir / f"checkpoints/step_{steps}/model")
+
+
+@pytest.mark.slow
+def test_killed_rollout_worker_is_restarted_and_every_group_is_trained_once(tmp_path):
+    run_dir, steps = tmp_path / "w", 60
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=w",
+                    f"train.steps={steps}", "buffer.worker_timeout_s=2", "rollout.restart_backoff_s=0.2",
+                    "checkpoint.final=false", *SMALL)  # fmt: skip
+    try:
+        wait_for(lambda: any("loss" in r for r in records(run_dir)), 120, "the first step", proc)
+        victim = next(r for r in records(run_dir) if r.get("event") == "worker_started")
+        os.kill(victim["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    rows = records(run_dir)
+    crash = next(r for r in rows if r.get("event") == "worker_crashed")
+    assert crash["worker"] == victim["worker"] and str(victim["pid"]) in crash["error"]
+    restarted = [r for r in rows if r.get("event") == "worker_started" and r["time"] > crash["time"]]
+    assert restarted and restarted[0]["worker"] == victim["worker"] + ".1"  # a fresh identity for the buffer
+    assert [r["step"] for r in rows if "loss" in r] == list(range(steps))
+    assert_trained_once(run_dir, steps)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["buffer"]["consumed_groups"] == steps * 2
+
+
+@pytest.mark.slow
+def test_live_control_scale_set_status_and_down(tmp_path):
+    run_dir = tmp_path / "runs" / "c"  # `asyncrl status` without RUN finds the newest running job under ./runs
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), "logging.dir=runs", "logging.name=c",
+                    "train.steps=100000", "rollout.num_workers=1", "ray.worker_cpus=0.3", *SMALL)  # fmt: skip
+    try:
+        wait_for(lambda: any("loss" in r for r in records(run_dir)), 120, "the first step", proc)
+
+        def running_workers() -> int:
+            status = cli(tmp_path, "status", "--json")
+            assert status.returncode == 0, status.stderr
+            return sum(w["state"] == "running" for w in json.loads(status.stdout)["workers"])
+
+        assert running_workers() == 1
+        scaled = cli(tmp_path, "scale", "rollout=3")
+        assert scaled.returncode == 0, scaled.stderr
+        wait_for(lambda: running_workers() == 3, 120, "3 running workers", proc)
+        assert cli(tmp_path, "scale", "rollout=1", "--run", str(run_dir)).returncode == 0
+        wait_for(lambda: running_workers() == 1, 120, "1 running worker", proc)
+        too_many = cli(tmp_path, "scale", "rollout=9", "--run", str(run_dir))
+        assert too_many.returncode == 2 and "ray.worker_cpus" in too_many.stderr
+
+        for item, expected in [("loss.cpa=3", "did you mean `loss.cap`"), ("rollout.temperature=0.5", "live keys"),
+                               ("staleness.max_lag=-1", "out of range"), ("loss.cap=high", "loss.cap")]:  # fmt: skip
+            rejected = cli(tmp_path, "set", item, "--run", str(run_dir))
+            assert rejected.returncode == 2 and expected in rejected.stderr, (item, rejected.stderr)
+        accepted = cli(tmp_path, "set", "staleness.max_lag=0", "loss.cap=3", "--run", str(run_dir))
+        assert accepted.returncode == 0, accepted.stderr
+        event = wait_for(lambda: next((r for r in records(run_dir) if r.get("key") == "staleness.max_lag"), None),
+                         60, "the set event", proc)  # fmt: skip
+        later = wait_for(lambda: [r for r in records(run_dir) if "loss" in r and r["step"] >= event["step"]][3:] and
+                         [r for r in records(run_dir) if "loss" in r and r["step"] >= event["step"]], 120,
+                         "steps after the change", proc)  # fmt: skip
+        assert all(r["staleness/max"] == 0 for r in later), [r["staleness/max"] for r in later]
+
+        down = cli(tmp_path, "down", str(run_dir))
+        assert down.returncode == 0, down.stderr
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert not (run_dir / "control.json").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"]
+    meta = json.loads((tmp_path / summary["checkpoint"] / "meta.json").read_text())
+    assert meta["step"] == summary["steps"] and meta["live"]["staleness.max_lag"] == 0 and meta["live"]["loss.cap"] == 3
+    events = [r.get("event") for r in records(run_dir)]
+    assert events.count("worker_stopped") == 2 and "down" in events and "checkpoint" in events
+    gone = cli(tmp_path, "status", str(run_dir))
+    assert gone.returncode == 2 and "not running" in gone.stderr

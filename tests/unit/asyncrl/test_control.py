@@ -1,0 +1,81 @@
+"""Live control without a run: live-key validation like the config, the control socket's protocol and its errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from asyncrl.config import LIVE_KEYS, ConfigError, live_update, load_config
+from asyncrl.control import ControlError, ControlServer, find_run, request
+
+
+def test_live_update_validates_like_the_config():
+    cfg = load_config(None, ["model.path=builtin:micro"])
+    assert live_update(cfg, ["staleness.max_lag=0", "loss.acrl.gamma=0.5", "optim.lr=3e-4"]) == {
+        "staleness.max_lag": 0, "loss.acrl.gamma": 0.5, "optim.lr": 3e-4,
+    }  # fmt: skip
+    assert cfg.staleness.max_lag == 2  # validated, not applied
+    for item, expected in [
+        ("loss.cpa=3", "did you mean `loss.cap`"),
+        ("rollout.temperature=0.5", ", ".join(LIVE_KEYS)),
+        ("loss.cap=0.5", "out of range"),
+        ("staleness.max_lag=two", "staleness.max_lag"),
+        ("loss.cap", "key=value"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            live_update(cfg, [item])
+        assert expected in str(err.value), (item, str(err.value))
+
+
+def test_control_server_answers_and_survives_bad_requests(tmp_path: Path):
+    server = ControlServer(tmp_path)
+    endpoint = json.loads((tmp_path / "control.json").read_text())["endpoint"]
+    assert endpoint.startswith("tcp://127.0.0.1:")
+
+    def handler(req):
+        if req["cmd"] == "boom":
+            raise ControlError("refused: boom")
+        return {"echo": req["cmd"]}
+
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [server.poll(handler, 50) for _ in iter(stop.is_set, True)])
+    thread.start()
+    try:
+        assert request(tmp_path, "status")["echo"] == "status"
+        with pytest.raises(ControlError, match="refused: boom"):
+            request(tmp_path, "boom")
+        raw = zmq.Context.instance().socket(zmq.REQ)
+        raw.connect(endpoint)
+        raw.send(b"\xc1 not msgpack")
+        assert raw.poll(5000)
+        assert msgpack.unpackb(raw.recv())["ok"] is False
+        raw.close(0)
+        assert request(tmp_path, "again")["echo"] == "again"  # still serving
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert not (tmp_path / "control.json").exists()
+
+
+def test_control_errors_name_the_problem(tmp_path: Path):
+    runs, run_dir = tmp_path / "runs", tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    with pytest.raises(ControlError, match="no run directory"):
+        find_run(str(tmp_path / "nope"))
+    with pytest.raises(ControlError, match="no running job under"):
+        find_run(None, runs_root=str(runs))
+    with pytest.raises(ControlError, match="not running: no control.json"):
+        request(run_dir, "status")
+    socket = zmq.Context.instance().socket(zmq.REP)  # a port nobody answers on: a driver that was killed
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    socket.close(0)
+    (run_dir / "control.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}"}))
+    assert find_run(None, runs_root=str(runs)) == run_dir
+    with pytest.raises(ControlError, match="no answer from the driver"):
+        request(run_dir, "status", timeout_s=0.5)
