@@ -1,6 +1,8 @@
 """`asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNGs comparing runs, one figure per metric family.
 
-Reads each run's metrics.jsonl (step records only; events are skipped) and draws every run on the same axes:
+Reads each run's metrics.jsonl (step records only; events are skipped; after `asyncrl up --resume` a step logged
+twice, once by the killed run and once after the resume, is drawn from its last record) and draws every run on the
+same axes:
 reward and accuracy, response length, every `mismatch/*` metric, staleness, learning rate, throughput, losses
 and norms. A metric a run never logged is simply absent from its figure.
 """
@@ -25,13 +27,13 @@ def read_steps(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
-    rows = []
+    by_step: dict[int, dict[str, float]] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             record = json.loads(line)
             if "event" not in record and "step" in record:
-                rows.append(record)
-    return rows
+                by_step[int(record["step"])] = record  # the last record of a step wins (resumed runs)
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def _keys(prefixes: tuple[str, ...], runs: dict[str, list[dict[str, float]]]) -> list[str]:

@@ -36,3 +36,12 @@ def test_plot_writes_pngs(tmp_path):
 def test_plot_rejects_non_run_dirs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr
+
+
+def test_a_resumed_run_draws_each_step_once_from_its_last_record(tmp_path):
+    from asyncrl.plot import read_steps
+
+    rows = [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 2.0}, {"step": 2, "loss": 3.0},
+            {"event": "resume", "from_step": 1}, {"step": 1, "loss": 5.0}, {"step": 2, "loss": 6.0}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [(r["step"], r["loss"]) for r in read_steps(tmp_path)] == [(0, 1.0), (1, 5.0), (2, 6.0)]
