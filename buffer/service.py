@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket as net
 import sys
 import time
 import traceback
@@ -48,6 +47,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl import config as cfgmod
 from asyncrl import wire
+from asyncrl.netaddr import bind
 from asyncrl.tasks import make_source
 from asyncrl.wire import (
     CheckedPush,
@@ -298,27 +298,6 @@ def _encode_reply(reply: wire.Message) -> bytes:
     if data is None:
         data = _PUSH_REPLIES[key] = wire.encode(reply)
     return data
-
-
-def bind(socket: zmq.Socket, host: str, port: int) -> str:
-    """Bind and return the endpoint peers connect to (a wildcard host is advertised as this node's address)."""
-    if port == 0:
-        port = socket.bind_to_random_port(f"tcp://{host}")
-    else:
-        socket.bind(f"tcp://{host}:{port}")
-    return f"tcp://{advertised_host(host)}:{port}"
-
-
-def advertised_host(host: str) -> str:
-    """`host`, or for a wildcard bind (0.0.0.0, *, ::) the address of the interface that routes off this node."""
-    if host not in ("0.0.0.0", "*", "::", "[::]"):
-        return host
-    with net.socket(net.AF_INET, net.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks the outgoing interface
-            return probe.getsockname()[0]
-        except OSError:
-            return net.gethostbyname(net.gethostname())
 
 
 def make_socket(context: zmq.Context, curve: ServerKeys | None = None) -> zmq.Socket:

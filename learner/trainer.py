@@ -87,12 +87,13 @@ class Learner:
         self.client = self.publisher = None
         if self.ranks.is_main:
             from buffer.client import BufferClient
-            from buffer.curve import client_keys
+            from buffer.curve import client_keys, server_keys
             from quant_sync.transport import WeightPublisher
 
             curve = client_keys(cfg.buffer.curve_keys_dir)
             self.client = BufferClient(buffer_endpoint, identity="learner", timeout_s=60, curve=curve)
-            self.publisher = WeightPublisher(host=cfg.buffer.host)
+            # the weight publisher binds where the buffer does, with the same keys (workers are its clients)
+            self.publisher = WeightPublisher(host=cfg.buffer.host, curve=server_keys(cfg.buffer.curve_keys_dir))
         if resume_dir:
             self._load_training_state(Path(resume_dir) / "training_state.pt")
         self._publish(start_version)

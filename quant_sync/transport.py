@@ -25,6 +25,9 @@ Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy
 
 Sockets: ROUTER (publisher, binds 127.0.0.1 unless configured) and DEALER (subscriber), linger 0. The publisher
 serves from a background thread, so `publish` returns once the version is hashed (and written to /dev/shm).
+With the buffer's CurveZMQ keys (`buffer.curve_keys_dir`, buffer/curve.py; required when binding beyond loopback)
+the publisher is a CURVE server admitting only allow-listed client keys, and subscribers connect with theirs. A
+wildcard bind (0.0.0.0) is advertised as this node's routable address.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgpack
 import numpy as np
@@ -46,7 +50,11 @@ import torch
 import xxhash
 import zmq
 
+from asyncrl.netaddr import bind
 from rollout_workers.engine import WeightUpdate
+
+if TYPE_CHECKING:
+    from buffer.curve import ClientKeys, ServerKeys
 
 PROTOCOL_VERSION = 2
 CHUNK_BYTES = 4 << 20
@@ -101,15 +109,24 @@ class WeightPublisher:
         shm_dir: str | None = "auto",
         chunk_bytes: int = CHUNK_BYTES,
         keep_versions: int = 2,
+        curve: ServerKeys | None = None,
     ):
-        self._context = zmq.Context.instance()
+        # A CURVE server gets its own context: its ZAP handler then answers for this socket alone.
+        self._context = zmq.Context() if curve is not None else zmq.Context.instance()
+        self._auth = None
+        if curve is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(curve.allowed_dir))
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._socket.bind(f"tcp://{host}:{port}")
-            self.endpoint = f"tcp://{host}:{port}"
-        else:
-            self.endpoint = f"tcp://{host}:{self._socket.bind_to_random_port(f'tcp://{host}')}"
+        if curve is not None:
+            self._socket.curve_secretkey = curve.secret
+            self._socket.curve_publickey = curve.public
+            self._socket.curve_server = True
+        self.endpoint = bind(self._socket, host, port)
         if shm_dir == "auto":
             shm_dir = SHM_DIR if os.access(SHM_DIR, os.W_OK) else None
         self.shm_dir = shm_dir
@@ -219,6 +236,9 @@ class WeightPublisher:
         self._stop.set()
         self._thread.join(timeout=2)
         self._socket.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._context.term()
         with self._lock:
             versions, self._versions, self._latest = list(self._versions.values()), OrderedDict(), None
         for held in versions:
@@ -332,8 +352,10 @@ class WeightSubscriber:
         poll_s: float = 0.05,
         use_shm: bool = True,
         timeout_s: float = 5.0,
+        curve: ClientKeys | None = None,
     ):
         self.endpoint = endpoint
+        self._curve = curve
         self._on_update = on_update
         self._poll_s = poll_s
         self._use_shm = use_shm
@@ -354,6 +376,10 @@ class WeightSubscriber:
             self._socket.close(0)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._socket.curve_secretkey = self._curve.secret
+            self._socket.curve_publickey = self._curve.public
+            self._socket.curve_serverkey = self._curve.server_public
         self._socket.connect(self.endpoint)
         return self._socket
 

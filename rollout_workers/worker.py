@@ -65,7 +65,7 @@ class RolloutWorker:
         self.buffer_endpoint = buffer_endpoint
         self.curve = client_keys(self.cfg.buffer.curve_keys_dir)
         self.heartbeat: Heartbeat | None = None
-        self.subscriber = WeightSubscriber(weights_endpoint, self.engine.stage_weights)
+        self.subscriber = WeightSubscriber(weights_endpoint, self.engine.stage_weights, curve=self.curve)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = {

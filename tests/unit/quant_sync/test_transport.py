@@ -197,3 +197,34 @@ def test_publisher_survives_malformed_requests():
     finally:
         dealer.close(0)
         publisher.close()
+
+
+def test_with_curve_keys_only_allow_listed_subscribers_get_weights(tmp_path):
+    """Bound beyond loopback with the buffer's keys: an allow-listed subscriber is served over CurveZMQ; one without
+    keys or with a stranger's keys never receives a version, and the publisher keeps serving the good one."""
+    import zmq.auth
+
+    from buffer.curve import ClientKeys, client_keys, create_keys, server_keys
+
+    create_keys(tmp_path / "keys")
+    publisher = WeightPublisher(host="0.0.0.0", shm_dir=None, curve=server_keys(str(tmp_path / "keys")))
+    assert not publisher.endpoint.startswith("tcp://0.0.0.0")  # advertised as a routable address
+    publisher.publish(4, tensors(4), "int8")
+    good_keys = client_keys(str(tmp_path / "keys"))
+    (tmp_path / "other").mkdir()
+    _, stranger_file = zmq.auth.create_certificates(tmp_path / "other", "stranger")
+    public, secret = zmq.auth.load_certificate(stranger_file)
+    stranger = ClientKeys(public, secret, good_keys.server_public)  # knows the server, is not allow-listed
+    got_plain, got_stranger, got_good = [], [], []
+    plain = WeightSubscriber(publisher.endpoint, got_plain.append, 0.01, timeout_s=1.0)
+    strange = WeightSubscriber(publisher.endpoint, got_stranger.append, 0.01, timeout_s=1.0, curve=stranger)
+    good = WeightSubscriber(publisher.endpoint, got_good.append, 0.01, curve=good_keys)
+    try:
+        assert good.wait_for(4, 10)
+        assert_identical(got_good[0], tensors(4))
+        assert not plain.wait_for(4, 2) and not strange.wait_for(4, 0.1)
+        assert got_plain == [] and got_stranger == []
+    finally:
+        for subscriber in (plain, strange, good):
+            subscriber.close()
+        publisher.close()
