@@ -574,9 +574,6 @@ def _check_cross_field(cfg: Config) -> None:
         )
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"`optim.betas` must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
-    if cfg.checkpoint.every and cfg.learner.world_size > 1:
-        raise ConfigError("`checkpoint.every` needs `learner.world_size=1`: resumable checkpoints of sharded (FSDP2) "
-                          "optimizer state are not implemented yet")  # fmt: skip
     for key in ("ray.worker_resources", "ray.learner_resources"):
         for name, amount in _get(cfg, key).items():
             if not amount > 0:

@@ -177,7 +177,7 @@ def _train(
             logger.event("eval", after_steps=step, acc_greedy=summary["eval/acc_greedy"], problems=len(prompts))
             logger.info(f"held-out greedy accuracy (full precision): {summary['eval/acc_greedy']:.3f} "
                         f"on {len(prompts)}")  # fmt: skip
-        if (cfg.checkpoint.every or ops.stopping) and cfg.learner.world_size == 1:
+        if cfg.checkpoint.every or ops.stopping:
             summary["checkpoint"] = str(ops.save_checkpoint(step))
         if cfg.checkpoint.final:
             summary["final_checkpoint"] = learner.save(str(run_dir / "final"))

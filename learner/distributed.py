@@ -133,6 +133,27 @@ def full_state_dict(model: torch.nn.Module, ranks: Dist) -> dict[str, torch.Tens
     return state if ranks.is_main else {}
 
 
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: Dist) -> dict:
+    """The optimizer state as one unsharded dict (keyed by parameter name with FSDP2): on rank 0; a collective."""
+    if ranks.world == 1:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    return state if ranks.is_main else {}
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, ranks: Dist) -> None:
+    """Load a `full_optimizer_state` dict into this rank's (sharded) optimizer; every rank passes the full dict."""
+    if ranks.world == 1:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
 def close(ranks: Dist) -> None:
     if ranks.world > 1 and dist.is_initialized():
         dist.destroy_process_group()

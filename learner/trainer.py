@@ -204,15 +204,18 @@ class Learner:
         return str(target)
 
     def save_checkpoint(self, out_dir: str) -> str:
-        """Write `out_dir/model` (Hugging Face directory) and `out_dir/training_state.pt` (one rank only).
+        """Write `out_dir/model` (Hugging Face directory) and `out_dir/training_state.pt`; every rank calls it.
 
-        The caller makes the directory appear atomically (asyncrl/checkpoint.py writes to a temporary name first).
+        With FSDP2 the model and the optimizer state are gathered unsharded on rank 0 (collectives), which writes
+        them; any world size can resume from them. The caller makes the directory appear atomically
+        (asyncrl/checkpoint.py writes to a temporary name first).
         """
-        if self.ranks.world > 1:
-            raise NotImplementedError("resumable checkpoints of FSDP2-sharded optimizer state (learner.world_size > 1)")
         self.save(str(Path(out_dir) / "model"))
+        optimizer_state = distributed.full_optimizer_state(self.model, self.optimizer, self.ranks)
+        if not self.ranks.is_main:
+            return ""
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "acrl": self.acrl_reference.state_dict(),
@@ -224,7 +227,7 @@ class Learner:
 
     def _load_training_state(self, path: Path) -> None:
         state = torch.load(path, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"], self.ranks)
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.acrl_reference.load_state_dict(state["acrl"])
