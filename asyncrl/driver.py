@@ -143,10 +143,11 @@ def _train(
 
     resume_dir = str(checkpoint_dir) if checkpoint_dir is not None else ""
     learner = LearnerGroup(cfg, model_dir, buffer_endpoint, resume_dir=resume_dir, start_version=start_step)
-    pool = WorkerPool(cfg, model_dir, buffer_endpoint, learner.weights_endpoint(), logger.event)
+    # Workers start up (imports, tokenizer, engine) while the learner does; they subscribe once it has published.
+    pool = WorkerPool(cfg, model_dir, buffer_endpoint, learner.weights_endpoint_ref(), logger.event)
     ops = Operations(cfg, run_dir, pool, learner, buffer_endpoint, logger, start_step)
     ops.buffer.set_max_lag(cfg.staleness.max_lag)  # the config wins over a max_lag the journal replayed
-    pool.start(cfg.rollout.num_workers)
+    pool.start(cfg.rollout.num_workers, meanwhile=learner.weights_endpoint)
     logger.info(f"run {cfg.logging.name}: {cfg.rollout.num_workers} rollout workers, buffer {buffer_endpoint}, "
                 f"weights {learner.weights_endpoint()}, model {model_dir}, control {ops.control.endpoint}")  # fmt: skip
     last_time = time.monotonic()

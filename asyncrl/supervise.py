@@ -55,9 +55,11 @@ class WorkerPool:
         cfg: Config,
         model_dir: str,
         buffer_endpoint: str,
-        weights_endpoint: str,
+        weights_endpoint: Any,
         event: Callable[..., None],
     ) -> None:
+        """`weights_endpoint`: the publisher's endpoint, or a Ray ObjectRef of it (workers then start up while the
+        learner still does; each worker's `start` waits for the ref)."""
         import ray
 
         from rollout_workers.worker import RolloutWorker
@@ -79,12 +81,18 @@ class WorkerPool:
 
     # -- membership ---------------------------------------------------------------------------------------------
 
-    def start(self, count: int) -> None:
-        """Start `count` workers and wait until each runs (has weights and is generating)."""
+    def start(self, count: int, meanwhile: Callable[[], object] | None = None) -> None:
+        """Start `count` workers and wait until each runs (has weights and is generating).
+
+        `meanwhile` runs after the actors are created and before waiting for them (the driver waits for the learner
+        there, so that a learner that fails to start is reported as such, not as a worker that never started).
+        """
         import ray
 
         for _ in range(count):
             self._spawn(self._free_slot())
+        if meanwhile is not None:
+            meanwhile()
         for worker in list(self.workers.values()):
             ray.get(worker.started)
             self._mark_running(worker)
@@ -117,8 +125,9 @@ class WorkerPool:
     def _spawn(self, slot: int, replaces: str = "") -> _Worker:
         generation = self.generation.get(slot, 0)
         worker_id = f"worker-{slot}" + (f".{generation}" if generation else "")
-        handle = self.actor_cls.remote(*self.args[:1], worker_id, *self.args[1:])
-        worker = _Worker(slot, worker_id, handle, handle.start.remote())
+        config, model_dir, buffer_endpoint, weights_endpoint = self.args
+        handle = self.actor_cls.remote(config, worker_id, model_dir, buffer_endpoint)
+        worker = _Worker(slot, worker_id, handle, handle.start.remote(weights_endpoint))
         self.workers[worker_id] = worker
         self.event("worker_starting", worker=worker_id, replaces=replaces or None)
         return worker

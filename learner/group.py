@@ -39,6 +39,10 @@ class LearnerGroup:
 
         return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
 
+    def weights_endpoint_ref(self) -> Any:
+        """A Ray ObjectRef of the publisher's endpoint, ready once rank 0 has published version 0."""
+        return self.ranks[0].weights_endpoint.remote()
+
     def weights_endpoint(self) -> str:
         import ray
 

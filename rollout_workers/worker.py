@@ -29,13 +29,14 @@ from buffer.curve import client_keys
 
 class RolloutWorker:
     def __init__(
-        self, config: dict[str, Any], worker_id: str, model_dir: str, buffer_endpoint: str, weights_endpoint: str
+        self, config: dict[str, Any], worker_id: str, model_dir: str, buffer_endpoint: str, weights_endpoint: str = ""
     ):
+        """`weights_endpoint` may instead be given to `start`: the constructor (imports, tokenizer, engine) can then
+        run while the learner is still starting."""
         import torch
         from transformers import AutoTokenizer
 
         from asyncrl.tasks import make_source
-        from quant_sync.transport import WeightSubscriber
         from rollout_workers.embedded.engine import EmbeddedEngine
         from rollout_workers.engine import SamplingParams
 
@@ -65,7 +66,8 @@ class RolloutWorker:
         self.buffer_endpoint = buffer_endpoint
         self.curve = client_keys(self.cfg.buffer.curve_keys_dir)
         self.heartbeat: Heartbeat | None = None
-        self.subscriber = WeightSubscriber(weights_endpoint, self.engine.stage_weights, curve=self.curve)
+        self.weights_endpoint = weights_endpoint
+        self.subscriber: Any = None  # a WeightSubscriber once `start` knows the publisher
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = {
@@ -74,7 +76,14 @@ class RolloutWorker:
         }  # fmt: skip
         self.last_error = ""
 
-    def start(self) -> bool:
+    def start(self, weights_endpoint: str = "") -> bool:
+        """Subscribe to the learner's publisher, wait for version 0, then run the rollout loop and the heartbeat."""
+        from quant_sync.transport import WeightSubscriber
+
+        self.weights_endpoint = weights_endpoint or self.weights_endpoint
+        if not self.weights_endpoint:
+            raise ValueError(f"{self.worker_id}: no weights endpoint (pass it to the constructor or to start)")
+        self.subscriber = WeightSubscriber(self.weights_endpoint, self.engine.stage_weights, curve=self.curve)
         if not self.subscriber.wait_for(0, timeout_s=120):
             raise RuntimeError(f"{self.worker_id}: no weights from the publisher at {self.subscriber.endpoint}")
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop", daemon=True)
@@ -108,7 +117,8 @@ class RolloutWorker:
             self._thread.join(timeout=60)
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        self.subscriber.close()
+        if self.subscriber is not None:
+            self.subscriber.close()
         stats = self.stats()
         if hasattr(self.engine, "close"):  # the SGLang backend stops its server
             self.engine.close()
