@@ -46,11 +46,19 @@ def engine_for(model, model_dir, scheme: str = "none", seed: int = 0, **kwargs) 
     return engine
 
 
-def hf_logp(model, prompt, response):
+def hf_logp(model, prompt, response, temperature: float = 1.0):
+    """Log-probs of `response` under the HF forward (in the model's own dtype), of log_softmax(logits / T)."""
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        logp = model(ids).logits[0].log_softmax(-1)
+        logp = (model(ids).logits[0].float() / temperature).log_softmax(-1)
     return logp[len(prompt) - 1 : -1].gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+def assert_matches_hf(model, prompts, completions, atol: float = 1e-4, temperature: float = 1.0) -> None:
+    for prompt, completion in zip(prompts, completions, strict=True):
+        ref = hf_logp(model, prompt, completion.response_ids, temperature)
+        gap = float((ref - torch.tensor(completion.behav_logp)).abs().max()) if completion.response_ids else 0.0
+        assert gap <= atol, (prompt, gap)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -58,10 +66,9 @@ def hf_logp(model, prompt, response):
 def test_logp_parity_with_hugging_face(tmp_path, arch, tie):
     model = make_model(tmp_path, arch, tie)
     out = engine_for(model, tmp_path).generate(PROMPTS, SamplingParams(max_new_tokens=10, stop_token_ids=(1,)))
-    for prompt, completion in zip(PROMPTS, out):
+    for completion in out:
         assert len(completion.response_ids) == len(completion.behav_logp) == len(completion.versions)
-        ref = hf_logp(model, prompt, completion.response_ids)
-        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4), arch
+    assert_matches_hf(model, PROMPTS, out)
 
 
 def test_large_layers_run_packed_and_keep_parity(tmp_path):
@@ -75,9 +82,7 @@ def test_large_layers_run_packed_and_keep_parity(tmp_path):
     layer = engine._weights.layers[0]
     assert all(isinstance(w, PackedFp32) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
     assert isinstance(engine._weights.head, PackedFp32)
-    for prompt, completion in zip(PROMPTS + PROMPTS[:1], out):
-        ref = hf_logp(model, prompt, completion.response_ids)
-        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4)
+    assert_matches_hf(model, PROMPTS + PROMPTS[:1], out)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -89,13 +94,7 @@ def test_half_precision_rollout_matches_hf_in_that_dtype(tmp_path, arch, precisi
     engine = engine_for(model, tmp_path, precision=precision)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, stop_token_ids=(1,), seed=9))
     assert engine._cache.keys.dtype == dtype and engine._weights.embed.dtype == dtype
-    half = model.to(dtype)
-    for prompt, completion in zip(PROMPTS, out):
-        ids = torch.tensor([prompt + completion.response_ids])
-        with torch.no_grad():
-            logp = half(ids).logits[0].float().log_softmax(-1)
-        ref = logp[len(prompt) - 1 : -1].gather(1, torch.tensor(completion.response_ids)[:, None]).squeeze(1)
-        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=atol), (arch, precision)
+    assert_matches_hf(model.to(dtype), PROMPTS, out, atol=atol)
 
 
 def test_quantized_linears_under_bf16_compute(tmp_path):
@@ -109,12 +108,7 @@ def test_quantized_linears_under_bf16_compute(tmp_path):
 def test_temperature_logp_is_of_the_tempered_distribution(tmp_path):
     model = make_model(tmp_path, "llama")
     out = engine_for(model, tmp_path).generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, temperature=0.7))
-    for prompt, completion in zip(PROMPTS, out):
-        ids = torch.tensor([prompt + completion.response_ids])
-        with torch.no_grad():
-            logp = (model(ids).logits[0] / 0.7).log_softmax(-1)
-        ref = logp[len(prompt) - 1 : -1].gather(1, torch.tensor(completion.response_ids)[:, None]).squeeze(1)
-        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4)
+    assert_matches_hf(model, PROMPTS[:2], out, temperature=0.7)
 
 
 def test_greedy_alone_equals_in_mixed_batch(tmp_path):
@@ -214,9 +208,7 @@ def test_n_samples_share_one_prefill_and_match_hf(tmp_path):
     out = engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=11))
     assert prefills == [3]  # one prefill row per distinct prompt
     assert len({tuple(c.response_ids) for c in out[:4]}) > 1  # the samples of one prompt differ
-    for prompt, completion in zip(prompts, out):
-        assert torch.allclose(hf_logp(model, prompt, completion.response_ids), torch.tensor(completion.behav_logp),
-                              atol=1e-4)  # fmt: skip
+    assert_matches_hf(model, prompts, out)
 
 
 def test_seeded_sampling_is_reproducible(tmp_path):
@@ -235,9 +227,7 @@ def test_llama3_rope_scaling_parity(tmp_path):
     model = make_model(tmp_path, "llama", rope_scaling=rope)
     prompts = [list(range(2, 30)), [5, 6, 7]]
     out = engine_for(model, tmp_path).generate(prompts, SamplingParams(max_new_tokens=20, stop_token_ids=(-5,)))
-    for prompt, completion in zip(prompts, out):
-        ref = hf_logp(model, prompt, completion.response_ids)
-        assert torch.allclose(ref, torch.tensor(completion.behav_logp), atol=1e-4)
+    assert_matches_hf(model, prompts, out)
 
 
 def test_bad_engine_settings_fail_clearly(tmp_path):
@@ -301,9 +291,7 @@ def test_builtin_model_parity_with_hugging_face():
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [[1, 4, 5, 13, 6, 7, 15], [1, 9, 14, 3, 15], [1, 4, 5, 13, 6, 7, 15]]
     out = engine_for(model, model_dir).generate(prompts, SamplingParams(max_new_tokens=12, seed=1))
-    for prompt, completion in zip(prompts, out):
-        assert torch.allclose(hf_logp(model, prompt, completion.response_ids), torch.tensor(completion.behav_logp),
-                              atol=1e-4)  # fmt: skip
+    assert_matches_hf(model, prompts, out)
 
 
 def test_bad_requests_fail_clearly_and_queue_nothing(tmp_path):
