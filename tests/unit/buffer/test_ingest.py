@@ -19,7 +19,7 @@ from asyncrl import wire
 from asyncrl.bench.buffer_bench import _payloads
 from asyncrl.wire import PromptLease
 from buffer import journal as journal_module
-from buffer.journal import WRITE_CHUNK_BYTES, Journal, read_records
+from buffer.journal import MAGIC, WRITE_CHUNK_BYTES, Journal, read_records
 from buffer.state import Queued, batch_reply
 
 
@@ -83,7 +83,7 @@ def test_journal_writes_behind_and_reads_back_byte_for_byte(tmp_path: Path) -> N
     assert sum(map(len, payloads)) > 2 * WRITE_CHUNK_BYTES
     journal = Journal(path, "batch")
     journal.append_admit(memoryview(payloads[0]))
-    assert path.stat().st_size == 0 and journal.size_bytes() > 0  # gathered in memory until a chunk or a commit
+    assert path.read_bytes() == MAGIC and journal.size_bytes() > len(MAGIC)  # gathered in memory until a chunk or a commit
     for i, payload in enumerate(payloads[1:], start=1):
         journal.append({"k": "consume", "g": [f"g{i - 1}"], "s": i - 1})
         journal.append_admit(memoryview(payload))
@@ -101,6 +101,28 @@ def test_journal_writes_behind_and_reads_back_byte_for_byte(tmp_path: Path) -> N
     packed.close()
     zero_copy.close()
     assert (tmp_path / "packed.journal").read_bytes() == (tmp_path / "zero_copy.journal").read_bytes()
+
+
+def test_a_version_1_journal_is_read_and_converted_when_opened(tmp_path: Path) -> None:
+    """Journals written before the xxh3 layout (`<u32 length><u32 crc32>` records, no magic) lose nothing."""
+    import struct
+    import zlib
+
+    path = tmp_path / "buffer.journal"
+    records = [{"k": "lease", "i": [0, 1]}, {"k": "admit", "m": _push_bytes()}, {"k": "max_lag", "v": 3}]
+    with open(path, "wb") as handle:
+        for record in records:
+            payload = msgpack.packb(record, use_bin_type=True)
+            handle.write(struct.pack("<II", len(payload), zlib.crc32(payload)) + payload)
+        handle.write(b"\x40\x00\x00\x00torn")  # and a torn tail, cut off as in version 2
+    assert read_records(path) == records
+    journal = Journal(path, "batch")
+    assert path.read_bytes().startswith(MAGIC)
+    journal.append({"k": "consume", "g": ["g0"], "s": 0})
+    journal.close()
+    assert read_records(path) == [*records, {"k": "consume", "g": ["g0"], "s": 0}]
+    path.write_bytes(MAGIC[:5])  # a crash while the magic of a new journal was written: an empty journal
+    assert read_records(path) == [] and path.stat().st_size == 0
 
 
 def test_commit_returns_only_once_the_writer_thread_wrote_everything(
