@@ -83,7 +83,7 @@ def test_journal_writes_behind_and_reads_back_byte_for_byte(tmp_path: Path) -> N
     assert sum(map(len, payloads)) > 2 * WRITE_CHUNK_BYTES
     journal = Journal(path, "batch")
     journal.append_admit(memoryview(payloads[0]))
-    assert path.read_bytes() == MAGIC and journal.size_bytes() > len(MAGIC)  # gathered in memory until a chunk or a commit
+    assert path.read_bytes() == MAGIC and journal.size_bytes() > len(MAGIC)  # in memory until a chunk or a commit
     for i, payload in enumerate(payloads[1:], start=1):
         journal.append({"k": "consume", "g": [f"g{i - 1}"], "s": i - 1})
         journal.append_admit(memoryview(payload))
