@@ -1,10 +1,27 @@
 """Every message that crosses a process boundary, defined once, and its msgpack codec.
 
 A message on the wire is one msgpack map: `{"v": SCHEMA_VERSION, "type": "<class name>", <field>: <value>, ...}`.
-Nested structures (a trajectory inside a `PushGroup`, a lease inside a `LeaseReply`) are maps of their fields
-without `v`/`type`. Numpy arrays travel as `{"dt": "i4" | "f4", "n": <length>, "b": <raw little-endian bytes>}`;
-`decode` turns them back with `np.frombuffer`, without copying, so decoded arrays are READ-ONLY views of the
-received frame (copy before writing into them).
+Nested structures (a lease inside a `LeaseReply`) are maps of their fields without `v`/`type`. Numpy arrays travel
+as `{"dt": "i4" | "f4", "n": <length>, "b": <raw little-endian bytes>}`; `decode` turns them back with
+`np.frombuffer`, without copying, so decoded arrays are READ-ONLY views of the received frame (copy before writing
+into them).
+
+A group of trajectories (`PushGroup.trajectories`, each of `BatchReply.groups`) travels as columns, one map of the
+15 GROUP_COLUMNS for the whole group, so that a receiver checks a group with a few numpy reductions instead of
+hundreds of small objects (schema version 2; version 1 sent a map per trajectory):
+
+| column | msgpack type | content, for n trajectories |
+|---|---|---|
+| `uid`, `group`, `finish`, `worker` | array of n str | the Trajectory fields |
+| `prompt_index` | bin, n x int64 LE | |
+| `reward`, `t_start`, `t_end` | bin, n x float64 LE | |
+| `correct` | bin, n x uint8 | 0 or 1 |
+| `prompt_len`, `response_len` | bin, n x int32 LE | tokens of each trajectory's prompt / response |
+| `prompt_ids` | bin, int32 LE | the prompts, concatenated (sum of prompt_len) |
+| `response_ids`, `versions` / `behav_logp` | bin, int32 / float32 LE | the responses, concatenated |
+
+Decoded, a group is a list of Trajectory whose arrays are read-only views of those columns. A single `Trajectory`
+message keeps the per-field map with array maps.
 
 `decode` trusts nothing: every field must be present with exactly its type (a bool is not an int), arrays must
 have the dtype the schema fixes for that field and `len(b) == n * itemsize`, sizes are bounded (`MAX_*`) before and
@@ -26,6 +43,7 @@ Bump `SCHEMA_VERSION` on any change to a field; peers with another version are r
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -33,7 +51,7 @@ from typing import Any, TypeAlias
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_TOKENS = 65536
 """Largest length of any token array (prompt_ids, response_ids, behav_logp, versions)."""
 MAX_GROUP = 1024
@@ -477,119 +495,185 @@ _LEASE_FIELDS = (("group", STR), ("index", NAT), ("prompt", STR), ("answer", STR
 LEASE = _struct_kind(PromptLease, _LEASE_FIELDS, None)
 _I4 = np.dtype("<i4")
 _F4 = np.dtype("<f4")
+_MIN, _MAX, _OR = np.minimum.reduce, np.maximum.reduce, np.bitwise_or.reduce
+FINISH_SET = frozenset(FINISH_REASONS)
+_TEXT_COLUMNS = ("uid", "group", "finish", "worker")
+_SCALAR_COLUMNS = (  # one value per trajectory: (column, little-endian struct code)
+    ("prompt_index", "q"),
+    ("reward", "d"),
+    ("correct", "B"),
+    ("t_start", "d"),
+    ("t_end", "d"),
+    ("prompt_len", "i"),
+    ("response_len", "i"),
+)
+_TOKEN_COLUMNS = (  # concatenated arrays: (column, dtype, the length column giving each trajectory's share)
+    ("prompt_ids", _I4, "prompt_len"),
+    ("response_ids", _I4, "response_len"),
+    ("behav_logp", _F4, "response_len"),
+    ("versions", _I4, "response_len"),
+)
+GROUP_COLUMNS = (*_TEXT_COLUMNS, *(c for c, _ in _SCALAR_COLUMNS), *(c for c, _, _ in _TOKEN_COLUMNS))
+"""The keys of a group of trajectories on the wire, in `encode`'s order (see `_encode_group`)."""
+_GROUP_KEYS = frozenset(GROUP_COLUMNS)
 
 
 @dataclass(slots=True)
-class _Scan:
-    """What one pass of the fast path learns about a list of trajectory maps."""
+class _Group:
+    """The checked columns of a group of trajectories: Python values for the per-trajectory columns, read-only numpy
+    views of the received bytes for the token columns."""
 
-    trajectories: list[Trajectory]  # empty unless asked for
-    uids: list[str]
-    groups: list[str]
-    prompt_indices: list[int]
-    rewards: list[float]
-    versions: list[bytes]  # raw versions arrays, for the group's oldest / newest version
+    uid: list[str]
+    group: list[str]
+    finish: list[str]
+    worker: list[str]
+    prompt_index: tuple[int, ...]
+    reward: tuple[float, ...]
+    correct: bytes
+    t_start: tuple[float, ...]
+    t_end: tuple[float, ...]
+    prompt_len: tuple[int, ...]
+    response_len: tuple[int, ...]
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    behav_logp: np.ndarray
+    versions: np.ndarray
+    oldest_version: int  # min over all tokens (0 for an empty group)
+    newest_version: int  # max over all tokens (0 for an empty group)
 
-
-def _scan(items: Any, build: bool) -> _Scan | None:
-    """Check a list of canonically encoded, valid trajectory maps with the fewest Python operations, or None.
-
-    The fast path of the codec (a PushGroup or a BatchReply is mostly trajectories). It accepts exactly the maps that
-    `encode` produces and that pass every check of the generic decoder (TRAJECTORY above): the same 13 fields with
-    the same types, arrays of the fixed dtypes with `len(b) == n * itemsize` and `n <= MAX_TOKENS`, finite floats, a
-    known finish, equal response lengths, and the value checks (finite log-probs <= LOGP_TOLERANCE, versions and
-    token ids >= 0) done once per list on the concatenated raw bytes, so numpy's per-call overhead (microseconds) is
-    paid once per group instead of once per array. Anything else, valid or not (an int reward, a NaN, a bad dtype),
-    returns None and the caller runs the generic decoder, which accepts it or raises the precise WireError. The fast
-    path can therefore only be faster, never more permissive; a differential fuzz test (tests/unit/asyncrl/
-    test_wire.py) holds it to that. `build`: also make the Trajectory objects (zero-copy arrays).
-    """
-    if type(items) is not list or len(items) > MAX_GROUP:
-        return None
-    out = _Scan([], [], [], [], [], [])
-    logps: list[bytes] = []
-    ints: list[bytes] = []
-    frombuffer = np.frombuffer
-    for m in items:
-        if type(m) is not dict or len(m) != 13:
-            return None
-        try:
-            uid, group, index, finish, worker = m["uid"], m["group"], m["prompt_index"], m["finish"], m["worker"]
-            reward, t_start, t_end, correct = m["reward"], m["t_start"], m["t_end"], m["correct"]
-            pa, ra, la, va = m["prompt_ids"], m["response_ids"], m["behav_logp"], m["versions"]
-            if not (type(pa) is type(ra) is type(la) is type(va) is dict):
-                return None
-            pb, rb, lb, vb = pa["b"], ra["b"], la["b"], va["b"]
-            pn, rn, ln, vn = pa["n"], ra["n"], la["n"], va["n"]
-            pd, rd, ld, vd = pa["dt"], ra["dt"], la["dt"], va["dt"]
-        except KeyError:
-            return None
-        if not (
-            type(uid) is type(group) is type(finish) is type(worker) is str
-            and type(index) is int
-            and index >= 0
-            and type(reward) is type(t_start) is type(t_end) is float
-            and reward - reward == 0.0  # finite: inf - inf and nan - nan are nan
-            and t_start - t_start == 0.0
-            and t_end - t_end == 0.0
-            and type(correct) is bool
-            and finish in FINISH_REASONS
-            and len(pa) == len(ra) == len(la) == len(va) == 3
-            and type(pb) is type(rb) is type(lb) is type(vb) is bytes
-            and type(pn) is type(rn) is type(ln) is type(vn) is int
-            and pd == rd == vd == "i4"
-            and ld == "f4"
-            and 0 < rn == ln == vn <= MAX_TOKENS
-            and pn <= MAX_TOKENS
-            and len(pb) == 4 * pn
-            and len(rb) == len(lb) == len(vb) == 4 * rn
-        ):
-            return None
-        logps.append(lb)
-        ints += (pb, rb, vb)
-        out.versions.append(vb)
-        out.uids.append(uid)
-        out.groups.append(group)
-        out.prompt_indices.append(index)
-        out.rewards.append(reward)
-        if build:
-            out.trajectories.append(
+    def trajectories(self) -> list[Trajectory]:
+        out = []
+        prompt_at = response_at = 0
+        for uid, group, finish, worker, index, reward, correct, t_start, t_end, plen, rlen in zip(
+            self.uid, self.group, self.finish, self.worker, self.prompt_index, self.reward, self.correct,
+            self.t_start, self.t_end, self.prompt_len, self.response_len, strict=True,
+        ):  # fmt: skip
+            end = response_at + rlen
+            out.append(
                 Trajectory(
                     uid,
                     group,
                     index,
-                    frombuffer(pb, _I4),
-                    frombuffer(rb, _I4),
-                    frombuffer(lb, _F4),
-                    frombuffer(vb, _I4),
+                    self.prompt_ids[prompt_at : prompt_at + plen],
+                    self.response_ids[response_at:end],
+                    self.behav_logp[response_at:end],
+                    self.versions[response_at:end],
                     reward,
-                    correct,
+                    correct == 1,
                     finish,
                     worker,
                     t_start,
                     t_end,
                 )  # fmt: skip
             )
-    if logps:
-        logp = frombuffer(b"".join(logps), _F4)
-        if not (logp.min() > -np.inf and logp.max() <= LOGP_TOLERANCE):  # NaN fails both comparisons
-            return None
-        if frombuffer(b"".join(ints), _I4).min() < 0:
-            return None
+            prompt_at, response_at = prompt_at + plen, end
+        return out
+
+
+def _encode_group(value: Any, name: str) -> dict[str, Any]:
+    """A list of Trajectory as one map of columns (the layout is in the module docstring)."""
+    if not isinstance(value, (list, tuple)):
+        raise _bad(name, "a list of Trajectory", value)
+    if len(value) > MAX_GROUP:
+        raise WireError("oversized", f"`{name}` has {len(value)} > {MAX_GROUP} items")
+    rows = [TRAJECTORY.encode(traj, name) for traj in value]  # every field checked and converted as for one
+    out: dict[str, Any] = {column: [row[column] for row in rows] for column in _TEXT_COLUMNS}
+    lengths = {
+        "prompt_len": [row["prompt_ids"]["n"] for row in rows],
+        "response_len": [row["response_ids"]["n"] for row in rows],
+    }
+    for column, code in _SCALAR_COLUMNS:
+        values = lengths.get(column) or [row[column] for row in rows]
+        out[column] = struct.pack(f"<{len(values)}{code}", *values)
+    for column, _, _ in _TOKEN_COLUMNS:
+        out[column] = b"".join(row[column]["b"] for row in rows)
     return out
 
 
-def _trajectories_kind() -> _Kind:
-    generic = _list_kind(TRAJECTORY, "Trajectory")
+def _bytes_column(value: dict[str, Any], column: str, itemsize: int, count: int) -> bytes:
+    raw = value[column]
+    if type(raw) is not bytes:
+        raise _bad(column, "bytes", raw)
+    if len(raw) != count * itemsize:
+        raise WireError("length_mismatch", f"`{column}`: {len(raw)} bytes for {count} values of {itemsize} bytes")
+    return raw
 
+
+def _check_group(value: Any, name: str) -> _Group:
+    """Validate a group of trajectories in its column layout: every check `decode` makes of a single Trajectory
+    holds for each. Per-trajectory columns are checked in Python (a handful of values), token columns with one
+    numpy reduction per check over the whole group (numpy's per-call cost, not the data, dominates here)."""
+    if type(value) is not dict:
+        raise _bad(name, "a map of trajectory columns", value)
+    if value.keys() != _GROUP_KEYS:
+        missing = sorted(_GROUP_KEYS - value.keys())
+        extra = sorted(repr(k)[:40] for k in value.keys() - _GROUP_KEYS)
+        raise WireError("bad_field", f"`{name}`: missing columns {missing}, unknown columns {extra}"[:300])
+    texts = []
+    for column in _TEXT_COLUMNS:
+        items = value[column]
+        try:  # unpacked msgpack holds exact types only, so join succeeds iff every item is a str
+            "".join(items) if type(items) is list else None.x  # type: ignore[attr-defined]
+        except (TypeError, AttributeError):
+            raise _bad(column, "a list of str", items) from None
+        texts.append(items)
+    count = len(texts[0])
+    if any(len(items) != count for items in texts):
+        raise WireError("length_mismatch", f"`{name}`: text columns of {[len(t) for t in texts]} items")
+    uid0 = texts[0][0][:100] if count else ""
+    scalars: dict[str, Any] = {}
+    for column, code in _SCALAR_COLUMNS:
+        raw = _bytes_column(value, column, struct.calcsize(code), count)
+        scalars[column] = raw if code == "B" else struct.unpack(f"<{count}{code}", raw)
+    if count:
+        if min(scalars["prompt_index"]) < 0:
+            raise WireError("bad_field", f"`prompt_index` must be an int >= 0 ({uid0})")
+        if not all(map(math.isfinite, scalars["reward"])):
+            raise WireError("nonfinite_reward", uid0)
+        if not (all(map(math.isfinite, scalars["t_start"])) and all(map(math.isfinite, scalars["t_end"]))):
+            raise WireError("bad_field", f"`t_start` and `t_end` must be finite ({uid0})")
+        if max(scalars["correct"]) > 1:
+            raise WireError("bad_field", f"`correct` must be 0 or 1 ({uid0})")
+        if not FINISH_SET.issuperset(texts[2]):
+            bad = next(f for f in texts[2] if f not in FINISH_SET)
+            raise WireError("bad_finish", f"{bad[:40]!r} not in {FINISH_REASONS}")
+        lens = scalars["prompt_len"] + scalars["response_len"]
+        if min(lens) < 0:
+            raise WireError("bad_field", f"`{name}`: a negative prompt_len or response_len ({uid0})")
+        if max(lens) > MAX_TOKENS:
+            raise WireError("oversized", f"`{name}`: a trajectory of more than {MAX_TOKENS} tokens ({uid0})")
+        if min(scalars["response_len"]) == 0:
+            raise WireError("empty_response", texts[0][scalars["response_len"].index(0)][:100])
+    tokens = {
+        column: np.frombuffer(_bytes_column(value, column, 4, sum(scalars[length_column])), dtype)
+        for column, dtype, length_column in _TOKEN_COLUMNS
+    }
+    oldest = newest = 0
+    if count:
+        logp = tokens["behav_logp"]
+        low, high = float(_MIN(logp)), float(_MAX(logp))  # NaN propagates: two comparisons check finite and sign
+        if not (low > -math.inf and high <= LOGP_TOLERANCE):
+            if not np.isfinite(logp).all():
+                raise WireError("nonfinite_logp", uid0)
+            raise WireError("positive_logp", f"{uid0}: max {high}")
+        versions = tokens["versions"]
+        oldest, newest = int(_MIN(versions)), int(_MAX(versions))
+        if oldest < 0:
+            raise WireError("negative_version", uid0)
+        prompts = tokens["prompt_ids"]
+        if int(_OR(tokens["response_ids"])) < 0 or (prompts.size and int(_OR(prompts)) < 0):
+            raise WireError("negative_token", uid0)  # a negative int32 has the sign bit, so their OR is negative
+    return _Group(*texts, **scalars, **tokens, oldest_version=oldest, newest_version=newest)
+
+
+def _group_kind() -> _Kind:
     def decode(value: Any, name: str) -> list[Trajectory]:
-        fast = _scan(value, build=True)
-        return fast.trajectories if fast is not None else generic.decode(value, name)
+        return _check_group(value, name).trajectories()
 
-    return _Kind(generic.encode, decode)
+    return _Kind(_encode_group, decode)
 
 
-TRAJECTORIES = _trajectories_kind()
+TRAJECTORIES = _group_kind()
 
 _SCHEMAS: dict[type, tuple[tuple[str, _Kind], ...]] = {
     Trajectory: _TRAJECTORY_FIELDS,
@@ -618,7 +702,7 @@ MESSAGE_TYPES: tuple[type, ...] = tuple(_SCHEMAS)
 
 _UNPACK_LIMITS = {
     "max_str_len": MAX_STR_BYTES,
-    "max_bin_len": MAX_TOKENS * 4,
+    "max_bin_len": MAX_MESSAGE_BYTES,  # a group's token columns; each array's own bound is checked on decode
     "max_array_len": MAX_GROUP,
     "max_map_len": MAX_MAP_LEN,
     "max_ext_len": 0,
@@ -671,10 +755,6 @@ def _unpack(data: bytes | bytearray | memoryview) -> tuple[str, dict[str, Any]]:
 
 def _decode_fields(name: str, obj: dict[str, Any]) -> Message:
     try:
-        if name == "Trajectory":
-            fast = _scan([obj], build=True)
-            if fast is not None:
-                return fast.trajectories[0]
         return _BY_NAME[name][1].decode(obj, name)
     except WireError:
         raise
@@ -699,8 +779,8 @@ class CheckedPush:
     """A PushGroup that passed every check of `decode`, as the buffer keeps it. Producer: `decode_request`.
 
     `payload` is the validated PushGroup in `encode`'s layout (the bytes received, or their canonical re-encoding if
-    they were valid but laid out otherwise); its msgpack array of trajectories starts at `trajectories_at` and runs
-    to the end. The per-trajectory lists are in trajectory order. `oldest_version` / `newest_version`: min / max
+    they were valid but laid out otherwise); its map of trajectory columns starts at `trajectories_at` and runs to
+    the end. The per-trajectory lists are in trajectory order. `oldest_version` / `newest_version`: min / max
     over all tokens (0 for an empty group).
     """
 
@@ -739,10 +819,10 @@ def _skip_scalar(view: memoryview, at: int) -> int | None:
     return at + 1 + width + int.from_bytes(view[at + 1 : at + 1 + width], "big")
 
 
-def _trajectories_at(data: bytes | memoryview, count: int) -> int | None:
-    """Where the array of `count` trajectories starts in a valid PushGroup laid out as `encode` writes it: a map of
-    5 entries whose last key is "trajectories" (its value then runs to the end: msgpack refused trailing bytes). None
-    for any other layout (the caller re-encodes)."""
+def _trajectories_at(data: bytes | memoryview) -> int | None:
+    """Where the trajectory columns start in a valid PushGroup laid out as `encode` writes it: a map of 5 entries
+    whose last key is "trajectories" (its value then runs to the end: msgpack refused trailing bytes), a map of the
+    GROUP_COLUMNS. None for any other layout (the caller re-encodes)."""
     view = memoryview(data).cast("B")
     if not view.nbytes or view[0] != 0x85:
         return None
@@ -754,49 +834,38 @@ def _trajectories_at(data: bytes | memoryview, count: int) -> int | None:
     if view[at : at + len(_TRAJECTORIES_KEY)] != _TRAJECTORIES_KEY:
         return None
     at += len(_TRAJECTORIES_KEY)
-    if at >= view.nbytes:
-        return None
-    head = view[at]
-    if head & 0xF0 == 0x90:  # fixarray
-        found = head & 0x0F
-    elif head in (0xDC, 0xDD):  # array16 / array32
-        found = int.from_bytes(view[at + 1 : at + (3 if head == 0xDC else 5)], "big")
-    else:
-        return None
-    return at if found == count else None
+    return at if at < view.nbytes and view[at] == 0x80 | len(GROUP_COLUMNS) else None
 
 
 def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush | None:
-    if len(obj) != 3:
-        return None
-    worker, group, maps = obj.get("worker"), obj.get("group"), obj.get("trajectories")
-    if type(worker) is not str or type(group) is not str:
-        return None
-    scan = _scan(maps, build=False)
-    if scan is None:
-        return None
-    assert type(maps) is list
-    at = _trajectories_at(data, len(maps))
+    """A CheckedPush of an unpacked PushGroup `obj` received as `data`; WireError if invalid, None if valid but not
+    laid out as `encode` writes it."""
+    if len(obj) != 3 or type(obj.get("worker")) is not str or type(obj.get("group")) is not str:
+        return None  # the generic decoder says what is wrong
+    group = _check_group(obj.get("trajectories"), "trajectories")
+    at = _trajectories_at(data)
     if at is None:
         return None
-    oldest = newest = 0
-    if scan.versions:
-        versions = np.frombuffer(b"".join(scan.versions), _I4)
-        oldest, newest = int(versions.min()), int(versions.max())
     return CheckedPush(
-        worker, group, data, at, scan.uids, scan.groups, scan.prompt_indices, scan.rewards, oldest, newest
+        obj["worker"], obj["group"], data, at, group.uid, group.group, list(group.prompt_index), list(group.reward),
+        group.oldest_version, group.newest_version,
     )  # fmt: skip
 
 
 def decode_request(data: bytes | bytearray | memoryview) -> Message | CheckedPush:
     """`decode`, except that a valid PushGroup comes back as a CheckedPush (same validation, no Trajectory objects).
 
-    A PushGroup that is valid but not canonically encoded (an int where `encode` writes a float, fields in another
-    order) is accepted too: it is decoded generically and its canonical re-encoding becomes the payload.
+    A PushGroup that is valid but not canonically encoded (fields in another order) is accepted too: it is decoded
+    generically and its canonical re-encoding becomes the payload.
     """
     name, obj = _unpack(data)
     if name == "PushGroup":
-        checked = _checked_push(obj, data if isinstance(data, bytes | memoryview) else bytes(data))
+        try:
+            checked = _checked_push(obj, data if isinstance(data, bytes | memoryview) else bytes(data))
+        except WireError:
+            raise
+        except Exception as err:  # a safety net, as in _decode_fields
+            raise WireError("bad_field", f"{type(err).__name__}: {err}"[:200]) from None
         if checked is not None:
             return checked
         msg = _decode_fields(name, obj)  # raises the precise WireError, or the message was valid after all
@@ -808,7 +877,7 @@ def decode_request(data: bytes | bytearray | memoryview) -> Message | CheckedPus
 
 
 def encode_batch_reply(step: int, groups: list[bytes | memoryview], dropped_stale: int, ready: bool) -> bytes:
-    """A BatchReply whose groups are msgpack arrays of trajectories, already encoded and valid (the
+    """A BatchReply whose groups are trajectory column maps, already encoded and valid (the
     `CheckedPush.payload[trajectories_at:]` of each group): copied in as they are, never decoded again."""
     if len(groups) > MAX_GROUP:
         raise WireError("oversized", f"`groups` has {len(groups)} > {MAX_GROUP} items")
@@ -822,3 +891,17 @@ def encode_batch_reply(step: int, groups: list[bytes | memoryview], dropped_stal
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError("oversized", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
     return data
+
+
+def upgrade_push(data: bytes | memoryview) -> bytes | memoryview:
+    """A PushGroup in this schema: `data` itself, or a schema-1 PushGroup (a map per trajectory, as journals written
+    before the column layout hold) decoded with the per-trajectory checks and re-encoded. WireError if invalid."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
+    except Exception as err:
+        raise WireError("bad_msgpack", f"{type(err).__name__}: {err}"[:200]) from None
+    if type(obj) is not dict or obj.get("v") != 1 or obj.get("type") != "PushGroup":
+        return data
+    worker, group, items = obj.get("worker"), obj.get("group"), obj.get("trajectories")
+    trajectories = _list_kind(TRAJECTORY, "Trajectory").decode(items, "trajectories")
+    return encode(PushGroup(_dec_str(worker, "worker"), _dec_str(group, "group"), trajectories))

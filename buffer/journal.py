@@ -114,25 +114,40 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 class _Writer:
     """A thread that writes chunks of appended records to the journal file, so that the kernel's copy into the page
     cache overlaps the service's next requests. `wait` returns once every submitted chunk is written (raising the
-    first write error, if any); the service calls it (via `Journal.commit`) before it replies."""
+    first write error, if any); the service calls it (via `Journal.commit`) before it replies.
+
+    A durability mark (`mark`) asks the thread to fsync, after the chunks before it, and then to record the mark's
+    sequence number as `durable` and write a byte to `ready_fd` (a pipe the service polls): the pipelined commit,
+    where the service goes on admitting while the disk syncs and sends the replies once their mark is durable."""
 
     def __init__(self) -> None:
-        self._chunks: queue.Queue[tuple[int, list[bytes | memoryview]] | None] = queue.Queue()
+        self._chunks: queue.Queue[tuple[int, list[bytes | memoryview]] | tuple[int, int, bool] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self.durable = 0  # the highest mark synced (written only by the thread; read by the service)
+        self.ready_fd, self._notify_fd = os.pipe()
+        os.set_blocking(self.ready_fd, False)
         self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
         self._thread.start()
 
     def submit(self, fd: int, parts: list[bytes | memoryview]) -> None:
         self._chunks.put((fd, parts))
 
-    def wait(self) -> None:
-        self._chunks.join()
+    def mark(self, fd: int, seq: int, sync: bool) -> None:
+        self._chunks.put((fd, seq, sync))
+
+    def check(self) -> None:
         if self._error is not None:
             raise OSError(f"buffer journal write failed: {self._error}") from self._error
+
+    def wait(self) -> None:
+        self._chunks.join()
+        self.check()
 
     def stop(self) -> None:
         self._chunks.put(None)
         self._thread.join()
+        os.close(self.ready_fd)
+        os.close(self._notify_fd)
 
     def _run(self) -> None:
         while True:
@@ -141,9 +156,17 @@ class _Writer:
                 if item is None:
                     return
                 if self._error is None:
-                    _write_all(*item)
-            except BaseException as err:  # reported to the service thread by `wait`
+                    if len(item) == 2:
+                        _write_all(*item)
+                    else:
+                        fd, seq, sync = item
+                        if sync:
+                            os.fsync(fd)
+                        self.durable = seq
+                        os.write(self._notify_fd, b"\x00")
+            except BaseException as err:  # reported to the service thread by `wait` / `check`
                 self._error = err
+                os.write(self._notify_fd, b"\x00")  # wake the service so that it sees the error
             finally:
                 self._chunks.task_done()
 
@@ -204,6 +227,7 @@ class Journal:
         self._pending: list[bytes | memoryview] = []
         self._pending_bytes = 0
         self._dirty = False
+        self._seq = 0
         self._writer = _Writer()
 
     def _open(self) -> int:
@@ -239,12 +263,42 @@ class Journal:
     def commit(self) -> None:
         """Write appended records to the OS (and to disk unless fsync=never); call before replying."""
         if not self._dirty:
+            self._writer.wait()  # a commit_async still in flight completes (it syncs itself)
             return
         self._submit()
         self._writer.wait()
         if self.fsync != "never":
             os.fsync(self._fd)
         self._dirty = False
+
+    def commit_async(self) -> int:
+        """Start committing the appended records (as `commit` would) in the writer thread and return at once.
+
+        Returns a sequence number: the records appended so far are durable once `durable() >= seq`, which the
+        writer thread signals by making `ready_fd` readable. The service sends the replies waiting for them then.
+        """
+        if self._dirty:
+            self._submit()
+            self._seq += 1
+            self._writer.mark(self._fd, self._seq, self.fsync != "never")
+            self._dirty = False
+        return self._seq
+
+    def durable(self) -> int:
+        """The highest `commit_async` sequence number that is durable; raises OSError if the writer failed. Drains
+        `ready_fd`."""
+        try:
+            while os.read(self._writer.ready_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._writer.check()
+        return self._writer.durable
+
+    @property
+    def ready_fd(self) -> int:
+        """Readable when a `commit_async` completes (or the writer failed): register it in the service's poller."""
+        return self._writer.ready_fd
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         """Atomically replace the journal with `records` (compaction); appends continue on the new file."""

@@ -18,8 +18,10 @@ high-water marks of `HWM` messages, ROUTER_MANDATORY so a reply to a vanished pe
 undelivered batch goes back to the head of the queue). A request is one frame from a DEALER; any envelope frames
 before it (a REQ peer's empty delimiter) are sent back unchanged. Readiness: after binding, exactly one stdout
 line `READY tcp://HOST:PORT` (a wildcard host is advertised as this node's address). Every reply is sent after the
-journal records of its request are committed. A malformed request gets an ErrorReply and is counted as
-`rejected_<reason>`; nothing a peer sends stops the service.
+journal records of its request are committed: the loop starts one commit (write and fsync, in the journal's
+writer thread) for all the requests it drained, goes on serving, and sends their replies when the commit is durable
+(`buffer/journal.py`); a BatchReply waits for every earlier commit. A malformed request gets an ErrorReply and is
+counted as `rejected_<reason>`; nothing a peer sends stops the service.
 SIGTERM / SIGINT: commit the journal and exit 0.
 
 Security: with `buffer.curve_keys_dir` the ROUTER is a CurveZMQ server and a ZAP handler thread admits only the
@@ -35,6 +37,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,7 +142,8 @@ class BufferService:
         self.compact_bytes = compact_bytes
         self._compact_at = max(compact_bytes, 2 * journal.size_bytes()) if journal is not None else 0
         self.parked: list[_Parked] = []
-        self.outbox: list[list[bytes]] = []  # replies waiting for the journal commit of their requests
+        self.outbox: list[list[bytes]] = []  # replies to requests whose journal records are not committed yet
+        self.syncing: deque[tuple[int, list[bytes]]] = deque()  # (commit_async seq, reply) waiting for the disk
         self.stopping = False
         self._next_expiry_check = 0.0
 
@@ -149,10 +153,14 @@ class BufferService:
         poller.register(self.socket, zmq.POLLIN)
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
+        if self.journal is not None:
+            poller.register(self.journal.ready_fd, zmq.POLLIN)
         while not self.stopping:
             events = dict(poller.poll(self._poll_timeout_ms()))
             if monitor is not None and monitor in events:
                 self._count_handshake_failures(monitor)
+            if self.syncing:
+                self._send_durable()
             if self.socket in events:
                 for _ in range(1000):  # drain what is ready, then do the timed work
                     try:
@@ -160,7 +168,7 @@ class BufferService:
                     except zmq.Again:
                         break
                     self._on_frames([frame.bytes for frame in frames[:-1]], frames[-1].buffer)
-                self._flush()  # one journal commit (fsync) for every request drained above, then their replies
+                self._flush_async()  # one journal commit (fsync) for every request drained above
             self._timed_work()
             self._maybe_compact()
 
@@ -260,11 +268,30 @@ class BufferService:
             self._commit()
 
     def _flush(self) -> None:
-        """Commit the journal, then send the replies that waited for it."""
+        """Commit the journal, then send every reply that waited for it."""
         self._commit()
-        outbox, self.outbox = self.outbox, []
-        for frames in outbox:
+        replies = [frames for _, frames in self.syncing] + self.outbox
+        self.syncing.clear()
+        self.outbox = []
+        for frames in replies:
             self._send(frames)
+
+    def _flush_async(self) -> None:
+        """Start the journal commit of the requests handled so far; their replies go out once it is durable
+        (`_send_durable`), while the loop goes on admitting what arrives meanwhile."""
+        if self.journal is None:
+            self._flush()
+            return
+        seq = self.journal.commit_async()
+        self.syncing.extend((seq, frames) for frames in self.outbox)
+        self.outbox = []
+        self._send_durable()
+
+    def _send_durable(self) -> None:
+        assert self.journal is not None
+        durable = self.journal.durable()
+        while self.syncing and self.syncing[0][0] <= durable:
+            self._send(self.syncing.popleft()[1])
 
     def _send(self, frames: list[bytes]) -> bool:
         try:

@@ -351,7 +351,7 @@ class BufferState:
                 unresolved.update(record["i"])
                 self.cursor = max(self.cursor, max(record["i"], default=-1) + 1)
             elif kind == "admit":
-                msg = wire.decode_request(record["m"])
+                msg = wire.decode_request(wire.upgrade_push(record["m"]))
                 assert isinstance(msg, CheckedPush)
                 queued = Queued.of(msg)
                 admitted[msg.group] = pending[msg.group] = queued

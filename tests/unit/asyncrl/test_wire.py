@@ -163,7 +163,53 @@ def traj_with(**changes: Any) -> bytes:
     return msgpack.packb(raw)
 
 
+V = wire.SCHEMA_VERSION
+
+
+def group_with(**changes: Any) -> bytes:
+    """A PushGroup of two trajectories (prompts of 4 tokens, responses of 3) with columns changed or deleted."""
+    raw = raw_of(PushGroup("w0", "g7", [make_traj(0, length=3), make_traj(1, length=3)]))
+    for key, value in changes.items():
+        if value is KeyError:
+            del raw["trajectories"][key]
+        else:
+            raw["trajectories"][key] = value
+    return msgpack.packb(raw)
+
+
+def col(code: str, values: list[Any]) -> bytes:
+    return np.asarray(values, dtype="<" + code).tobytes()
+
+
+COLUMN_MALFORMED: list[tuple[str, bytes, str]] = [
+    ("columns as list", msgpack.packb({**raw_of(PushGroup("w", "g", [])), "trajectories": [{}]}), "bad_field"),
+    ("missing column", group_with(versions=KeyError), "bad_field"),
+    ("extra column", group_with(extra=b""), "bad_field"),
+    ("text column of bytes", group_with(uid=[b"g7/0", b"g7/1"]), "bad_field"),
+    ("text column not a list", group_with(worker="w0"), "bad_field"),
+    ("text columns disagree", group_with(finish=["stop"]), "length_mismatch"),
+    ("scalar column as list", group_with(reward=[0.0, 0.5]), "bad_field"),
+    ("short scalar column", group_with(reward=col("f8", [0.0])), "length_mismatch"),
+    ("lengths disagree with tokens", group_with(response_len=col("i4", [3, 4])), "length_mismatch"),
+    ("negative length", group_with(prompt_len=col("i4", [-4, 12])), "bad_field"),
+    ("zero length", group_with(response_len=col("i4", [0, 6])), "empty_response"),
+    ("huge length", group_with(response_len=col("i4", [wire.MAX_TOKENS + 1, 3])), "oversized"),
+    ("negative index", group_with(prompt_index=col("i8", [-1, 7])), "bad_field"),
+    ("nan reward", group_with(reward=col("f8", [0.0, math.nan])), "nonfinite_reward"),
+    ("inf timestamp", group_with(t_end=col("f8", [math.inf, 1.0])), "bad_field"),
+    ("correct 2", group_with(correct=bytes([1, 2])), "bad_field"),
+    ("bad finish", group_with(finish=["stop", "eos"]), "bad_finish"),
+    ("nan logp", group_with(behav_logp=col("f4", [-1.0] * 5 + [math.nan])), "nonfinite_logp"),
+    ("positive logp", group_with(behav_logp=col("f4", [-1.0] * 5 + [0.5])), "positive_logp"),
+    ("negative version", group_with(versions=col("i4", [0] * 5 + [-1])), "negative_version"),
+    ("negative response token", group_with(response_ids=col("i4", [1] * 5 + [-3])), "negative_token"),
+    ("negative prompt token", group_with(prompt_ids=col("i4", [1] * 7 + [-3])), "negative_token"),
+    ("long token column", group_with(versions=col("i4", [0] * 7)), "length_mismatch"),
+    ("token column as str", group_with(versions="\x00" * 24), "bad_field"),
+]
+
 MALFORMED: list[tuple[str, bytes, str]] = [
+    *COLUMN_MALFORMED,
     ("empty", b"", "bad_msgpack"),
     ("reserved byte", b"\xc1", "bad_msgpack"),
     ("truncated", encode(make_traj())[:-3], "bad_msgpack"),
@@ -171,11 +217,12 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("not a map", msgpack.packb([1, "StatsRequest"]), "bad_msgpack"),
     ("int map key", msgpack.packb({1: 1}), "bad_msgpack"),
     ("no version", msgpack.packb({"type": "StatsRequest"}), "schema_version"),
-    ("future version", msgpack.packb({"v": 2, "type": "StatsRequest"}), "schema_version"),
+    ("future version", msgpack.packb({"v": wire.SCHEMA_VERSION + 1, "type": "StatsRequest"}), "schema_version"),
+    ("schema 1", msgpack.packb({"v": 1, "type": "StatsRequest"}), "schema_version"),
     ("bool version", msgpack.packb({"v": True, "type": "StatsRequest"}), "schema_version"),
-    ("no type", msgpack.packb({"v": 1}), "unknown_type"),
-    ("unknown type", msgpack.packb({"v": 1, "type": "Exec"}), "unknown_type"),
-    ("type not str", msgpack.packb({"v": 1, "type": 3}), "unknown_type"),
+    ("no type", msgpack.packb({"v": wire.SCHEMA_VERSION}), "unknown_type"),
+    ("unknown type", msgpack.packb({"v": wire.SCHEMA_VERSION, "type": "Exec"}), "unknown_type"),
+    ("type not str", msgpack.packb({"v": wire.SCHEMA_VERSION, "type": 3}), "unknown_type"),
     ("missing field", traj_with(reward=KeyError), "bad_field"),
     ("extra field", traj_with(extra=1), "bad_field"),
     ("int as bool", traj_with(correct=1), "bad_field"),
@@ -222,21 +269,20 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ),
     (
         "string too long",
-        msgpack.packb({"v": 1, "type": "ErrorReply", "reason": "x" * (wire.MAX_STR_BYTES + 1)}),
+        msgpack.packb({"v": wire.SCHEMA_VERSION, "type": "ErrorReply", "reason": "x" * (wire.MAX_STR_BYTES + 1)}),
         "oversized",
     ),
-    ("bad trajectory in group", msgpack.packb({**raw_of(PushGroup("w", "g", [])), "trajectories": [{}]}), "bad_field"),
     ("groups not nested", msgpack.packb({**raw_of(BatchReply(0, [], 0, False)), "groups": [{}]}), "bad_field"),
-    ("stats bool value", msgpack.packb({"v": 1, "type": "StatsReply", "stats": {"a": True}}), "bad_field"),
-    ("stats bytes key", msgpack.packb({"v": 1, "type": "StatsReply", "stats": {b"a": 1}}), "bad_field"),
+    ("stats bool value", msgpack.packb({"v": V, "type": "StatsReply", "stats": {"a": True}}), "bad_field"),
+    ("stats bytes key", msgpack.packb({"v": V, "type": "StatsReply", "stats": {b"a": 1}}), "bad_field"),
     (
         "negative wait",
-        msgpack.packb({"v": 1, "type": "FetchBatch", "step": 0, "num_groups": 1, "wait_s": -1.0}),
+        msgpack.packb({"v": wire.SCHEMA_VERSION, "type": "FetchBatch", "step": 0, "num_groups": 1, "wait_s": -1.0}),
         "bad_field",
     ),
     (
         "ext type",
-        msgpack.packb({"v": 1, "type": "ErrorReply", "reason": msgpack.ExtType(1, b"x"), "detail": ""}),
+        msgpack.packb({"v": V, "type": "ErrorReply", "reason": msgpack.ExtType(1, b"x"), "detail": ""}),
         "bad_msgpack",
     ),
 ]
@@ -248,6 +294,38 @@ def test_malformed_is_rejected_with_its_reason(case: str, data: bytes, reason: s
         decode(data)
     assert err.value.reason == reason, err.value
     assert err.value.reason in wire.WIRE_REASONS
+
+
+def test_a_group_travels_as_columns_decoded_without_copy() -> None:
+    group = [make_traj(0, length=3), make_traj(1, length=2)]
+    data = encode(PushGroup("w0", "g7", group))
+    columns = msgpack.unpackb(data)["trajectories"]
+    assert list(columns) == list(wire.GROUP_COLUMNS)
+    assert columns["uid"] == ["g7/0", "g7/1"] and columns["response_len"] == col("i4", [3, 2])
+    assert columns["behav_logp"] == np.concatenate([t.behav_logp for t in group]).astype("<f4").tobytes()
+    out = decode(data)
+    assert isinstance(out, PushGroup)
+    assert_same(out.trajectories, group)
+    views = out.trajectories[1].behav_logp
+    assert not views.flags.owndata and not views.flags.writeable
+    assert_same(decode(encode(PushGroup("w0", "g7", []))), PushGroup("w0", "g7", []))
+
+
+def test_a_schema_1_push_from_an_old_journal_is_upgraded() -> None:
+    group = [make_traj(0, length=3), make_traj(1, length=2)]
+    maps = [{k: v for k, v in raw_of(t).items() if k not in ("v", "type")} for t in group]
+    old = msgpack.packb({"v": 1, "type": "PushGroup", "worker": "w0", "group": "g7", "trajectories": maps})
+    with pytest.raises(WireError) as err:
+        decode(old)
+    assert err.value.reason == "schema_version"
+    assert_same(decode(wire.upgrade_push(old)), PushGroup("w0", "g7", group))
+    current = encode(PushGroup("w0", "g7", group))
+    assert wire.upgrade_push(current) is current
+    bad = msgpack.unpackb(old)
+    bad["trajectories"][1]["behav_logp"] = arr("f4", [math.nan, -1.0])
+    with pytest.raises(WireError) as err:
+        wire.upgrade_push(msgpack.packb(bad))
+    assert err.value.reason == "nonfinite_logp"
 
 
 def test_small_positive_logp_rounding_is_allowed() -> None:
@@ -308,9 +386,7 @@ def _mutate_structure(rng: random.Random, data: bytes) -> bytes:
     target = raw
     for key in ("trajectories", "leases", "groups"):
         if key in raw and raw[key] and rng.random() < 0.7:
-            target = raw[key][0]
-            if isinstance(target, list):
-                target = target[0] if target else raw
+            target = raw[key] if isinstance(raw[key], dict) else raw[key][0]  # columns, a lease, a group's columns
             break
     keys = list(target)
     choice = rng.random()
@@ -340,11 +416,17 @@ def _mutate_bytes(rng: random.Random, data: bytes) -> bytes:
 
 
 def _mutate_array(rng: random.Random) -> bytes:
-    """Random bytes inside one array of a valid trajectory: NaNs, positive log-probs, negative ids and versions."""
-    raw = raw_of(make_traj(rng.randrange(100), length=rng.randint(1, 8)))
-    name = rng.choice(["prompt_ids", "response_ids", "behav_logp", "versions"])
-    size = len(raw[name]["b"])
-    raw[name]["b"] = rng.randbytes(size)
+    """Random bytes inside one array of a valid trajectory or column of a group: NaNs, positive log-probs, negative
+    ids and versions, bad lengths and flags."""
+    if rng.random() < 0.5:
+        raw = raw_of(make_traj(rng.randrange(100), length=rng.randint(1, 8)))
+        name = rng.choice(["prompt_ids", "response_ids", "behav_logp", "versions"])
+        raw[name]["b"] = rng.randbytes(len(raw[name]["b"]))
+        return msgpack.packb(raw)
+    raw = raw_of(PushGroup("w", "g7", [make_traj(i, length=rng.randint(1, 8)) for i in range(rng.randint(1, 4))]))
+    columns = raw["trajectories"]
+    name = rng.choice([c for c in wire.GROUP_COLUMNS if isinstance(columns[c], bytes)])
+    columns[name] = rng.randbytes(len(columns[name]))
     return msgpack.packb(raw)
 
 
@@ -374,36 +456,37 @@ def test_fuzz_only_wire_error() -> None:
     assert len(reasons) >= 12, reasons  # the fuzzer reaches most rejection paths
 
 
-def test_fast_path_agrees_with_the_generic_decoder() -> None:
-    """The trajectory fast path may only be faster: on valid and mutated groups it accepts exactly what the generic
-    decoder accepts, with the same values, and `decode_request` rejects with the generic reason."""
+def test_decode_request_agrees_with_decode() -> None:
+    """The buffer's ingest decoder (a CheckedPush, no Trajectory objects) accepts exactly what `decode` accepts, with
+    the same values, and rejects with the same reason."""
     rng = random.Random(4)
-    generic = wire._list_kind(wire.TRAJECTORY, "Trajectory")
     valid = encode(PushGroup("w", "g7", [make_traj(i) for i in range(4)]))
+    reordered = msgpack.unpackb(valid)
+    reordered = msgpack.packb({"trajectories": reordered.pop("trajectories"), **reordered})  # valid, not canonical
     outcomes = set()
     for i in range(3000):
-        data = valid if i == 0 else (_mutate_structure if i % 2 else _mutate_bytes)(rng, valid)
+        data = (valid, reordered)[i] if i < 2 else (_mutate_structure if i % 2 else _mutate_bytes)(rng, valid)
         try:
-            expected: Any = generic.decode(msgpack.unpackb(data)["trajectories"], "trajectories")
-        except Exception as err:
-            expected = getattr(err, "reason", "error")
-        try:
-            items = msgpack.unpackb(data)["trajectories"]
-        except Exception:
-            items = None
-        fast = wire._scan(items, build=True)
-        if fast is not None:
-            assert not isinstance(expected, str), (i, expected)
-            assert_same(fast.trajectories, expected)
+            expected: Any = decode(data)
+        except WireError as err:
+            expected = err.reason
         try:
             checked = wire.decode_request(data)
-            outcome = "ok" if isinstance(checked, wire.CheckedPush) else type(checked).__name__
         except WireError as err:
-            outcome = err.reason
-            try:
-                decode(data)
-                raise AssertionError("decode_request rejected what decode accepts")
-            except WireError as again:
-                assert again.reason == err.reason
-        outcomes.add(outcome)
+            assert err.reason == expected, (i, err, expected)
+            outcomes.add(err.reason)
+            continue
+        if not isinstance(checked, wire.CheckedPush):
+            assert_same(checked, expected)
+            continue
+        assert isinstance(expected, PushGroup), (i, expected)
+        trajectories = expected.trajectories
+        assert (checked.worker, checked.group) == (expected.worker, expected.group)
+        assert checked.uids == [t.uid for t in trajectories] and checked.rewards == [t.reward for t in trajectories]
+        assert checked.prompt_indices == [t.prompt_index for t in trajectories]
+        versions = [int(v) for t in trajectories for v in t.versions] or [0]
+        assert (checked.oldest_version, checked.newest_version) == (min(versions), max(versions))
+        payload = memoryview(checked.payload)
+        assert_same(decode(payload), expected)  # the kept payload is canonical and decodes to the same group
+        outcomes.add("ok")
     assert "ok" in outcomes and len(outcomes) > 4

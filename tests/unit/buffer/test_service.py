@@ -408,9 +408,8 @@ def test_bad_config_exits_naming_the_key(tmp_path: Path, section: dict[str, Any]
 def _malformed_pool(rng: np.random.Generator, valid: bytes, size: int) -> list[bytes]:
     """`size` distinct messages that `wire.decode` rejects: random bytes, truncations, wrong types, NaN, mismatched
     lengths, oversized arrays."""
-    template = msgpack.unpackb(valid)
-    traj = template["trajectories"][0]
-    wrong = [None, True, -1, 2**63, 1.5, math.nan, math.inf, "x", b"", [], {}, [{}]]
+    columns = list(msgpack.unpackb(valid)["trajectories"])
+    wrong = [None, True, -1, 2**63, 1.5, math.nan, math.inf, "x", b"", [], {}, [{}], bytes(8), ["x"]]
     pool: list[bytes] = []
     while len(pool) < size:
         kind = len(pool) % 6
@@ -420,20 +419,20 @@ def _malformed_pool(rng: np.random.Generator, valid: bytes, size: int) -> list[b
             data = valid[: int(rng.integers(0, len(valid)))]
         else:
             mutated = msgpack.unpackb(valid)
-            target = mutated["trajectories"][int(rng.integers(0, len(mutated["trajectories"])))]
+            target = mutated["trajectories"]
             if kind == 2:
-                key = list(traj)[int(rng.integers(0, len(traj)))]
-                target[key] = wrong[int(rng.integers(0, len(wrong)))]
+                target[columns[int(rng.integers(0, len(columns)))]] = wrong[int(rng.integers(0, len(wrong)))]
             elif kind == 3:
-                values = np.frombuffer(target["behav_logp"]["b"], np.float32).copy()
+                values = np.frombuffer(target["behav_logp"], np.float32).copy()
                 values[int(rng.integers(0, len(values)))] = [np.nan, np.inf, -np.inf, 3.0][len(pool) % 4]
-                target["behav_logp"]["b"] = values.tobytes()
+                target["behav_logp"] = values.tobytes()
             elif kind == 4:
-                name = ["versions", "behav_logp", "response_ids"][len(pool) % 3]
-                target[name]["n"] += int(rng.integers(1, 5))
-                target[name]["b"] += bytes(4 * int(target[name]["n"] - len(target[name]["b"]) // 4))
+                name = ["versions", "behav_logp", "response_ids", "response_len"][len(pool) % 4]
+                target[name] += bytes(4 * int(rng.integers(1, 5)))
             else:
-                target["response_ids"] = {"dt": "i4", "n": wire.MAX_TOKENS + 1, "b": bytes(4)}
+                lengths = np.frombuffer(target["response_len"], np.int32).copy()
+                lengths[0] = wire.MAX_TOKENS + 1
+                target["response_len"] = lengths.tobytes()
             data = msgpack.packb(mutated)
         try:
             wire.decode(data)
