@@ -498,14 +498,14 @@ _F4 = np.dtype("<f4")
 _MIN, _MAX, _OR = np.minimum.reduce, np.maximum.reduce, np.bitwise_or.reduce
 FINISH_SET = frozenset(FINISH_REASONS)
 _TEXT_COLUMNS = ("uid", "group", "finish", "worker")
-_SCALAR_COLUMNS = (  # one value per trajectory: (column, little-endian struct code)
-    ("prompt_index", "q"),
-    ("reward", "d"),
-    ("correct", "B"),
-    ("t_start", "d"),
-    ("t_end", "d"),
-    ("prompt_len", "i"),
-    ("response_len", "i"),
+_SCALAR_COLUMNS = (  # one value per trajectory: (column, little-endian struct code, bytes per value)
+    ("prompt_index", "q", 8),
+    ("reward", "d", 8),
+    ("correct", "B", 1),
+    ("t_start", "d", 8),
+    ("t_end", "d", 8),
+    ("prompt_len", "i", 4),
+    ("response_len", "i", 4),
 )
 _TOKEN_COLUMNS = (  # concatenated arrays: (column, dtype, the length column giving each trajectory's share)
     ("prompt_ids", _I4, "prompt_len"),
@@ -513,7 +513,7 @@ _TOKEN_COLUMNS = (  # concatenated arrays: (column, dtype, the length column giv
     ("behav_logp", _F4, "response_len"),
     ("versions", _I4, "response_len"),
 )
-GROUP_COLUMNS = (*_TEXT_COLUMNS, *(c for c, _ in _SCALAR_COLUMNS), *(c for c, _, _ in _TOKEN_COLUMNS))
+GROUP_COLUMNS = (*_TEXT_COLUMNS, *(c for c, _, _ in _SCALAR_COLUMNS), *(c for c, _, _ in _TOKEN_COLUMNS))
 """The keys of a group of trajectories on the wire, in `encode`'s order (see `_encode_group`)."""
 _GROUP_KEYS = frozenset(GROUP_COLUMNS)
 
@@ -582,7 +582,7 @@ def _encode_group(value: Any, name: str) -> dict[str, Any]:
         "prompt_len": [row["prompt_ids"]["n"] for row in rows],
         "response_len": [row["response_ids"]["n"] for row in rows],
     }
-    for column, code in _SCALAR_COLUMNS:
+    for column, code, _ in _SCALAR_COLUMNS:
         values = lengths.get(column) or [row[column] for row in rows]
         out[column] = struct.pack(f"<{len(values)}{code}", *values)
     for column, _, _ in _TOKEN_COLUMNS:
@@ -612,9 +612,11 @@ def _check_group(value: Any, name: str) -> _Group:
     texts = []
     for column in _TEXT_COLUMNS:
         items = value[column]
+        if type(items) is not list:
+            raise _bad(column, "a list of str", items)
         try:  # unpacked msgpack holds exact types only, so join succeeds iff every item is a str
-            "".join(items) if type(items) is list else None.x  # type: ignore[attr-defined]
-        except (TypeError, AttributeError):
+            "".join(items)
+        except TypeError:
             raise _bad(column, "a list of str", items) from None
         texts.append(items)
     count = len(texts[0])
@@ -622,8 +624,8 @@ def _check_group(value: Any, name: str) -> _Group:
         raise WireError("length_mismatch", f"`{name}`: text columns of {[len(t) for t in texts]} items")
     uid0 = texts[0][0][:100] if count else ""
     scalars: dict[str, Any] = {}
-    for column, code in _SCALAR_COLUMNS:
-        raw = _bytes_column(value, column, struct.calcsize(code), count)
+    for column, code, itemsize in _SCALAR_COLUMNS:
+        raw = _bytes_column(value, column, itemsize, count)
         scalars[column] = raw if code == "B" else struct.unpack(f"<{count}{code}", raw)
     if count:
         if min(scalars["prompt_index"]) < 0:
@@ -796,45 +798,23 @@ class CheckedPush:
     newest_version: int
 
 
-_TRAJECTORIES_KEY = b"\xactrajectories"  # msgpack fixstr "trajectories"
-_FIXED_SIZES = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
-_FIXED_SIZES.update({0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8})  # nil, false, true, floats, uints, ints: payload bytes
-_STR_WIDTHS = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str8/16/32: bytes of the length
+_PACK = msgpack.Packer(use_bin_type=True).pack
+_TRAJECTORIES_KEY = _PACK("trajectories")
 
 
-def _skip_scalar(view: memoryview, at: int) -> int | None:
-    """The offset after the msgpack int, float, bool, nil or str at `at`; None for any other type."""
-    if at >= len(view):
-        return None
-    head = view[at]
-    if head <= 0x7F or head >= 0xE0:  # positive / negative fixint
-        return at + 1
-    if 0xA0 <= head <= 0xBF:  # fixstr
-        return at + 1 + (head & 0x1F)
-    if head in _FIXED_SIZES:
-        return at + 1 + _FIXED_SIZES[head]
-    width = _STR_WIDTHS.get(head)
-    if width is None:
-        return None
-    return at + 1 + width + int.from_bytes(view[at + 1 : at + 1 + width], "big")
-
-
-def _trajectories_at(data: bytes | memoryview) -> int | None:
+def _trajectories_at(data: bytes | memoryview, worker: str, group: str) -> int | None:
     """Where the trajectory columns start in a valid PushGroup laid out as `encode` writes it: a map of 5 entries
-    whose last key is "trajectories" (its value then runs to the end: msgpack refused trailing bytes), a map of the
-    GROUP_COLUMNS. None for any other layout (the caller re-encodes)."""
+    v, type, worker, group and trajectories last, whose value (a map of the GROUP_COLUMNS) then runs to the end
+    (msgpack refused trailing bytes). None for any other layout (the caller re-encodes)."""
+    prefix = b"".join(
+        (b"\x85", _PACK("v"), _PACK(SCHEMA_VERSION), _PACK("type"), _PACK("PushGroup"), _PACK("worker"),
+         _PACK(worker), _PACK("group"), _PACK(group), _TRAJECTORIES_KEY)
+    )  # fmt: skip
     view = memoryview(data).cast("B")
-    if not view.nbytes or view[0] != 0x85:
-        return None
-    at: int | None = 1
-    for _ in range(8):  # the 4 other keys and their values: v, type, worker, group (str and int only)
-        at = _skip_scalar(view, at)
-        if at is None:
-            return None
-    if view[at : at + len(_TRAJECTORIES_KEY)] != _TRAJECTORIES_KEY:
-        return None
-    at += len(_TRAJECTORIES_KEY)
-    return at if at < view.nbytes and view[at] == 0x80 | len(GROUP_COLUMNS) else None
+    at = len(prefix)
+    if at < view.nbytes and view[:at] == prefix and view[at] == 0x80 | len(GROUP_COLUMNS):
+        return at
+    return None
 
 
 def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush | None:
@@ -843,7 +823,7 @@ def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush 
     if len(obj) != 3 or type(obj.get("worker")) is not str or type(obj.get("group")) is not str:
         return None  # the generic decoder says what is wrong
     group = _check_group(obj.get("trajectories"), "trajectories")
-    at = _trajectories_at(data)
+    at = _trajectories_at(data, obj["worker"], obj["group"])
     if at is None:
         return None
     return CheckedPush(

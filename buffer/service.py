@@ -199,8 +199,13 @@ class BufferService:
             self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped + dropped)
 
     def _maybe_compact(self) -> None:
-        """Rewrite the journal as a snapshot once it is past `compact_bytes` and twice its last compacted size."""
+        """Rewrite the journal as a snapshot once it is past `compact_bytes` and twice its last compacted size, and
+        at least half of it is garbage: a snapshot of a queue that holds most of the journal would only copy it."""
         if self.journal is None or self.journal.size_bytes() < self._compact_at:
+            return
+        size = self.journal.size_bytes()
+        if 2 * self.state.queued_bytes() > size:
+            self._compact_at = size + self.compact_bytes // 4  # look again once the journal has grown some more
             return
         self._flush()
         self.journal.rewrite(self.state.snapshot())

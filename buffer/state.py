@@ -199,6 +199,10 @@ class BufferState:
             self.journal.append_admit(msg.payload)
         return PushReply(True, "")
 
+    def queued_bytes(self) -> int:
+        """Bytes of the queued groups' payloads: what a journal snapshot would have to copy."""
+        return sum(memoryview(queued.payload).nbytes for queued in self.queue)
+
     def take_batch(self, step: int, num_groups: int) -> tuple[list[Queued] | None, int]:
         """Record `step`, drop queued groups too stale for it; (the oldest `num_groups` groups or None, dropped)."""
         self.step = step

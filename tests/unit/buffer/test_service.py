@@ -514,6 +514,21 @@ def test_max_lag_set_live_survives_a_restart(tmp_path: Path) -> None:
         assert stats["max_lag"] == 5 and stats["may_lease"] == (0 + 5 + 1) * BATCH
 
 
+def test_a_journal_that_is_mostly_queue_is_not_compacted(tmp_path: Path) -> None:
+    """Compaction rewrites the queued groups: while they are most of the journal it would only copy it. Once the
+    learner has consumed them, the next growth compacts."""
+    run_dir = tmp_path / "run"
+    with running_buffer(tmp_path, run_dir=run_dir, buffer={"compact_bytes": 4096}, staleness={"max_lag": 8}) as buffer:
+        for _ in range(8):
+            lease_and_push(buffer, BATCH)
+        assert (run_dir / "buffer.journal").stat().st_size > 6000  # past compact_bytes, yet no compaction
+        assert buffer.stats().get("journal_compactions", 0) == 0
+        for step in range(8):
+            assert buffer.client.fetch_batch(step=step, num_groups=BATCH, wait_s=0.0).ready
+        lease_and_push(buffer, BATCH, version=8)
+        assert buffer.stats()["journal_compactions"] == 1
+
+
 def test_compaction_bounds_the_journal_and_keeps_exactly_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     sizes = []
