@@ -40,10 +40,20 @@ GOLDEN_LOSS: dict[tuple[str, str], tuple[float, float]] = {
 }
 # the whole train step (advantages with overlong shaping, recomputed lp, 2 minibatches, 20-token micro-batches)
 GOLDEN_STEP: dict[str, tuple[float, float, float]] = {  # (loss of the last minibatch, its grad norm, norm_update)
+    # every weighting, configured as the driver configures it (decoupled / tis / mis_token / acr agree here: this
+    # batch's behavior noise stays inside their bands; GOLDEN_LOSS tells them apart)
+    "none": (0.07352122664451599, 2.838388681411743, 7.50587540946495e-05),
+    "decoupled": (0.13001111149787903, 3.129009485244751, 7.62499635770128e-05),
     "tis": (0.13001111149787903, 3.129009485244751, 7.62499635770128e-05),
+    "mis_token": (0.13001111149787903, 3.129009485244751, 7.62499635770128e-05),
+    "mis_seq": (-0.07945631444454193, 2.0246760845184326, 7.392179148426411e-05),
+    "acr": (0.13001111149787903, 3.129009485244751, 7.62499635770128e-05),
     "acrl": (0.0614243745803833, 2.8479044437408447, 7.513228388163749e-05),
     "tbpo": (0.13047108054161072, 1.7907264232635498, 7.369295292873753e-05),
+    "gspo": (0.06801649928092957, 2.09309720993042, 7.628261955309287e-05),
+    "pg_is": (-6.3349175453186035, 19.912017822265625, 7.641255268752177e-05),
     "pg_tis": (-6.425230503082275, 20.158903121948242, 7.623782567917005e-05),
+    "pg_mis": (-6.858800888061523, 21.038881301879883, 7.590640022442806e-05),
 }
 
 ROW_NOISE = torch.tensor([1e-4, 3e-4, 1e-3, 0.05, 0.3, 1.0])  # |lp - lc| per row: inside and outside every band
@@ -99,6 +109,12 @@ def golden_step(weighting: str) -> tuple[float, float, float]:
 @pytest.mark.parametrize(("weighting", "extra"), list(GOLDEN_LOSS))
 def test_golden_loss(weighting, extra):
     assert golden_loss(weighting, extra) == pytest.approx(GOLDEN_LOSS[(weighting, extra)], rel=1e-5, abs=1e-7)
+
+
+def test_every_weighting_has_a_golden_step():
+    from asyncrl.config import WEIGHTINGS
+
+    assert set(GOLDEN_STEP) == set(WEIGHTINGS)
 
 
 @pytest.mark.parametrize("weighting", list(GOLDEN_STEP))
