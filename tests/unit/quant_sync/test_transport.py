@@ -119,8 +119,34 @@ def test_shared_memory_files_are_evicted_and_removed():
     try:
         for version in range(4):
             publisher.publish(version, tensors(version), "int8")
+        publisher._housekeeper.join()  # evicted files are unlinked in the background
         files = glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "*"))
-        assert sorted(os.path.basename(f).rsplit("-", 1)[1] for f in files) == ["v2", "v3"]
+        assert sorted(os.path.basename(f).rsplit("-", 1)[1] for f in files if not f.endswith("-spare")) == ["v2", "v3"]
+    finally:
+        publisher.close()
+    assert not glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "*"))
+
+
+def test_the_next_version_is_written_into_a_preallocated_spare_file():
+    import time
+
+    publisher = WeightPublisher()
+    applied = []
+    try:
+        publisher.publish(0, tensors(0), "int8")
+        spare = publisher._spare_path
+        deadline = time.monotonic() + 10
+        while publisher._spare_bytes == 0 and time.monotonic() < deadline:  # allocated in the background
+            time.sleep(0.01)
+        allocated = os.stat(spare)
+        assert allocated.st_size >= os.stat(publisher._latest.shm_path).st_size > 0
+        publisher.publish(1, tensors(1), "int8")
+        path = publisher._latest.shm_path
+        assert os.stat(path).st_ino == allocated.st_ino  # the spare became version 1's file
+        subscriber = WeightSubscriber(publisher.endpoint, applied.append, poll_s=0.01)
+        assert subscriber.wait_for(1, 10) and subscriber.via_shm == 1 and subscriber.rejected == 0
+        assert_identical(applied[0], tensors(1))  # exactly its bytes: nothing of the spare's zeros or of version 0
+        subscriber.close()
     finally:
         publisher.close()
     assert not glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "*"))
