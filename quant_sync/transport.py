@@ -2,8 +2,10 @@
 
 Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy ZMQ frames, no pickle):
 
-    worker -> publisher  {"v": 2, "type": "get", "have": <version the worker runs>}
+    worker -> publisher  {"v": 2, "type": "get", "have": <version the worker runs>, "wait_ms": W (optional)}
     publisher -> worker  the header of the latest version if it is newer than `have`, else {"v": 2, "version": V}
+                         (with `wait_ms`, a long poll: the answer waits until a newer version is published or
+                         W ms, at most MAX_WAIT_MS, have passed)
     header = {"v": 2, "version", "scheme", "boot_id", "shm": path | None,
               "tensors": [{"name", "dtype", "shape", "nbytes", "file_offset"}],
               "chunks": [[tensor index, byte offset in the tensor, length, xxh3-64 digest], ...]}
@@ -61,6 +63,10 @@ PROTOCOL_VERSION = 2
 CHUNK_BYTES = 4 << 20
 WINDOW_CHUNKS = 8
 """Chunk requests a subscriber keeps in flight (ZMQ path)."""
+MAX_WAIT_MS = 2000
+"""Longest long poll the publisher holds a `get` for."""
+LONG_POLL_MS = 1000
+"""How long a subscriber's `get` waits at the publisher for a newer version (well under its reply timeout)."""
 MAX_TENSORS = 1 << 16
 MAX_CHUNKS = 1 << 22
 SHM_DIR = "/dev/shm"
@@ -142,6 +148,13 @@ class WeightPublisher:
         self._spare_bytes = 0  # size of the preallocated spare file (0: none ready)
         self._spare_lock = threading.Lock()  # held while the spare is being allocated
         self._housekeeper: threading.Thread | None = None  # unlinks evicted files, allocates the spare
+        self._parked: list[tuple[bytes, int, float]] = []  # long polls: (identity, have, deadline), serve thread only
+        self._wake_endpoint = f"inproc://weights-wake-{id(self)}"
+        self._wake_in = self._context.socket(zmq.PULL)
+        self._wake_in.bind(self._wake_endpoint)
+        self._wake_out = self._context.socket(zmq.PUSH)  # publish() -> serve thread: a version was published
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(self._wake_endpoint)
         self._stop = threading.Event()
         self.served = 0
         self.chunks_served = 0
@@ -182,6 +195,8 @@ class WeightPublisher:
             while len(self._versions) > self.keep_versions:
                 evicted.append(self._versions.popitem(last=False)[1])
         self.last_publish_s = time.perf_counter() - started
+        with self._lock, contextlib.suppress(zmq.Again):  # a wake already queued will do
+            self._wake_out.send(b"", zmq.NOBLOCK)
         dropped = [old.shm_path for old in evicted if old.shm_path]
         if dropped or shm_path is not None:  # freeing and allocating tmpfs pages: off the caller's clock
             self._housekeeper = threading.Thread(target=self._housekeep, args=(dropped, file_offset), daemon=True)
@@ -247,8 +262,16 @@ class WeightPublisher:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            now = time.monotonic()
+            timeout = min([100.0] + [(deadline - now) * 1000 for _, _, deadline in self._parked])
+            events = dict(poller.poll(max(0, int(timeout))))
+            if self._wake_in in events:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+            self._answer_parked()
+            if self._socket not in events:
                 continue
             try:
                 identity, payload = self._socket.recv_multipart(copy=True)[:2]
@@ -256,21 +279,39 @@ class WeightPublisher:
                 if request.get("v") != PROTOCOL_VERSION or request.get("type") not in ("get", "chunk"):
                     raise ValueError("bad request")
                 if request["type"] == "get":
-                    self._answer_get(identity, int(request["have"]))
+                    wait_ms = min(max(int(request.get("wait_ms", 0)), 0), MAX_WAIT_MS)
+                    self._answer_get(identity, int(request["have"]), wait_ms)
                 else:
                     self._answer_chunk(identity, int(request["version"]), int(request["index"]))
             except Exception:  # a malformed request must not kill the publisher: count it and go on
                 self.bad_requests += 1
 
-    def _answer_get(self, identity: bytes, have: int) -> None:
+    def _answer_get(self, identity: bytes, have: int, wait_ms: int = 0) -> None:
         with self._lock:
             latest = self._latest
         if latest is not None and latest.version > have:
             self._socket.send_multipart([identity, latest.header])
             self.served += 1
+        elif wait_ms > 0:  # a long poll: answered by _answer_parked
+            self._parked = [p for p in self._parked if p[0] != identity]  # a subscriber asks one thing at a time
+            self._parked.append((identity, have, time.monotonic() + wait_ms / 1000))
         else:
             version = -1 if latest is None else latest.version
             self._socket.send_multipart([identity, msgpack.packb({"v": PROTOCOL_VERSION, "version": version})])
+
+    def _answer_parked(self) -> None:
+        """Answer the long polls that a newer version satisfies, and those whose wait is over."""
+        if not self._parked:
+            return
+        with self._lock:
+            latest = self._latest
+        now, waiting = time.monotonic(), []
+        for identity, have, deadline in self._parked:
+            if (latest is not None and latest.version > have) or now >= deadline:
+                self._answer_get(identity, have)
+            else:
+                waiting.append((identity, have, deadline))
+        self._parked = waiting
 
     def _answer_chunk(self, identity: bytes, version: int, index: int) -> None:
         with self._lock:
@@ -288,6 +329,8 @@ class WeightPublisher:
         if self._housekeeper is not None:
             self._housekeeper.join()
         self._socket.close(0)
+        self._wake_out.close(0)
+        self._wake_in.close(0)
         if self._auth is not None:
             self._auth.stop()
             self._context.term()
@@ -398,7 +441,11 @@ def read_shm(manifest: Manifest) -> WeightUpdate:
 
 
 class WeightSubscriber:
-    """Fetches each newer version from a background thread and hands it to `on_update` (never a partial one)."""
+    """Fetches each newer version from a background thread and hands it to `on_update` (never a partial one).
+
+    It asks with a long poll (`LONG_POLL_MS`): the publisher answers as soon as a newer version is published, so a
+    version reaches the worker without polling delay. `poll_s` only paces a publisher that answers at once.
+    """
 
     def __init__(
         self,
@@ -442,29 +489,34 @@ class WeightSubscriber:
         socket = self._connect()
         try:
             while not self._stop.is_set():
+                asked = time.monotonic()
                 try:
                     update = self._fetch_latest(socket)
-                except TimeoutError:  # publisher gone or busy: reconnect with a fresh socket
+                except TimeoutError:  # publisher gone or busy (or we are stopping): reconnect with a fresh socket
+                    if self._stop.is_set():
+                        break
                     socket = self._connect()
                     continue
                 if update is not None and update.version > self.have:
                     self._on_update(update)
                     self.have = update.version
                     self.received += 1
-                else:
+                elif time.monotonic() - asked < LONG_POLL_MS / 2000:  # answered without waiting: do not spin
                     self._stop.wait(self._poll_s)
         finally:
             if self._socket is not None:
                 self._socket.close(0)
 
     def _recv(self, socket: zmq.Socket) -> list[zmq.Frame]:
-        if not socket.poll(self._timeout_ms):
-            raise TimeoutError
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while not socket.poll(100):  # in slices, so that close() does not wait out a long poll
+            if self._stop.is_set() or time.monotonic() > deadline:
+                raise TimeoutError
         return socket.recv_multipart(copy=False)
 
     def _fetch_latest(self, socket: zmq.Socket) -> WeightUpdate | None:
         started = time.perf_counter()
-        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": self.have}))
+        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": self.have, "wait_ms": LONG_POLL_MS}))
         try:
             manifest = parse_header(self._recv(socket)[0].bytes)
         except PayloadError:

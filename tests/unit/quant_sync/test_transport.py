@@ -63,6 +63,28 @@ def test_subscribers_receive_latest_and_late_ones_catch_up(use_shm):
         publisher.close()
 
 
+def test_a_new_version_reaches_a_waiting_subscriber_at_once():
+    """Subscribers long-poll: a version published while they wait is answered right away, not at their next poll."""
+    import time
+
+    publisher = WeightPublisher()
+    applied = []
+    try:
+        publisher.publish(0, tensors(0), "int8")
+        subscriber = WeightSubscriber(publisher.endpoint, applied.append, poll_s=30.0)  # polling would take 30 s
+        assert subscriber.wait_for(0, 10)
+        time.sleep(0.3)  # its next `get` is now parked at the publisher
+        published = time.monotonic()
+        publisher.publish(1, tensors(1), "int8")
+        assert subscriber.wait_for(1, 5) and time.monotonic() - published < 0.5  # its poll had 0.7 s left
+        assert_identical(applied[-1], tensors(1))
+        closing = time.monotonic()
+        subscriber.close()
+        assert time.monotonic() - closing < 1.0  # close does not wait out a parked poll
+    finally:
+        publisher.close()
+
+
 def test_a_corrupt_chunk_is_rejected_and_fetched_again():
     publisher = WeightPublisher(chunk_bytes=128, shm_dir=None)
     original = publisher._answer_chunk
