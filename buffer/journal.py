@@ -29,6 +29,7 @@ never replayed and an admitted one never lost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import struct
@@ -126,6 +127,7 @@ class _Writer:
         self.durable = 0  # the highest mark synced (written only by the thread; read by the service)
         self.ready_fd, self._notify_fd = os.pipe()
         os.set_blocking(self.ready_fd, False)
+        os.set_blocking(self._notify_fd, False)  # a full pipe is readable already: never block the writer on it
         self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
         self._thread.start()
 
@@ -163,12 +165,16 @@ class _Writer:
                         if sync:
                             os.fsync(fd)
                         self.durable = seq
-                        os.write(self._notify_fd, b"\x00")
+                        self._notify()
             except BaseException as err:  # reported to the service thread by `wait` / `check`
                 self._error = err
-                os.write(self._notify_fd, b"\x00")  # wake the service so that it sees the error
+                self._notify()  # wake the service so that it sees the error
             finally:
                 self._chunks.task_done()
+
+    def _notify(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._notify_fd, b"\x00")
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:

@@ -159,8 +159,8 @@ class BufferService:
             events = dict(poller.poll(self._poll_timeout_ms()))
             if monitor is not None and monitor in events:
                 self._count_handshake_failures(monitor)
-            if self.syncing:
-                self._send_durable()
+            if self.journal is not None and self.journal.ready_fd in events:
+                self._send_durable()  # drains the fd too, or the poll would return at once from now on
             if self.socket in events:
                 for _ in range(1000):  # drain what is ready, then do the timed work
                     try:

@@ -169,6 +169,60 @@ def test_parked_fetch_is_answered_when_groups_arrive(tmp_path: Path) -> None:
         assert not empty.ready and 0.25 < time.monotonic() - start < 3.0
 
 
+def test_a_commit_without_replies_does_not_wake_the_poll_forever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parked fetch that drops a stale group journals a record and sends no reply. When that record's commit turns
+    durable (in the writer thread, after a slow fsync), the service must read the signal and block in its poll
+    again, not spin until the fetch's deadline. The service runs in this process, on a real socket."""
+    from buffer import journal as journal_module
+    from buffer.journal import Journal
+    from buffer.service import BufferService, make_socket
+    from buffer.state import BufferState
+
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        time.sleep(0.2)
+        real_fsync(fd)
+
+    monkeypatch.setattr(journal_module.os, "fsync", slow_fsync)
+    state = BufferState(
+        source=make_source(DataConfig(task="arith", digits=2)), group_size=GROUP_SIZE, groups_per_step=BATCH, max_lag=1,
+        filter_groups=False, lease_timeout_s=60.0, max_queued_groups=100,
+    )  # fmt: skip
+    journal = state.journal = Journal(tmp_path / "buffer.journal", "batch")
+    context = zmq.Context()
+    socket = make_socket(context)
+    endpoint = f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
+    service = BufferService(state, socket, journal)
+    serving = threading.Thread(target=service.run)
+    serving.start()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        with BufferClient(endpoint, "w0") as client:
+            (lease,), _ = client.lease(1)
+        dealer.send(wire.encode(wire.PushGroup("w0", lease.group, make_group(lease, version=0))))
+        assert dealer.poll(5000) and wire.decode(dealer.recv()).reason == ""
+        dealer.send(wire.encode(wire.FetchBatch(step=5, num_groups=BATCH, wait_s=3.0)))  # drops it: max_lag 1
+        time.sleep(0.5)  # the drop's commit became durable meanwhile; the fetch is still parked
+        before = time.process_time()
+        time.sleep(1.5)
+        assert time.process_time() - before < 0.5  # this process idles: the service's poll blocks
+        assert dealer.poll(5000)
+        reply = wire.decode(dealer.recv())
+        assert isinstance(reply, wire.BatchReply) and not reply.ready and reply.dropped_stale == 1
+    finally:
+        service.stopping = True
+        serving.join()
+        dealer.close()
+        socket.close(0)
+        journal.close()
+        context.term()
+
+
 def test_duplicate_and_invalid_pushes(tmp_path: Path) -> None:
     with running_buffer(tmp_path) as buffer:
         client = buffer.client
