@@ -584,7 +584,10 @@ def _encode_group(value: Any, name: str) -> dict[str, Any]:
     }
     for column, code, _ in _SCALAR_COLUMNS:
         values = lengths.get(column) or [row[column] for row in rows]
-        out[column] = struct.pack(f"<{len(values)}{code}", *values)
+        try:
+            out[column] = struct.pack(f"<{len(values)}{code}", *values)
+        except struct.error as err:  # an int beyond the column's width
+            raise WireError("bad_field", f"`{column}`: {err}") from None
     for column, _, _ in _TOKEN_COLUMNS:
         out[column] = b"".join(row[column]["b"] for row in rows)
     return out

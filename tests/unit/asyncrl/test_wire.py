@@ -311,6 +311,15 @@ def test_a_group_travels_as_columns_decoded_without_copy() -> None:
     assert_same(decode(encode(PushGroup("w0", "g7", []))), PushGroup("w0", "g7", []))
 
 
+def test_encode_rejects_a_group_value_beyond_its_column() -> None:
+    traj = make_traj()
+    traj.prompt_index = 2**63  # a valid int for one Trajectory map, wider than the int64 column
+    encode(traj)
+    with pytest.raises(WireError) as err:
+        encode(PushGroup("w0", "g7", [traj]))
+    assert err.value.reason == "bad_field"
+
+
 def test_a_schema_1_push_from_an_old_journal_is_upgraded() -> None:
     group = [make_traj(0, length=3), make_traj(1, length=2)]
     maps = [{k: v for k, v in raw_of(t).items() if k not in ("v", "type")} for t in group]
