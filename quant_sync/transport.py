@@ -149,7 +149,7 @@ class WeightPublisher:
         self._spare_lock = threading.Lock()  # held while the spare is being allocated
         self._housekeeper: threading.Thread | None = None  # unlinks evicted files, allocates the spare
         self._parked: list[tuple[bytes, int, float]] = []  # long polls: (identity, have, deadline), serve thread only
-        self._wake_endpoint = f"inproc://weights-wake-{id(self)}"
+        self._wake_endpoint = f"inproc://weights-wake-{uuid.uuid4().hex}"  # unique even if an unclosed one lingers
         self._wake_in = self._context.socket(zmq.PULL)
         self._wake_in.bind(self._wake_endpoint)
         self._wake_out = self._context.socket(zmq.PUSH)  # publish() -> serve thread: a version was published
