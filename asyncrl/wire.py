@@ -496,7 +496,7 @@ LEASE = _struct_kind(PromptLease, _LEASE_FIELDS, None)
 _I4 = np.dtype("<i4")
 _F4 = np.dtype("<f4")
 _MIN, _MAX, _OR = np.minimum.reduce, np.maximum.reduce, np.bitwise_or.reduce
-FINISH_SET = frozenset(FINISH_REASONS)
+_FINISH_SET = frozenset(FINISH_REASONS)
 _TEXT_COLUMNS = ("uid", "group", "finish", "worker")
 _SCALAR_COLUMNS = (  # one value per trajectory: (column, little-endian struct code, bytes per value)
     ("prompt_index", "q", 8),
@@ -639,8 +639,8 @@ def _check_group(value: Any, name: str) -> _Group:
             raise WireError("bad_field", f"`t_start` and `t_end` must be finite ({uid0})")
         if max(scalars["correct"]) > 1:
             raise WireError("bad_field", f"`correct` must be 0 or 1 ({uid0})")
-        if not FINISH_SET.issuperset(texts[2]):
-            bad = next(f for f in texts[2] if f not in FINISH_SET)
+        if not _FINISH_SET.issuperset(texts[2]):
+            bad = next(f for f in texts[2] if f not in _FINISH_SET)
             raise WireError("bad_finish", f"{bad[:40]!r} not in {FINISH_REASONS}")
         lens = scalars["prompt_len"] + scalars["response_len"]
         if min(lens) < 0:
@@ -803,16 +803,15 @@ class CheckedPush:
 
 _PACK = msgpack.Packer(use_bin_type=True).pack
 _TRAJECTORIES_KEY = _PACK("trajectories")
+_PUSH_HEAD = b"".join((b"\x85", _PACK("v"), _PACK(SCHEMA_VERSION), _PACK("type"), _PACK("PushGroup")))
+"""How every PushGroup of this schema that `encode` writes begins (a map of 5: v, type, worker, group, trajectories)."""
 
 
 def _trajectories_at(data: bytes | memoryview, worker: str, group: str) -> int | None:
     """Where the trajectory columns start in a valid PushGroup laid out as `encode` writes it: a map of 5 entries
     v, type, worker, group and trajectories last, whose value (a map of the GROUP_COLUMNS) then runs to the end
     (msgpack refused trailing bytes). None for any other layout (the caller re-encodes)."""
-    prefix = b"".join(
-        (b"\x85", _PACK("v"), _PACK(SCHEMA_VERSION), _PACK("type"), _PACK("PushGroup"), _PACK("worker"),
-         _PACK(worker), _PACK("group"), _PACK(group), _TRAJECTORIES_KEY)
-    )  # fmt: skip
+    prefix = b"".join((_PUSH_HEAD, _PACK("worker"), _PACK(worker), _PACK("group"), _PACK(group), _TRAJECTORIES_KEY))
     view = memoryview(data).cast("B")
     at = len(prefix)
     if at < view.nbytes and view[:at] == prefix and view[at] == 0x80 | len(GROUP_COLUMNS):
@@ -879,6 +878,8 @@ def encode_batch_reply(step: int, groups: list[bytes | memoryview], dropped_stal
 def upgrade_push(data: bytes | memoryview) -> bytes | memoryview:
     """A PushGroup in this schema: `data` itself, or a schema-1 PushGroup (a map per trajectory, as journals written
     before the column layout hold) decoded with the per-trajectory checks and re-encoded. WireError if invalid."""
+    if bytes(memoryview(data)[: len(_PUSH_HEAD)]) == _PUSH_HEAD:  # this schema, as encode writes it: nothing to do
+        return data
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
     except Exception as err:
