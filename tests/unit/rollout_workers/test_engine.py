@@ -11,7 +11,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from quant_sync.export import export_rollout_tensors
 from quant_sync.quantizers import QuantizedWeight, quantize_weight, quantized_linear
 from rollout_workers.embedded.engine import EmbeddedEngine
-from rollout_workers.embedded.model import PACK_FP32_MIN_FEATURES, ModelDirError, PackedFp32, linear, prepare_linear
+from rollout_workers.embedded.model import (
+    EXACT_FP32_MAX_IN_FEATURES,
+    PACK_FP32_MIN_FEATURES,
+    ModelDirError,
+    PackedFp32,
+    PackedInt8,
+    UpcastQuantized,
+    linear,
+    prepare_linear,
+)
 from rollout_workers.engine import SamplingParams, WeightUpdate
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -258,14 +267,27 @@ def test_bad_model_dirs_fail_clearly(tmp_path):
         EmbeddedEngine(tmp_path)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
-def test_fast_quantized_linears_equal_the_shared_quantizer(scheme):
+@pytest.mark.parametrize(
+    ("scheme", "out_features", "in_features", "form"),
+    [
+        ("int8", 48, 64, UpcastQuantized),  # small: an exact fp32 GEMM
+        ("int8", 640, 512, PackedInt8),  # larger than UPCAST_INT8_MAX_ELEMENTS: oneDNN's int8 GEMM
+        ("int8", 16, EXACT_FP32_MAX_IN_FEATURES + 8, PackedInt8),  # too many inputs for exact fp32 sums
+        ("int8", 248, EXACT_FP32_MAX_IN_FEATURES, UpcastQuantized),  # the widest exact one, at the largest sums
+        ("fp8", 48, 64, UpcastQuantized),
+        ("fp8_trunc", 48, 64, UpcastQuantized),
+    ],
+)
+def test_fast_quantized_linears_equal_the_shared_quantizer(scheme, out_features, in_features, form):
     torch.manual_seed(0)
-    weight = quantize_weight(torch.randn(48, 64), scheme)
-    x = torch.randn(3, 5, 64) * 3
-    bias = torch.randn(48)
+    weight = quantize_weight(torch.randn(out_features, in_features), scheme)
+    x = torch.randn(3, 5, in_features) * 3
+    if in_features == EXACT_FP32_MAX_IN_FEATURES:  # every product at +-127 x 127: the partial sums reach 2^24
+        weight = QuantizedWeight(q=torch.full_like(weight.q, 127), scale=weight.scale, scheme=scheme)
+        x = torch.ones(3, 5, in_features).index_fill_(0, torch.tensor([1]), -1.0)
+    bias = torch.randn(out_features)
     fast = prepare_linear(weight)
-    assert not isinstance(fast, QuantizedWeight)  # the engine's own execution form
+    assert isinstance(fast, form)  # the engine's own execution form
     assert torch.equal(linear(x, fast, bias), quantized_linear(x, weight, bias))
 
 
