@@ -276,7 +276,8 @@ class AlgoConfig:
 @dataclass(kw_only=True, slots=True)
 class LearnerConfig:
     prox: str = "recompute"
-    """Proximal log-probs: `recompute` (one no-grad forward per step) or `behav` (use behavior log-probs)."""
+    """Proximal log-probs: `recompute` (the policy at the start of the step: one no-grad forward, or with one minibatch
+    and any weighting but acrl that minibatch's own forward, same values) or `behav` (use behavior log-probs)."""
     minibatches: int = 1
     """PPO minibatches (optimizer steps) per learner step."""
     micro_batch_tokens: int = 16384

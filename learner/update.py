@@ -1,7 +1,8 @@
 """One learner update on a collated batch: proximal forward, decoupled PPO minibatches, AdamW, skip on non-finite.
 
     batch (every rank holds all rows)
-      -> advantages (DAPO overlong shaping first)       -> proximal log-probs: no-grad forward (or lb)
+      -> advantages (DAPO overlong shaping first)       -> proximal log-probs: no-grad forward (or lb; or, with
+                                                           one minibatch, that minibatch's forward: same values)
       -> for each PPO minibatch: this rank's rows, in micro-batches of at most `learner.micro_batch_tokens`
            loss of a micro-batch = policy_loss(micro) * its share of the minibatch's normalizer
            backward(loss * loss_scale * world_size)   (FSDP2 averages over ranks; the factor makes it a sum)
@@ -37,6 +38,7 @@ class StepInputs:
     adv: torch.Tensor  # (B,) advantages (after DAPO overlong shaping)
     acrl_x: float | None = None  # ACRL reference X; acrl only
     acrl_y: torch.Tensor | None = None  # (n_groups,) ACRL Y_g over whole groups; acrl only
+    prox_entropy: torch.Tensor | None = None  # (B, T): set when lp comes from the minibatch's forward (see below)
 
 
 @dataclass(slots=True)
@@ -68,6 +70,17 @@ def proximal_logp(model: torch.nn.Module, batch: Batch, cfg: Config, ranks: Dist
         if i < len(plan):
             prox[lo:hi], entropy[lo:hi] = logp, ent
     return all_reduce_(prox, ranks), all_reduce_(entropy, ranks)
+
+
+def prox_from_training_forward(cfg: Config) -> bool:
+    """Whether the step's lp comes from its only minibatch's forward instead of an extra no-grad forward.
+
+    With `learner.minibatches = 1` that forward runs at the weights the step starts from, on the same micro-batches
+    and under the same autocast as the extra forward would, so its detached log-probs and entropies are lp itself:
+    the extra forward is skipped (a third of the step's forward and backward work). Not for `acrl`, whose Y_g needs
+    lp of whole groups before the first micro-batch.
+    """
+    return cfg.learner.prox == "recompute" and cfg.learner.minibatches == 1 and cfg.loss.weighting != "acrl"
 
 
 def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -136,10 +149,12 @@ def minibatch_backward(
         lo, hi = plan[i] if real else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
         micro = batch.select(lo, hi)
         with autocast(cfg.precision.train):
-            cur_logp, _ = token_logp(model, micro, cfg.rollout.temperature)
+            cur_logp, entropy = token_logp(model, micro, cfg.rollout.temperature)
         if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
             (scaler.scale_loss(cur_logp.nan_to_num(0.0, 0.0, 0.0).sum()) * 0.0).backward()
             continue
+        if inputs.prox_entropy is not None:  # lp is this forward's (prox_from_training_forward)
+            inputs.prox_logp[lo:hi], inputs.prox_entropy[lo:hi] = cur_logp.detach(), entropy
         out = micro_loss(micro, (lo, hi), cur_logp, inputs, cfg)
         share = loss_normalizer(micro.mask, cfg.loss) / normalizer  # this micro-batch's part of the mean
         scaler.scale_loss(out.loss * (share * ranks.world)).backward()
@@ -181,11 +196,15 @@ def train_on_batch(
     ranks: Dist = SINGLE,
 ) -> UpdateResult:
     """One train step on `batch` (every rank passes the same batch). Returns metrics; on skip, nothing changed."""
-    if cfg.learner.prox == "recompute":
+    from_forward = prox_from_training_forward(cfg)
+    if from_forward:  # filled in, micro-batch by micro-batch, by the minibatch's own forward
+        prox_logp, entropy = torch.zeros_like(batch.behav_logp), torch.zeros_like(batch.behav_logp)
+    elif cfg.learner.prox == "recompute":
         prox_logp, entropy = proximal_logp(model, batch, cfg, ranks)
     else:
         prox_logp, entropy = batch.behav_logp.clone(), torch.zeros_like(batch.behav_logp)
     inputs = step_inputs(batch, prox_logp, cfg, acrl_reference)
+    inputs.prox_entropy = entropy if from_forward else None
     before = _snapshot(model)
     optim_before = copy.deepcopy(optimizer.state_dict()) if cfg.learner.minibatches > 1 else None
     params = [p for p in model.parameters() if p.requires_grad]
@@ -207,6 +226,8 @@ def train_on_batch(
         scaler.update(finite=True)
         metrics.update(loss_metrics)
     optimizer.zero_grad(set_to_none=True)
+    if from_forward:  # each rank filled its own rows
+        prox_logp, entropy = all_reduce_(prox_logp, ranks), all_reduce_(entropy, ranks)
     if skipped:
         _restore(model, before)
         if optim_before is not None:

@@ -65,3 +65,31 @@ def test_a_nonfinite_second_minibatch_undoes_the_first_ones_update_and_adam_stat
     for key, state in adam["state"].items():
         for name, value in state.items():
             assert torch.equal(restored["state"][key][name], value), (key, name)
+
+
+@pytest.mark.parametrize("weighting", ["none", "tis", "mis_seq", "tbpo", "gspo", "pg_tis", "acrl"])
+def test_one_minibatch_takes_lp_from_its_own_forward_with_the_same_result(weighting, monkeypatch):
+    """With one minibatch, lp comes from that minibatch's forward (no extra forward) and the step is unchanged."""
+    import learner.update as update
+
+    outcomes = {}
+    for reuse in (True, False):
+        if not reuse:
+            monkeypatch.setattr(update, "prox_from_training_forward", lambda cfg: False)
+        model = tiny_model(seed=1)
+        batch = with_behavior(tiny_batch(seed=1), model, seed=2)
+        cfg = tiny_config(f"loss.weighting={weighting}", "learner.micro_batch_tokens=20", "loss.cap=2.0")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        forwards = []
+        model.register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
+        result = train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
+        outcomes[reuse] = (result, [p.detach().clone() for p in model.parameters()], forwards)
+    (fused, fused_weights, fused_forwards), (extra, extra_weights, extra_forwards) = outcomes[True], outcomes[False]
+    micro = len(extra_forwards) // 2  # the extra pass runs the same micro-batches without grad
+    assert extra_forwards == [False] * micro + [True] * micro
+    assert fused_forwards == (extra_forwards if weighting == "acrl" else [True] * micro)
+    torch.testing.assert_close(fused.prox_logp, extra.prox_logp, rtol=0, atol=0)
+    torch.testing.assert_close(fused.entropy, extra.entropy, rtol=0, atol=0)
+    assert fused.metrics == extra.metrics
+    for a, b in zip(fused_weights, extra_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
