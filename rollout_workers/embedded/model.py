@@ -122,8 +122,9 @@ def prepare_linear(
         return weight
     if not isinstance(weight, QuantizedWeight):
         return weight
-    if weight.scheme == "int8" and _upcast_is_exact_and_faster(weight.q):
-        return UpcastQuantized(q32=weight.q.to(torch.float32), scale=weight.scale.to(torch.float32), scheme="int8")
+    if weight.scheme in ("fp8", "fp8_trunc") or (weight.scheme == "int8" and _upcast_is_exact_and_faster(weight.q)):
+        q32, scale = weight.q.to(torch.float32), weight.scale.to(torch.float32)
+        return UpcastQuantized(q32=q32, scale=scale, scheme=weight.scheme)
     if weight.scheme == "int8" and _ONEDNN:
         out_features = weight.q.shape[0]
         return PackedInt8(
@@ -133,8 +134,6 @@ def prepare_linear(
             zero_points=torch.zeros(out_features, dtype=torch.long),
             out_features=out_features,
         )
-    if weight.scheme in ("fp8", "fp8_trunc"):
-        return UpcastQuantized(q32=weight.q.to(torch.float32), scale=weight.scale.to(torch.float32), scheme=weight.scheme)
     return weight
 
 
