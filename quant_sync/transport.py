@@ -36,6 +36,7 @@ wildcard bind (0.0.0.0) is advertised as this node's routable address.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import threading
@@ -69,6 +70,10 @@ LONG_POLL_MS = 1000
 """How long a subscriber's `get` waits at the publisher for a newer version (well under its reply timeout)."""
 MAX_TENSORS = 1 << 16
 MAX_CHUNKS = 1 << 22
+MAX_CHUNK_BYTES = 1 << 30
+"""Largest chunk a header may announce (publishers use `chunk_bytes`, 4 MiB by default)."""
+MAX_VERSION_BYTES = 1 << 40
+"""Largest version a header may announce (1 TiB): a bound on what a hostile header can make a worker allocate."""
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _DTYPES = {
@@ -118,6 +123,8 @@ class WeightPublisher:
         keep_versions: int = 2,
         curve: ServerKeys | None = None,
     ):
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         # A CURVE server gets its own context: its ZAP handler then answers for this socket alone.
         self._context = zmq.Context() if curve is not None else zmq.Context.instance()
         self._auth = None
@@ -368,21 +375,35 @@ class Manifest:
     shm: str | None
     boot_id: str
 
+    @property
+    def nbytes(self) -> int:
+        return sum(int(entry["nbytes"]) for entry in self.tensors)
+
+
+def _int(value: object) -> int:
+    if type(value) is not int:
+        raise TypeError(f"{value!r} is not an int")
+    return value
+
 
 def parse_header(frame: bytes) -> Manifest | int:
     """A header frame -> its Manifest, or the publisher's version (int) when it has nothing newer.
 
-    Raises PayloadError unless the header describes its tensors exactly: known dtypes, nbytes = numel x itemsize,
-    and chunks that cover each tensor's bytes in order without gaps or overlaps.
+    Raises PayloadError unless the header describes its tensors exactly: unique str names, known dtypes, shapes of
+    non-negative ints, nbytes = numel x itemsize (at most MAX_VERSION_BYTES in all), file offsets that are
+    non-negative multiples of 64 and do not overlap, and chunks of at most MAX_CHUNK_BYTES that cover each tensor's
+    bytes in order without gaps or overlaps.
     """
     try:
         header = msgpack.unpackb(frame, max_bin_len=0, max_array_len=MAX_CHUNKS)
-        version = int(header["version"])
+        version = _int(header["version"])
         if header.get("v") != PROTOCOL_VERSION:
             raise ValueError(f"protocol {header.get('v')!r}, expected {PROTOCOL_VERSION}")
         if "tensors" not in header:
             return version
-        tensors, chunks = header["tensors"], [tuple(map(int, c)) for c in header["chunks"]]
+        tensors, chunks = header["tensors"], [tuple(map(_int, c)) for c in header["chunks"]]
+        if any(len(chunk) != 4 for chunk in chunks):
+            raise ValueError("a chunk entry is not [tensor, offset, length, digest]")
         scheme, shm, boot = str(header["scheme"]), header.get("shm"), str(header.get("boot_id", ""))
     except Exception as err:
         raise PayloadError(f"unreadable weight header: {err}") from err
@@ -390,20 +411,27 @@ def parse_header(frame: bytes) -> Manifest | int:
         raise PayloadError(f"version {version}: bad tensor list")
     covered = [0] * len(tensors)
     for index, offset, length, _ in chunks:
-        if not 0 <= index < len(tensors) or offset != covered[index] or length <= 0:
+        if not 0 <= index < len(tensors) or offset != covered[index] or not 0 < length <= MAX_CHUNK_BYTES:
             raise PayloadError(f"version {version}: chunk table does not tile tensor {index} in order")
         covered[index] += length
+    names, total, file_end = set(), 0, 0
     for index, entry in enumerate(tensors):
         try:
-            dtype = _DTYPES[entry["dtype"]]
-            numel = 1
-            for dim in entry["shape"]:
-                numel *= int(dim) if int(dim) >= 0 else -1
-            nbytes = int(entry["nbytes"])
+            name, dtype = entry["name"], _DTYPES[entry["dtype"]]
+            shape = [_int(dim) for dim in entry["shape"]]
+            nbytes, file_offset = _int(entry["nbytes"]), _int(entry["file_offset"])
+            if type(name) is not str or name in names:
+                raise ValueError(f"name {name!r} is not a unique str")
         except (KeyError, TypeError, ValueError) as err:
             raise PayloadError(f"version {version}: tensor entry {index} is malformed ({err})") from err
-        if numel < 0 or nbytes != numel * dtype.itemsize or covered[index] != nbytes:
-            raise PayloadError(f"version {version}: tensor {entry.get('name')!r} sizes disagree (shape, dtype, chunks)")
+        names.add(name)
+        if min(shape, default=0) < 0 or nbytes != math.prod(shape) * dtype.itemsize or covered[index] != nbytes:
+            raise PayloadError(f"version {version}: tensor {name!r} sizes disagree (shape, dtype, chunks)")
+        if file_offset % _ALIGN or file_offset < file_end:
+            raise PayloadError(f"version {version}: tensor {name!r} has a misplaced file offset {file_offset}")
+        total, file_end = total + nbytes, file_offset + nbytes
+        if total > MAX_VERSION_BYTES:
+            raise PayloadError(f"version {version}: more than {MAX_VERSION_BYTES} bytes of weights")
     return Manifest(version, scheme, tensors, chunks, shm if isinstance(shm, str) else None, boot)
 
 
@@ -417,7 +445,7 @@ def assemble(manifest: Manifest, buffers: list[torch.Tensor]) -> WeightUpdate:
 
 def read_shm(manifest: Manifest) -> WeightUpdate:
     """Map the version's /dev/shm file copy-on-write and verify every chunk on the mapping; raises PayloadError."""
-    if not manifest.shm or manifest.boot_id != boot_id() or not manifest.shm.startswith(SHM_DIR + "/"):
+    if not manifest.shm or manifest.boot_id != boot_id() or os.path.dirname(os.path.normpath(manifest.shm)) != SHM_DIR:
         raise ShmUnavailable(f"version {manifest.version}: no shared-memory copy on this machine")
     try:
         with open(manifest.shm, "rb") as file:
@@ -464,7 +492,11 @@ class WeightSubscriber:
         self._timeout_ms = int(timeout_s * 1000)
         self.have = -1
         self.rejected = 0
-        """Headers and chunks that did not check out (each was fetched again, never applied)."""
+        """Headers and chunks that did not check out (each was fetched again, never applied), and versions that
+        `on_update` refused."""
+        self.refused: int | None = None
+        """The last version `on_update` raised on: not asked for again, the next get waits for a newer one."""
+        self.last_error = ""
         self.received = 0
         self.via_shm = 0
         self.last_fetch_s = 0.0
@@ -498,7 +530,11 @@ class WeightSubscriber:
                     socket = self._connect()
                     continue
                 if update is not None and update.version > self.have:
-                    self._on_update(update)
+                    try:
+                        self._on_update(update)
+                    except Exception as err:  # a version the engine cannot take (missing or misshapen weights)
+                        self._refuse(update.version, err)
+                        continue
                     self.have = update.version
                     self.received += 1
                 elif time.monotonic() - asked < LONG_POLL_MS / 2000:  # answered without waiting: do not spin
@@ -506,6 +542,16 @@ class WeightSubscriber:
         finally:
             if self._socket is not None:
                 self._socket.close(0)
+
+    def _refuse(self, version: int, err: Exception) -> None:
+        self.rejected += 1
+        self.refused = version
+        self.last_error = f"version {version}: {type(err).__name__}: {err}"[:300]
+
+    @property
+    def alive(self) -> bool:
+        """Whether the fetching thread runs (it stops only on close)."""
+        return self._thread.is_alive()
 
     def _recv(self, socket: zmq.Socket) -> list[zmq.Frame]:
         deadline = time.monotonic() + self._timeout_ms / 1000
@@ -516,13 +562,14 @@ class WeightSubscriber:
 
     def _fetch_latest(self, socket: zmq.Socket) -> WeightUpdate | None:
         started = time.perf_counter()
-        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": self.have, "wait_ms": LONG_POLL_MS}))
+        have = max(self.have, -1 if self.refused is None else self.refused)  # never the refused version again
+        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": have, "wait_ms": LONG_POLL_MS}))
         try:
             manifest = parse_header(self._recv(socket)[0].bytes)
-        except PayloadError:
-            self.rejected += 1
+        except PayloadError as err:
+            self._reject(err)
             return None
-        if isinstance(manifest, int):
+        if isinstance(manifest, int) or manifest.version <= have:
             return None
         update = None
         if self._use_shm and manifest.shm:
@@ -531,17 +578,30 @@ class WeightSubscriber:
                 self.via_shm += 1
             except ShmUnavailable:
                 pass
-            except PayloadError:
-                self.rejected += 1
+            except PayloadError as err:
+                self._reject(err)
         if update is None:
-            update = self._fetch_chunks(socket, manifest)
+            try:
+                update = self._fetch_chunks(socket, manifest)
+            except PayloadError as err:  # e.g. a version too large to hold: the ZMQ socket was drained
+                self._reject(err)
+                return None
         if update is not None:
             self.last_fetch_s = time.perf_counter() - started
         return update
 
+    def _reject(self, err: Exception) -> None:
+        self.rejected += 1
+        self.last_error = str(err)[:300]
+
     def _fetch_chunks(self, socket: zmq.Socket, manifest: Manifest) -> WeightUpdate | None:
         """Fetch every chunk over ZMQ with WINDOW_CHUNKS in flight; refetch bad ones; None if the version is gone."""
-        buffers = [torch.empty(int(entry["nbytes"]), dtype=torch.uint8) for entry in manifest.tensors]
+        try:
+            buffers = [torch.empty(int(entry["nbytes"]), dtype=torch.uint8) for entry in manifest.tensors]
+        except RuntimeError as err:  # the allocator refused: this machine cannot hold the version
+            raise PayloadError(
+                f"version {manifest.version}: cannot allocate its {manifest.nbytes} bytes: {err}"
+            ) from err
         pending = list(range(len(manifest.chunks)))[::-1]  # a stack: pop() yields chunk 0 first
         in_flight = 0
         while pending or in_flight:

@@ -130,8 +130,11 @@ class RolloutWorker:
             "worker": self.worker_id,
             "version": self.engine.version,
             "swaps": self.engine.swaps,
-            "alive": self._thread is not None and self._thread.is_alive(),
+            # a worker whose weight subscriber stopped would generate on stale weights forever: not alive
+            "alive": self._thread is not None and self._thread.is_alive() and getattr(self.subscriber, "alive", True),
             "last_error": self.last_error,
+            "weights_rejected": getattr(self.subscriber, "rejected", 0),
+            "weights_error": getattr(self.subscriber, "last_error", ""),
             **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
         }
 

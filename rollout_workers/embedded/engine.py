@@ -36,6 +36,7 @@ from rollout_workers.embedded.model import (
     ArchConfig,
     KVCache,
     ModelWeights,
+    check_weight_shapes,
     decode,
     prefill,
     required_weight_names,
@@ -179,6 +180,10 @@ class EmbeddedEngine:
         missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
         if missing:
             raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
+        try:
+            check_weight_shapes(self.arch, weight_map)
+        except ValueError as err:
+            raise ValueError(f"version {update.version} does not fit the model: {err}") from None
         with self._lock:
             if self._staged is None or update.version > self._staged[0]:
                 self._staged = (update.version, weight_map)
@@ -202,12 +207,21 @@ class EmbeddedEngine:
             self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map, self.dtype, self.device))
         budget = max(BUILD_SLICE_MIN_S, BUILD_SLICE_OF_STEP * self._step_seconds) if self._active else float("inf")
         deadline = time.perf_counter() + budget
-        for part in self._building[1]:
-            if part is not None:
-                break
-            if time.perf_counter() >= deadline:
-                return False
+        part = None
+        try:
+            for part in self._building[1]:
+                if part is not None:
+                    break
+                if time.perf_counter() >= deadline:
+                    return False
+        except Exception:  # a version that cannot be built is dropped; the running one stays
+            self._building = None
+            self._drop_staged(staged)
+            raise
         self._building = None
+        if part is None:  # the build ended without weights (cannot happen with build_in_parts): drop the version
+            self._drop_staged(staged)
+            return False
         self._drop_staged(staged)
         self._version, self._weights = version, part
         self.swaps += 1

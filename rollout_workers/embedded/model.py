@@ -400,6 +400,51 @@ def required_weight_names(arch: ArchConfig) -> list[str]:
     return names
 
 
+def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
+    """Raise ValueError naming the first weight whose shape (or, in a fused group, kind) does not fit `arch`.
+
+    `weights` is a published weight map (`build_weight_map`) holding every `required_weight_names` entry.
+    """
+    hidden, q_out, kv_out = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    gate = weights["model.layers.0.mlp.gate_proj.weight"] if arch.num_layers else None
+    inter = (gate.q if isinstance(gate, QuantizedWeight) else gate).shape[0] if gate is not None else 0
+    expected: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, hidden),
+        "lm_head.weight": (arch.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        for name, shape in (
+            ("input_layernorm", (hidden,)), ("post_attention_layernorm", (hidden,)),
+            ("self_attn.q_norm", (arch.head_dim,)), ("self_attn.k_norm", (arch.head_dim,)),
+            ("self_attn.q_proj", (q_out, hidden)), ("self_attn.k_proj", (kv_out, hidden)),
+            ("self_attn.v_proj", (kv_out, hidden)), ("self_attn.o_proj", (hidden, q_out)),
+            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)), ("mlp.down_proj", (hidden, inter)),
+        ):  # fmt: skip
+            expected[p + name + ".weight"] = shape
+        for name, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            expected[p + f"self_attn.{name}_proj.bias"] = (out,)
+        for group in (("q", "k", "v"), ("gate", "up")):
+            prefix = "self_attn." if group[0] == "q" else "mlp."
+            kinds = {_kind(weights[p + f"{prefix}{name}_proj.weight"]) for name in group}
+            if len(kinds) > 1:
+                raise ValueError(f"{p}{prefix}{'/'.join(group)}_proj: mixed kinds {sorted(kinds)} cannot be fused")
+    for name, shape in expected.items():
+        weight = weights.get(name)
+        if weight is None:
+            continue
+        got = tuple((weight.q if isinstance(weight, QuantizedWeight) else weight).shape)
+        if got != shape:
+            raise ValueError(f"{name} has shape {list(got)}, the model needs {list(shape)}")
+        if isinstance(weight, QuantizedWeight) and tuple(weight.scale.shape) != shape[:1]:
+            raise ValueError(f"{name}: scale of shape {list(weight.scale.shape)}, the model needs {[shape[0]]}")
+
+
+def _kind(weight: Linear) -> str:
+    return f"quantized {weight.scheme}" if isinstance(weight, QuantizedWeight) else f"float {weight.dtype}"  # type: ignore[union-attr]
+
+
 class KVCache:
     """Preallocated keys and values: (layers, slots, kv_heads, max_len, head_dim), plus RoPE tables to max_len."""
 

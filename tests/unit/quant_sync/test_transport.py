@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import msgpack
 import pytest
@@ -65,8 +66,6 @@ def test_subscribers_receive_latest_and_late_ones_catch_up(use_shm):
 
 def test_a_new_version_reaches_a_waiting_subscriber_at_once():
     """Subscribers long-poll: a version published while they wait is answered right away, not at their next poll."""
-    import time
-
     publisher = WeightPublisher()
     applied = []
     try:
@@ -150,16 +149,12 @@ def test_shared_memory_files_are_evicted_and_removed():
 
 
 def test_the_next_version_is_written_into_a_preallocated_spare_file():
-    import time
-
     publisher = WeightPublisher()
     applied = []
     try:
         publisher.publish(0, tensors(0), "int8")
         spare = publisher._spare_path
-        deadline = time.monotonic() + 10
-        while publisher._spare_bytes == 0 and time.monotonic() < deadline:  # allocated in the background
-            time.sleep(0.01)
+        publisher._housekeeper.join(10)  # the spare is allocated in the background (and its lock released)
         allocated = os.stat(spare)
         assert allocated.st_size >= os.stat(publisher._latest.shm_path).st_size > 0
         publisher.publish(1, tensors(1), "int8")
@@ -193,6 +188,10 @@ def test_a_superseded_version_answers_gone():
         publisher.close()
 
 
+def entry(**changes) -> dict:
+    return {"name": "w", "dtype": "int8", "shape": [2, 4], "nbytes": 8, "file_offset": 0, **changes}
+
+
 def header(**changes) -> bytes:
     base = {"v": PROTOCOL_VERSION, "version": 3, "scheme": "int8", "shm": None, "boot_id": "",
             "tensors": [{"name": "w", "dtype": "int8", "shape": [2, 4], "nbytes": 8, "file_offset": 0}],
@@ -210,8 +209,29 @@ def header(**changes) -> bytes:
         (header(chunks=[[0, 0, 4, 1], [0, 2, 6, 2]]), "does not tile"),
         (header(chunks=[[1, 0, 8, 1]]), "does not tile"),
         (header(tensors=[{"name": "w", "dtype": "int64", "shape": [2, 4], "nbytes": 8}]), "malformed"),
-        (header(tensors=[{"name": "w", "dtype": "float32", "shape": [2, 4], "nbytes": 8}]), "sizes disagree"),
-        (header(tensors=[{"name": "w", "dtype": "int8", "shape": [-2, -4], "nbytes": 8}]), "sizes disagree"),
+        (header(tensors=[entry(dtype="float32")]), "sizes disagree"),
+        (header(tensors=[entry(shape=[-2, -4])]), "sizes disagree"),
+        (header(tensors=[entry(shape=[-1, -8])]), "sizes disagree"),  # numel 8, but no dimension may be negative
+        (header(tensors=[entry(shape=["2", 4])]), "malformed"),
+        (header(tensors=[entry(shape=[2.0, 4])]), "malformed"),
+        (header(tensors=[entry(name=None)]), "malformed"),
+        (header(tensors=[{k: v for k, v in entry().items() if k != "name"}]), "malformed"),
+        (header(tensors=[{k: v for k, v in entry().items() if k != "file_offset"}]), "malformed"),
+        (header(tensors=[entry(file_offset=-64)]), "misplaced file offset"),
+        (header(tensors=[entry(file_offset=2)]), "misplaced file offset"),
+        (header(tensors=[entry(), entry(name="u")], chunks=[[0, 0, 8, 1], [1, 0, 8, 2]]), "misplaced file offset"),
+        (header(tensors=[entry(), entry()], chunks=[[0, 0, 8, 1], [1, 0, 8, 2]]), "not a unique str"),
+        (header(chunks=[[0, 0, 4, 1], [0, 4, 4]]), "unreadable"),  # a chunk entry of 3 fields
+        (header(chunks=[[0, 0, 4, 1], [0, 4, 4, "x"]]), "unreadable"),
+        (header(version="3"), "unreadable"),
+        (header(tensors=[entry(shape=[1 << 21, 1 << 20], nbytes=1 << 41)], chunks=[[0, 0, 1 << 41, 1]]), "tile"),
+        (
+            header(
+                tensors=[entry(shape=[1 << 20, 1 << 20], nbytes=1 << 40), entry(name="u", file_offset=1 << 40)],
+                chunks=[[0, i << 30, 1 << 30, 1] for i in range(1 << 10)] + [[1, 0, 8, 2]],
+            ),
+            "more than",
+        ),
     ],
 )
 def test_inconsistent_headers_are_rejected_whole(frame, message):
@@ -276,3 +296,82 @@ def test_with_curve_keys_only_allow_listed_subscribers_get_weights(tmp_path):
         for subscriber in (plain, strange, good):
             subscriber.close()
         publisher.close()
+
+
+def test_a_version_the_worker_refuses_is_skipped_and_the_next_one_applied():
+    publisher = WeightPublisher()
+    applied = []
+
+    def on_update(update):
+        if update.version == 1:
+            raise KeyError("version 1 lacks weights: model.norm.weight")
+        applied.append(update.version)
+
+    try:
+        publisher.publish(0, tensors(0), "int8")
+        subscriber = WeightSubscriber(publisher.endpoint, on_update, poll_s=0.01)
+        assert subscriber.wait_for(0, 10)
+        publisher.publish(1, tensors(1), "int8")
+        deadline = time.monotonic() + 10
+        while subscriber.refused != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the refused version is not fetched again
+        assert subscriber.refused == 1 and subscriber.rejected == 1 and subscriber.have == 0 and subscriber.alive
+        assert "version 1: KeyError" in subscriber.last_error
+        publisher.publish(2, tensors(2), "int8")
+        assert subscriber.wait_for(2, 10) and applied == [0, 2] and subscriber.rejected == 1
+        subscriber.close()
+    finally:
+        publisher.close()
+
+
+def test_hostile_headers_over_zmq_are_rejected_and_the_subscriber_stays_up():
+    """A fake publisher answers with headers that no check may let through; then with a real version."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    hostile = [
+        header(tensors=[entry(shape=[-1, -8])]),
+        header(chunks=[[0, 0, 4, 1], [0, 4, 4]]),
+        header(tensors=[entry(shape=[1 << 20, 1 << 20], nbytes=1 << 40)], chunks=[[0, 0, 1 << 30, 1]]),
+        header(
+            tensors=[entry(shape=[1 << 19, 1 << 20], nbytes=1 << 39)],  # parses; too large to allocate here
+            chunks=[[0, i << 30, 1 << 30, 1] for i in range(1 << 9)],
+        ),  # fmt: skip
+    ]
+    applied = []
+    subscriber = WeightSubscriber(endpoint, applied.append, poll_s=0.01, use_shm=False)
+    try:
+        for frame in hostile:
+            assert router.poll(5000)
+            identity, request = router.recv_multipart()
+            assert msgpack.unpackb(request)["type"] == "get"
+            router.send_multipart([identity, frame])
+        publisher = WeightPublisher(shm_dir=None)
+        try:
+            publisher.publish(4, tensors(4), "int8")
+            assert router.poll(5000)
+            identity, request = router.recv_multipart()  # answered with a pointer to a real version's header
+            router.send_multipart([identity, publisher._latest.header])
+            while not applied and router.poll(5000):  # serve its chunk requests from the real publisher's
+                identity, request = router.recv_multipart()
+                if msgpack.unpackb(request)["type"] == "chunk":
+                    index = msgpack.unpackb(request)["index"]
+                    reply = {"v": PROTOCOL_VERSION, "version": 4, "index": index}
+                    router.send_multipart([identity, msgpack.packb(reply), publisher._latest.chunks[index]])
+            assert subscriber.wait_for(4, 10) and subscriber.alive
+        finally:
+            publisher.close()
+        assert subscriber.rejected == len(hostile) and [u.version for u in applied] == [4]
+        assert_identical(applied[0], tensors(4))
+    finally:
+        subscriber.close()
+        router.close(0)
+
+
+def test_a_shared_memory_path_outside_dev_shm_is_not_mapped():
+    from quant_sync.transport import ShmUnavailable, boot_id, read_shm
+
+    manifest = parse_header(header(shm="/dev/shm/../etc/passwd", boot_id=boot_id()))
+    with pytest.raises(ShmUnavailable):
+        read_shm(manifest)

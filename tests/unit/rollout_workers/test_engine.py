@@ -329,3 +329,69 @@ def test_bad_requests_fail_clearly_and_queue_nothing(tmp_path):
         engine.generate([[]], params)
     assert not engine.busy
     assert len(engine.generate(PROMPTS, params)) == len(PROMPTS)
+
+
+def _misshapen(state: dict, scheme: str, case: str) -> dict:
+    tensors = export_rollout_tensors(state, scheme)
+    p = "model.layers.1."
+    if case == "norm":
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:32]
+    elif case == "kv_heads":
+        tensors[p + "self_attn.k_proj.weight"] = tensors[p + "self_attn.q_proj.weight"]
+        tensors[p + "self_attn.k_proj.weight_scale"] = tensors[p + "self_attn.q_proj.weight_scale"]
+    elif case == "scale":
+        tensors[p + "mlp.down_proj.weight_scale"] = tensors[p + "mlp.down_proj.weight_scale"][:-1]
+    elif case == "mixed_kinds":
+        del tensors[p + "self_attn.v_proj.weight_scale"]  # v turns float while q and k stay int8
+        tensors[p + "self_attn.v_proj.weight"] = tensors[p + "self_attn.v_proj.weight"].float()
+    elif case == "intermediate":
+        tensors[p + "mlp.up_proj.weight"] = tensors[p + "mlp.up_proj.weight"][:-1]
+        tensors[p + "mlp.up_proj.weight_scale"] = tensors[p + "mlp.up_proj.weight_scale"][:-1]
+    return tensors
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("norm", r"model.norm.weight has shape \[32\], the model needs \[64\]"),
+        ("kv_heads", r"k_proj.weight has shape \[64, 64\], the model needs \[32, 64\]"),
+        ("scale", r"down_proj.weight: scale of shape \[63\]"),
+        ("mixed_kinds", r"q/k/v_proj: mixed kinds"),
+        ("intermediate", r"up_proj.weight has shape \[127, 64\]"),
+    ],
+)
+def test_a_version_that_does_not_fit_the_model_is_refused_and_the_old_one_keeps_running(tmp_path, case, message):
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path, "int8")
+    greedy = SamplingParams(max_new_tokens=4, temperature=1e-4)
+    before = engine.generate(PROMPTS[:1], greedy)[0].response_ids
+    with pytest.raises(ValueError, match=message):
+        engine.stage_weights(WeightUpdate(1, _misshapen(model.state_dict(), "int8", case), "int8"))
+    assert not engine.swap_now() and engine.version == 0
+    assert engine.generate(PROMPTS[:1], greedy)[0].response_ids == before
+
+
+def test_a_version_whose_build_fails_is_dropped_and_the_old_one_keeps_running(tmp_path, monkeypatch):
+    import rollout_workers.embedded.model as model_module
+
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path, "int8")
+    greedy = SamplingParams(max_new_tokens=4, temperature=1e-4)
+    before = engine.generate(PROMPTS[:1], greedy)[0].response_ids
+    real = model_module.prepare_linear
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):  # the third linear of the build fails (as an out-of-memory would)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated build failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "prepare_linear", failing)
+    engine.stage_weights(WeightUpdate(1, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    with pytest.raises(RuntimeError, match="simulated build failure"):
+        engine.apply_staged()
+    assert not engine.apply_staged() and engine.version == 0  # dropped: nothing left half-built
+    assert engine.generate(PROMPTS[:1], greedy)[0].response_ids == before
+    engine.stage_weights(WeightUpdate(2, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    assert engine.swap_now() and engine.version == 2  # the next version builds and runs
