@@ -21,6 +21,8 @@ from typing import Any, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from asyncrl.wire import MAX_GROUP
+
 WEIGHTINGS = (
     "none",
     "decoupled",
@@ -427,8 +429,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "data.digits": (1, 18),
     "data.eval_size": (0, None),
     "train.steps": (1, None),
-    "train.groups_per_step": (1, None),
-    "train.group_size": (2, None),  # one sample per prompt has no group baseline: every advantage is 0
+    "train.groups_per_step": (1, MAX_GROUP),  # one BatchReply carries at most MAX_GROUP groups
+    "train.group_size": (2, MAX_GROUP),  # one sample per prompt has no group baseline: every advantage is 0
     "train.eval_every": (0, None),
     "rollout.num_workers": (0, None),
     "rollout.max_new_tokens": (1, None),

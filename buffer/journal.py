@@ -202,7 +202,11 @@ def _write_atomically(path: Path, records: list[dict[str, Any]]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY)
     try:
         os.fsync(directory)
     finally:
@@ -237,9 +241,13 @@ class Journal:
         self._writer = _Writer()
 
     def _open(self) -> int:
+        created = not self.path.exists()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if os.fstat(fd).st_size == 0:  # new (or emptied by read_records): starts with the magic
             os.write(fd, MAGIC)
+            os.fsync(fd)
+        if created:  # the file's directory entry must survive a power loss as much as its records
+            _fsync_directory(self.path.parent)
         return fd
 
     def append(self, record: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ allow-listed client keys (buffer/curve.py); a refused handshake never reaches th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -240,8 +241,8 @@ class BufferService:
                 self._serve_parked()
             return reply
         if isinstance(msg, FetchBatch):
-            if msg.num_groups < 1:
-                raise wire.WireError("bad_field", "FetchBatch.num_groups must be >= 1")
+            if not 1 <= msg.num_groups <= wire.MAX_GROUP:  # a BatchReply holds at most MAX_GROUP groups
+                raise wire.WireError("bad_field", f"FetchBatch.num_groups must be in [1, {wire.MAX_GROUP}]")
             taken, dropped = state.take_batch(msg.step, msg.num_groups)
             if taken is not None or msg.wait_s <= 0:
                 self._send_batch(envelope, msg.step, taken, dropped)
@@ -267,8 +268,16 @@ class BufferService:
             self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped)
 
     def _send_batch(self, envelope: list[bytes], step: int, taken: list[Queued] | None, dropped: int) -> None:
-        self._flush()  # commits the consume record too
-        if not self._send([*envelope, batch_reply(step, taken, dropped)]) and taken:
+        try:
+            data = batch_reply(step, taken, dropped)
+        except wire.WireError as err:  # too large for one message: the groups go back, the learner is told why
+            if taken:
+                self.state.requeue(taken)
+            self.state.counters[f"rejected_{err.reason}"] += 1
+            detail = f"a BatchReply of {len(taken or [])} groups: {err.detail}; fetch fewer groups per step"
+            data, taken = _encode_reply(ErrorReply(err.reason, detail)), None
+        self._flush()  # commits the consume record (and the requeue) too
+        if not self._send([*envelope, data]) and taken:
             self.state.requeue(taken)  # the learner never got it: it was not trained
             self._commit()
 
@@ -426,9 +435,14 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = bind(socket, cfg.buffer.host, cfg.buffer.port)
         print(f"READY {endpoint}", flush=True)
         service.run(monitor)
+    except OSError as err:  # the journal cannot be written (disk full, I/O error): no durability, so stop
+        print(f"buffer: stopping: the journal {journal.path if journal else ''} cannot be written ({err}); every "
+              "acknowledged group is in it, restart once the disk is fixed", file=sys.stderr, flush=True)  # fmt: skip
+        return 3
     finally:
         if journal is not None:
-            journal.close()
+            with contextlib.suppress(OSError):  # already reported; the sockets must still be closed
+                journal.close()
         if monitor is not None:
             socket.disable_monitor()
             monitor.close(0)

@@ -330,6 +330,7 @@ class BufferState:
             "cursor": self.cursor,
             "step": self.step,
             "consumed": self.consumed_groups,
+            "admitted": self.counters["admitted_groups"] - len(self.queue),  # admits not in the snapshot
             "max_lag": self.max_lag,
             "pending": pending,
         }
@@ -351,6 +352,7 @@ class BufferState:
                 self.consumed_groups, self.max_lag = int(record["consumed"]), int(record["max_lag"])
                 unresolved = set(record["pending"])
                 self._compacted_step = self.step
+                admitted_count = int(record.get("admitted", 0))  # admits compacted away (older journals: unknown)
             elif kind == "lease":
                 unresolved.update(record["i"])
                 self.cursor = max(self.cursor, max(record["i"], default=-1) + 1)

@@ -155,9 +155,9 @@ def test_commit_async_reports_durability_through_its_fd(tmp_path: Path, monkeypa
         real_fsync(fd)
         synced.append(fd)
 
-    monkeypatch.setattr(journal_module.os, "fsync", slow_fsync)
     path = tmp_path / "buffer.journal"
-    journal = Journal(path, "batch")
+    journal = Journal(path, "batch")  # created (and its directory entry synced) before the disk slows down
+    monkeypatch.setattr(journal_module.os, "fsync", slow_fsync)
     assert journal.commit_async() == 0  # nothing appended: nothing to wait for
     journal.append_admit(_push_bytes())
     started = time.monotonic()

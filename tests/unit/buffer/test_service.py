@@ -25,7 +25,7 @@ from asyncrl import wire
 from asyncrl.config import Config, DataConfig, to_dict
 from asyncrl.tasks import make_source
 from asyncrl.wire import PromptLease, Trajectory
-from buffer.client import BufferClient, BufferUnavailable
+from buffer.client import BufferClient, BufferRequestError, BufferUnavailable
 from buffer.curve import ClientKeys, client_keys
 from buffer.journal import read_records
 
@@ -601,9 +601,120 @@ def test_compaction_bounds_the_journal_and_keeps_exactly_once(tmp_path: Path) ->
     with running_buffer(tmp_path, run_dir=run_dir) as buffer:
         stats = buffer.stats()
         assert stats["queued_groups"] == 1 and stats["current_step"] == 11 and stats["cursor"] == 25
+        assert stats["admitted_groups"] == 25 and stats["consumed_groups"] == 24  # compacted admits still counted
         batch = buffer.client.fetch_batch(step=12, num_groups=1, wait_s=0.0)
         assert [g[0].group for g in batch.groups] == [leftover[0].group]
         assert len(set(consumed)) == 24
         for group in consumed[:3] + consumed[-2:]:  # consumed before the compaction or after: still duplicates
             lease = PromptLease(group, int(group[1:]), "", "", 0.0)
             assert buffer.client.push_group(group, make_group(lease, version=12)).reason == "duplicate"
+
+
+def test_a_fetch_of_more_than_a_reply_can_hold_is_refused_and_consumes_nothing(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:
+        lease_and_push(buffer, 3)
+        with pytest.raises(BufferRequestError, match=r"bad_field.*num_groups must be in \[1, 1024\]"):
+            buffer.client.fetch_batch(0, wire.MAX_GROUP + 1, wait_s=0.0)
+        assert buffer.stats()["queued_groups"] == 3 and buffer.stats()["consumed_groups"] == 0
+
+
+def test_a_batch_too_large_to_encode_goes_back_to_the_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service in this process (so that the reply size limit can be lowered): the learner is told, the groups
+    stay queued (in the journal too), and a smaller fetch gets them."""
+    from asyncrl.netaddr import bind
+    from buffer.journal import Journal
+    from buffer.service import BufferService, make_socket
+    from buffer.state import BufferState
+
+    def start(run: Path) -> tuple[BufferService, threading.Thread, str, zmq.Context]:
+        state = BufferState(source=make_source(DataConfig(task="arith", digits=2)), group_size=GROUP_SIZE,
+                            groups_per_step=BATCH, max_lag=5, filter_groups=False, lease_timeout_s=30.0,
+                            max_queued_groups=100)  # fmt: skip
+        state.replay(read_records(run / "buffer.journal"))
+        journal = state.journal = Journal(run / "buffer.journal", "batch")
+        context = zmq.Context()
+        socket = make_socket(context)
+        endpoint = bind(socket, "127.0.0.1", 0)
+        service = BufferService(state, socket, journal)
+        thread = threading.Thread(target=service.run, daemon=True)
+        thread.start()
+        return service, thread, endpoint, context
+
+    def stop(service: BufferService, thread: threading.Thread, context: zmq.Context) -> None:
+        service.stopping = True
+        thread.join(10)
+        assert service.journal is not None
+        service.journal.close()
+        service.socket.close(0)
+        context.term()
+
+    run = tmp_path / "run"
+    run.mkdir()
+    service, thread, endpoint, context = start(run)
+    client = BufferClient(endpoint, "learner", timeout_s=5.0)
+    try:
+        leases, _ = client.lease(3)
+        for lease in leases:
+            assert client.push_group(lease.group, make_group(lease)).accepted
+        one_group = len(service.state.queue[0].payload)
+        monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 2 * one_group + 200)  # two groups fit in a reply, not three
+        with pytest.raises(BufferRequestError, match=r"oversized.*BatchReply of 3 groups.*fetch fewer"):
+            client.fetch_batch(0, 3, wait_s=0.0)
+        stats = client.stats()
+        assert stats["queued_groups"] == 3 and stats["consumed_groups"] == 0 and stats["rejected_oversized"] == 1
+        reply = client.fetch_batch(0, 2, wait_s=0.0)
+        assert reply.ready and [g[0].group for g in reply.groups] == [lease.group for lease in leases[:2]]
+    finally:
+        client.close()
+        stop(service, thread, context)
+    service, thread, endpoint, context = start(run)  # the journal replays to the same queue: the third group
+    try:
+        assert [q.group for q in service.state.queue] == [leases[2].group]
+        assert service.state.counters["admitted_groups"] == 3 and service.state.consumed_groups == 2
+    finally:
+        stop(service, thread, context)
+
+
+def test_a_journal_that_cannot_be_written_stops_the_buffer_clearly_and_keeps_what_was_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """The journal's file size is capped (RLIMIT_FSIZE): a write fails with EFBIG as on a full disk."""
+    import resource
+
+    config = write_config(tmp_path / "config.json", staleness={"max_lag": 500})  # leasing never throttles here
+    run_dir = tmp_path / "run"
+    limit = 20_000
+
+    def cap_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=cap_file_size)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    endpoint = proc.stdout.readline().decode().split()[1]
+    client = BufferClient(endpoint, "w0", timeout_s=3.0)
+    acknowledged = []
+    try:
+        for _ in range(200):
+            leases, _ = client.lease(1)
+            reply = client.push_group(leases[0].group, make_group(leases[0]))
+            assert (reply.accepted, reply.reason) == (True, "")
+            acknowledged.append(leases[0].group)
+    except BufferUnavailable:
+        pass
+    finally:
+        client.close()
+    assert proc.wait(timeout=20) == 3
+    stderr = proc.stderr.read().decode()
+    assert "cannot be written" in stderr and "File too large" in stderr and "Traceback" not in stderr, stderr
+    proc.stdout.close()
+    proc.stderr.close()
+    assert 5 < len(acknowledged) < 200
+    with running_buffer(tmp_path, run_dir=run_dir, staleness={"max_lag": 500}) as buffer:  # no cap: all are there
+        queued = buffer.stats()["queued_groups"]
+        assert queued >= len(acknowledged)
+        batch = buffer.client.fetch_batch(0, queued, wait_s=0.0)
+        assert [g[0].group for g in batch.groups][: len(acknowledged)] == acknowledged
