@@ -36,8 +36,9 @@ from rollout_workers.embedded.model import (
     ArchConfig,
     KVCache,
     ModelWeights,
+    Prompts,
     check_weight_shapes,
-    decode,
+    forward_step,
     prefill,
     required_weight_names,
 )
@@ -326,16 +327,20 @@ class EmbeddedEngine:
         started = time.perf_counter()
         decoding = list(self._active)
         joining = self._admit()
-        logits = []
+        if not decoding and not joining:
+            return []
+        running = None
         if decoding:
             tokens = torch.tensor([seq.tokens[-1] for seq in decoding])
             positions = torch.tensor([len(seq.tokens) - 1 for seq in decoding])
-            logits.append(decode(self.arch, weights, self._cache, tokens, positions))  # type: ignore[arg-type]
-        if joining:
-            logits.append(self._prefill_groups(weights, joining, len(decoding)))
-        if not logits:
-            return []
-        finished = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0], version)
+            running = (tokens, positions)
+        prompts, sample_rows = self._prompts(joining, len(decoding)) if joining else (None, None)
+        # one forward for both: the joining prompts ride along with the decode step (see model.forward_step)
+        logits = forward_step(self.arch, weights, self._cache, running, prompts)  # type: ignore[arg-type]
+        assert logits is not None
+        if sample_rows is not None:  # one row per prompt -> one per sample (n samples share a prompt's prefill)
+            logits = torch.cat((logits[: len(decoding)], logits[len(decoding) :][sample_rows]))
+        finished = self._sample(logits, version)
         self._retire(finished)
         self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.perf_counter() - started)
         return finished
@@ -367,8 +372,10 @@ class EmbeddedEngine:
                 self._active.extend(group.samples)
         return joining
 
-    def _prefill_groups(self, weights: ModelWeights, groups: list[_Group], first_slot: int) -> torch.Tensor:
-        """Prefill each group's prompt once into all its slots; returns one logits row per sample."""
+    @staticmethod
+    def _prompts(groups: list[_Group], first_slot: int) -> tuple[Prompts, torch.Tensor]:
+        """Each group's prompt, prefilled once into the slots of all its samples from `first_slot` on; and for each
+        sample, the row of its prompt."""
         lengths = torch.tensor([len(group.prompt) for group in groups])
         tokens = torch.zeros((len(groups), int(lengths.max())), dtype=torch.long)
         for row, group in enumerate(groups):
@@ -376,8 +383,7 @@ class EmbeddedEngine:
         counts = torch.tensor([len(group.samples) for group in groups])
         rows = torch.repeat_interleave(torch.arange(len(groups)), counts)
         slots = torch.arange(first_slot, first_slot + len(rows))
-        logits = prefill(self.arch, weights, self._cache, tokens, lengths, rows, slots)  # type: ignore[arg-type]
-        return logits[rows]  # type: ignore[index]
+        return Prompts(tokens, lengths, rows, slots), rows
 
     def _retract(self) -> None:
         """Recompute the K/V of every in-flight sequence with the new weights (all tokens but the pending one)."""

@@ -8,7 +8,8 @@ whole `ModelWeights` object between decode steps, so a step never mixes two vers
 
 The KV cache holds one row ("slot") per sequence, position p of a sequence at index p of its slot. `prefill` runs
 right-padded prompts from position 0 and writes their keys/values into any slots; `decode` runs one token for each
-of the first n slots (the engine keeps its active sequences in slots 0..n-1).
+of the first n slots (the engine keeps its active sequences in slots 0..n-1); `forward_step` runs both in one forward,
+sharing every linear between them (the engine's step: prompts that join a running batch ride along with it).
 """
 
 from __future__ import annotations
@@ -466,13 +467,11 @@ class KVCache:
         self.values[:, dst, :, :length] = self.values[:, src, :, :length]
 
 
-def _attention_block(
-    arch: ArchConfig, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def _heads(
+    arch: ArchConfig, layer: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (B, S, hidden) -> q (B, H, S, D), k, v (B, KV, S, D), RoPE applied."""
-    batch, seq, _ = x.shape
-    h = rms_norm(x, layer.input_norm, arch.rms_norm_eps)
-    qkv = linear(h, layer.qkv, layer.qkv_bias)
+    """Fused projections qkv (B, S, q + 2 kv) -> q (B, H, S, D), k, v (B, KV, S, D), q/k norms and RoPE applied."""
+    batch, seq, _ = qkv.shape
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
     q = q.view(batch, seq, arch.num_heads, arch.head_dim).transpose(1, 2)
@@ -495,6 +494,76 @@ def _logits(arch: ArchConfig, weights: ModelWeights, last: torch.Tensor) -> torc
     return linear(rms_norm(last, weights.norm, arch.rms_norm_eps), weights.head, None).to(torch.float32)
 
 
+def forward_step(
+    arch: ArchConfig,
+    weights: ModelWeights,
+    cache: KVCache,
+    decoding: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prompts: Prompts | None = None,
+    need_logits: bool = True,
+) -> torch.Tensor | None:
+    """One forward over decode tokens and prompts together; returns logits (N + M, V): decode rows, then prompts.
+
+    `decoding` = (tokens (N,), positions (N,)): the next token of the sequences in cache slots 0..N-1, at those
+    positions (= the cache index each is written to). `prompts` run from position 0 and write their K/V into their
+    slots. Every linear (norms, q/k/v, o, gate/up, down, head) runs once over the rows of both, so that prompts
+    joining a running batch share its weight reads instead of costing a forward of their own; only attention is
+    computed apart (decode rows over their cache, prompt rows causally over themselves). Each row's result is that
+    of the separate forwards: quantized products are exact per row, float GEMMs agree to their rounding.
+    """
+    n = 0 if decoding is None else int(decoding[0].shape[0])
+    m, seq = (0, 0) if prompts is None else prompts.tokens.shape
+    rows = [weights.embed[decoding[0]]] if decoding is not None else []
+    if prompts is not None:
+        rows.append(weights.embed[prompts.tokens].reshape(m * seq, -1))
+    x = torch.cat(rows) if len(rows) > 1 else rows[0]  # (N + M * S, hidden)
+    gqa = arch.num_kv_heads != arch.num_heads
+    if decoding is not None:
+        positions = decoding[1]
+        span = int(positions.max()) + 1
+        cos_d, sin_d = cache.cos[positions][:, None, None], cache.sin[positions][:, None, None]  # (N, 1, 1, D)
+        mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None]  # (N, 1, 1, span)
+        slots_d = torch.arange(n)
+    if prompts is not None:
+        cos_p, sin_p = cache.cos[None, None, :seq], cache.sin[None, None, :seq]
+    for i, layer in enumerate(weights.layers):
+        qkv = linear(rms_norm(x, layer.input_norm, arch.rms_norm_eps), layer.qkv, layer.qkv_bias)
+        attn = []
+        if decoding is not None:
+            q, k, v = _heads(arch, layer, qkv[:n, None], cos_d, sin_d)
+            keys, values = cache.keys[i], cache.values[i]
+            keys[slots_d, :, positions] = k[:, :, 0]
+            values[slots_d, :, positions] = v[:, :, 0]
+            out = F.scaled_dot_product_attention(
+                q, keys[:n, :, :span], values[:n, :, :span], attn_mask=mask, enable_gqa=gqa
+            )
+            attn.append(out.transpose(1, 2).reshape(n, arch.num_heads * arch.head_dim))
+        if prompts is not None:
+            q, k, v = _heads(arch, layer, qkv[n:].view(m, seq, -1), cos_p, sin_p)
+            cache.keys[i, prompts.slots, :, :seq] = k[prompts.slot_rows]
+            cache.values[i, prompts.slots, :, :seq] = v[prompts.slot_rows]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            attn.append(out.transpose(1, 2).reshape(m * seq, arch.num_heads * arch.head_dim))
+        x = _mlp_block(arch, layer, x, torch.cat(attn) if len(attn) > 1 else attn[0])
+    if not need_logits:
+        return None
+    last = [x[:n]] if decoding is not None else []
+    if prompts is not None:
+        last.append(x[n:].view(m, seq, -1)[torch.arange(m), prompts.lengths - 1])
+    return _logits(arch, weights, torch.cat(last) if len(last) > 1 else last[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    """Prompts to prefill: `tokens` (M, S) int64 right-padded, `lengths` (M,) real tokens per row; the K/V of row
+    `slot_rows[j]` goes to cache slot `slots[j]` (a prompt shared by n samples fills n slots)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    slot_rows: torch.Tensor
+    slots: torch.Tensor
+
+
 def prefill(
     arch: ArchConfig,
     weights: ModelWeights,
@@ -506,19 +575,9 @@ def prefill(
     need_logits: bool = True,
 ) -> torch.Tensor | None:
     """Run prompts from position 0; write their K/V into `slots`; return logits at each row's last token (M, V)."""
-    batch, seq = tokens.shape
-    x = weights.embed[tokens]
-    cos, sin = cache.cos[None, None, :seq], cache.sin[None, None, :seq]
-    for i, layer in enumerate(weights.layers):
-        q, k, v = _attention_block(arch, layer, x, cos, sin)
-        cache.keys[i, slots, :, :seq] = k[slot_rows]
-        cache.values[i, slots, :, :seq] = v[slot_rows]
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=arch.num_kv_heads != arch.num_heads)
-        attn = attn.transpose(1, 2).reshape(batch, seq, arch.num_heads * arch.head_dim)
-        x = _mlp_block(arch, layer, x, attn)
-    if not need_logits:
-        return None
-    return _logits(arch, weights, x[torch.arange(batch), lengths - 1])
+    return forward_step(
+        arch, weights, cache, prompts=Prompts(tokens, lengths, slot_rows, slots), need_logits=need_logits
+    )
 
 
 def decode(
@@ -529,21 +588,4 @@ def decode(
     positions: torch.Tensor,  # (N,) int64: their positions (= cache index they are written to)
 ) -> torch.Tensor:
     """One decode step for slots 0..N-1; returns logits (N, V)."""
-    batch = tokens.shape[0]
-    span = int(positions.max()) + 1
-    x = weights.embed[tokens][:, None]  # (N, 1, hidden)
-    cos, sin = cache.cos[positions][:, None, None], cache.sin[positions][:, None, None]  # (N, 1, 1, D)
-    mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None]  # (N, 1, 1, span)
-    rows = torch.arange(batch)
-    for i, layer in enumerate(weights.layers):
-        q, k, v = _attention_block(arch, layer, x, cos, sin)
-        keys, values = cache.keys[i], cache.values[i]
-        keys[rows, :, positions] = k[:, :, 0]
-        values[rows, :, positions] = v[:, :, 0]
-        attn = F.scaled_dot_product_attention(
-            q, keys[:batch, :, :span], values[:batch, :, :span], attn_mask=mask,
-            enable_gqa=arch.num_kv_heads != arch.num_heads,
-        )  # fmt: skip
-        attn = attn.transpose(1, 2).reshape(batch, 1, arch.num_heads * arch.head_dim)
-        x = _mlp_block(arch, layer, x, attn)
-    return _logits(arch, weights, x[:, 0])
+    return forward_step(arch, weights, cache, decoding=(tokens, positions))  # type: ignore[return-value]

@@ -694,24 +694,29 @@ def test_a_journal_that_cannot_be_written_stops_the_buffer_clearly_and_keeps_wha
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=cap_file_size)  # fmt: skip
     assert proc.stdout is not None and proc.stderr is not None
-    endpoint = proc.stdout.readline().decode().split()[1]
-    client = BufferClient(endpoint, "w0", timeout_s=3.0)
     acknowledged = []
     try:
-        for _ in range(200):
-            leases, _ = client.lease(1)
-            reply = client.push_group(leases[0].group, make_group(leases[0]))
-            assert (reply.accepted, reply.reason) == (True, "")
-            acknowledged.append(leases[0].group)
-    except BufferUnavailable:
-        pass
+        endpoint = proc.stdout.readline().decode().split()[1]
+        client = BufferClient(endpoint, "w0", timeout_s=3.0)
+        try:
+            for _ in range(200):
+                leases, _ = client.lease(1)
+                reply = client.push_group(leases[0].group, make_group(leases[0]))
+                assert (reply.accepted, reply.reason) == (True, "")
+                acknowledged.append(leases[0].group)
+        except BufferUnavailable:
+            pass
+        finally:
+            client.close()
+        assert proc.wait(timeout=20) == 3
+        stderr = proc.stderr.read().decode()
+        assert "cannot be written" in stderr and "File too large" in stderr and "Traceback" not in stderr, stderr
     finally:
-        client.close()
-    assert proc.wait(timeout=20) == 3
-    stderr = proc.stderr.read().decode()
-    assert "cannot be written" in stderr and "File too large" in stderr and "Traceback" not in stderr, stderr
-    proc.stdout.close()
-    proc.stderr.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
     assert 5 < len(acknowledged) < 200
     with running_buffer(tmp_path, run_dir=run_dir, staleness={"max_lag": 500}) as buffer:  # no cap: all are there
         queued = buffer.stats()["queued_groups"]

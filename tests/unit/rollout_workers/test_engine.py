@@ -210,10 +210,8 @@ def test_n_samples_share_one_prefill_and_match_hf(tmp_path):
     model = make_model(tmp_path, "qwen2")
     engine = engine_for(model, tmp_path)
     prefills = []
-    original = engine._prefill_groups
-    engine._prefill_groups = lambda weights, groups, first: (
-        prefills.append(len(groups)) or original(weights, groups, first)
-    )
+    original = engine._prompts
+    engine._prompts = lambda groups, first: prefills.append(len(groups)) or original(groups, first)
     prompts = [p for p in PROMPTS[:3] for _ in range(4)]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=11))
     assert prefills == [3]  # one prefill row per distinct prompt
@@ -395,3 +393,38 @@ def test_a_version_whose_build_fails_is_dropped_and_the_old_one_keeps_running(tm
     assert engine.generate(PROMPTS[:1], greedy)[0].response_ids == before
     engine.stage_weights(WeightUpdate(2, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
     assert engine.swap_now() and engine.version == 2  # the next version builds and runs
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("llama", "none"), ("qwen3", "int8"), ("qwen2", "fp8")])
+def test_prompts_joining_a_decode_step_share_its_linears_and_match_separate_forwards(
+    tmp_path, arch, scheme, monkeypatch
+):
+    import copy
+
+    import rollout_workers.embedded.model as model_module
+    from rollout_workers.embedded.model import KVCache, ModelWeights, Prompts, decode, forward_step, prefill
+
+    model = make_model(tmp_path, arch)
+    engine = engine_for(model, tmp_path, scheme)
+    engine.swap_now()
+    weights, arch_cfg = engine._weights, engine.arch
+    cache = KVCache(arch_cfg, 6, 32)
+    running = prefill(arch_cfg, weights, cache, torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]), torch.tensor([4, 2]),
+                      torch.tensor([0, 1]), torch.tensor([0, 1]))  # fmt: skip
+    assert running is not None and isinstance(weights, ModelWeights)
+    tokens, positions = running.argmax(-1), torch.tensor([4, 2])
+    joining = Prompts(torch.tensor([[20, 21, 22], [14, 0, 0]]), torch.tensor([3, 1]), torch.tensor([0, 0, 1]),
+                      torch.tensor([2, 3, 4]))  # fmt: skip
+    apart = copy.deepcopy(cache)
+    separate = torch.cat((
+        decode(arch_cfg, weights, apart, tokens, positions),
+        prefill(arch_cfg, weights, apart, joining.tokens, joining.lengths, joining.slot_rows, joining.slots),
+    ))  # fmt: skip
+    calls = []
+    real = model_module.linear
+    monkeypatch.setattr(model_module, "linear", lambda *args: calls.append(1) or real(*args))
+    together = forward_step(arch_cfg, weights, cache, (tokens, positions), joining)
+    assert len(calls) == 4 * arch_cfg.num_layers + 1  # q/k/v, o, gate/up, down per layer, then the head: once each
+    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
+    for mine, theirs in ((cache.keys, apart.keys), (cache.values, apart.values)):
+        torch.testing.assert_close(mine[:, :5], theirs[:, :5], rtol=1e-5, atol=1e-6)
