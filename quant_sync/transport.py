@@ -500,6 +500,7 @@ class WeightSubscriber:
         self.received = 0
         self.via_shm = 0
         self.last_fetch_s = 0.0
+        """Seconds from a new version's header to its verified tensors (the last one fetched)."""
         self._stop = threading.Event()
         self._socket: zmq.Socket | None = None
         self._thread = threading.Thread(target=self._run, name="weight-subscriber", daemon=True)
@@ -561,11 +562,12 @@ class WeightSubscriber:
         return socket.recv_multipart(copy=False)
 
     def _fetch_latest(self, socket: zmq.Socket) -> WeightUpdate | None:
-        started = time.perf_counter()
         have = max(self.have, -1 if self.refused is None else self.refused)  # never the refused version again
         socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": have, "wait_ms": LONG_POLL_MS}))
         try:
-            manifest = parse_header(self._recv(socket)[0].bytes)
+            frame = self._recv(socket)[0]
+            started = time.perf_counter()  # the fetch proper, without the long poll's wait
+            manifest = parse_header(frame.bytes)
         except PayloadError as err:
             self._reject(err)
             return None

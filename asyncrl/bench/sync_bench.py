@@ -88,7 +88,7 @@ def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> 
         steady_start = time.monotonic()
         time.sleep(steady_s)
         sync_start = time.monotonic()
-        latencies, version = [], 0
+        latencies, fetch_s, build_s, version = [], [], [], 0
         while time.monotonic() - sync_start < sync_s:
             version += 1
             handed_off = time.monotonic()
@@ -99,6 +99,8 @@ def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> 
                 if event["event"] == "swap" and event["version"] == version:
                     running.add(event["worker"])
                     last = event["t"]
+                    fetch_s.append(event["fetch_s"])
+                    build_s.append(event["build_s"])
             latencies.append(last - handed_off)
         sync_end = time.monotonic()
         for process in workers:
@@ -125,6 +127,8 @@ def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> 
         f"{name}_publish_latency_median_s": latency,
         f"{name}_publish_latency_max_s": max(latencies),
         f"{name}_publish_call_s": publisher.last_publish_s,
+        f"{name}_worker_fetch_median_s": statistics.median(fetch_s),  # header to verified tensors (subscriber)
+        f"{name}_worker_build_median_s": statistics.median(build_s),  # decode-thread build time, all slices
         f"{name}_versions_published": float(len(latencies)),
         f"{name}_steady_tok_per_s": sum(steady_rate),
         f"{name}_sync_tok_per_s": sum(sync_rate),

@@ -5,7 +5,9 @@ requests (staggered lengths, so sequences finish and join one at a time, as in a
 the bench over a ZMQ PUSH socket with msgpack messages:
 
     {"event": "ready", "worker"}                        once version 0 runs
-    {"event": "swap", "worker", "version", "t"}         when a new version runs (t: time.monotonic(), system-wide)
+    {"event": "swap", "worker", "version", "t",         when a new version runs (t: time.monotonic(), system-wide;
+     "fetch_s", "build_s"}                               fetch: header to verified tensors, on the subscriber
+                                                        thread; build: on the decode thread, over its slices)
     {"event": "done", "worker", "stamps", "tokens"}     on SIGTERM (or at its deadline): every step's end time
                                                         (time.monotonic()) and the tokens decoded in that step
 """
@@ -64,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             submit(longest)
         if engine.version != version:
             version = engine.version
-            report.send(msgpack.packb({"event": "swap", "worker": worker, "version": version, "t": stamps[-1]}))
+            swap = {"event": "swap", "worker": worker, "version": version, "t": stamps[-1]}
+            swap.update(fetch_s=subscriber.last_fetch_s, build_s=engine.last_build_s)
+            report.send(msgpack.packb(swap))
     subscriber.close()
     report.send(msgpack.packb({"event": "done", "worker": worker, "stamps": stamps, "tokens": tokens}))
     report.close()

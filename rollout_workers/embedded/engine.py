@@ -159,6 +159,9 @@ class EmbeddedEngine:
         self._active: list[Sequence] = []  # active[i] lives in cache slot i
         self._queue: deque[_Group] = deque()
         self.swaps = 0
+        self.last_build_s = 0.0
+        """Decode-thread time the last swapped-in version took to build (summed over its slices)."""
+        self._build_s = 0.0
         self.retracted_tokens = 0
         """Tokens whose K/V was recomputed after a swap (retract mode)."""
 
@@ -206,20 +209,24 @@ class EmbeddedEngine:
             return False
         if self._building is None or self._building[0] != version:
             self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map, self.dtype, self.device))
+            self._build_s = 0.0
         budget = max(BUILD_SLICE_MIN_S, BUILD_SLICE_OF_STEP * self._step_seconds) if self._active else float("inf")
-        deadline = time.perf_counter() + budget
+        started = time.perf_counter()
         part = None
         try:
             for part in self._building[1]:
                 if part is not None:
                     break
-                if time.perf_counter() >= deadline:
+                if time.perf_counter() >= started + budget:
                     return False
         except Exception:  # a version that cannot be built is dropped; the running one stays
             self._building = None
             self._drop_staged(staged)
             raise
+        finally:
+            self._build_s += time.perf_counter() - started
         self._building = None
+        self.last_build_s = self._build_s
         if part is None:  # the build ended without weights (cannot happen with build_in_parts): drop the version
             self._drop_staged(staged)
             return False

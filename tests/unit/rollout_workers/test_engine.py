@@ -392,7 +392,7 @@ def test_a_version_whose_build_fails_is_dropped_and_the_old_one_keeps_running(tm
     assert not engine.apply_staged() and engine.version == 0  # dropped: nothing left half-built
     assert engine.generate(PROMPTS[:1], greedy)[0].response_ids == before
     engine.stage_weights(WeightUpdate(2, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
-    assert engine.swap_now() and engine.version == 2  # the next version builds and runs
+    assert engine.swap_now() and engine.version == 2 and engine.last_build_s > 0  # the next version builds and runs
 
 
 @pytest.mark.parametrize(("arch", "scheme"), [("llama", "none"), ("qwen3", "int8"), ("qwen2", "fp8")])
