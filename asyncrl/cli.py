@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+MAX_SCALE = 10_000
+"""Most rollout workers `asyncrl scale` accepts (each is a Ray actor: more would only wait for resources)."""
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL for LLMs with quantized rollout.")
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             written = plot_runs(args.runs, args.out)
-        except (FileNotFoundError, ValueError) as err:
+        except (OSError, ValueError) as err:  # a missing run, a bad metrics line, an --out that is not a directory
             print(f"asyncrl: {err}", file=sys.stderr)
             return 2
         for path in written:
@@ -170,8 +173,9 @@ def _control(args: argparse.Namespace) -> int:
             print(json.dumps(reply, indent=2, default=str) if args.json else format_status(reply))
         elif args.command == "scale":
             key, _, value = args.target.partition("=")
-            if key != "rollout" or not value.strip().isdigit():
-                raise ControlError(f"scale takes rollout=N (a whole number), got {args.target!r}")
+            count = value.strip()
+            if key != "rollout" or not (count.isascii() and count.isdigit()) or int(count) > MAX_SCALE:
+                raise ControlError(f"scale takes rollout=N (a whole number up to {MAX_SCALE}), got {args.target!r}")
             reply = request(run_dir, "scale", rollout=int(value))
             print(f"rollout workers: added {reply['added'] or 'none'}, removing {reply['removed'] or 'none'}")
         elif args.command == "set":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -464,6 +465,10 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "loss.acrl.x": (0.0, None),
     "loss.acrl.ema_decay": (0.0, 1.0),
     "loss.tbpo.c": (1.0, None),
+    "loss.tbpo.eps_seq_high": (0.0, 1.0),
+    "loss.tbpo.eps_seq_low": (0.0, 1.0),
+    "loss.tbpo.delta_high": (0.0, 1.0),
+    "loss.tbpo.delta_low": (0.0, 1.0),
     "algo.overlong.len": (0, None),
     "learner.minibatches": (1, None),
     "learner.micro_batch_tokens": (1, None),
@@ -528,6 +533,10 @@ def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
 
 
 def _check_choices_and_ranges(cfg: Config) -> None:
+    for key in all_keys():  # a NaN passes every comparison below (and would train on NaN weights): none anywhere
+        value = _get(cfg, key)
+        if isinstance(value, float) and (math.isnan(value) or (key in RANGES and math.isinf(value))):
+            raise ConfigError(f"value {value!r} for `{key}` is not a finite number")
     for key, choices in CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
@@ -540,6 +549,16 @@ def _check_choices_and_ranges(cfg: Config) -> None:
 
 
 def _check_cross_field(cfg: Config) -> None:
+    scale = cfg.precision.loss_scale_init
+    if math.frexp(scale)[0] != 0.5:  # unscaling must be exact: a power of two
+        raise ConfigError(f"`precision.loss_scale_init` must be a power of two, got {scale!r}")
+    if not cfg.ray.address:  # a local Ray of ray.num_cpus CPUs: every actor must fit, or some wait forever
+        need = cfg.ray.learner_cpus + cfg.rollout.num_workers * cfg.ray.worker_cpus
+        if need > cfg.ray.num_cpus + 1e-9:
+            raise ConfigError(
+                f"`ray.learner_cpus` ({cfg.ray.learner_cpus:g}) + `rollout.num_workers` ({cfg.rollout.num_workers}) "
+                f"x `ray.worker_cpus` ({cfg.ray.worker_cpus:g}) = {need:g} CPUs > `ray.num_cpus` ({cfg.ray.num_cpus})"
+            )
     if cfg.data.task == "jsonl" and not cfg.data.path:
         raise ConfigError("data.task=jsonl needs `data.path` (a JSONL file with prompt and answer fields)")
     if cfg.data.task == "arith" and (not cfg.data.ops or set(cfg.data.ops) - {"+", "-"}):

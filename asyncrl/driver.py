@@ -167,17 +167,13 @@ def _train(
             ops.step_done(step, metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
                 ops.save_checkpoint(step)
+            every = cfg.train.eval_every
+            if cfg.data.eval_size and every and step % every == 0 and step < cfg.train.steps:
+                _evaluate(cfg, learner, logger, step)  # the rollout workers keep generating meanwhile
         summary: dict[str, Any] = {"steps": step, "run_dir": str(run_dir), "stopped_early": ops.stopping}
         summary["workers"] = pool.stop_all()  # each finishes and pushes its batch in progress
         if cfg.data.eval_size and not ops.stopping:
-            from asyncrl.tasks import make_source
-
-            held_out = make_source(cfg.data).eval_set()
-            prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
-            summary["eval/acc_greedy"] = learner.evaluate(prompts, answers, cfg.rollout.max_new_tokens)
-            logger.event("eval", after_steps=step, acc_greedy=summary["eval/acc_greedy"], problems=len(prompts))
-            logger.info(f"held-out greedy accuracy (full precision): {summary['eval/acc_greedy']:.3f} "
-                        f"on {len(prompts)}")  # fmt: skip
+            summary["eval/acc_greedy"] = _evaluate(cfg, learner, logger, step)
         if cfg.checkpoint.every or ops.stopping:
             summary["checkpoint"] = str(ops.save_checkpoint(step))
         if cfg.checkpoint.final:
@@ -188,6 +184,18 @@ def _train(
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     logger.info(f"done: {step} steps; metrics in {run_dir / 'metrics.jsonl'}")
     return summary
+
+
+def _evaluate(cfg: Config, learner: Any, logger: MetricsLogger, step: int) -> float:
+    """Greedy accuracy of the learner's full-precision weights on the held-out prompts, logged as an `eval` event."""
+    from asyncrl.tasks import make_source
+
+    held_out = make_source(cfg.data).eval_set()
+    prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
+    accuracy = learner.evaluate(prompts, answers, cfg.rollout.max_new_tokens)
+    logger.event("eval", after_steps=step, acc_greedy=accuracy, problems=len(prompts))
+    logger.info(f"held-out greedy accuracy (full precision) after {step} steps: {accuracy:.3f} on {len(prompts)}")
+    return accuracy
 
 
 def _rollout_metrics(pool: WorkerPool, last: dict[str, float], seconds: float) -> dict[str, float]:

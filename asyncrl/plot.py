@@ -28,11 +28,18 @@ def read_steps(run_dir: Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
     by_step: dict[int, dict[str, float]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
-            if "event" not in record and "step" in record:
-                by_step[int(record["step"])] = record  # the last record of a step wins (resumed runs)
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # torn by a run killed while writing it: the steps before it stand
+                break
+            raise ValueError(f"{path}, line {number}: not a JSON record ({err})") from None
+        if isinstance(record, dict) and "event" not in record and "step" in record:
+            by_step[int(record["step"])] = record  # the last record of a step wins (resumed runs)
     return [by_step[step] for step in sorted(by_step)]
 
 

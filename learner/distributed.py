@@ -134,23 +134,28 @@ def full_state_dict(model: torch.nn.Module, ranks: Dist) -> dict[str, torch.Tens
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: Dist) -> dict:
-    """The optimizer state as one unsharded dict (keyed by parameter name with FSDP2): on rank 0; a collective."""
-    if ranks.world == 1:
-        return optimizer.state_dict()
+    """The optimizer state as one unsharded dict keyed by parameter name, whatever the world size (so that any
+    world size can load it): on rank 0; a collective with FSDP2."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=ranks.world > 1)
     state = get_optimizer_state_dict(model, optimizer, options=options)
     return state if ranks.is_main else {}
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, ranks: Dist) -> None:
-    """Load a `full_optimizer_state` dict into this rank's (sharded) optimizer; every rank passes the full dict."""
-    if ranks.world == 1:
-        optimizer.load_state_dict(state)
-        return
+    """Load a `full_optimizer_state` dict into this rank's (sharded) optimizer; every rank passes the full dict.
+
+    Checkpoints of single-process learners written before the state was keyed by name (keyed by parameter index,
+    `optimizer.state_dict()`) are converted by the order of `model.named_parameters()`, the optimizer's order."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if any(isinstance(key, int) for key in state.get("state", {})) or any(
+        isinstance(index, int) for group in state.get("param_groups", []) for index in group["params"]
+    ):
+        names = [name for name, _ in model.named_parameters()]
+        groups = [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]
+        state = {"state": {names[index]: value for index, value in state["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
 
 

@@ -137,21 +137,21 @@ def mismatch_weight(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, 
     if cfg.weighting == "none":
         return ones, ones, metrics
     if cfg.weighting == "decoupled":  # AReaL: w * surrogate, tokens with w > C masked out
-        keep = (w <= cap).float()
-        metrics["mis_masked"] = float(((1 - keep) * mask).sum() / n_tokens)
-        return w, keep, metrics
+        over = w > cap  # a masked w may be inf (where: inf * 0 is nan); a nan w is not masked, it fails the step
+        metrics["mis_masked"] = float((over.float() * mask).sum() / n_tokens)
+        return torch.where(over, 0.0, w), ones, metrics
     if cfg.weighting == "tis":  # FlashRL / QuRL eq. 5: min(w, C)
         metrics["tis_trunc"] = float(((w > cap).float() * mask).sum() / n_tokens)
         return torch.clamp(w, max=cap), ones, metrics
     if cfg.weighting == "mis_token":
-        keep = (w <= cap).float()
-        metrics["mis_masked"] = float(((1 - keep) * mask).sum() / n_tokens)
-        return w * keep, ones, metrics
+        over = w > cap
+        metrics["mis_masked"] = float((over.float() * mask).sum() / n_tokens)
+        return torch.where(over, 0.0, w), ones, metrics
     if cfg.weighting == "mis_seq":  # ACRL eq. 3: rho_i = exp(sum_t (lp - lb)), masked when > C
         rho = log_w.sum(-1).exp()  # (B,)
-        keep_seq = rho <= cap
-        metrics["mis_masked"] = float(1.0 - keep_seq.float().mean())
-        return torch.where(keep_seq, rho, 0.0)[:, None].expand_as(w), ones, metrics  # where: inf * 0 is nan
+        over = rho > cap  # where: inf * 0 is nan (a nan rho stays: it fails the step)
+        metrics["mis_masked"] = float(over.float().mean())
+        return torch.where(over, 0.0, rho)[:, None].expand_as(w), ones, metrics
     if cfg.weighting == "acr":  # handled in policy_loss (it widens the clip range too)
         metrics["tis_trunc"] = float(((w > cap).float() * mask).sum() / n_tokens)
         return torch.clamp(w, max=cap), ones, metrics
@@ -173,8 +173,8 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     weight, keep, metrics = mismatch_weight(inputs, cfg)
     eps_high: torch.Tensor | float = cfg.eps_high
     if cfg.weighting == "acr":  # QuRL eq. 9: upper bound (1 + eps_high) / s with s = min(w, C) / w
-        w = ((inputs.prox_logp - inputs.behav_logp).detach() * mask).exp()
-        s = weight / w
+        log_w = (inputs.prox_logp - inputs.behav_logp).detach() * mask
+        s = (math.log(cfg.cap) - log_w).clamp_max(0.0).exp()  # = min(w, C) / w, in log space: w may be 0 or inf
         eps_high = (1.0 + cfg.eps_high) / s - 1.0
     surrogate = clipped_surrogate(ratio, adv, cfg.eps_low, eps_high)
     if cfg.dual_clip:
@@ -250,9 +250,9 @@ def pg_is_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[
         metrics["tis_trunc"] = float((rho > cfg.cap).float().mean())
         rho = torch.clamp(rho, max=cfg.cap)
     elif cfg.weighting == "pg_mis":  # eq. 7; where, not a product: inf * 0 is nan
-        keep = rho <= cfg.cap
-        metrics["mis_masked"] = float(1.0 - keep.float().mean())
-        rho = torch.where(keep, rho, 0.0)
+        over = rho > cfg.cap  # a nan rho stays: it fails the step
+        metrics["mis_masked"] = float(over.float().mean())
+        rho = torch.where(over, 0.0, rho)
     seq_logp = torch.where(mask, inputs.cur_logp, 0.0).sum(-1)  # (B,) log pi_theta(y), with grad
     return -rho * inputs.advantages * seq_logp, metrics
 

@@ -96,6 +96,7 @@ class Learner:
             self.publisher = WeightPublisher(host=cfg.buffer.host, curve=server_keys(cfg.buffer.curve_keys_dir))
         if resume_dir:
             self._load_training_state(Path(resume_dir) / "training_state.pt")
+        self.version = start_version
         self._publish(start_version)
 
     def weights_endpoint(self) -> str:
@@ -115,6 +116,7 @@ class Learner:
             aligned.install_operands(self.model, tensors, self.cfg.quant.scheme)
         assert self.publisher is not None
         self.publisher.publish(version, tensors, self.cfg.quant.scheme)
+        self.version = version
         return quant_error_by_type(state, tensors, self.cfg.quant.scheme)
 
     def fetch(self, step: int) -> tuple[list[list[Trajectory]], int, float]:
@@ -154,7 +156,7 @@ class Learner:
         metrics.update(
             {
                 "step": step,
-                "version": step + 1 if not result.skipped else step,
+                "version": self.version,  # the latest published: a skipped step publishes nothing
                 "reward/batch": float(batch.rewards.mean()),
                 "acc/batch": float(batch.correct.mean()),
                 "response_len/mean": float(lengths.mean()),
@@ -228,6 +230,9 @@ class Learner:
     def _load_training_state(self, path: Path) -> None:
         state = torch.load(path, weights_only=True)
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"], self.ranks)
+        for group in self.optimizer.param_groups:  # the resumed run's optim.* (lr is set every step)
+            group["weight_decay"] = self.cfg.optim.weight_decay
+            group["betas"] = tuple(self.cfg.optim.betas)
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.acrl_reference.load_state_dict(state["acrl"])

@@ -23,7 +23,7 @@ import numpy as np
 
 from asyncrl.config import Config, from_dict
 from asyncrl.wire import PromptLease, Trajectory
-from buffer.client import BufferClient, BufferUnavailable, Heartbeat
+from buffer.client import BufferClient, BufferRequestError, BufferUnavailable, Heartbeat
 from buffer.curve import client_keys
 
 
@@ -72,7 +72,7 @@ class RolloutWorker:
         self._thread: threading.Thread | None = None
         self.counters = {
             "tokens": 0, "samples": 0, "correct": 0, "reward_sum": 0.0,
-            "groups_pushed": 0, "groups_refused": 0, "errors": 0, "gen_seconds": 0.0,
+            "groups_pushed": 0, "groups_refused": 0, "errors": 0, "gen_seconds": 0.0, "prompts_skipped": 0,
         }  # fmt: skip
         self.last_error = ""
 
@@ -135,6 +135,7 @@ class RolloutWorker:
             "last_error": self.last_error,
             "weights_rejected": getattr(self.subscriber, "rejected", 0),
             "weights_error": getattr(self.subscriber, "last_error", ""),
+            "build_errors": getattr(self.engine, "build_errors", 0),
             **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
         }
 
@@ -145,6 +146,11 @@ class RolloutWorker:
                 try:
                     leases, retry_after = client.lease(self.cfg.rollout.groups_per_lease)
                 except BufferUnavailable:
+                    continue
+                except BufferRequestError as err:  # the buffer refused the request itself: say so, back off
+                    self.counters["errors"] += 1
+                    self.last_error = f"lease refused: {err}"
+                    self._stop.wait(1.0)
                     continue
                 if not leases:
                     self._stop.wait(max(retry_after, 0.01))
@@ -169,6 +175,10 @@ class RolloutWorker:
                 if self._stop.is_set():
                     return
                 continue
+            except BufferRequestError as err:  # an invalid group (say a reward that is not finite): dropped
+                self.counters["groups_refused"] += 1
+                self.last_error = f"group {lease.group} refused: {err}"
+                return
             if reply.accepted:
                 self.counters["groups_pushed"] += 1
                 return
@@ -179,10 +189,31 @@ class RolloutWorker:
             if self._stop.wait(0.2):
                 return
 
+    def _prompt_fits(self, lease: PromptLease, ids: list[int]) -> bool:
+        """Whether the engine can generate for this prompt (not empty, room for max_new_tokens); counted if not."""
+        limit = getattr(self.engine, "max_seq_len", None)
+        room = limit is None or len(ids) + self.cfg.rollout.max_new_tokens <= limit
+        if ids and room:
+            return True
+        self.counters["prompts_skipped"] += 1
+        self.last_error = (
+            f"prompt of group {lease.group} skipped: {len(ids)} tokens + rollout.max_new_tokens "
+            f"{self.cfg.rollout.max_new_tokens} do not fit the engine's max sequence length {limit}"
+            if ids
+            else f"prompt of group {lease.group} skipped: it tokenizes to no tokens"
+        )
+        return False
+
     def rollout(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
         """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch)."""
         group_size = self.cfg.train.group_size
         prompt_ids = [self.tokenizer(lease.prompt)["input_ids"] for lease in leases]
+        fits = [self._prompt_fits(lease, ids) for lease, ids in zip(leases, prompt_ids)]
+        if not all(fits):  # generate the others; a prompt that cannot be generated is left to its lease's expiry
+            leases = [lease for lease, ok in zip(leases, fits) if ok]
+            prompt_ids = [ids for ids, ok in zip(prompt_ids, fits) if ok]
+            if not leases:
+                return []
         batch = [ids for ids in prompt_ids for _ in range(group_size)]
         started = time.time()
         completions = self.engine.generate(batch, self.params)

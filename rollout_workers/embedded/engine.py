@@ -21,6 +21,7 @@ A scheduler runs one `step` at a time:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -160,6 +161,9 @@ class EmbeddedEngine:
         self._queue: deque[_Group] = deque()
         self.swaps = 0
         self.last_build_s = 0.0
+        self.build_errors = 0
+        """Staged versions dropped because their build failed (the running version kept decoding)."""
+        self.last_build_error = ""
         """Decode-thread time the last swapped-in version took to build (summed over its slices)."""
         self._build_s = 0.0
         self.retracted_tokens = 0
@@ -249,6 +253,7 @@ class EmbeddedEngine:
             self._queue.append(_Group(list(prompt), samples[start : start + self.max_batch]))
         return samples
 
+    @torch.inference_mode()
     def abort(self, sequences: list[Sequence]) -> list[Sequence]:
         """End these sequences between two steps with finish="abort" and what they have; frees their slots.
 
@@ -326,7 +331,14 @@ class EmbeddedEngine:
             return self._step()
 
     def _step(self) -> list[Sequence]:
-        if self.apply_staged() and self.swap_mode == "retract" and self._active:
+        try:
+            swapped = self.apply_staged()
+        except Exception as err:  # the version was dropped (apply_staged); decoding goes on with the running one
+            swapped = False
+            self.build_errors += 1
+            self.last_build_error = f"{type(err).__name__}: {err}"[:300]
+            print(f"embedded engine: a weight version failed to build and was dropped: {err}", file=sys.stderr)
+        if swapped and self.swap_mode == "retract" and self._active:
             self._retract()
         if self._weights is None:
             raise RuntimeError("the engine has no weights yet: stage a version before generating")
@@ -450,9 +462,10 @@ class EmbeddedEngine:
             if id(active[slot]) not in done:
                 slot += 1
                 continue
-            last = active.pop()
-            if slot < len(active):  # move the last sequence into the hole
-                if id(last) not in done:
-                    self._cache.copy_slot(len(active), slot, len(last.tokens) - 1)  # type: ignore[union-attr]
+            last = active[-1]
+            if slot < len(active) - 1 and id(last) not in done:  # move the last sequence into the hole
+                self._cache.copy_slot(len(active) - 1, slot, len(last.tokens) - 1)  # type: ignore[union-attr]
+            active.pop()  # only once its K/V is safe: a failed copy leaves the bookkeeping as it was
+            if slot < len(active):
                 active[slot] = last
         self._active = active

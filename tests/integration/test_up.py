@@ -31,11 +31,12 @@ def test_up_runs_async_steps_with_versions_and_publication(tmp_path):
     steps = 4
     proc = run_up(
         tmp_path, "model.path=builtin:micro", f"train.steps={steps}", "train.groups_per_step=4",
-        "train.group_size=4", "algo.filter_groups=false", "logging.name=smoke",
+        "train.group_size=4", "algo.filter_groups=false", "logging.name=smoke", "train.eval_every=2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = tmp_path / "smoke"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["after_steps"] for r in rows if r.get("event") == "eval"] == [2, 4]  # every 2 steps, and at the end
     step_rows = [r for r in rows if "event" not in r]
     assert [r["step"] for r in step_rows] == list(range(steps))
     for row in step_rows:

@@ -56,6 +56,12 @@ def test_overrides_apply_in_order():
         ("loss.acrl=2", "`loss.acrl` is a section"),
         ("ray.worker_resources={rollout_node: 0}", "`ray.worker_resources.rollout_node` must be a positive amount"),
         ("rollout.max_restarts=-1", "`rollout.max_restarts` is out of range"),
+        ("optim.lr=nan", "value nan for `optim.lr` is not a finite number"),
+        ("loss.cap=inf", "value inf for `loss.cap` is not a finite number"),
+        ("buffer.lease_timeout_s=nan", "`buffer.lease_timeout_s` is not a finite number"),
+        ("loss.tbpo.delta_low=2", "`loss.tbpo.delta_low` is out of range"),
+        ("precision.loss_scale_init=3", "`precision.loss_scale_init` must be a power of two"),
+        ("rollout.num_workers=3", "= 2.5 CPUs > `ray.num_cpus` (2)"),
     ],
 )
 def test_bad_overrides_name_the_key(override, expected):
@@ -129,3 +135,13 @@ def test_every_invalid_config_is_rejected_naming_the_key(path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert first.removeprefix("# expect: ") in str(err.value)
+
+
+def test_a_live_change_to_a_non_finite_value_is_refused():
+    from asyncrl.config import live_update
+
+    cfg = load_config(MAIN)
+    for item in ("optim.lr=nan", "loss.cap=inf", "loss.eps_high=-inf"):
+        with pytest.raises(ConfigError, match="not a finite number"):
+            live_update(cfg, [item])
+    assert live_update(cfg, ["optim.lr=3e-4"]) == {"optim.lr": 3e-4}

@@ -79,3 +79,16 @@ def test_control_errors_name_the_problem(tmp_path: Path):
     assert find_run(None, runs_root=str(runs)) == run_dir
     with pytest.raises(ControlError, match="no answer from the driver"):
         request(run_dir, "status", timeout_s=0.5)
+
+
+@pytest.mark.parametrize("target", ["rollout=²", "rollout=99999999999999999999999", "rollout=-1", "workers=2"])
+def test_scale_rejects_what_is_not_a_worker_count_before_asking_the_driver(tmp_path: Path, target: str):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "control.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:9"}))  # nobody answers there
+    args = [sys.executable, "-m", "asyncrl.cli", "scale", target, "--run", str(run_dir)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "scale takes rollout=N (a whole number" in proc.stderr, proc.stderr

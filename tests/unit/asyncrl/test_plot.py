@@ -45,3 +45,23 @@ def test_a_resumed_run_draws_each_step_once_from_its_last_record(tmp_path):
             {"event": "resume", "from_step": 1}, {"step": 1, "loss": 5.0}, {"step": 2, "loss": 6.0}]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [(r["step"], r["loss"]) for r in read_steps(tmp_path)] == [(0, 1.0), (1, 5.0), (2, 6.0)]
+
+
+def test_a_torn_last_line_is_ignored_and_a_bad_line_named(tmp_path):
+    import pytest
+
+    from asyncrl.plot import read_steps
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert [row["step"] for row in read_steps(tmp_path)] == [0, 1]  # killed while writing step 2
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\nnot json\n{"step": 2, "loss": 3.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a JSON record"):
+        read_steps(tmp_path)
+
+
+def test_an_out_path_that_is_a_file_is_a_clear_error(tmp_path):
+    write_run(tmp_path / "a", 0.0)
+    (tmp_path / "taken").write_text("")
+    args = [sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path / "a"), "--out", str(tmp_path / "taken")]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "taken" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import LossConfig
+from asyncrl.config import WEIGHTINGS, LossConfig
 from learner.losses import LossInputs, advantages, aggregate, mismatch_metrics, policy_loss
 
 
@@ -345,3 +345,29 @@ def test_masked_is_with_overflowing_ratio_is_zero_not_nan(weighting):
     out = policy_loss(inputs, LossConfig(weighting=weighting))
     assert float(out.loss.detach()) == 0.0
     assert out.metrics["mis_masked"] == 1.0
+
+
+# acrl: see test_acrl_truncates_rho_at_cap; pg_is: its sequence weight is untruncated by definition (an inf weight
+# is an inf loss, and the step is skipped), which is what pg_tis and pg_mis are for
+@pytest.mark.parametrize("weighting", sorted(set(WEIGHTINGS) - {"acrl", "pg_is"}))
+def test_a_token_with_an_extreme_mismatch_weight_keeps_the_loss_finite(weighting):
+    """w = exp(lp - lb) under- or overflowing in fp32 (lp - lb of -200 or +200) must not make the step nan."""
+    lp = LN(0.5)
+    inputs = seq_inputs(
+        [[lp + 200.0, lp, lp], [lp - 200.0, lp, lp]],
+        [[lp] * 3, [lp] * 3],
+        [[lp + 0.05] * 3, [lp - 0.05] * 3],
+        [1.0, -1.0],
+    )
+    out = policy_loss(inputs, LossConfig(weighting=weighting, cap=2.0))
+    out.loss.backward()
+    assert math.isfinite(float(out.loss.detach())) and torch.isfinite(inputs.cur_logp.grad).all(), weighting
+
+
+@pytest.mark.parametrize("weighting", ["decoupled", "mis_token", "mis_seq", "pg_mis", "acr", "tis"])
+def test_a_nan_log_prob_is_never_masked_away_it_fails_the_step(weighting):
+    """Masking drops tokens whose weight is too large (even inf); a nan is a bug upstream and must surface."""
+    lp = LN(0.5)
+    inputs = seq_inputs([[math.nan, lp]], [[lp, lp]], [[lp + 0.05, lp]], [1.0])
+    out = policy_loss(inputs, LossConfig(weighting=weighting, cap=2.0))
+    assert math.isnan(float(out.loss.detach()))

@@ -428,3 +428,37 @@ def test_prompts_joining_a_decode_step_share_its_linears_and_match_separate_forw
     torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
     for mine, theirs in ((cache.keys, apart.keys), (cache.values, apart.values)):
         torch.testing.assert_close(mine[:, :5], theirs[:, :5], rtol=1e-5, atol=1e-6)
+
+
+def test_aborting_a_sequence_that_is_not_last_moves_the_last_into_its_slot(tmp_path):
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path)
+    greedy = SamplingParams(max_new_tokens=8, temperature=1e-4, stop_token_ids=(-5,))
+    first, second, third = (engine.submit(prompt, greedy, [0])[0] for prompt in PROMPTS[:3])
+    engine.step()
+    engine.step()
+    assert engine.abort([first]) == [first] and first.completion.finish == "abort"  # outside any inference mode
+    assert len(first.completion.response_ids) == len(first.completion.behav_logp) == 2
+    while engine.busy:
+        engine.step()
+    for prompt, seq in zip(PROMPTS[1:3], (second, third)):  # the moved sequence kept its K/V
+        assert seq.completion.finish == "length"
+        assert seq.completion.response_ids == engine.generate([prompt], greedy)[0].response_ids
+
+
+def test_a_version_that_fails_to_build_mid_generation_is_dropped_and_generation_goes_on(tmp_path, monkeypatch):
+    import rollout_workers.embedded.model as model_module
+
+    model = make_model(tmp_path, "llama")
+    engine = engine_for(model, tmp_path, "int8")
+    greedy = SamplingParams(max_new_tokens=6, temperature=1e-4, stop_token_ids=(-5,))
+    expected = engine.generate(PROMPTS[:2], greedy)
+    real = model_module.prepare_linear
+    monkeypatch.setattr(model_module, "prepare_linear", lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room")))
+    engine.stage_weights(WeightUpdate(1, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    out = engine.generate(PROMPTS[:2], greedy)  # the build fails at the first step: decoding stays on version 0
+    assert [c.response_ids for c in out] == [c.response_ids for c in expected]
+    assert engine.version == 0 and engine.build_errors == 1 and "MemoryError: no room" in engine.last_build_error
+    monkeypatch.setattr(model_module, "prepare_linear", real)
+    engine.stage_weights(WeightUpdate(2, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    assert engine.generate(PROMPTS[:1], greedy)[0].versions == [2] * 6
