@@ -9,7 +9,16 @@ import torch.multiprocessing as mp
 from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
 
 from learner.acrl import AcrlReference
-from learner.distributed import SINGLE, Dist, broadcast_batch, full_state_dict, shard_model, start_rendezvous
+from learner.distributed import (
+    SINGLE,
+    Dist,
+    broadcast_batch,
+    full_optimizer_state,
+    full_state_dict,
+    load_optimizer_state,
+    shard_model,
+    start_rendezvous,
+)
 from learner.precision import LossScaler
 from learner.update import train_on_batch
 
@@ -52,12 +61,37 @@ def run_case(weighting: str, extra: tuple[str, ...], ranks: Dist) -> dict[str, o
     return {"grads": optimizer.applied, "metrics": result.metrics, "prox": result.prox_logp, "state": state}
 
 
+def stepped_adamw(ranks: Dist) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and an AdamW with one step of state (sharded with FSDP2 when ranks.world > 1)."""
+    model = tiny_model(seed=5)
+    if ranks.world > 1:
+        shard_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    batch = tiny_batch(seed=7, groups=3, group_size=3)
+    model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.pow(2).mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def resume_single_process_state(ranks: Dist) -> tuple[dict, dict]:
+    """Load a single-process learner's optimizer checkpoint into these ranks; (the checkpoint, gathered back)."""
+    model, optimizer = stepped_adamw(SINGLE)
+    saved = full_optimizer_state(model, optimizer, SINGLE)
+    model, optimizer = tiny_model(seed=5), None
+    if ranks.world > 1:
+        shard_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    load_optimizer_state(model, optimizer, saved, ranks)
+    return saved, full_optimizer_state(model, optimizer, ranks)
+
+
 def _rank_main(rank: int, world: int, address: str, out_path: str) -> None:
     from learner.distributed import close, init_distributed
 
     torch.set_num_threads(1)
     ranks = init_distributed(rank, world, address)
     outputs = {f"{w}{extra}": run_case(w, extra, ranks) for w, extra in CASES}
+    outputs["resumed_optimizer"] = resume_single_process_state(ranks)
     if ranks.is_main:
         torch.save(outputs, out_path)
     close(ranks)
@@ -84,3 +118,9 @@ def test_fsdp2_world_2_gives_the_gradients_of_one_process(tmp_path):
         assert dist["state"].keys() == single["state"].keys()
         for name, value in single["state"].items():
             torch.testing.assert_close(dist["state"][name], value, rtol=1e-5, atol=1e-5)
+    # a checkpoint of a single-process learner resumes on 2 ranks with its optimizer state intact
+    expected, resumed = sharded["resumed_optimizer"]
+    assert resumed["state"].keys() == expected["state"].keys() and expected["state"]
+    for name, moments in expected["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(resumed["state"][name][key], value, rtol=0, atol=0)
