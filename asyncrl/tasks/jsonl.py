@@ -6,7 +6,8 @@ number in one `DatasetError`. Blank lines are skipped.
 
 GSM8K convention: when an answer string contains `####`, the reference is the text after the last `####`,
 stripped, with thousands separators removed from numbers (`...\\n#### 1,000` -> `1000`). Other answers are used
-as they are (stripped).
+as they are (stripped); numbers are written in fixed point (`1e16` -> `10000000000000000`). A row whose reference
+does not score 1 against itself (`18 dollars`, `12,34`) is a bad row: every reward of it would be 0.
 
 Training stream: index i is row `permutation(seed, epoch)[i % n]` with epoch = i // n, a fresh shuffle per epoch.
 Eval set: the first `data.eval_size` rows of a separate fixed permutation. These rows are NOT removed from the
@@ -18,25 +19,28 @@ from __future__ import annotations
 import json
 import math
 import re
+from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from asyncrl.tasks import DatasetError, Problem
-from asyncrl.tasks.rewards import math_verify_reward
+from asyncrl.tasks.rewards import THOUSANDS_COMMA, math_verify_reward
 
 _MAX_REPORTED = 10
-_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?\Z")
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 
 
 def reference_answer(raw: str | int | float) -> str:
     """The reference answer of a row: numbers as text, GSM8K `#### answer` extracted, surrounding space stripped."""
+    if isinstance(raw, float):  # fixed point: `1e+16` would read as Euler's number plus 16
+        return format(Decimal(repr(raw)), "f")
     if not isinstance(raw, str):
         return str(raw)
     if "####" in raw:
-        return _THOUSANDS_COMMA.sub("", raw.rsplit("####", 1)[1].strip())
+        return THOUSANDS_COMMA.sub("", raw.rsplit("####", 1)[1].strip())
     return raw.strip()
 
 
@@ -48,6 +52,8 @@ def _row_problem(line: bytes, prompt_key: str, answer_key: str) -> tuple[str, st
         return "not valid UTF-8"
     except json.JSONDecodeError as err:
         return f"invalid JSON ({err.msg} at column {err.colno})"
+    except (ValueError, RecursionError) as err:  # an integer of thousands of digits, nesting thousands deep
+        return f"unreadable JSON ({type(err).__name__}: {str(err)[:80]})"
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
     prompt_field, answer_field = f"{prompt_key!r} (data.prompt_key)", f"{answer_key!r} (data.answer_key)"
@@ -67,6 +73,13 @@ def _row_problem(line: bytes, prompt_key: str, answer_key: str) -> tuple[str, st
     answer = reference_answer(raw_answer)
     if not answer:
         return f"field {answer_field} has an empty reference answer"
+    for name, text in ((prompt_field, prompt), (answer_field, answer)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"field {name} holds an unpaired surrogate escape (\\ud800-\\udfff): not text"
+    if not _PLAIN_NUMBER.match(answer) and math_verify_reward(answer, answer) != 1.0:  # ~2 ms a row: not for numbers
+        return f"the reference answer {answer[:60]!r} does not read as math: every reward of this row would be 0"
     return prompt, answer
 
 

@@ -10,11 +10,25 @@ never stop the caller. math-verify (and sympy) are imported on first use, so imp
 from __future__ import annotations
 
 import math
+import re
 from functools import lru_cache
 from typing import Any
 
 # A prediction whose estimated size exceeds this many decimal digits scores 0 without being compared.
 _MAX_DIGITS = 10_000.0
+# sympy evaluates a binomial while parsing (\binom{200000}{100000}: 3 s; ten times larger: minutes), before
+# `_too_large` can look at it: a binomial with an argument of 5 digits or more scores 0 unparsed.
+_HUGE_BINOMIAL = re.compile(r"\\[dt]?binom\s*\{[^{}]*\d{5}|\\[dt]?binom\s*\{[^{}]*\}\s*\{[^{}]*\d{5}")
+THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+"""A comma between digits that separates thousands (`1,000`), not a decimal or list comma (`12,34`, `1,2`)."""
+
+
+def final_answer_text(response_text: str) -> str:
+    """The part of a response that holds its final answer: after its last `####` (GSM8K's convention, with
+    thousands separators removed, so `#### 1,000` reads 1000 whatever came before), else the whole response."""
+    if "####" not in response_text:
+        return response_text
+    return THOUSANDS_COMMA.sub("", response_text.rsplit("####", 1)[1].strip())
 
 
 def exact_match_reward(response_text: str, answer: str) -> float:
@@ -67,13 +81,16 @@ def math_verify_reward(response_text: str, answer: str) -> float:
     """1.0 if math-verify finds the response's final answer equivalent to the reference `answer`; else 0.0.
 
     The reference is parsed as math (`72`, `\\frac{1}{2}`, `x^2+1`); the response is free text whose last
-    expression or `\\boxed{...}` is extracted (`The answer is 72`, `\\boxed{72}` both match `72`).
+    expression or `\\boxed{...}` is extracted (`The answer is 72`, `\\boxed{72}` both match `72`), or, when it
+    has one, the text after its last `####` (`final_answer_text`).
     """
     from math_verify import parse, verify
 
     try:
+        if _HUGE_BINOMIAL.search(response_text):
+            return 0.0
         gold = _parse_gold(answer)
-        predicted = parse(response_text, parsing_timeout=None)
+        predicted = parse(final_answer_text(response_text), parsing_timeout=None)
         if not gold or not predicted or _too_large(predicted):
             return 0.0
         return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0

@@ -166,6 +166,17 @@ def test_reference_answer_follows_the_gsm8k_convention() -> None:
     assert reference_answer(" \\frac{3}{4} ") == "\\frac{3}{4}"
     assert reference_answer(72) == "72"
     assert reference_answer(2.5) == "2.5"
+    assert reference_answer(1e16) == "10000000000000000"  # not `1e+16`, which math-verify reads as E + 16
+    assert reference_answer(1e-7) == "0.0000001"
+
+
+def test_every_gsm8k_solution_scores_1_against_its_own_reference() -> None:
+    """A response in GSM8K's format is read after its last `####`, whatever LaTeX or `$` came before."""
+    rows = [json.loads(line) for line in _gsm8k().read_text(encoding="utf-8").splitlines()]
+    wrong = [
+        row["answer"][-80:] for row in rows if math_verify_reward(row["answer"], reference_answer(row["answer"])) != 1
+    ]
+    assert not wrong, wrong[:3]
 
 
 def test_gsm8k_loads_with_field_mapping() -> None:
@@ -204,7 +215,16 @@ def test_math_verify_reward() -> None:
 def test_math_verify_reward_rejects_astronomical_numbers_quickly() -> None:
     results: list[float] = []
     responses = [
-        f"\\boxed{{{r}}}" for r in ("9^{9^{9^{9}}}", "10^{10^{10}}", "7^{7^{7}} + 1", "(10^{6})!", "9^{10^{6}}")
+        f"\\boxed{{{r}}}"
+        for r in (
+            "9^{9^{9^{9}}}",
+            "10^{10^{10}}",
+            "7^{7^{7}} + 1",
+            "(10^{6})!",
+            "9^{10^{6}}",
+            "\\binom{2000000}{1000000}",
+            "\\dbinom{5}{100000000}",
+        )  # fmt: skip
     ]
     worker = threading.Thread(target=lambda: results.extend(math_verify_reward(r, "72") for r in responses))
     worker.start()
@@ -306,3 +326,24 @@ def test_epochs_wrap_with_a_fresh_deterministic_shuffle(tmp_path: Path) -> None:
     assert len(eval_set) == 8 and len({p.answer for p in eval_set}) == 8
     assert eval_set == again.eval_set()
     assert len(make_source(_jsonl_cfg(path, prompt_key="q", answer_key="a", eval_size=500)).eval_set()) == 20
+
+
+def test_rows_that_would_fail_later_are_reported_when_loading(tmp_path: Path) -> None:
+    lines = [
+        json.dumps({"prompt": "fine", "answer": "#### 1,000"}),
+        '{"prompt": "huge", "answer": ' + "9" * 5000 + "}",
+        '{"prompt": "deep", "answer": "1", "x": ' + "[" * 5000 + "]" * 5000 + "}",
+        '{"prompt": "\\ud800", "answer": "1"}',
+        json.dumps({"prompt": "units", "answer": "#### 18 dollars"}),
+        json.dumps({"prompt": "decimal comma", "answer": "#### 12,34"}),
+    ]
+    path = _write(tmp_path, lines)
+    with pytest.raises(DatasetError) as err:
+        make_source(_jsonl_cfg(path))
+    message = str(err.value)
+    assert "5 invalid row(s)" in message and f"{path}:1:" not in message
+    assert f"{path}:2: unreadable JSON (ValueError" in message
+    assert f"{path}:3: unreadable JSON (RecursionError" in message
+    assert f"{path}:4: field 'prompt' (data.prompt_key) holds an unpaired surrogate escape" in message
+    assert f"{path}:5: the reference answer '18 dollars' does not read as math" in message
+    assert f"{path}:6: the reference answer '12,34' does not read as math" in message
