@@ -75,10 +75,12 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     write(str(staging))
     (staging / META).write_text(json.dumps({"step": step, **meta}, indent=2, default=str))
     _fsync_tree(staging)
-    if target.exists():  # the same step saved again (e.g. `down` right after a periodic save)
-        shutil.rmtree(target)
+    replaced = root / f".step_{step}.old.tmp"
+    if target.exists():  # the same step saved again (`down` right after a periodic save): moved aside, not deleted
+        target.rename(replaced)  # in place, so that a crash never leaves a half-deleted step_<k> as the latest
     staging.rename(target)
     _fsync_dir(root)
+    shutil.rmtree(replaced, ignore_errors=True)
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return target

@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -716,6 +717,8 @@ def _merge_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...])
             merged = OmegaConf.merge(merged, dotlist)
         except OmegaConfBaseException as err:
             raise _explain(err, f"override {item!r}") from err
+        except yaml.YAMLError as err:  # the value is not YAML: `loss.cap=[1`
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

@@ -40,8 +40,14 @@ LIVE_FIELDS = (
 
 
 def _jsonable(value: Any) -> Any:
+    """`value` with every non-finite float (nested in dicts and lists too) as None: JSON has no NaN or inf, and
+    null marks "not measured"."""
     if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN/inf; null marks "not measured"
+        return None
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
     return value
 
 
@@ -101,11 +107,12 @@ class MetricsLogger:
 
     def event(self, kind: str, **fields: Any) -> None:
         """A non-step record (config change, restart, ...) in metrics.jsonl."""
-        self._file.write(json.dumps({"event": kind, "time": time.time(), **fields}, default=str) + "\n")
+        record = {"event": kind, "time": time.time(), **_jsonable(fields)}
+        self._file.write(json.dumps(record, default=str) + "\n")
         self._events.append(f"{kind} " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)[:100])
 
     def log_step(self, metrics: dict[str, Any]) -> None:
-        record = {"time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        record = {"time": time.time(), **_jsonable(metrics)}
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=int(metrics["step"]))

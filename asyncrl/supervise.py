@@ -135,7 +135,10 @@ class WorkerPool:
     def _mark_running(self, worker: _Worker) -> None:
         import ray
 
-        worker.started, worker.state = None, "running"
+        worker.started = None
+        if worker.state == "stopping":  # scaled down while it started: it stops now (its loop ends by itself)
+            return
+        worker.state = "running"
         worker.pid, worker.node = ray.get([worker.handle.pid.remote(), worker.handle.node_id.remote()])
         self.event("worker_started", worker=worker.worker_id, pid=worker.pid, node=worker.node)
 

@@ -233,6 +233,8 @@ class SGLangEngine:
                 out = client.generate(body)
             except ServerUnavailable as err:  # died or restarting: the sync thread relaunches it (bounded by
                 self.last_error = str(err)  # max_restarts and startup_timeout_s); the lost segment is sampled again
+                if self._fatal:  # no relaunch left: fail the batch (the worker is restarted by its supervisor)
+                    raise RuntimeError(self._fatal) from err
                 time.sleep(POLL_S)
                 continue
             meta = out["meta_info"]
@@ -325,6 +327,7 @@ class SGLangEngine:
                     self._fatal = f"SGLang server failed {launches - 1} times (rollout.sglang.max_restarts): " + (
                         self.last_error
                     )
+                    self._ready.clear()  # generate() waits for readiness: it must see the failure instead
                     return
                 try:
                     self._launch()
@@ -354,6 +357,8 @@ class SGLangEngine:
         started = time.monotonic()
         if mode == "abort":
             self._pause_aborts += 1
+        with self._cond:  # before the pause as well as after the resume: a response that finishes in between (the
+            self._epoch += 1  # server resumes before it answers /continue_generation) sees a changed epoch
         client.pause(mode)
         try:
             if self._session is None:

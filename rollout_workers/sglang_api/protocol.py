@@ -30,6 +30,7 @@ weight version of every output token. SGLang does not send it; the client falls 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +127,9 @@ def _number(values: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise BadRequest(f"sampling_params.{key}: expected {kind.__name__}, got {value!r}", validation=True)
+        raise BadRequest(f"sampling_params.{key}: expected {kind.__name__}, got {value!r}"[:300], validation=True)
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:  # a float would overflow, torch would refuse it
+        raise BadRequest(f"sampling_params.{key}: {str(value)[:40]}... is out of range", validation=True)
     return kind(value)
 
 
@@ -164,7 +167,9 @@ def parse_sampling(values: dict[str, Any]) -> Sampling:
     if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) for t in stop_ids):
         raise BadRequest(f"sampling_params.stop_token_ids must be a list of ints, got {stop_ids!r}", validation=True)
     sampling.stop_token_ids = tuple(stop_ids)
-    if sampling.temperature != sampling.temperature or sampling.temperature < 0.0:
+    if sampling.sampling_seed is not None and sampling.sampling_seed < 0:
+        raise BadRequest(f"sampling_seed must be at least 0, got {sampling.sampling_seed}.")
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0.0:
         raise BadRequest(f"temperature must be a non-negative finite number, got {sampling.temperature}.")
     if not 0.0 < sampling.top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {sampling.top_p}.")

@@ -42,6 +42,8 @@ from rollout_workers.sglang_api import protocol
 from rollout_workers.sglang_api.protocol import BadRequest
 
 HEALTH_TIMEOUT_S = 20.0
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body accepted (a batch of prompts as token ids fits many times over)."""
 
 
 @dataclass(eq=False)
@@ -421,11 +423,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "text/plain" if text is not None else "application/json")
         self.send_header("Content-Length", str(len(payload)))
+        if self.close_connection:  # tell the client, so that it does not send its next request on this connection
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(payload)
 
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
+        header = (self.headers.get("Content-Length") or "0").strip()
+        if not (header.isascii() and header.isdigit()) or int(header) > MAX_BODY_BYTES:
+            self.close_connection = True  # the body's end is unknown: this connection cannot carry another request
+            raise BadRequest(f"Content-Length must be a number of bytes up to {MAX_BODY_BYTES}, got {header[:40]!r}")
+        length = int(header)
         raw = self.rfile.read(length) if length else b""
         if not raw.strip():
             return {}
@@ -433,6 +441,8 @@ class _Handler(BaseHTTPRequestHandler):
             return json.loads(raw)
         except json.JSONDecodeError as err:
             raise BadRequest(f"JSON decode error: {err}", validation=True) from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:  # not UTF-8; a 5,000-digit integer; nesting
+            raise BadRequest(f"JSON decode error: {type(err).__name__}: {str(err)[:120]}", validation=True) from None
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._route("GET")
@@ -446,13 +456,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         handler = ROUTES.get(path)
-        if handler is None:
-            self._send(404, {"detail": "Not Found"})
+        if handler is None or method not in handler[0]:
+            self.close_connection = True  # its body is not read: it must not be taken for the next request
+            if handler is None:
+                self._send(404, {"detail": "Not Found"})
+            else:
+                self._send(405, {"detail": "Method Not Allowed"})
             return
         methods, fn = handler
-        if method not in methods:
-            self._send(405, {"detail": "Method Not Allowed"})
-            return
         try:
             body = self._body() if method != "GET" else {}
             fn(self, body)

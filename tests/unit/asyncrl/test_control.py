@@ -26,6 +26,7 @@ def test_live_update_validates_like_the_config():
         ("loss.cap=0.5", "out of range"),
         ("staleness.max_lag=two", "staleness.max_lag"),
         ("loss.cap", "key=value"),
+        ("loss.cap=[1", "the value is not valid YAML"),
     ]:
         with pytest.raises(ConfigError) as err:
             live_update(cfg, [item])
@@ -40,6 +41,8 @@ def test_control_server_answers_and_survives_bad_requests(tmp_path: Path):
     def handler(req):
         if req["cmd"] == "boom":
             raise ControlError("refused: boom")
+        if req["cmd"] == "bug":  # anything a handler may raise (a YAML error, a buffer timeout, a bug)
+            raise RuntimeError("a handler bug")
         return {"echo": req["cmd"]}
 
     stop = threading.Event()
@@ -49,6 +52,8 @@ def test_control_server_answers_and_survives_bad_requests(tmp_path: Path):
         assert request(tmp_path, "status")["echo"] == "status"
         with pytest.raises(ControlError, match="refused: boom"):
             request(tmp_path, "boom")
+        with pytest.raises(ControlError, match="RuntimeError: a handler bug"):
+            request(tmp_path, "bug")
         raw = zmq.Context.instance().socket(zmq.REQ)
         raw.connect(endpoint)
         raw.send(b"\xc1 not msgpack")

@@ -212,3 +212,45 @@ def test_abort_request_and_requests_waiting_while_paused(server):
         assert server.flush_cache() is True
     finally:
         server.request("POST", "/slow_down", {"forward_sleep_time": None})
+
+
+def test_malformed_http_gets_a_4xx_and_the_connection_stays_usable(server):
+    """Raw requests a client library would never send: bad Content-Length, undecodable or absurd bodies, an
+    unknown route whose body must not be read as the next request of the connection."""
+    import http.client
+    import json as json_module
+    from urllib.parse import urlparse
+
+    url = urlparse(server.base_url)
+
+    def raw(head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+        import socket
+
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(head + body)
+            reply = sock.makefile("rb").read()
+        return int(reply.split(b" ", 2)[1]), reply
+
+    for length in (b"-1", b"abc"):
+        status, reply = raw(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n")
+        assert status == 400 and b"Content-Length must be a number of bytes" in reply
+    bodies = [
+        b"\xff\xfe not utf-8",
+        b'{"input_ids": [1], "sampling_params": {"temperature": 1' + b"0" * 5000 + b"}}",
+        json_module.dumps({"input_ids": PROMPT, "sampling_params": {"temperature": 10**400}}).encode(),
+        json_module.dumps({"input_ids": PROMPT, "sampling_params": {"sampling_seed": 2**64}}).encode(),
+        json_module.dumps({"input_ids": PROMPT, "sampling_params": {"sampling_seed": -1}}).encode(),
+    ]
+    for body in bodies:
+        head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        status, reply = raw(head.encode(), body)
+        assert status == 400, reply[:300]
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=10)  # one keep-alive connection
+    for method, path, expected in (("POST", "/nope", 404), ("GET", "/generate", 405)):
+        connection.request(method, path, body=json_module.dumps({"model_path": "x"}))
+        response = connection.getresponse()
+        assert response.status == expected and response.read()
+        connection.request("GET", "/get_model_info")  # reconnects if the server closed: never a garbled request
+        response = connection.getresponse()
+        assert response.status == 200 and json_module.loads(response.read())
+    connection.close()

@@ -70,8 +70,8 @@ def generate_across_update(engine: SGLangEngine, model_dir: str, number: int, n:
 
 
 @pytest.mark.slow  # two server starts (launch, relaunch): 20-35 s on 2 shared cores
-def test_abort_mode_resubmits_and_a_dead_server_is_relaunched(model_dir, tmp_path):
-    engine = backend(model_dir, tmp_path, "rollout.sglang.pause_mode=abort")
+def test_abort_mode_resubmits_a_dead_server_is_relaunched_and_one_past_max_restarts_fails(model_dir, tmp_path):
+    engine = backend(model_dir, tmp_path, "rollout.sglang.pause_mode=abort", "rollout.sglang.max_restarts=1")
     try:
         engine.stage_weights(version(model_dir, 0))
         wait_version(engine, 0)
@@ -89,6 +89,12 @@ def test_abort_mode_resubmits_and_a_dead_server_is_relaunched(model_dir, tmp_pat
         (after,) = engine.generate([PROMPT], SamplingParams(max_new_tokens=5, stop_token_ids=(-1,)))
         assert after.finish == "length" and after.versions == [1] * 5
         assert engine.stats()["sglang_server_restarts"] == 1 and engine.version == 1
+        # and dies again, past rollout.sglang.max_restarts=1: generation fails clearly instead of waiting forever
+        os.kill(engine.server_pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"SGLang server failed 2 times \(rollout.sglang.max_restarts\)"):
+            engine.generate([PROMPT], SamplingParams(max_new_tokens=5, stop_token_ids=(-1,)))
+        assert time.monotonic() - started < 30
     finally:
         pid = engine.server_pid
         engine.close()

@@ -1,0 +1,45 @@
+"""Checkpoint directories: written under a temporary name and renamed, so `latest` only ever sees complete ones."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from asyncrl import checkpoint
+
+
+def _writer(content: str):
+    def write(out_dir: str) -> None:
+        (Path(out_dir) / "model.bin").write_text(content)
+
+    return write
+
+
+def test_saving_keeps_the_newest_and_latest_is_complete(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        checkpoint.save(tmp_path, step, _writer(f"weights {step}"), {"note": step}, keep_last=2)
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step_4", "step_6"]
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None and checkpoint.read_meta(latest) == {"step": 6, "note": 6}
+
+
+def test_a_crash_while_saving_the_same_step_again_never_leaves_a_half_deleted_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint.save(tmp_path, 4, _writer("weights 4"), {}, keep_last=3)
+    checkpoint.save(tmp_path, 5, _writer("periodic 5"), {}, keep_last=3)
+    deleted: list[str] = []
+
+    def dying_rmtree(path, *args, **kwargs):  # the process is killed partway through deleting a directory
+        deleted.append(Path(path).name)
+        (Path(path) / "model.bin").unlink(missing_ok=True)
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(shutil, "rmtree", dying_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 5, _writer("final 5"), {}, keep_last=3)  # `down` right after the periodic save
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None and latest.name == "step_5" and deleted == [".step_5.old.tmp"]
+    assert (latest / "model.bin").read_text() == "final 5"  # complete: the replaced copy was the one being deleted
