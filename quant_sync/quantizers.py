@@ -19,7 +19,6 @@ import torch
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
-_SCALE_FLOOR = 1e-12
 
 
 @dataclass(slots=True)
@@ -34,8 +33,14 @@ class QuantizedWeight:
         return self.q.to(torch.float32) * self.scale[:, None]
 
 
+def nonzero_scale(scale: torch.Tensor) -> torch.Tensor:
+    """`max|x| / qmax` as ALGORITHMS.md writes it, however small; 1 where it is 0 (an all-zero row, or one whose
+    scale underflows fp32), so that dividing by it is defined (and the row quantizes to zeros)."""
+    return torch.where(scale > 0, scale, 1.0)
+
+
 def _row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
-    return (x.detach().abs().amax(dim=-1).to(torch.float32) / qmax).clamp_min(_SCALE_FLOOR)
+    return nonzero_scale(x.detach().abs().amax(dim=-1).to(torch.float32) / qmax)
 
 
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +139,7 @@ def quantize_weight_only(weight: torch.Tensor, scheme: str, group: int = WEIGHT_
     padded = torch.zeros((out_features, n_groups * group), dtype=torch.float32)
     padded[:, :in_features] = weight.detach().to(torch.float32)
     grouped = padded.view(out_features, n_groups, group)
-    scale = (grouped.abs().amax(-1) / qmax).clamp_min(_SCALE_FLOOR)  # (out, n_groups)
+    scale = nonzero_scale(grouped.abs().amax(-1) / qmax)  # (out, n_groups)
     q = torch.clamp(torch.round(grouped / scale[..., None]), -qmax, qmax).to(torch.int8)
     return q.view(out_features, -1)[:, :in_features].contiguous(), scale
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from quant_sync.export import is_quantized_linear
-from quant_sync.quantizers import FP8_E4M3_MAX, quantize_int8_rows
+from quant_sync.quantizers import FP8_E4M3_MAX, nonzero_scale, quantize_int8_rows
 
 FP8_BLOCK = (128, 128)
 
@@ -29,7 +29,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
     padded = torch.zeros((rows * bo, cols * bi), dtype=torch.float32)
     padded[:out_features, :in_features] = weight.detach().to(torch.float32)
     blocks = padded.view(rows, bo, cols, bi)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp_min(1e-12)  # (rows, cols)
+    scale = nonzero_scale(blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX)  # (rows, cols)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(rows * bo, cols * bi)[:out_features, :in_features].contiguous(), scale
 

@@ -105,3 +105,17 @@ def test_weight_only_export_and_engine_weights():
     weights = build_weight_map(WeightUpdate(0, out, "w4a16"))
     deq = weights["model.layers.0.mlp.up_proj.weight"]
     assert deq.dtype == torch.float32 and float((deq - state["model.layers.0.mlp.up_proj.weight"]).abs().max()) < 0.5
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
+def test_a_tiny_row_gets_its_own_scale_and_a_zero_row_stays_zero(scheme):
+    """s = max|row| / qmax however small (ALGORITHMS.md has no floor); an all-zero row quantizes to zeros."""
+    from quant_sync.quantizers import FP8_E4M3_MAX, INT8_MAX
+
+    weight = torch.tensor([[3e-13, -1e-13, 2e-13, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, -0.5, 0.25, 0.0]])
+    quantized = quantize_weight(weight, scheme)
+    qmax = INT8_MAX if scheme == "int8" else FP8_E4M3_MAX
+    assert quantized.scale[0] == torch.tensor(3e-13) / qmax and quantized.scale[2] == 1.0 / qmax
+    assert torch.equal(quantized.q[1].to(torch.float32), torch.zeros(4))
+    dequantized = quantized.dequantize()
+    assert (dequantized[0] - weight[0]).abs().max() <= 0.07 * 3e-13  # the tiny row keeps its shape
