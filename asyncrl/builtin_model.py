@@ -16,6 +16,7 @@ renamed into place), so concurrent runs and tests never see a half-written model
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -81,25 +82,46 @@ def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
         raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join('builtin:' + n for n in RECIPES)}")
     recipe = RECIPES[name]
     target = cache_root(cache_dir) / "builtin" / f"{name}-{recipe_fingerprint(recipe)}"
-    if (target / "model.safetensors").is_file() and (target / "asyncrl_recipe.json").is_file():
+    if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(target.parent, name)
     log(f"building {path} into {target} (once; later runs reuse it)")
     started = time.monotonic()
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         report = build_tiny(recipe, staging)
         (staging / "asyncrl_recipe.json").write_text(json.dumps({"recipe": asdict(recipe), **report}, indent=2))
+        staging.chmod(0o755)  # mkdtemp makes it private: a shared cache must be readable by others
+        if target.exists() and not _complete(target):  # a damaged copy (files deleted, a copy cut short)
+            shutil.rmtree(target.rename(target.with_name(f".{target.name}.damaged-{os.getpid()}")))
         try:
             staging.rename(target)
         except OSError:
-            if not (target / "model.safetensors").is_file():  # lost a race to a complete copy: fine; else raise
+            if not _complete(target):  # lost a race to a complete copy: fine; else raise
                 raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     log(f"built {path} in {time.monotonic() - started:.0f} s: {json.dumps(report)}")
     return target
+
+
+BUILT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "asyncrl_recipe.json")
+"""What a usable built-in model directory holds (a build writes them all; the recipe record last)."""
+
+
+def _complete(model_dir: Path) -> bool:
+    """A built-in model directory with every file a build writes (the recipe record is written last)."""
+    return all((model_dir / name).is_file() for name in BUILT_FILES)
+
+
+def _remove_abandoned_builds(parent: Path, name: str, older_than_s: float = 3600.0) -> None:
+    """Staging directories of builds killed midway (a build takes minutes: an hour-old one is dead)."""
+    for stale in parent.glob(f".{name}-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > older_than_s:
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def make_tokenizer():
@@ -184,7 +206,7 @@ def build_tiny(recipe: TinyRecipe, out_dir: Path) -> dict[str, float]:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return {
-        "final_sft_loss": round(float(loss), 4),
+        "final_sft_loss": round(float(loss.detach()), 4),
         "warmup_steps": recipe.warmup_steps,
         **warm_start_accuracy(model, tokenizer, recipe),
     }
