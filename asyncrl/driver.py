@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -105,19 +106,48 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
     from buffer.launcher import start_service
 
+    signals = StopSignals(logger)
     buffer_proc, buffer_endpoint = start_service(
         to_dict(cfg), run_dir, resume_step=start_step if resume is not None else None
     )
     try:
         init_ray(cfg)
-        return _train(cfg, run_dir, model_dir, buffer_endpoint, logger, checkpoint_dir, start_step)
+        signals.install()  # again: ray.init replaces the SIGTERM handler
+        return _train(cfg, run_dir, model_dir, buffer_endpoint, logger, checkpoint_dir, start_step, signals)
     finally:
+        signals.restore()
         import ray
 
         if ray.is_initialized():
             ray.shutdown()
         _shutdown(buffer_proc)
         logger.close()
+
+
+class StopSignals:
+    """Ctrl-C or SIGTERM to `asyncrl up`: the first stops the run as `asyncrl down` does (the step in progress
+    finishes, workers stop, a checkpoint is written); a second one stops it at once (KeyboardInterrupt)."""
+
+    def __init__(self, logger: MetricsLogger) -> None:
+        self.logger = logger
+        self.requested = ""
+        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.install()
+
+    def install(self) -> None:
+        for sig in self._previous:
+            signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            raise KeyboardInterrupt(f"{name} again: stopping now, without a checkpoint")
+        self.requested = name
+        self.logger.info(f"{name}: stopping after this step (workers stop, then a checkpoint); {name} again: now")
 
 
 def quiet_libraries() -> None:
@@ -136,6 +166,7 @@ def _train(
     logger: MetricsLogger,
     checkpoint_dir: Path | None,
     start_step: int,
+    signals: StopSignals,
 ) -> dict[str, Any]:
     import ray
 
@@ -153,7 +184,7 @@ def _train(
     last_time = time.monotonic()
     step = start_step
     with ops.control, logger.live_view():
-        while step < cfg.train.steps and not ops.stopping:
+        while step < cfg.train.steps and not ops.stop_requested(signals.requested):
             refs = learner.train_step_async(step)
             while not ray.wait(refs[:1], timeout=0)[0]:  # serve the control socket and supervise meanwhile
                 ops.control.poll(ops.handle, timeout_ms=100)

@@ -50,6 +50,13 @@ class Operations:
 
     # -- requests -----------------------------------------------------------------------------------------------
 
+    def stop_requested(self, reason: str) -> bool:
+        """Record a graceful stop asked for by `reason` (`down`, `SIGINT`, ...; "" asks nothing); whether stopping."""
+        if reason and not self.stopping:
+            self.stopping = True
+            self.logger.event("down", step=self.step, reason=reason)
+        return self.stopping
+
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         cmd = request["cmd"]
         if cmd == "status":
@@ -59,8 +66,7 @@ class Operations:
         if cmd == "set":
             return self.set(request.get("items"))
         if cmd == "down":
-            self.stopping = True
-            self.logger.event("down", step=self.step)
+            self.stop_requested("down")
             return {"message": f"stopping after step {self.step}: workers stop, then a checkpoint is written"}
         raise ControlError(f"unknown command {cmd!r}; commands: status, scale, set, down")
 

@@ -27,15 +27,32 @@ def start_service(
     cmd = [sys.executable, "-m", "buffer", "--config-json", str(config_file), "--run-dir", str(run_dir)]
     if resume_step is not None:
         cmd += ["--resume-step", str(resume_step)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+    # Its own session: a Ctrl-C at the terminal reaches the driver alone, which stops the run (checkpoint included,
+    # which asks the buffer) and then the buffer. If the caller dies instead, the buffer gets SIGTERM (Linux).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline().decode().strip() if ready else ""
     if not line.startswith("READY "):
+        try:  # its stdout closed without READY: it is exiting
+            code = proc.wait(timeout=5) if ready and not line else proc.poll()
+        except subprocess.TimeoutExpired:
+            code = None
         proc.kill()
         proc.wait()
+        if code is not None:
+            raise RuntimeError(f"buffer service exited with code {code} at start-up (its error is printed above)")
         raise RuntimeError(f"buffer service failed to start within {timeout_s:.0f} s (said {line!r}); see its stderr")
     return proc, line.split(" ", 1)[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started it exits (call start_service from the main
+    thread), so that a killed driver never leaves its buffer running. Linux only; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def stop_service(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:

@@ -367,6 +367,29 @@ def start_authenticator(context: zmq.Context, curve: ServerKeys) -> ThreadAuthen
     return auth
 
 
+LOCK_NAME = "buffer.lock"
+LOCK_WAIT_S = 15.0
+"""How long a starting buffer waits for one that is stopping (a driver killed a moment ago) to release the run."""
+
+
+def _lock_run_dir(run_dir: Path) -> Any:
+    """An exclusive lock on the run's journal (two buffers appending to one journal would corrupt it): the open
+    lock file, or None if another process still holds it after LOCK_WAIT_S."""
+    import fcntl
+
+    handle = open(run_dir / LOCK_NAME, "a+")  # noqa: SIM115 - kept open (and locked) for the process's lifetime
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                handle.close()
+                return None
+            time.sleep(0.1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m buffer", description=__doc__.splitlines()[0])
     parser.add_argument("--config-json", required=True, help="JSON of asyncrl.config.to_dict(cfg)")
@@ -388,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock_run_dir(run_dir)  # held until this process exits
+    if lock is None:
+        print(f"buffer: another buffer process is using {run_dir} (it holds {LOCK_NAME}); stop it first",
+              file=sys.stderr)  # fmt: skip
+        return 2
     journal: Journal | None = None
     state = BufferState(
         source=make_source(cfg.data),

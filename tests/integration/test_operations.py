@@ -225,3 +225,30 @@ def test_fsdp2_learner_checkpoints_and_resumes(tmp_path):
     after = [r for r in rows[resume_at:] if "loss" in r]
     assert [r["step"] for r in after] == [3, 4] and all(r["version"] == r["step"] + 1 for r in after)
     assert_trained_once(run_dir, 5)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_like_down_and_takes_the_buffer_with_it(tmp_path):
+    """SIGTERM (or Ctrl-C) to `asyncrl up`: the step finishes, workers stop, a checkpoint is written, exit 0; the
+    buffer, in its own session (a terminal's Ctrl-C does not reach it), is stopped by the driver."""
+    import psutil
+
+    run_dir = tmp_path / "t"
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=t",
+                    "train.steps=100000", "logging.console=false", *SMALL)  # fmt: skip
+    try:
+        wait_for(lambda: sum("loss" in r for r in records(run_dir)) >= 2, 120, "two steps", proc)
+        buffer = next(p for p in psutil.Process(proc.pid).children() if "buffer" in p.cmdline())
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    steps = [r["step"] for r in records(run_dir) if "loss" in r]
+    assert any(r.get("event") == "down" and r.get("reason") == "SIGTERM" for r in records(run_dir))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["steps"] == steps[-1] + 1
+    saved = json.loads((run_dir / f"checkpoints/step_{summary['steps']}/meta.json").read_text())
+    assert saved["step"] == summary["steps"]
+    assert not buffer.is_running() or buffer.status() == psutil.STATUS_ZOMBIE
