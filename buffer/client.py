@@ -133,16 +133,22 @@ class BufferClient:
         except zmq.Again:
             self._connect()
             raise BufferUnavailable(f"buffer at {self.endpoint}: cannot send {type(msg).__name__}") from None
-        if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+        try:
+            answered = self._socket.poll(int(timeout_s * 1000), zmq.POLLIN)
+            reply = wire.decode(self._socket.recv_multipart()[-1]) if answered else None
+        except BaseException:  # interrupted (KeyboardInterrupt) or an undecodable reply: the request is abandoned,
+            self._connect()  # and its late reply must never be taken for the answer to the next request
+            raise
+        if reply is None:
             self._connect()  # the abandoned request and any late reply go away with the old socket
             hint = "" if self.curve is None else " (with CurveZMQ, also a sign of keys the buffer does not accept)"
             raise BufferUnavailable(
                 f"buffer at {self.endpoint} did not answer {type(msg).__name__} within {timeout_s:.1f}s{hint}"
             )
-        reply = wire.decode(self._socket.recv_multipart()[-1])
         if isinstance(reply, ErrorReply):
             raise BufferRequestError(reply.reason, reply.detail)
         if not isinstance(reply, expected):
+            self._connect()
             raise BufferRequestError("unexpected_reply", f"{type(reply).__name__} for {type(msg).__name__}")
         return reply
 

@@ -65,9 +65,19 @@ def _load(keys_dir: str, name: str, need_secret: bool) -> tuple[bytes, bytes | N
         raise CurveKeyError(f"`{KEY}={keys_dir}`: cannot read {path}: {err}") from None
     if need_secret and not secret:
         raise CurveKeyError(f"`{KEY}={keys_dir}`: {path} has no secret-key")
-    if len(public) != 40 or (secret is not None and len(secret) != 40):
+    if not _is_key(public) or (secret is not None and not _is_key(secret)):
         raise CurveKeyError(f"`{KEY}={keys_dir}`: {path} does not hold 40-character Z85 CurveZMQ keys")
     return public, secret
+
+
+def _is_key(key: bytes) -> bool:
+    """A 40-character Z85 text that decodes to a 32-byte key (a stray character would fail only at socket setup)."""
+    from zmq.utils import z85
+
+    try:
+        return len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def server_keys(keys_dir: str) -> ServerKeys | None:
@@ -79,6 +89,8 @@ def server_keys(keys_dir: str) -> ServerKeys | None:
     allowed = Path(keys_dir).expanduser() / ALLOWED_CLIENTS
     if not allowed.is_dir() or not any(allowed.glob("*.key")):
         raise CurveKeyError(f"`{KEY}={keys_dir}`: no allowed client keys (`*.key` files) in {allowed}")
+    for client in sorted(allowed.glob("*.key")):  # one bad file makes ZMQ's authenticator admit no one at all
+        _load(keys_dir, f"{ALLOWED_CLIENTS}/{client.name}", need_secret=False)
     return ServerKeys(public, secret, allowed)
 
 

@@ -91,3 +91,22 @@ def test_keys_command_writes_private_secrets_never_overwrites(tmp_path: Path, ca
     assert cli_main(["keys", str(keys_dir)]) == 2
     assert "not overwriting" in capsys.readouterr().err
     assert (keys_dir / "server.key_secret").read_text() == before
+
+
+def test_a_corrupt_key_or_a_bad_allowed_client_file_is_named_before_anything_starts(tmp_path: Path) -> None:
+    from buffer.curve import CurveKeyError, server_keys
+
+    keys = tmp_path / "keys"
+    create_keys(keys)
+    client_file = next(p for p in keys.glob("*.key_secret"))
+    text = client_file.read_text()
+    public = next(line.split('"')[1] for line in text.splitlines() if "public-key" in line)
+    client_file.write_text(text.replace(public, "~" + public[1:]))  # '~' is not a Z85 character
+    with pytest.raises(CurveKeyError, match=rf"{client_file.name} does not hold 40-character Z85"):
+        client_keys(str(keys)) if "server" not in client_file.name else server_keys(str(keys))
+    client_file.write_text(text)
+    assert server_keys(str(keys)) is not None and client_keys(str(keys)) is not None
+    stray = keys / "clients" / "stray.key"
+    stray.write_text("not a certificate\n")  # pyzmq's authenticator would then admit no client at all
+    with pytest.raises(CurveKeyError, match="stray.key"):
+        server_keys(str(keys))

@@ -723,3 +723,22 @@ def test_a_journal_that_cannot_be_written_stops_the_buffer_clearly_and_keeps_wha
         assert queued >= len(acknowledged)
         batch = buffer.client.fetch_batch(0, queued, wait_s=0.0)
         assert [g[0].group for g in batch.groups][: len(acknowledged)] == acknowledged
+
+
+def test_a_request_interrupted_while_waiting_never_takes_its_late_reply_for_the_next_answer(tmp_path: Path) -> None:
+    with running_buffer(tmp_path) as buffer:
+        client = buffer.client
+        client.stats()  # connected
+        socket = client._socket
+        real_poll = socket.poll
+
+        def interrupted(*args, **kwargs):  # Ctrl-C while the request is out: its reply comes later
+            socket.poll = real_poll
+            time.sleep(0.3)
+            raise KeyboardInterrupt
+
+        socket.poll = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            client.stats()
+        assert client.set_max_lag(7)["max_lag"] == 7  # the answer to this request, not the stats sent before
+        assert client.stats()["max_lag"] == 7

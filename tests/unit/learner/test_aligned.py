@@ -123,7 +123,7 @@ def test_rollout_aligned_needs_a_quantized_scheme():
         make_rollout_aligned(tiny_model(), "none")
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
 def test_aligned_learner_logp_matches_the_quantized_engine(scheme):
     """The point of QaRL: the learner's pi_theta is the rollout engine's mu on the same published weights."""
     from transformers import AutoModelForCausalLM
