@@ -550,6 +550,12 @@ def _check_choices_and_ranges(cfg: Config) -> None:
 
 
 def _check_cross_field(cfg: Config) -> None:
+    if cfg.learner.rollout_aligned and cfg.quant.scheme in ("w8a16", "w4a16") and cfg.precision.rollout != "fp32":
+        raise ConfigError(
+            f"`learner.rollout_aligned` with weight-only `quant.scheme={cfg.quant.scheme}` needs "
+            f"`precision.rollout=fp32` (the engine would compute in {cfg.precision.rollout}, the aligned learner in "
+            "fp32: they would not align)"
+        )
     scale = cfg.precision.loss_scale_init
     if math.frexp(scale)[0] != 0.5:  # unscaling must be exact: a power of two
         raise ConfigError(f"`precision.loss_scale_init` must be a power of two, got {scale!r}")

@@ -93,6 +93,8 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     (also written to runs/<name>/summary.json)."""
     from asyncrl.builtin_model import resolve_model_path
 
+    if resume is not None and not cfg.buffer.journal:
+        raise StartupError(f"--resume {resume} needs `buffer.journal=true`: the buffer's queue is rebuilt from it")
     quiet_libraries()
     model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     check_inputs(cfg, model_dir)

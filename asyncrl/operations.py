@@ -149,7 +149,12 @@ class Operations:
             self.logger.info(f"set {key}={value} (was {old}) from step {step}")
 
     def save_checkpoint(self, step: int) -> Path:
-        buffer_stats = self.buffer.stats()
+        from buffer.client import BufferRequestError, BufferUnavailable
+
+        try:  # recorded for the reader only (resume rewinds the journal itself): a dead buffer must not cost the model
+            buffer_stats = self.buffer.stats()
+        except (BufferUnavailable, BufferRequestError):
+            buffer_stats = {}
         meta = {
             "version": step,
             "time": time.time(),

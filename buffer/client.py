@@ -196,3 +196,5 @@ class Heartbeat:
                     self.sent += 1
                 except BufferUnavailable:
                     self.missed += 1
+                except Exception:  # an ErrorReply, an undecodable answer: skipped like a missed one, never fatal
+                    self.missed += 1  # (a dead heartbeat thread would let a busy worker's leases expire)

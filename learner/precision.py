@@ -93,7 +93,9 @@ class LossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped, "enabled": self.enabled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale, self.clean_steps, self.skipped = state["scale"], state["clean_steps"], state["skipped"]
+        self.skipped = state["skipped"]
+        if state.get("enabled", True) or not self.enabled:  # an fp16 run resumed from an fp32/bf16 checkpoint keeps
+            self.scale, self.clean_steps = state["scale"], state["clean_steps"]  # its loss_scale_init

@@ -145,3 +145,10 @@ def test_a_live_change_to_a_non_finite_value_is_refused():
         with pytest.raises(ConfigError, match="not a finite number"):
             live_update(cfg, [item])
     assert live_update(cfg, ["optim.lr=3e-4"]) == {"optim.lr": 3e-4}
+
+
+def test_an_aligned_learner_with_weight_only_rollout_needs_fp32_rollout():
+    aligned = ["learner.rollout_aligned=true", "quant.scheme=w4a16"]
+    with pytest.raises(ConfigError, match=r"needs `precision.rollout=fp32` \(the engine would compute in bf16"):
+        load_config(MAIN, [*aligned, "precision.rollout=bf16"])
+    assert load_config(MAIN, [*aligned, "precision.rollout=fp32"]).quant.scheme == "w4a16"

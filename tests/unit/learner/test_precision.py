@@ -164,3 +164,17 @@ def test_learner_never_publishes_a_skipped_fp16_step_and_publishes_a_clean_one(t
         assert learner.publisher.version == step + 1
     finally:
         learner.close()
+
+
+def test_an_fp16_run_resumed_from_a_bf16_checkpoint_keeps_its_initial_loss_scale():
+    from learner.precision import LossScaler
+
+    bf16 = LossScaler(scale=65536.0, enabled=False)
+    bf16.update(finite=False)
+    fp16 = LossScaler(scale=65536.0, enabled=True)
+    fp16.load_state_dict(bf16.state_dict())
+    assert fp16.scale == 65536.0 and fp16.skipped == 1
+    resumed = LossScaler(scale=65536.0, enabled=True)
+    fp16.update(finite=False)
+    resumed.load_state_dict(fp16.state_dict())
+    assert resumed.scale == 32768.0  # an fp16 checkpoint's scale carries over
