@@ -51,10 +51,11 @@ def _fsync_tree(path: Path) -> None:
         for name in files:
             with open(Path(root) / name, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a created, renamed or deleted file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -79,7 +80,7 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     if target.exists():  # the same step saved again (`down` right after a periodic save): moved aside, not deleted
         target.rename(replaced)  # in place, so that a crash never leaves a half-deleted step_<k> as the latest
     staging.rename(target)
-    _fsync_dir(root)
+    fsync_dir(root)
     shutil.rmtree(replaced, ignore_errors=True)
     for old in checkpoint_dirs(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

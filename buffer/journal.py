@@ -42,6 +42,8 @@ from typing import Any
 import msgpack
 import xxhash
 
+from asyncrl.checkpoint import fsync_dir
+
 MAGIC = b"asyncrl-journal2"
 """The first 16 bytes of a version-2 journal."""
 _HEADER = struct.Struct("<IQ")  # payload length, xxh3_64 of the payload
@@ -202,15 +204,7 @@ def _write_atomically(path: Path, records: list[dict[str, Any]]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(path: Path) -> None:
-    directory = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_dir(path.parent)
 
 
 class Journal:
@@ -247,7 +241,7 @@ class Journal:
             os.write(fd, MAGIC)
             os.fsync(fd)
         if created:  # the file's directory entry must survive a power loss as much as its records
-            _fsync_directory(self.path.parent)
+            fsync_dir(self.path.parent)
         return fd
 
     def append(self, record: dict[str, Any]) -> None:

@@ -353,12 +353,12 @@ class EmbeddedEngine:
             tokens = torch.tensor([seq.tokens[-1] for seq in decoding])
             positions = torch.tensor([len(seq.tokens) - 1 for seq in decoding])
             running = (tokens, positions)
-        prompts, sample_rows = self._prompts(joining, len(decoding)) if joining else (None, None)
+        prompts = self._prompts(joining, len(decoding)) if joining else None
         # one forward for both: the joining prompts ride along with the decode step (see model.forward_step)
         logits = forward_step(self.arch, weights, self._cache, running, prompts)  # type: ignore[arg-type]
         assert logits is not None
-        if sample_rows is not None:  # one row per prompt -> one per sample (n samples share a prompt's prefill)
-            logits = torch.cat((logits[: len(decoding)], logits[len(decoding) :][sample_rows]))
+        if prompts is not None:  # one row per prompt -> one per sample (n samples share a prompt's prefill)
+            logits = torch.cat((logits[: len(decoding)], logits[len(decoding) :][prompts.slot_rows]))
         finished = self._sample(logits, version)
         self._retire(finished)
         self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.perf_counter() - started)
@@ -392,9 +392,9 @@ class EmbeddedEngine:
         return joining
 
     @staticmethod
-    def _prompts(groups: list[_Group], first_slot: int) -> tuple[Prompts, torch.Tensor]:
-        """Each group's prompt, prefilled once into the slots of all its samples from `first_slot` on; and for each
-        sample, the row of its prompt."""
+    def _prompts(groups: list[_Group], first_slot: int) -> Prompts:
+        """Each group's prompt, prefilled once into the slots of all its samples from `first_slot` on (its
+        `slot_rows` give each sample's prompt row)."""
         lengths = torch.tensor([len(group.prompt) for group in groups])
         tokens = torch.zeros((len(groups), int(lengths.max())), dtype=torch.long)
         for row, group in enumerate(groups):
@@ -402,7 +402,7 @@ class EmbeddedEngine:
         counts = torch.tensor([len(group.samples) for group in groups])
         rows = torch.repeat_interleave(torch.arange(len(groups)), counts)
         slots = torch.arange(first_slot, first_slot + len(rows))
-        return Prompts(tokens, lengths, rows, slots), rows
+        return Prompts(tokens, lengths, rows, slots)
 
     def _retract(self) -> None:
         """Recompute the K/V of every in-flight sequence with the new weights (all tokens but the pending one)."""

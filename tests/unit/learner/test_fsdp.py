@@ -77,7 +77,7 @@ def resume_single_process_state(ranks: Dist) -> tuple[dict, dict]:
     """Load a single-process learner's optimizer checkpoint into these ranks; (the checkpoint, gathered back)."""
     model, optimizer = stepped_adamw(SINGLE)
     saved = full_optimizer_state(model, optimizer, SINGLE)
-    model, optimizer = tiny_model(seed=5), None
+    model = tiny_model(seed=5)
     if ranks.world > 1:
         shard_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
