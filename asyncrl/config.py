@@ -198,6 +198,9 @@ class BufferConfig:
     Rollout workers send a heartbeat every worker_timeout_s / 6 seconds, also while generating."""
     compact_bytes: int = 67108864
     """Journal size in bytes that triggers compaction into a snapshot of the live state."""
+    reserve_mb: int = 128
+    """MiB of memory the buffer process faults in at start-up and keeps for queued groups, so that admitting them
+    does not page-fault on every message (buffer/memory.py; the process starts at about this resident size)."""
     curve_keys_dir: str = ""
     """Directory of CurveZMQ keys (`asyncrl keys DIR`; layout in buffer/curve.py): encrypts the buffer socket and
     admits only allow-listed clients. Required when `host` is not a loopback address; empty: plain ZMQ."""
@@ -458,6 +461,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "buffer.max_queued_groups": (1, None),
     "buffer.worker_timeout_s": (0.0, None),
     "buffer.compact_bytes": (1, None),
+    "buffer.reserve_mb": (0, 1 << 20),
     "staleness.max_lag": (0, None),
     "loss.cap": (1.0, None),
     "loss.eps_low": (0.0, 1.0),

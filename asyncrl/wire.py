@@ -795,14 +795,16 @@ class CheckedPush:
     trajectories_at: int
     uids: list[str]
     trajectory_groups: list[str]
-    prompt_indices: list[int]
-    rewards: list[float]
+    prompt_indices: tuple[int, ...]
+    rewards: tuple[float, ...]
     oldest_version: int
     newest_version: int
 
 
 _PACK = msgpack.Packer(use_bin_type=True).pack
 _TRAJECTORIES_KEY = _PACK("trajectories")
+_WORKER_KEY = _PACK("worker")
+_GROUP_KEY = _PACK("group")
 _PUSH_HEAD = b"".join((b"\x85", _PACK("v"), _PACK(SCHEMA_VERSION), _PACK("type"), _PACK("PushGroup")))
 """How every PushGroup of this schema that `encode` writes begins (a map of 5: v, type, worker, group, trajectories)."""
 
@@ -811,7 +813,7 @@ def _trajectories_at(data: bytes | memoryview, worker: str, group: str) -> int |
     """Where the trajectory columns start in a valid PushGroup laid out as `encode` writes it: a map of 5 entries
     v, type, worker, group and trajectories last, whose value (a map of the GROUP_COLUMNS) then runs to the end
     (msgpack refused trailing bytes). None for any other layout (the caller re-encodes)."""
-    prefix = b"".join((_PUSH_HEAD, _PACK("worker"), _PACK(worker), _PACK("group"), _PACK(group), _TRAJECTORIES_KEY))
+    prefix = b"".join((_PUSH_HEAD, _WORKER_KEY, _PACK(worker), _GROUP_KEY, _PACK(group), _TRAJECTORIES_KEY))
     view = memoryview(data).cast("B")
     at = len(prefix)
     if at < view.nbytes and view[:at] == prefix and view[at] == 0x80 | len(GROUP_COLUMNS):
@@ -829,7 +831,7 @@ def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush 
     if at is None:
         return None
     return CheckedPush(
-        obj["worker"], obj["group"], data, at, group.uid, group.group, list(group.prompt_index), list(group.reward),
+        obj["worker"], obj["group"], data, at, group.uid, group.group, group.prompt_index, group.reward,
         group.oldest_version, group.newest_version,
     )  # fmt: skip
 

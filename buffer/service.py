@@ -65,6 +65,7 @@ from asyncrl.wire import (
 )
 from buffer.curve import CurveKeyError, ServerKeys, server_keys
 from buffer.journal import Journal, read_records
+from buffer.memory import tune_allocator
 from buffer.state import BufferState, Queued, batch_reply
 
 HWM = 10000
@@ -164,14 +165,29 @@ class BufferService:
                 self._send_durable()  # drains the fd too, or the poll would return at once from now on
             if self.socket in events:
                 for _ in range(1000):  # drain what is ready, then do the timed work
-                    try:
-                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                    request = self._recv()
+                    if request is None:
                         break
-                    self._on_frames([frame.bytes for frame in frames[:-1]], frames[-1].buffer)
+                    self._on_frames(*request)
                 self._flush_async()  # one journal commit (fsync) for every request drained above
             self._timed_work()
             self._maybe_compact()
+
+    def _recv(self) -> tuple[list[bytes], memoryview] | None:
+        """The next request if one is ready: (envelope frames, a view of the last frame, not copied), else None.
+
+        `recv_multipart` by hand: the small envelope frames are copied into bytes, the payload frame is kept as
+        received, and a one-frame message (no envelope) comes back as ([], payload) for `_on_frames` to count."""
+        socket = self.socket
+        try:
+            frame = socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        envelope: list[bytes] = []
+        while socket.getsockopt(zmq.RCVMORE):  # the frames of one message arrive together: no Again from here
+            envelope.append(frame.bytes)
+            frame = socket.recv(zmq.NOBLOCK, copy=False)
+        return envelope, frame.buffer
 
     def _count_handshake_failures(self, monitor: zmq.Socket) -> None:
         """A peer without the right keys never gets a message through; each refused handshake is counted."""
@@ -233,13 +249,13 @@ class BufferService:
     def _handle(self, envelope: list[bytes], payload: memoryview) -> wire.Message | None:
         msg = wire.decode_request(payload)
         state = self.state
-        if isinstance(msg, LeaseRequest):
-            return state.lease(msg.worker, msg.max_groups)
-        if isinstance(msg, CheckedPush):
+        if type(msg) is CheckedPush:  # the most frequent request first
             reply = state.push(msg)
-            if reply.accepted and reply.reason == "" and self.parked:
+            if self.parked and reply.accepted and reply.reason == "":
                 self._serve_parked()
             return reply
+        if isinstance(msg, LeaseRequest):
+            return state.lease(msg.worker, msg.max_groups)
         if isinstance(msg, FetchBatch):
             if not 1 <= msg.num_groups <= wire.MAX_GROUP:  # a BatchReply holds at most MAX_GROUP groups
                 raise wire.WireError("bad_field", f"FetchBatch.num_groups must be in [1, {wire.MAX_GROUP}]")
@@ -416,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"buffer: another buffer process is using {run_dir} (it holds {LOCK_NAME}); stop it first",
               file=sys.stderr)  # fmt: skip
         return 2
+    print(f"buffer: {tune_allocator(cfg.buffer.reserve_mb << 20)}", file=sys.stderr, flush=True)
     journal: Journal | None = None
     state = BufferState(
         source=make_source(cfg.data),

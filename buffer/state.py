@@ -169,14 +169,15 @@ class BufferState:
         now = time.time() if now is None else now
         self.heartbeat(msg.worker, now)
         group = msg.group
-        if self.is_resolved(group):
-            self.counters["duplicate_groups"] += 1
-            return PushReply(True, "duplicate")
         lease = self.leased.get(group) or self.returned.get(group)
-        reason = "unknown_group" if lease is None else self._check_group(msg, lease)
+        if lease is None:
+            if self.is_resolved(group):
+                self.counters["duplicate_groups"] += 1
+                return PushReply(True, "duplicate")
+            return self._reject("unknown_group")
+        reason = self._check_group(msg, lease)
         if reason:
             return self._reject(reason)
-        assert lease is not None
         outcome = ""
         if not staleness.is_admissible(self.step, msg.oldest_version, self.max_lag):
             outcome = "stale"
@@ -426,13 +427,14 @@ class BufferState:
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _check_group(self, msg: CheckedPush, lease: _Lease) -> str:
-        if len(msg.uids) != self.group_size:
+        count = len(msg.uids)
+        if count != self.group_size:
             return "group_size"
-        if any(g != msg.group for g in msg.trajectory_groups):
+        if msg.trajectory_groups.count(msg.group) != count:
             return "group_mismatch"
-        if len(set(msg.uids)) != len(msg.uids):
+        if len(set(msg.uids)) != count:
             return "duplicate_uid"
-        if any(i != lease.index for i in msg.prompt_indices):
+        if msg.prompt_indices.count(lease.index) != count:
             return "prompt_index"
         if msg.newest_version > self.step + 1:
             return "future_version"

@@ -14,6 +14,19 @@ producers; `journal_on_vs_off` = ingest with the journal over without (1 produce
 (`accepted` with reason ""): a group that was not admitted fails the bench. Producers lease their groups and encode
 them before the clock starts. After the journal-on run the bench drains the queue as the learner does
 (FetchBatch of `FETCH_GROUPS` groups) and reports the latency of each fetch, decode included.
+
+Floors (metrics only, 1 producer): what a bare service doing only part of the buffer's work reaches on this machine,
+so that the ratios can be read against a bound. A floor is a ROUTER in a fresh process, with the buffer's malloc
+settings (buffer/memory.py), that keeps every frame and answers each PushGroup with an accepted PushReply after:
+
+| floor | work per PushGroup |
+|---|---|
+| `floor_keep` | nothing (receive, keep, reply) |
+| `floor_validate` | `wire.decode_request`: the buffer's msgpack decode and validation, nothing else |
+| `floor_validate_write` | the same, then `os.write` of the frame to a file in the service thread (no fsync) |
+
+`floor_*_vs_raw_1p` = the floor's trajectories/s over raw's. No leases, no admission, no journal records: the buffer
+itself can only be slower than `floor_validate_write`.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from buffer.launcher import start_service, stop_service
 
 GROUP_SIZE = 8
 FETCH_GROUPS = 16
+FLOORS = ("keep", "validate", "validate_write")
 
 
 def _payloads(count: int, leases: list[Any] | None, producer: int) -> list[bytes]:
@@ -71,7 +85,7 @@ def _produce(mode: str, endpoint: str, count: int, producer: int, ready: Any, go
     from asyncrl import wire
     from buffer.client import BufferClient
 
-    leases = None
+    leases = None  # a floor takes groups of made-up ids: it checks no lease
     if mode == "buffer":
         with BufferClient(endpoint, f"bench-{producer}") as client:
             leases = []
@@ -81,7 +95,7 @@ def _produce(mode: str, endpoint: str, count: int, producer: int, ready: Any, go
                 leases += got
     payloads = _payloads(count, leases, producer)
     context = zmq.Context()
-    socket = context.socket(zmq.DEALER if mode == "buffer" else zmq.PUSH)
+    socket = context.socket(zmq.PUSH if mode == "raw" else zmq.DEALER)
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.connect(endpoint)
@@ -91,7 +105,7 @@ def _produce(mode: str, endpoint: str, count: int, producer: int, ready: Any, go
     for payload in payloads:
         socket.send(payload, copy=False)
     admitted = 0
-    if mode == "buffer":
+    if mode != "raw":
         for _ in payloads:
             reply = wire.decode(socket.recv())
             assert isinstance(reply, wire.PushReply) and reply.accepted and reply.reason == "", reply
@@ -116,6 +130,42 @@ def _sink(endpoint_q: Any, total: int, results: Any) -> None:
     context.term()
 
 
+def _floor(work: str, endpoint_q: Any, stop: Any, scratch: str) -> None:
+    """A floor service (module docstring): receive, do `work`, keep the frame, reply accepted; until `stop`."""
+    import zmq
+
+    from asyncrl import wire
+    from asyncrl.config import BufferConfig
+    from buffer.memory import tune_allocator
+
+    tune_allocator(BufferConfig().reserve_mb << 20)
+    accepted = wire.encode(wire.PushReply(True, ""))
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    endpoint_q.put(f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}")
+    kept = []
+    while not stop.is_set():
+        if not socket.poll(50):
+            continue
+        while True:
+            try:
+                identity, frame = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if work != "keep":
+                wire.decode_request(frame.buffer)
+            if work == "validate_write":
+                os.write(fd, frame.buffer)
+            kept.append(frame)
+            socket.send_multipart([identity.bytes, accepted], copy=False)
+    os.close(fd)
+    socket.close(0)
+    context.term()
+
+
 def _start_buffer(run_dir: Path, journal: bool, total_groups: int) -> tuple[subprocess.Popen[bytes], str]:
     from asyncrl.config import Config, to_dict
 
@@ -134,17 +184,24 @@ def _ingest(mode: str, producers: int, groups: int, run_dir: Path, fetch_ms: lis
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     per = groups // producers
     total = per * producers
-    proc, sink = None, None
+    proc, sink, floor, stop_floor = None, None, None, ctx.Event()
     if mode == "raw":
         endpoint_q, sink_results = ctx.Queue(), ctx.Queue()
         sink = ctx.Process(target=_sink, args=(endpoint_q, total, sink_results))
         sink.start()
         endpoint = endpoint_q.get(timeout=30)
+    elif mode.startswith("floor_"):  # spawned: a fresh process, as the buffer is (malloc settings need one)
+        spawn = mp.get_context("spawn")
+        endpoint_q, stop_floor = spawn.Queue(), spawn.Event()
+        run_dir.mkdir(parents=True)
+        floor = spawn.Process(target=_floor, args=(mode[len("floor_") :], endpoint_q, stop_floor, str(run_dir / "w")))
+        floor.start()
+        endpoint = endpoint_q.get(timeout=60)
     else:
         proc, endpoint = _start_buffer(run_dir, mode == "journal_on", total)
+    kind = "raw" if mode == "raw" else "floor" if floor is not None else "buffer"
     workers = [
-        ctx.Process(target=_producer, args=("raw" if mode == "raw" else "buffer", endpoint, per, i, ready, go, results))
-        for i in range(producers)
+        ctx.Process(target=_producer, args=(kind, endpoint, per, i, ready, go, results)) for i in range(producers)
     ]
     try:
         for worker in workers:
@@ -167,7 +224,8 @@ def _ingest(mode: str, producers: int, groups: int, run_dir: Path, fetch_ms: lis
                 fetch_ms += _drain(endpoint, total)
         return count / (end - start)
     finally:
-        for worker in [*workers, *([sink] if sink else [])]:
+        stop_floor.set()
+        for worker in [*workers, *([sink] if sink else []), *([floor] if floor else [])]:
             worker.join(timeout=30)
             if worker.is_alive():
                 worker.kill()
@@ -196,9 +254,11 @@ def run(quick: bool) -> BenchResult:
     fetch_ms: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-buffer-") as tmp:
         for r in range(rounds):  # contenders alternate, so a noisy neighbour slows all of them
-            for mode, producers in (("raw", 1), ("journal_on", 1), ("journal_off", 1), ("raw", 4), ("journal_on", 4)):
+            contenders = [("raw", 1), ("journal_on", 1), ("journal_off", 1), *((f"floor_{f}", 1) for f in FLOORS)]
+            for mode, producers in [*contenders, ("raw", 4), ("journal_on", 4)]:
                 run_dir = Path(tmp) / f"{mode}-{producers}-{r}"
-                rate = _ingest(mode, producers, groups, run_dir, fetch_ms if producers == 1 else None)
+                drain = fetch_ms if (mode, producers) == ("journal_on", 1) else None
+                rate = _ingest(mode, producers, groups, run_dir, drain)
                 samples.setdefault(f"{mode}_{producers}p_traj_per_s", []).append(rate)
     metrics = {name: statistics.median(values) for name, values in samples.items()}
     fetch_ms.sort()
@@ -211,6 +271,8 @@ def run(quick: bool) -> BenchResult:
         groups_per_run=float(groups),
         cpu_count=float(os.cpu_count() or 0),
     )
+    for floor in FLOORS:
+        metrics[f"floor_{floor}_vs_raw_1p"] = metrics[f"floor_{floor}_1p_traj_per_s"] / metrics["raw_1p_traj_per_s"]
     ratios = {
         "ingest_vs_raw_1p": metrics["journal_on_1p_traj_per_s"] / metrics["raw_1p_traj_per_s"],
         "ingest_vs_raw_4p": metrics["journal_on_4p_traj_per_s"] / metrics["raw_4p_traj_per_s"],

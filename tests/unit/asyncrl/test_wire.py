@@ -491,8 +491,9 @@ def test_decode_request_agrees_with_decode() -> None:
         assert isinstance(expected, PushGroup), (i, expected)
         trajectories = expected.trajectories
         assert (checked.worker, checked.group) == (expected.worker, expected.group)
-        assert checked.uids == [t.uid for t in trajectories] and checked.rewards == [t.reward for t in trajectories]
-        assert checked.prompt_indices == [t.prompt_index for t in trajectories]
+        assert checked.uids == [t.uid for t in trajectories]
+        assert checked.rewards == tuple(t.reward for t in trajectories)
+        assert checked.prompt_indices == tuple(t.prompt_index for t in trajectories)
         versions = [int(v) for t in trajectories for v in t.versions] or [0]
         assert (checked.oldest_version, checked.newest_version) == (min(versions), max(versions))
         payload = memoryview(checked.payload)
