@@ -461,7 +461,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "buffer.max_queued_groups": (1, None),
     "buffer.worker_timeout_s": (0.0, None),
     "buffer.compact_bytes": (1, None),
-    "buffer.reserve_mb": (0, 1 << 20),
+    "buffer.reserve_mb": (0, 512),  # buffer.memory.MAX_RESERVE_MB
     "staleness.max_lag": (0, None),
     "loss.cap": (1.0, None),
     "loss.eps_low": (0.0, 1.0),

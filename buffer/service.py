@@ -65,7 +65,7 @@ from asyncrl.wire import (
 )
 from buffer.curve import CurveKeyError, ServerKeys, server_keys
 from buffer.journal import Journal, read_records
-from buffer.memory import tune_allocator
+from buffer.memory import configure_malloc, reserve
 from buffer.state import BufferState, Queued, batch_reply
 
 HWM = 10000
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"buffer: another buffer process is using {run_dir} (it holds {LOCK_NAME}); stop it first",
               file=sys.stderr)  # fmt: skip
         return 2
-    print(f"buffer: {tune_allocator(cfg.buffer.reserve_mb << 20)}", file=sys.stderr, flush=True)
+    print(f"buffer: {configure_malloc()}, {reserve(cfg.buffer.reserve_mb << 20)}", file=sys.stderr, flush=True)
     journal: Journal | None = None
     state = BufferState(
         source=make_source(cfg.data),

@@ -136,9 +136,10 @@ def _floor(work: str, endpoint_q: Any, stop: Any, scratch: str) -> None:
 
     from asyncrl import wire
     from asyncrl.config import BufferConfig
-    from buffer.memory import tune_allocator
+    from buffer.memory import configure_malloc, reserve
 
-    tune_allocator(BufferConfig().reserve_mb << 20)
+    configure_malloc()  # as `python -m buffer` does
+    reserve(BufferConfig().reserve_mb << 20)
     accepted = wire.encode(wire.PushReply(True, ""))
     fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     context = zmq.Context()
@@ -194,7 +195,9 @@ def _ingest(mode: str, producers: int, groups: int, run_dir: Path, fetch_ms: lis
         spawn = mp.get_context("spawn")
         endpoint_q, stop_floor = spawn.Queue(), spawn.Event()
         run_dir.mkdir(parents=True)
-        floor = spawn.Process(target=_floor, args=(mode[len("floor_") :], endpoint_q, stop_floor, str(run_dir / "w")))
+        floor = spawn.Process(
+            target=_floor, args=(mode[len("floor_") :], endpoint_q, stop_floor, str(run_dir / "w")), daemon=True
+        )
         floor.start()
         endpoint = endpoint_q.get(timeout=60)
     else:

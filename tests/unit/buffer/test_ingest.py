@@ -267,4 +267,8 @@ def test_kept_groups_land_in_memory_faulted_in_at_start(tmp_path: Path) -> None:
     reserved = _faults_per_kept_group(tmp_path, reserve_mb=64)
     unreserved = _faults_per_kept_group(tmp_path, reserve_mb=0)
     assert reserved < 1.0, (reserved, unreserved)
-    assert unreserved > 8.0, (reserved, unreserved)  # the measurement sees the faults when they happen
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    thp_always = "[always]" in (thp.read_text() if thp.exists() else "")
+    huge_heap = thp_always or "hugetlb" in os.environ.get("GLIBC_TUNABLES", "")
+    if not huge_heap:  # with 2 MiB pages under the heap the unreserved buffer barely faults either
+        assert unreserved > 8.0, (reserved, unreserved)  # the measurement sees the faults when they happen
