@@ -62,6 +62,12 @@ MAX_STR_BYTES = 1024 * 1024
 """Largest string (a prompt, an answer, an id)."""
 MAX_MAP_LEN = 1024
 """Largest map (the stats counters)."""
+MAX_ID_CHARS = 256
+"""Longest id: a worker, group or trajectory uid (they key the buffer's lease and heartbeat tables)."""
+MAX_STEP = 2**31 - 1
+"""Largest train step or staleness.max_lag a message may carry (the buffer's throttle arithmetic stays in 64 bits)."""
+MAX_WAIT_S = 3600.0
+"""Longest FetchBatch.wait_s: how long the buffer may park a fetch."""
 LOGP_TOLERANCE = 1e-4
 """A behavior log-prob may exceed 0 by this much (rounding in the engine); more is rejected."""
 FINISH_REASONS = ("stop", "length", "abort")
@@ -261,6 +267,14 @@ def _dec_str(value: Any, name: str) -> str:
     return value
 
 
+def _dec_id(value: Any, name: str) -> str:
+    if type(value) is not str:
+        raise _bad(name, "str", value)
+    if len(value) > MAX_ID_CHARS:
+        raise WireError("oversized", f"`{name}` has {len(value)} > {MAX_ID_CHARS} characters")
+    return value
+
+
 def _enc_int(value: Any, name: str) -> int:
     if type(value) is int:
         return value
@@ -278,6 +292,12 @@ def _dec_int(value: Any, name: str) -> int:
 def _dec_nat(value: Any, name: str) -> int:
     if type(value) is not int or value < 0:
         raise WireError("bad_field", f"`{name}` must be an int >= 0, got {value!r}"[:200])
+    return value
+
+
+def _dec_step(value: Any, name: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_STEP:
+        raise WireError("bad_field", f"`{name}` must be an int in [0, {MAX_STEP}], got {value!r}"[:200])
     return value
 
 
@@ -304,6 +324,13 @@ def _dec_nonneg_finite(value: Any, name: str) -> float:
     value = _dec_finite(value, name)
     if value < 0:
         raise WireError("bad_field", f"`{name}` must be >= 0")
+    return value
+
+
+def _dec_wait(value: Any, name: str) -> float:
+    value = _dec_nonneg_finite(value, name)
+    if value > MAX_WAIT_S:
+        raise WireError("bad_field", f"`{name}` must be at most {MAX_WAIT_S} s")
     return value
 
 
@@ -409,6 +436,9 @@ def _dec_stats(value: Any, name: str) -> dict[str, float | int]:
 
 
 STR = _Kind(_enc_str, _dec_str)
+ID = _Kind(_enc_str, _dec_id)
+STEP = _Kind(_enc_int, _dec_step)
+WAIT = _Kind(_enc_float, _dec_wait)
 INT = _Kind(_enc_int, _dec_int)
 NAT = _Kind(_enc_int, _dec_nat)
 FINITE = _Kind(_enc_float, _dec_finite)
@@ -476,8 +506,8 @@ def _check_trajectory(traj: Trajectory) -> None:
 
 
 _TRAJECTORY_FIELDS = (
-    ("uid", STR),
-    ("group", STR),
+    ("uid", ID),
+    ("group", ID),
     ("prompt_index", NAT),
     ("prompt_ids", I4),
     ("response_ids", I4),
@@ -486,12 +516,12 @@ _TRAJECTORY_FIELDS = (
     ("reward", FINITE),
     ("correct", BOOL),
     ("finish", STR),
-    ("worker", STR),
+    ("worker", ID),
     ("t_start", FINITE),
     ("t_end", FINITE),
 )
 TRAJECTORY = _struct_kind(Trajectory, _TRAJECTORY_FIELDS, _check_trajectory)
-_LEASE_FIELDS = (("group", STR), ("index", NAT), ("prompt", STR), ("answer", STR), ("deadline", FINITE))
+_LEASE_FIELDS = (("group", ID), ("index", NAT), ("prompt", STR), ("answer", STR), ("deadline", FINITE))
 LEASE = _struct_kind(PromptLease, _LEASE_FIELDS, None)
 _I4 = np.dtype("<i4")
 _F4 = np.dtype("<f4")
@@ -621,6 +651,8 @@ def _check_group(value: Any, name: str) -> _Group:
             "".join(items)
         except TypeError:
             raise _bad(column, "a list of str", items) from None
+        if column != "finish" and items and max(map(len, items)) > MAX_ID_CHARS:
+            raise WireError("oversized", f"`{column}`: an id of more than {MAX_ID_CHARS} characters")
         texts.append(items)
     count = len(texts[0])
     if any(len(items) != count for items in texts):
@@ -683,20 +715,20 @@ TRAJECTORIES = _group_kind()
 _SCHEMAS: dict[type, tuple[tuple[str, _Kind], ...]] = {
     Trajectory: _TRAJECTORY_FIELDS,
     PromptLease: _LEASE_FIELDS,
-    LeaseRequest: (("worker", STR), ("max_groups", NAT)),
+    LeaseRequest: (("worker", ID), ("max_groups", NAT)),
     LeaseReply: (("leases", _list_kind(LEASE, "PromptLease")), ("retry_after_s", NONNEG)),
-    PushGroup: (("worker", STR), ("group", STR), ("trajectories", TRAJECTORIES)),
+    PushGroup: (("worker", ID), ("group", ID), ("trajectories", TRAJECTORIES)),
     PushReply: (("accepted", BOOL), ("reason", STR)),
-    FetchBatch: (("step", NAT), ("num_groups", NAT), ("wait_s", NONNEG)),
+    FetchBatch: (("step", STEP), ("num_groups", NAT), ("wait_s", WAIT)),
     BatchReply: (
-        ("step", NAT),
+        ("step", STEP),
         ("groups", _list_kind(TRAJECTORIES, "groups")),
         ("dropped_stale", NAT),
         ("ready", BOOL),
     ),
     StatsRequest: (),
     StatsReply: (("stats", STATS),),
-    SetMaxLag: (("max_lag", NAT),),
+    SetMaxLag: (("max_lag", STEP),),
     ErrorReply: (("reason", STR), ("detail", STR)),
 }
 _CHECKS: dict[type, Callable[[Any], None]] = {Trajectory: _check_trajectory}
@@ -824,8 +856,11 @@ def _trajectories_at(data: bytes | memoryview, worker: str, group: str) -> int |
 def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush | None:
     """A CheckedPush of an unpacked PushGroup `obj` received as `data`; WireError if invalid, None if valid but not
     laid out as `encode` writes it."""
-    if len(obj) != 3 or type(obj.get("worker")) is not str or type(obj.get("group")) is not str:
+    worker, group_id = obj.get("worker"), obj.get("group")
+    if len(obj) != 3 or type(worker) is not str or type(group_id) is not str:
         return None  # the generic decoder says what is wrong
+    if len(worker) > MAX_ID_CHARS or len(group_id) > MAX_ID_CHARS:
+        return None  # the generic decoder raises `oversized`
     group = _check_group(obj.get("trajectories"), "trajectories")
     at = _trajectories_at(data, obj["worker"], obj["group"])
     if at is None:
@@ -867,7 +902,7 @@ def encode_batch_reply(step: int, groups: list[bytes | memoryview], dropped_stal
         raise WireError("oversized", f"`groups` has {len(groups)} > {MAX_GROUP} items")
     pack = msgpack.Packer(use_bin_type=True)
     head = [pack.pack_map_header(6)]
-    for key, value in (("v", SCHEMA_VERSION), ("type", "BatchReply"), ("step", _dec_nat(step, "step"))):
+    for key, value in (("v", SCHEMA_VERSION), ("type", "BatchReply"), ("step", _dec_step(step, "step"))):
         head += (pack.pack(key), pack.pack(value))
     tail = [pack.pack("dropped_stale"), pack.pack(_dec_nat(dropped_stale, "dropped_stale"))]
     tail += (pack.pack("ready"), pack.pack(_dec_bool(ready, "ready")))

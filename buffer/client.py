@@ -87,7 +87,10 @@ class BufferClient:
         return self._request(PushGroup(worker=self.identity, group=group, trajectories=trajectories), PushReply)
 
     def fetch_batch(self, step: int, num_groups: int, wait_s: float) -> BatchReply:
-        """Ask for `num_groups` admissible groups for train step `step`, waiting up to `wait_s` in the buffer."""
+        """Ask for `num_groups` admissible groups for train step `step`, waiting up to `wait_s` in the buffer
+        (finite, in [0, wire.MAX_WAIT_S]; ValueError otherwise, before anything is sent)."""
+        if not 0.0 <= wait_s <= wire.MAX_WAIT_S:  # NaN fails both comparisons
+            raise ValueError(f"fetch_batch: wait_s must be in [0, {wire.MAX_WAIT_S}] seconds, got {wait_s!r}")
         request = FetchBatch(step=step, num_groups=num_groups, wait_s=wait_s)
         return self._request(request, BatchReply, extra_timeout_s=wait_s)
 
@@ -134,7 +137,7 @@ class BufferClient:
             self._connect()
             raise BufferUnavailable(f"buffer at {self.endpoint}: cannot send {type(msg).__name__}") from None
         try:
-            answered = self._socket.poll(int(timeout_s * 1000), zmq.POLLIN)
+            answered = self._socket.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN)  # negative: forever
             reply = wire.decode(self._socket.recv_multipart()[-1]) if answered else None
         except BaseException:  # interrupted (KeyboardInterrupt) or an undecodable reply: the request is abandoned,
             self._connect()  # and its late reply must never be taken for the answer to the next request

@@ -14,8 +14,11 @@ field):
 | `consume` | `g`: group ids, `s`: train step | groups handed to the learner |
 | `requeue` | `g`: group ids | a batch whose reply could not be delivered: back in the queue |
 | `max_lag` | `v`: int | staleness.max_lag changed live (SetMaxLag) |
-| `rewind` | `s`: step, `g`, `d`: group ids | resume at step s: `g` (consumed at >= s) requeued, `d` dropped |
+| `rewind` | `s`: step, `g`, `d`: group ids, `c`: count | resume at s: `g` (consumed at >= s) requeued, `d` dropped |
 | `state` | `cursor`, `step`, `consumed`, `max_lag`, `pending`: indices | the head of a compacted journal |
+
+A `rewind` record's `c` is the consumed count after it. A `state` record's `max_lag` is null unless set live
+(SetMaxLag): a null one leaves the config's value in force after a restart.
 
 A crash can leave a torn last record; `read_records` stops at the first record that is short or fails its checksum
 and truncates the file there.

@@ -70,6 +70,12 @@ from buffer.state import BufferState, Queued, batch_reply
 
 HWM = 10000
 POLL_MS = 50
+MAX_PARKED = 64
+"""Most FetchBatch requests parked at once; another is refused (`rejected_oversized`)."""
+MAX_ENVELOPE_FRAMES = 8
+MAX_ENVELOPE_BYTES = 4096
+"""A request whose routing envelope (the frames before the payload) is larger is dropped and counted as
+`rejected_bad_envelope`: a parked fetch keeps its envelope until answered."""
 EXPIRY_CHECK_S = 0.02
 JOURNAL_NAME = "buffer.journal"
 HANDSHAKE_FAILURES = (
@@ -177,17 +183,22 @@ class BufferService:
         """The next request if one is ready: (envelope frames, a view of the last frame, not copied), else None.
 
         `recv_multipart` by hand: the small envelope frames are copied into bytes, the payload frame is kept as
-        received, and a one-frame message (no envelope) comes back as ([], payload) for `_on_frames` to count."""
+        received. A one-frame message (no envelope), or one whose envelope is beyond MAX_ENVELOPE_FRAMES /
+        MAX_ENVELOPE_BYTES, comes back as ([], payload) for `_on_frames` to count."""
         socket = self.socket
         try:
             frame = socket.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
         envelope: list[bytes] = []
+        envelope_bytes, oversized = 0, False
         while socket.getsockopt(zmq.RCVMORE):  # the frames of one message arrive together: no Again from here
-            envelope.append(frame.bytes)
+            envelope_bytes += len(frame)
+            oversized = oversized or len(envelope) >= MAX_ENVELOPE_FRAMES or envelope_bytes > MAX_ENVELOPE_BYTES
+            if not oversized:
+                envelope.append(frame.bytes)
             frame = socket.recv(zmq.NOBLOCK, copy=False)
-        return envelope, frame.buffer
+        return ([] if oversized else envelope), frame.buffer  # no envelope: counted as rejected_bad_envelope
 
     def _count_handshake_failures(self, monitor: zmq.Socket) -> None:
         """A peer without the right keys never gets a message through; each refused handshake is counted."""
@@ -236,15 +247,16 @@ class BufferService:
             return
         try:
             reply = self._handle(envelope, payload)
+            data = None if reply is None else _encode_reply(reply)  # None: parked, or a batch already sent
         except wire.WireError as err:
             self.state.counters[f"rejected_{err.reason}"] += 1
-            reply = ErrorReply(err.reason, err.detail)
+            data = _encode_reply(ErrorReply(err.reason, err.detail))
         except Exception as err:  # process boundary: a bug must not take the buffer down; count it and say so
             traceback.print_exc(file=sys.stderr)
             self.state.counters["rejected_internal_error"] += 1
-            reply = ErrorReply("internal_error", f"{type(err).__name__}: {err}"[:500])
-        if reply is not None:  # None: parked, or a batch already sent
-            self.outbox.append([*envelope, _encode_reply(reply)])
+            data = _encode_reply(ErrorReply("internal_error", f"{type(err).__name__}: {err}"[:500]))
+        if data is not None:
+            self.outbox.append([*envelope, data])
 
     def _handle(self, envelope: list[bytes], payload: memoryview) -> wire.Message | None:
         msg = wire.decode_request(payload)
@@ -264,6 +276,8 @@ class BufferService:
                 self._send_batch(envelope, msg.step, taken, dropped)
                 return None
             self.parked = [p for p in self.parked if p.envelope != envelope]  # a peer asks one thing at a time
+            if len(self.parked) >= MAX_PARKED:
+                raise wire.WireError("oversized", f"{MAX_PARKED} FetchBatch requests are waiting already")
             self.parked.append(_Parked(envelope, msg, time.monotonic() + msg.wait_s, dropped))
             return None
         if isinstance(msg, StatsRequest):
@@ -275,11 +289,13 @@ class BufferService:
         raise wire.WireError("unexpected_type", f"the buffer does not serve {type(msg).__name__}")
 
     def _serve_parked(self) -> None:
+        """Answer every parked fetch that can be filled now, oldest first; one that cannot (more groups than are
+        queued) does not hold up the others."""
         for parked in list(self.parked):
             groups, dropped = self.state.take_batch(parked.request.step, parked.request.num_groups)
             parked.dropped += dropped
             if groups is None:
-                break  # FIFO: later requests wait behind the first
+                continue
             self.parked.remove(parked)
             self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped)
 

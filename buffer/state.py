@@ -39,6 +39,8 @@ from buffer.journal import Journal
 
 RETRY_AFTER_S = 0.1
 """What an empty LeaseReply tells workers to wait before asking again."""
+MAX_TRACKED_WORKERS = 4096
+"""Most workers whose heartbeats are tracked for `worker_timeout_s` (a bound on what request ids can make us hold)."""
 
 
 @dataclass(slots=True)
@@ -116,6 +118,7 @@ class BufferState:
         self.counters: Counter[str] = Counter()
         self._replayed: tuple[dict[str, Queued], dict[str, int]] | None = None  # for `rewind`: admits, consumes
         self._compacted_step: int | None = None  # step of the `state` record of a compacted journal (for `rewind`)
+        self._max_lag_set_live = False  # SetMaxLag was used: max_lag outlives restarts (else the config's applies)
 
     # -- throttle -----------------------------------------------------------------------------------------------
 
@@ -227,7 +230,7 @@ class BufferState:
 
     def set_max_lag(self, max_lag: int) -> None:
         """Change staleness.max_lag live; journaled, so a restarted buffer keeps it."""
-        self.max_lag = max_lag
+        self.max_lag, self._max_lag_set_live = max_lag, True
         self._log({"k": "max_lag", "v": max_lag})
 
     def drop_stale(self) -> int:
@@ -246,7 +249,12 @@ class BufferState:
         return len(dropped)
 
     def heartbeat(self, worker: str, now: float) -> None:
+        """Record a sign of life of `worker`; at most MAX_TRACKED_WORKERS are tracked (a new one past that is counted
+        as `untracked_workers` and never declared dead: its leases still expire at their deadlines)."""
         if self.worker_timeout_s > 0:
+            if len(self.last_seen) >= MAX_TRACKED_WORKERS and worker not in self.last_seen:
+                self.counters["untracked_workers"] += 1
+                return
             self.last_seen[worker] = now
 
     def expire_leases(self, now: float | None = None) -> int:
@@ -332,7 +340,7 @@ class BufferState:
             "step": self.step,
             "consumed": self.consumed_groups,
             "admitted": self.counters["admitted_groups"] - len(self.queue),  # admits not in the snapshot
-            "max_lag": self.max_lag,
+            "max_lag": self.max_lag if self._max_lag_set_live else None,  # else the config's value applies
             "pending": pending,
         }
         return [head, *({"k": "admit", "m": q.payload} for q in self.queue)]
@@ -350,7 +358,9 @@ class BufferState:
             kind, groups = record.get("k"), record.get("g", [])
             if kind == "state":  # the head of a compacted journal
                 self.cursor, self.step = int(record["cursor"]), int(record["step"])
-                self.consumed_groups, self.max_lag = int(record["consumed"]), int(record["max_lag"])
+                self.consumed_groups = int(record["consumed"])
+                if record.get("max_lag") is not None:  # set live (SetMaxLag) before the compaction
+                    self.max_lag, self._max_lag_set_live = int(record["max_lag"]), True
                 unresolved = set(record["pending"])
                 self._compacted_step = self.step
                 admitted_count = int(record.get("admitted", 0))  # admits compacted away (older journals: unknown)
@@ -384,8 +394,9 @@ class BufferState:
                     pending.pop(group, None)
                 if kind == "rewind":
                     self.step = max(int(record["s"]) - 1, 0)
+                    self.consumed_groups = int(record.get("c", self.consumed_groups))  # older journals: no "c"
             elif kind == "max_lag":
-                self.max_lag = int(record["v"])
+                self.max_lag, self._max_lag_set_live = int(record["v"]), True
         self.queue = deque(pending.values())
         for index in sorted(unresolved):
             group = group_id(index)
@@ -413,7 +424,10 @@ class BufferState:
         lost = max(0, compacted_step - next_step + 1) * self.groups_per_step
         for group in reversed(back):
             self.queue.appendleft(admitted[group])
-        self.consumed_groups -= len(back)
+        # Steps 0 .. next_step - 1 consumed groups_per_step groups each. Lost groups (their consume records were
+        # compacted away) cannot be subtracted one by one: without the bound the throttle would count them as live
+        # forever and lease nothing, and the resumed learner would wait for a batch that never comes.
+        self.consumed_groups = min(self.consumed_groups - len(back), next_step * self.groups_per_step)
         dropped = [q.group for q in self.queue if q.newest_version > next_step]
         self.queue = deque(q for q in self.queue if q.newest_version <= next_step)
         self.step = max(next_step - 1, 0)
@@ -421,7 +435,7 @@ class BufferState:
         self.counters["rewound_groups"] += len(back)
         self.counters["rewind_dropped_groups"] += len(dropped)
         self.counters["rewind_lost_groups"] += lost
-        self._log({"k": "rewind", "s": next_step, "g": back, "d": dropped})
+        self._log({"k": "rewind", "s": next_step, "g": back, "d": dropped, "c": self.consumed_groups})
         return {"requeued": len(back), "dropped": len(dropped), "lost": lost}
 
     # -- helpers ------------------------------------------------------------------------------------------------

@@ -500,3 +500,27 @@ def test_decode_request_agrees_with_decode() -> None:
         assert_same(decode(payload), expected)  # the kept payload is canonical and decodes to the same group
         outcomes.add("ok")
     assert "ok" in outcomes and len(outcomes) > 4
+
+
+def test_ids_steps_and_waits_are_bounded() -> None:
+    """Ids key the buffer's tables and steps feed its throttle arithmetic: both are bounded on decode, in the
+    single-trajectory, group and buffer (decode_request) forms alike."""
+    long_id = "g" * (wire.MAX_ID_CHARS + 1)
+    for field_name in ("uid", "group", "worker"):
+        traj = make_traj(0)
+        setattr(traj, field_name, long_id)
+        for data in (encode(traj), encode(PushGroup("w", "g7", [traj]))):
+            for decoder in (decode, wire.decode_request):
+                with pytest.raises(WireError) as err:
+                    decoder(data)
+                assert err.value.reason == "oversized", (field_name, decoder)
+    with pytest.raises(WireError, match="oversized"):
+        wire.decode_request(encode(PushGroup(long_id, "g7", [make_traj(0)])))
+    ok = make_traj(0)
+    ok.uid = ok.group = ok.worker = "g" * wire.MAX_ID_CHARS
+    assert decode(encode(ok)).uid == ok.uid
+    for msg in (wire.FetchBatch(step=wire.MAX_STEP + 1, num_groups=1, wait_s=0.0), wire.SetMaxLag(wire.MAX_STEP + 1),
+                wire.FetchBatch(step=0, num_groups=1, wait_s=wire.MAX_WAIT_S * 2)):  # fmt: skip
+        with pytest.raises(WireError, match="bad_field"):
+            decode(encode(msg))
+    assert decode(encode(wire.SetMaxLag(wire.MAX_STEP))) == wire.SetMaxLag(wire.MAX_STEP)

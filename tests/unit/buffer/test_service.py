@@ -375,7 +375,7 @@ def test_resume_rewinds_the_journal_to_the_checkpoint_step(tmp_path: Path) -> No
         assert [g[0].group for g in buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.0).groups] == ["g2", "g3"]
         assert buffer.client.push_group("g4", make_group(_lease(4))).reason == "duplicate"
     rewinds = [r for r in read_records(run_dir / "buffer.journal") if r["k"] == "rewind"]
-    assert rewinds == [{"k": "rewind", "s": 1, "g": ["g2", "g3"], "d": ["g4", "g5"]}]
+    assert rewinds == [{"k": "rewind", "s": 1, "g": ["g2", "g3"], "d": ["g4", "g5"], "c": 2}]
     with running_buffer(tmp_path, run_dir=run_dir) as buffer:  # a plain restart replays the rewind
         stats = buffer.stats()
         assert stats["consumed_groups"] == 4 and stats["queued_groups"] == 0 and stats["cursor"] == 6
@@ -742,3 +742,65 @@ def test_a_request_interrupted_while_waiting_never_takes_its_late_reply_for_the_
             client.stats()
         assert client.set_max_lag(7)["max_lag"] == 7  # the answer to this request, not the stats sent before
         assert client.stats()["max_lag"] == 7
+
+
+def test_hostile_requests_are_refused_and_bounded_while_the_learner_is_served(tmp_path: Path) -> None:
+    """Values past the wire's bounds, an oversized routing envelope, a parked fetch that cannot be filled and more
+    parked fetches than MAX_PARKED: each is refused, counted or waits alone; the service stays up and the learner's
+    own parked fetch is answered as soon as a group arrives."""
+    from buffer.service import MAX_PARKED
+
+    context = zmq.Context()
+    sockets: list[zmq.Socket] = []
+
+    def send(data: bytes, *envelope: bytes) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(buffer.endpoint)
+        sock.send_multipart([*envelope, data])
+        sockets.append(sock)
+        return sock
+
+    def reply(sock: zmq.Socket, timeout_ms: int = 5000) -> wire.Message | None:
+        return wire.decode(sock.recv()) if sock.poll(timeout_ms) else None
+
+    with running_buffer(tmp_path, buffer={"worker_timeout_s": 30.0}) as buffer:
+        try:
+            for msg, reason in [
+                (wire.SetMaxLag(max_lag=2**64 - 1), "bad_field"),  # once crashed the service (stats overflowed)
+                (wire.FetchBatch(step=2**40, num_groups=1, wait_s=0.0), "bad_field"),
+                (wire.FetchBatch(step=0, num_groups=1, wait_s=1e9), "bad_field"),
+                (wire.LeaseRequest(worker="w" * (wire.MAX_ID_CHARS + 1), max_groups=0), "oversized"),
+            ]:
+                answer = reply(send(wire.encode(msg)))
+                assert isinstance(answer, wire.ErrorReply) and answer.reason == reason, (msg, answer)
+            big_envelope = send(wire.encode(wire.StatsRequest()), b"x" * 8192)
+            assert reply(big_envelope, timeout_ms=500) is None  # dropped: nothing to answer it with
+
+            unfillable = send(wire.encode(wire.FetchBatch(step=0, num_groups=wire.MAX_GROUP, wait_s=60.0)))
+            learner = send(wire.encode(wire.FetchBatch(step=0, num_groups=1, wait_s=60.0)))
+            lease_and_push(buffer, 1)
+            batch = reply(learner)  # served at once, not after the unfillable fetch parked before it
+            assert isinstance(batch, wire.BatchReply) and batch.ready and len(batch.groups) == 1
+            assert reply(unfillable, timeout_ms=0) is None
+
+            for _ in range(MAX_PARKED - 1):
+                send(wire.encode(wire.FetchBatch(step=0, num_groups=wire.MAX_GROUP, wait_s=60.0)))
+            deadline = time.monotonic() + 10
+            while buffer.stats()["parked_fetches"] < MAX_PARKED:  # each socket connects on its own: wait for all
+                assert time.monotonic() < deadline, buffer.stats()["parked_fetches"]
+                time.sleep(0.05)
+            refused = reply(send(wire.encode(wire.FetchBatch(step=0, num_groups=wire.MAX_GROUP, wait_s=60.0))))
+            assert isinstance(refused, wire.ErrorReply) and refused.reason == "oversized"
+
+            stats = buffer.stats()
+            assert stats["parked_fetches"] == MAX_PARKED
+            assert stats["rejected_bad_field"] == 3 and stats["rejected_oversized"] == 2
+            assert stats["rejected_bad_envelope"] == 1
+            for wait_s in (math.nan, -1.0, math.inf):
+                with pytest.raises(ValueError, match="wait_s"):
+                    buffer.client.fetch_batch(step=0, num_groups=1, wait_s=wait_s)
+        finally:
+            for sock in sockets:
+                sock.close(0)
+            context.term()
