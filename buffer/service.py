@@ -292,6 +292,8 @@ class BufferService:
         """Answer every parked fetch that can be filled now, oldest first; one that cannot (more groups than are
         queued) does not hold up the others."""
         for parked in list(self.parked):
+            if len(self.state.queue) < parked.request.num_groups:
+                continue  # cannot be filled: skipped without take_batch's pass over the queue (once per push)
             groups, dropped = self.state.take_batch(parked.request.step, parked.request.num_groups)
             parked.dropped += dropped
             if groups is None:
