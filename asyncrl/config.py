@@ -462,7 +462,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "buffer.worker_timeout_s": (0.0, None),
     "buffer.compact_bytes": (1, None),
     "buffer.reserve_mb": (0, 512),  # buffer.memory.MAX_RESERVE_MB
-    "staleness.max_lag": (0, None),
+    "staleness.max_lag": (0, 2**31 - 1),  # wire.MAX_STEP: the buffer refuses more
     "loss.cap": (1.0, None),
     "loss.eps_low": (0.0, 1.0),
     "loss.eps_high": (0.0, None),

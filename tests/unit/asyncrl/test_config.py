@@ -60,6 +60,8 @@ def test_overrides_apply_in_order():
         ("loss.cap=inf", "value inf for `loss.cap` is not a finite number"),
         ("buffer.lease_timeout_s=nan", "`buffer.lease_timeout_s` is not a finite number"),
         ("loss.tbpo.delta_low=2", "`loss.tbpo.delta_low` is out of range"),
+        ("staleness.max_lag=4294967296", "`staleness.max_lag` is out of range"),
+        ("buffer.reserve_mb=4096", "`buffer.reserve_mb` is out of range"),
         ("precision.loss_scale_init=3", "`precision.loss_scale_init` must be a power of two"),
         ("rollout.num_workers=3", "= 2.5 CPUs > `ray.num_cpus` (2)"),
     ],
