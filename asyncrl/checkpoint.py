@@ -77,6 +77,8 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     (staging / META).write_text(json.dumps({"step": step, **meta}, indent=2, default=str))
     _fsync_tree(staging)
     replaced = root / f".step_{step}.old.tmp"
+    if replaced.exists():  # left by a crash during an earlier resave: in the way of the rename below
+        shutil.rmtree(replaced, ignore_errors=True)
     if target.exists():  # the same step saved again (`down` right after a periodic save): moved aside, not deleted
         target.rename(replaced)  # in place, so that a crash never leaves a half-deleted step_<k> as the latest
     staging.rename(target)

@@ -66,9 +66,7 @@ class ControlServer:
                 reply = {"ok": True, **handler(request)}
             except ControlError as err:
                 reply = {"ok": False, "error": str(err)}
-            except (ValueError, msgpack.UnpackException) as err:
-                reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-            except Exception as err:  # whatever a request does, the driver answers it and keeps training
+            except Exception as err:  # undecodable, or whatever a request does: answered, and training goes on
                 reply = {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
             self.socket.send(msgpack.packb(reply, use_bin_type=True, default=str))
             answered += 1

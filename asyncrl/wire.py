@@ -862,11 +862,11 @@ def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush 
     if len(worker) > MAX_ID_CHARS or len(group_id) > MAX_ID_CHARS:
         return None  # the generic decoder raises `oversized`
     group = _check_group(obj.get("trajectories"), "trajectories")
-    at = _trajectories_at(data, obj["worker"], obj["group"])
+    at = _trajectories_at(data, worker, group_id)
     if at is None:
         return None
     return CheckedPush(
-        obj["worker"], obj["group"], data, at, group.uid, group.group, group.prompt_index, group.reward,
+        worker, group_id, data, at, group.uid, group.group, group.prompt_index, group.reward,
         group.oldest_version, group.newest_version,
     )  # fmt: skip
 

@@ -251,22 +251,8 @@ class Journal:
         self._append((msgpack.packb(record, use_bin_type=True),))
 
     def append_admit(self, push: bytes | memoryview) -> None:
-        """`append({"k": "admit", "m": push})`, byte for byte, without copying the (large) encoded PushGroup.
-
-        `_append` inlined: this runs once per admitted group."""
-        size = memoryview(push).nbytes
-        head = _ADMIT_PREFIX + _bin_header(size)
-        digest = xxhash.xxh3_64(head)
-        digest.update(push)
-        record_bytes = _HEADER.size + len(head) + size
-        self._pending += (_HEADER.pack(len(head) + size, digest.intdigest()) + head, push)
-        self._pending_bytes += record_bytes
-        self._size += record_bytes
-        self._dirty = True
-        if self._pending_bytes >= WRITE_CHUNK_BYTES:
-            self._submit()
-        if self.fsync == "always":
-            self.commit()
+        """`append({"k": "admit", "m": push})`, byte for byte, without copying the (large) encoded PushGroup."""
+        self._append((_ADMIT_PREFIX + _bin_header(memoryview(push).nbytes), push))
 
     def _append(self, parts: tuple[bytes | memoryview, ...]) -> None:
         """One record whose msgpack payload is the concatenation of `parts`."""

@@ -46,6 +46,7 @@ MAX_RESERVE_MB = 512
 RESERVE_CHUNK_BYTES = 16 << 20
 """The reserve is faulted in chunks of this size: below the mmap threshold, so they come from the heap."""
 
+_CONFIGURED = "malloc: one arena, no trim"
 _configured: str | None = None  # what configure_malloc did (None: not called yet)
 
 
@@ -73,13 +74,13 @@ def _mallopt() -> str:
     refused = [name for name, (option, value) in settings.items() if mallopt(option, value) != 1]
     if refused:
         return f"malloc: mallopt refused {', '.join(refused)} (the others are set)"
-    return "malloc: one arena, no trim"
+    return _CONFIGURED
 
 
 def reserve(reserve_bytes: int) -> str:
     """Step 2 of the module docstring: fault in `reserve_bytes` (rounded up to RESERVE_CHUNK_BYTES, at most
     MAX_RESERVE_MB) of heap and free it; returns what was done. Never raises: without the memory, no reserve."""
-    if configure_malloc() != "malloc: one arena, no trim":
+    if configure_malloc() != _CONFIGURED:
         return "no reserve (malloc not configured)"
     chunks = -(-min(reserve_bytes, MAX_RESERVE_MB << 20) // RESERVE_CHUNK_BYTES)
     try:

@@ -43,3 +43,14 @@ def test_a_crash_while_saving_the_same_step_again_never_leaves_a_half_deleted_la
     latest = checkpoint.latest(tmp_path)
     assert latest is not None and latest.name == "step_5" and deleted == [".step_5.old.tmp"]
     assert (latest / "model.bin").read_text() == "final 5"  # complete: the replaced copy was the one being deleted
+
+
+def test_a_resave_after_a_crash_mid_resave_clears_what_that_crash_left(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, 5, _writer("periodic 5"), {}, keep_last=3)
+    leftover = tmp_path / checkpoint.CHECKPOINTS / ".step_5.old.tmp"
+    leftover.mkdir(parents=True)
+    (leftover / "model.bin").write_text("half deleted")
+    checkpoint.save(tmp_path, 5, _writer("final 5"), {}, keep_last=3)
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None and (latest / "model.bin").read_text() == "final 5"
+    assert not leftover.exists()
