@@ -16,12 +16,13 @@ consumed after the checkpoint go back to the queue, groups generated with the lo
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from common.fsutil import fsync_dir, fsync_tree
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -46,23 +47,6 @@ def read_meta(checkpoint_dir: Path) -> dict[str, Any]:
     return json.loads((checkpoint_dir / META).read_text())
 
 
-def _fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(Path(root) / name, "rb") as handle:
-                os.fsync(handle.fileno())
-    fsync_dir(path)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a created, renamed or deleted file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, Any], keep_last: int) -> Path:
     """Write checkpoint `step_<step>` with `write(tmp_dir)` (the learner's files) plus meta.json, atomically;
     then delete all but the newest `keep_last` checkpoints. Returns the checkpoint directory."""
@@ -75,7 +59,7 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     staging.mkdir()
     write(str(staging))
     (staging / META).write_text(json.dumps({"step": step, **meta}, indent=2, default=str))
-    _fsync_tree(staging)
+    fsync_tree(staging)
     replaced = root / f".step_{step}.old.tmp"
     if replaced.exists():  # left by a crash during an earlier resave: in the way of the rename below
         shutil.rmtree(replaced, ignore_errors=True)

@@ -4,11 +4,11 @@ asyncrl up CONFIG [key=value ...]     train (a local Ray cluster unless ray.addr
 asyncrl up --resume RUN [key=value]   continue runs/<name> from its latest checkpoint
 asyncrl status [RUN] [--json]         a running job: step, workers and their versions, buffer, staleness, errors
 asyncrl scale rollout=N [--run RUN]   add or remove rollout workers live
-asyncrl set key=value ... [--run RUN] change live keys (asyncrl.config.LIVE_KEYS) at the next step boundary
+asyncrl set key=value ... [--run RUN] change live keys (common.config.LIVE_KEYS) at the next step boundary
 asyncrl down [RUN]                    stop gracefully: workers stop, final checkpoint, journal flushed
 asyncrl bench NAME [--json PATH]      run a benchmark, print its table, write {"name", "metrics", "ratios"}
 asyncrl config CONFIG [key=value ...] print the fully merged, validated config as YAML
-asyncrl keys DIR                      write CurveZMQ keys for a buffer bound beyond loopback (buffer/curve.py)
+asyncrl keys DIR                      write CurveZMQ keys for a buffer bound beyond loopback (common/curve.py)
 asyncrl serve MODEL [--port N ...]    the embedded engine behind SGLang's HTTP API (rollout_workers/sglang_api)
 """
 
@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(config: str, overrides: list[str]):
-    from asyncrl.config import ConfigError, load_config
+    from common.config import ConfigError, load_config
 
     try:
         return load_config(config, overrides)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     if args.command == "keys":
-        from buffer.curve import create_keys
+        from common.curve import create_keys
 
         try:
             written = create_keys(args.dir)

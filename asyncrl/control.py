@@ -13,7 +13,7 @@ file is removed when the driver exits. Requests and replies are msgpack maps (ne
 | `{"cmd": "set", "items": ["k=v", ...]}` | changes, applies_at_step | validated now, applied at the next step |
 | `{"cmd": "down"}` | message | stop after the current step: workers stopped, checkpoint, journal flushed |
 
-`set` accepts only `asyncrl.config.LIVE_KEYS` and validates them exactly like the config (`live_update`). A request
+`set` accepts only `common.config.LIVE_KEYS` and validates them exactly like the config (`live_update`). A request
 that does not decode, or names an unknown command, gets `ok: false` with the reason; the driver never dies of one.
 This module imports no torch or ray: the CLI side (`request`, `find_run`) must start instantly.
 """

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl import checkpoint
-from asyncrl.config import Config, to_dict
 from asyncrl.metrics import MetricsLogger
 from asyncrl.operations import Operations
 from asyncrl.supervise import WorkerPool
+from common.config import Config, to_dict
 
 
 def init_ray(cfg: Config) -> None:
@@ -64,8 +64,8 @@ def new_run_dir(cfg: Config) -> Path:
 def check_inputs(cfg: Config, model_dir: str) -> None:
     """Load the dataset, the model's config and the buffer's CurveZMQ keys here, so that bad rows, a bad model dir
     or a missing key fail before anything starts."""
-    from asyncrl.tasks import DatasetError, make_source
-    from buffer.curve import CurveKeyError, client_keys, server_keys
+    from common.curve import CurveKeyError, client_keys, server_keys
+    from common.tasks import DatasetError, make_source
     from rollout_workers.embedded.model import ArchConfig, ModelDirError
 
     try:
@@ -91,7 +91,7 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
 def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     """Run a whole training job, or continue `resume` (a run directory) from its latest checkpoint; returns a summary
     (also written to runs/<name>/summary.json)."""
-    from asyncrl.builtin_model import resolve_model_path
+    from common.builtin_model import resolve_model_path
 
     if resume is not None and not cfg.buffer.journal:
         raise StartupError(f"--resume {resume} needs `buffer.journal=true`: the buffer's queue is rebuilt from it")
@@ -221,7 +221,7 @@ def _train(
 
 def _evaluate(cfg: Config, learner: Any, logger: MetricsLogger, step: int) -> float:
     """Greedy accuracy of the learner's full-precision weights on the held-out prompts, logged as an `eval` event."""
-    from asyncrl.tasks import make_source
+    from common.tasks import make_source
 
     held_out = make_source(cfg.data).eval_set()
     prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]

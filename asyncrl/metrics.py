@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import LoggingConfig
+from common.config import LoggingConfig
 
 CONSOLE_FIELDS = (
     ("step", "step", "{:.0f}"),

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl import checkpoint
-from asyncrl.config import LIVE_KEYS, Config, ConfigError, get_key, live_update, set_key
 from asyncrl.control import ControlError, ControlServer
 from asyncrl.metrics import MetricsLogger
 from asyncrl.supervise import WorkerPool
+from common.config import LIVE_KEYS, Config, ConfigError, get_key, live_update, set_key
 
 BUFFER_KEYS = ("cursor", "cursor_epoch", "cursor_position", "consumed_groups", "admitted_groups", "current_step")
 
@@ -36,7 +36,7 @@ class Operations:
         start_step: int,
     ) -> None:
         from buffer.client import BufferClient
-        from buffer.curve import client_keys
+        from common.curve import client_keys
 
         self.cfg, self.run_dir, self.pool, self.learner, self.logger = cfg, run_dir, pool, learner, logger
         curve = client_keys(cfg.buffer.curve_keys_dir)

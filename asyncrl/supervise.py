@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.config import Config, to_dict
+from common.config import Config, to_dict
 
 MAX_BACKOFF_S = 60.0
 STATS_EVERY_S = 0.5

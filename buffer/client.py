@@ -6,7 +6,7 @@ the socket is then closed and recreated under a fresh routing id, so a late repl
 never be taken for the answer to the next one. Routing ids are `<identity>/<random>` so that two clients with the
 same identity never collide in the service's ROUTER.
 
-CurveZMQ: pass `curve=client_keys(cfg.buffer.curve_keys_dir)` (buffer/curve.py) when the buffer has keys. A client
+CurveZMQ: pass `curve=client_keys(cfg.buffer.curve_keys_dir)` (common/curve.py) when the buffer has keys. A client
 with no key, a wrong server key or a key the buffer does not allow is refused at the handshake: its requests raise
 `BufferUnavailable` after `timeout_s`, like a buffer that is down (ZMQ does not tell the client why).
 
@@ -22,8 +22,9 @@ from typing import TypeVar
 
 import zmq
 
-from asyncrl import wire
-from asyncrl.wire import (
+from common import wire
+from common.curve import ClientKeys
+from common.wire import (
     BatchReply,
     ErrorReply,
     FetchBatch,
@@ -37,7 +38,6 @@ from asyncrl.wire import (
     StatsRequest,
     Trajectory,
 )
-from buffer.curve import ClientKeys
 
 HWM = 1000
 R = TypeVar("R")

@@ -45,7 +45,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from asyncrl.checkpoint import fsync_dir
+from common.fsutil import fsync_dir
 
 MAGIC = b"asyncrl-journal2"
 """The first 16 bytes of a version-2 journal."""

@@ -25,7 +25,7 @@ counted as `rejected_<reason>`; nothing a peer sends stops the service.
 SIGTERM / SIGINT: commit the journal and exit 0.
 
 Security: with `buffer.curve_keys_dir` the ROUTER is a CurveZMQ server and a ZAP handler thread admits only the
-allow-listed client keys (buffer/curve.py); a refused handshake never reaches the loop and is counted as
+allow-listed client keys (common/curve.py); a refused handshake never reaches the loop and is counted as
 `rejected_handshakes`. Without keys the socket is plain ZMQ, which BufferConfig allows only on loopback.
 """
 
@@ -49,12 +49,17 @@ from omegaconf.errors import OmegaConfBaseException
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from asyncrl import config as cfgmod
-from asyncrl import wire
-from asyncrl.netaddr import bind
-from asyncrl.tasks import make_source
-from asyncrl.wire import (
-    CheckedPush,
+from buffer import ingest
+from buffer.ingest import CheckedPush
+from buffer.journal import Journal, read_records
+from buffer.memory import configure_malloc, reserve
+from buffer.state import BufferState, Queued, batch_reply
+from common import config as cfgmod
+from common import wire
+from common.curve import CurveKeyError, ServerKeys, server_keys
+from common.netaddr import bind
+from common.tasks import make_source
+from common.wire import (
     ErrorReply,
     FetchBatch,
     LeaseRequest,
@@ -63,10 +68,6 @@ from asyncrl.wire import (
     StatsReply,
     StatsRequest,
 )
-from buffer.curve import CurveKeyError, ServerKeys, server_keys
-from buffer.journal import Journal, read_records
-from buffer.memory import configure_malloc, reserve
-from buffer.state import BufferState, Queued, batch_reply
 
 HWM = 10000
 POLL_MS = 50
@@ -106,7 +107,7 @@ _SECTIONS = {
 
 
 def load_service_config(values: dict[str, Any]) -> ServiceConfig:
-    """Rebuild the sections the buffer needs from `asyncrl.config.to_dict` output; other sections are ignored.
+    """Rebuild the sections the buffer needs from `common.config.to_dict` output; other sections are ignored.
 
     Raises ConfigError naming the key on unknown keys, wrong types, invalid choices or out-of-range values.
     """
@@ -259,7 +260,7 @@ class BufferService:
             self.outbox.append([*envelope, data])
 
     def _handle(self, envelope: list[bytes], payload: memoryview) -> wire.Message | None:
-        msg = wire.decode_request(payload)
+        msg = ingest.decode_request(payload)
         state = self.state
         if type(msg) is CheckedPush:  # the most frequent request first
             reply = state.push(msg)
@@ -426,7 +427,7 @@ def _lock_run_dir(run_dir: Path) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m buffer", description=__doc__.splitlines()[0])
-    parser.add_argument("--config-json", required=True, help="JSON of asyncrl.config.to_dict(cfg)")
+    parser.add_argument("--config-json", required=True, help="JSON of common.config.to_dict(cfg)")
     parser.add_argument("--run-dir", required=True, help="run directory (holds buffer.journal)")
     parser.add_argument("--resume-step", type=int, default=None,
                         help="resuming a learner checkpoint whose next train step is this: rewind the replayed "

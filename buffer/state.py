@@ -19,7 +19,7 @@ Workers: every LeaseRequest or PushGroup is a heartbeat of the worker it names (
 pure heartbeat). A worker silent for `worker_timeout_s` (0: never) is declared dead and its leases return at once,
 without waiting for their deadlines.
 
-Queued groups are kept as the validated PushGroup bytes of `wire.CheckedPush` (the received frame itself, not
+Queued groups are kept as the validated PushGroup bytes of `CheckedPush` (the received frame itself, not
 copied; no decoded objects are kept): they are journaled as they are and the learner's BatchReply copies in their
 trajectory arrays without decoding or re-encoding them.
 """
@@ -31,11 +31,12 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl import wire
-from asyncrl.tasks import PromptSource
-from asyncrl.wire import CheckedPush, LeaseReply, PromptLease, PushReply
-from buffer import staleness
+from buffer import ingest, staleness
+from buffer.ingest import CheckedPush
 from buffer.journal import Journal
+from common import wire
+from common.tasks import PromptSource
+from common.wire import LeaseReply, PromptLease, PushReply
 
 RETRY_AFTER_S = 0.1
 """What an empty LeaseReply tells workers to wait before asking again."""
@@ -59,7 +60,7 @@ class Queued:
 
     group: str
     worker: str
-    payload: bytes | memoryview  # wire.CheckedPush.payload: the validated PushGroup
+    payload: bytes | memoryview  # CheckedPush.payload: the validated PushGroup
     trajectories_at: int  # where its msgpack array of trajectories starts (it runs to the end)
     oldest_version: int
     newest_version: int
@@ -368,7 +369,7 @@ class BufferState:
                 unresolved.update(record["i"])
                 self.cursor = max(self.cursor, max(record["i"], default=-1) + 1)
             elif kind == "admit":
-                msg = wire.decode_request(wire.upgrade_push(record["m"]))
+                msg = ingest.decode_request(ingest.upgrade_push(record["m"]))
                 assert isinstance(msg, CheckedPush)
                 queued = Queued.of(msg)
                 admitted[msg.group] = pending[msg.group] = queued
@@ -466,4 +467,4 @@ class BufferState:
 def batch_reply(step: int, taken: list[Queued] | None, dropped: int) -> bytes:
     """The encoded BatchReply for a take_batch result (ready iff groups were taken)."""
     groups = [memoryview(q.payload)[q.trajectories_at :] for q in taken] if taken is not None else []
-    return wire.encode_batch_reply(step, groups, dropped, taken is not None)
+    return ingest.encode_batch_reply(step, groups, dropped, taken is not None)

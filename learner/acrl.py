@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.config import AcrlConfig
+from common.config import AcrlConfig
 
 
 class AcrlReference:

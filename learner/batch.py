@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from asyncrl.wire import Trajectory
+from common.wire import Trajectory
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.config import Config, to_dict
+from common.config import Config, to_dict
 
 
 class LearnerGroup:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.config import LossConfig, TbpoConfig
+from common.config import LossConfig, TbpoConfig
 
 TOKEN_WEIGHTINGS = ("none", "decoupled", "tis", "mis_token", "mis_seq", "acr", "acrl")
 SEQUENCE_WEIGHTINGS = ("tbpo", "gspo", "pg_is", "pg_tis", "pg_mis")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from asyncrl.config import SCHEDULES, OptimConfig
+from common.config import SCHEDULES, OptimConfig
 
 
 class LrSchedule:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.config import Config, from_dict, set_key
-from asyncrl.wire import Trajectory
+from common.config import Config, from_dict, set_key
+from common.wire import Trajectory
 from learner import aligned, distributed
 from learner.acrl import AcrlReference
 from learner.batch import Batch, collate, overlong_shaping, token_logp  # noqa: F401 - re-exported
@@ -87,7 +87,7 @@ class Learner:
         self.client = self.publisher = None
         if self.ranks.is_main:
             from buffer.client import BufferClient
-            from buffer.curve import client_keys, server_keys
+            from common.curve import client_keys, server_keys
             from quant_sync.transport import WeightPublisher
 
             curve = client_keys(cfg.buffer.curve_keys_dir)
@@ -241,7 +241,7 @@ class Learner:
         random.setstate(state["rng"]["python"])
 
     def set_live(self, changes: dict[str, Any]) -> None:
-        """Apply validated live config changes (asyncrl.config.live_update) before the next train step."""
+        """Apply validated live config changes (common.config.live_update) before the next train step."""
         for key, value in changes.items():
             if key == "optim.lr":  # length_decay keeps its halvings relative to the new peak
                 ratio = value / self.cfg.optim.lr if self.cfg.optim.lr > 0 else 1.0
@@ -252,7 +252,7 @@ class Learner:
     @torch.no_grad()
     def evaluate(self, prompts: list[str], answers: list[str], max_new_tokens: int) -> float:
         """Greedy accuracy of the current full-precision policy on held-out problems; every rank calls it."""
-        from asyncrl.tasks import make_source
+        from common.tasks import make_source
 
         model = self._full_precision_copy()
         if model is None:

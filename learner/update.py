@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.config import Config
+from common.config import Config
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batches, overlong_shaping, rank_rows, token_logp
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float

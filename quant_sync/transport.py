@@ -28,7 +28,7 @@ Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy
 
 Sockets: ROUTER (publisher, binds 127.0.0.1 unless configured) and DEALER (subscriber), linger 0. The publisher
 serves from a background thread, so `publish` returns once the version is hashed (and written to /dev/shm).
-With the buffer's CurveZMQ keys (`buffer.curve_keys_dir`, buffer/curve.py; required when binding beyond loopback)
+With the buffer's CurveZMQ keys (`buffer.curve_keys_dir`, common/curve.py; required when binding beyond loopback)
 the publisher is a CURVE server admitting only allow-listed client keys, and subscribers connect with theirs. A
 wildcard bind (0.0.0.0) is advertised as this node's routable address.
 """
@@ -54,11 +54,11 @@ import torch
 import xxhash
 import zmq
 
-from asyncrl.netaddr import bind
-from rollout_workers.engine import WeightUpdate
+from common.netaddr import bind
+from quant_sync.update import WeightUpdate
 
 if TYPE_CHECKING:
-    from buffer.curve import ClientKeys, ServerKeys
+    from common.curve import ClientKeys, ServerKeys
 
 PROTOCOL_VERSION = 2
 CHUNK_BYTES = 4 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
+from quant_sync.update import WeightUpdate
 
 
 @dataclass(slots=True)
@@ -33,15 +33,6 @@ class Completion:
     versions: list[int]
     finish: str  # "stop" | "length" | "abort"
     extra: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class WeightUpdate:
-    """A complete set of engine weights for one version (quantized linears plus full-precision rest)."""
-
-    version: int
-    tensors: dict[str, torch.Tensor]
-    scheme: str
 
 
 class Engine(Protocol):

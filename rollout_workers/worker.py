@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.config import Config, from_dict
-from asyncrl.wire import PromptLease, Trajectory
 from buffer.client import BufferClient, BufferRequestError, BufferUnavailable, Heartbeat
-from buffer.curve import client_keys
+from common.config import Config, from_dict
+from common.curve import client_keys
+from common.wire import PromptLease, Trajectory
 
 
 class RolloutWorker:
@@ -36,7 +36,7 @@ class RolloutWorker:
         import torch
         from transformers import AutoTokenizer
 
-        from asyncrl.tasks import make_source
+        from common.tasks import make_source
         from rollout_workers.embedded.engine import EmbeddedEngine
         from rollout_workers.engine import SamplingParams
 

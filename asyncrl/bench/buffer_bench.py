@@ -22,7 +22,7 @@ settings (buffer/memory.py), that keeps every frame and answers each PushGroup w
 | floor | work per PushGroup |
 |---|---|
 | `floor_keep` | nothing (receive, keep, reply) |
-| `floor_validate` | `wire.decode_request`: the buffer's msgpack decode and validation, nothing else |
+| `floor_validate` | `ingest.decode_request`: the buffer's msgpack decode and validation, nothing else |
 | `floor_validate_write` | the same, then `os.write` of the frame to a file in the service thread (no fsync) |
 
 `floor_*_vs_raw_1p` = the floor's trajectories/s over raw's. No leases, no admission, no journal records: the buffer
@@ -55,8 +55,8 @@ FLOORS = ("keep", "validate", "validate_write")
 
 
 def _payloads(count: int, leases: list[Any] | None, producer: int) -> list[bytes]:
-    from asyncrl import wire
     from asyncrl.bench.wire_bench import _trajectory
+    from common import wire
 
     template = replace(_trajectory(), versions=np.zeros(512, np.int32))  # version 0: admissible at step 0
     out = []
@@ -82,8 +82,8 @@ def _producer(mode: str, endpoint: str, count: int, producer: int, ready: Any, g
 def _produce(mode: str, endpoint: str, count: int, producer: int, ready: Any, go: Any, results: Any) -> None:
     import zmq
 
-    from asyncrl import wire
     from buffer.client import BufferClient
+    from common import wire
 
     leases = None  # a floor takes groups of made-up ids: it checks no lease
     if mode == "buffer":
@@ -134,9 +134,10 @@ def _floor(work: str, endpoint_q: Any, stop: Any, scratch: str) -> None:
     """A floor service (module docstring): receive, do `work`, keep the frame, reply accepted; until `stop`."""
     import zmq
 
-    from asyncrl import wire
-    from asyncrl.config import BufferConfig
+    from buffer import ingest
     from buffer.memory import configure_malloc, reserve
+    from common import wire
+    from common.config import BufferConfig
 
     configure_malloc()  # as `python -m buffer` does
     reserve(BufferConfig().reserve_mb << 20)
@@ -157,7 +158,7 @@ def _floor(work: str, endpoint_q: Any, stop: Any, scratch: str) -> None:
             except zmq.Again:
                 break
             if work != "keep":
-                wire.decode_request(frame.buffer)
+                ingest.decode_request(frame.buffer)
             if work == "validate_write":
                 os.write(fd, frame.buffer)
             kept.append(frame)
@@ -168,7 +169,7 @@ def _floor(work: str, endpoint_q: Any, stop: Any, scratch: str) -> None:
 
 
 def _start_buffer(run_dir: Path, journal: bool, total_groups: int) -> tuple[subprocess.Popen[bytes], str]:
-    from asyncrl.config import Config, to_dict
+    from common.config import Config, to_dict
 
     values = to_dict(Config())
     values["train"].update(group_size=GROUP_SIZE, groups_per_step=64)

@@ -53,7 +53,7 @@ def _big_model(tmp_dir: str):
 def _tiny_model():
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.builtin_model import resolve_model_path
+    from common.builtin_model import resolve_model_path
 
     model_dir = str(resolve_model_path("builtin:tiny"))
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval(), model_dir
@@ -61,8 +61,8 @@ def _tiny_model():
 
 def _engine(model, model_dir: str, scheme: str, **kwargs):
     from quant_sync.export import export_rollout_tensors
+    from quant_sync.update import WeightUpdate
     from rollout_workers.embedded.engine import EmbeddedEngine
-    from rollout_workers.engine import WeightUpdate
 
     engine = EmbeddedEngine(model_dir, **kwargs)
     engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), scheme), scheme))
@@ -127,7 +127,8 @@ def _best_alternating(contenders: dict[str, Callable[[], float]], rounds: int) -
 def _swap_gaps(model, model_dir: str, batch: int, new_tokens: int, swaps: int) -> tuple[float, float, int]:
     """Step gaps while `swaps` versions are staged from another thread mid-generation: (max, median, swaps done)."""
     from quant_sync.export import export_rollout_tensors
-    from rollout_workers.engine import SamplingParams, WeightUpdate
+    from quant_sync.update import WeightUpdate
+    from rollout_workers.engine import SamplingParams
 
     engine = _engine(model, model_dir, "int8", max_batch=batch)
     tensors = export_rollout_tensors(model.state_dict(), "int8")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from asyncrl.bench import BenchResult
-from asyncrl.config import PRECISIONS, WEIGHTINGS, Config, load_config
+from common.config import PRECISIONS, WEIGHTINGS, Config, load_config
 
 HIDDEN, LAYERS, VOCAB = 128, 4, 1024
 GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 4, 8, 16, 32

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 
 from asyncrl.bench import BenchResult
-from asyncrl.wire import Trajectory, decode, encode
+from common.wire import Trajectory, decode, encode
 
 RESPONSE_TOKENS = 512
 PROMPT_TOKENS = 128

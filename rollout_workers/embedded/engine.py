@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight, dequantize_published
+from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.model import (
     DTYPES,
     ArchConfig,
@@ -43,7 +44,7 @@ from rollout_workers.embedded.model import (
     prefill,
     required_weight_names,
 )
-from rollout_workers.engine import Completion, SamplingParams, WeightUpdate
+from rollout_workers.engine import Completion, SamplingParams
 
 SCALE_SUFFIX = "_scale"
 SWAP_MODES = ("in_place", "retract")

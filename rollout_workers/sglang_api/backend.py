@@ -39,8 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config
-from rollout_workers.engine import Completion, SamplingParams, WeightUpdate
+from common.config import Config
+from quant_sync.update import WeightUpdate
+from rollout_workers.engine import Completion, SamplingParams
 from rollout_workers.sglang_api.client import ServerError, ServerUnavailable, SGLangClient
 from rollout_workers.sglang_api.protocol import WEIGHT_VERSIONS_KEY, expand_spans
 

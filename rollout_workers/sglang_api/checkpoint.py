@@ -35,7 +35,7 @@ from quant_sync.sglang_formats import (
     quantize_fp8_blocks,
     sglang_quantization_config,
 )
-from rollout_workers.engine import WeightUpdate
+from quant_sync.update import WeightUpdate
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -257,7 +257,7 @@ class ModelService:
         )
 
     def _load(self, model_dir: str):
-        from rollout_workers.engine import WeightUpdate
+        from quant_sync.update import WeightUpdate
         from rollout_workers.sglang_api.checkpoint import checkpoint_scheme, read_tensors, rollout_tensors
 
         if not Path(model_dir).is_dir():
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
-    from asyncrl.builtin_model import resolve_model_path
+    from common.builtin_model import resolve_model_path
 
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model_path(args.model, args.cache_dir, log=lambda *a: print(*a, file=sys.stderr)))

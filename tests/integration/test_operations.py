@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import wire
 from buffer.journal import read_records
+from common import wire
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = (

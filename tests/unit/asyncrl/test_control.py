@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import zmq
 
-from asyncrl.config import LIVE_KEYS, ConfigError, live_update, load_config
 from asyncrl.control import ControlError, ControlServer, find_run, request
+from common.config import LIVE_KEYS, ConfigError, live_update, load_config
 
 
 def test_live_update_validates_like_the_config():

@@ -15,11 +15,11 @@ import pytest
 import zmq
 from test_service import ROOT, lease_and_push, running_buffer, write_config
 
-from asyncrl import wire
 from asyncrl.cli import main as cli_main
-from asyncrl.config import ConfigError, load_config
 from buffer.client import BufferClient, BufferUnavailable
-from buffer.curve import ClientKeys, client_keys, create_keys
+from common import wire
+from common.config import ConfigError, load_config
+from common.curve import ClientKeys, client_keys, create_keys
 
 
 def _refused(endpoint: str, curve: ClientKeys | None) -> bool:
@@ -94,7 +94,7 @@ def test_keys_command_writes_private_secrets_never_overwrites(tmp_path: Path, ca
 
 
 def test_a_corrupt_key_or_a_bad_allowed_client_file_is_named_before_anything_starts(tmp_path: Path) -> None:
-    from buffer.curve import CurveKeyError, server_keys
+    from common.curve import CurveKeyError, server_keys
 
     keys = tmp_path / "keys"
     create_keys(keys)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from test_service import ROOT, make_group, running_buffer
 
-from asyncrl.config import BufferConfig
-from asyncrl.wire import PromptLease
 from buffer.client import BufferClient, Heartbeat
+from common.config import BufferConfig
+from common.wire import PromptLease
 
 WORKER_TIMEOUT_S = 1.0
 WORKER = """

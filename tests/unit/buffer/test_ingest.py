@@ -15,12 +15,13 @@ import pytest
 import zmq
 from test_service import make_group, running_buffer
 
-from asyncrl import wire
 from asyncrl.bench.buffer_bench import _payloads
-from asyncrl.wire import PromptLease
+from buffer import ingest
 from buffer import journal as journal_module
 from buffer.journal import MAGIC, WRITE_CHUNK_BYTES, Journal, read_records
 from buffer.state import Queued, batch_reply
+from common import wire
+from common.wire import PromptLease
 
 
 def _push_bytes(group: str = "g3", index: int = 3) -> bytes:
@@ -57,10 +58,10 @@ def test_spliced_batch_decodes_to_exactly_what_was_validated() -> None:
     accepted = 0
     for data in [valid, *_variants(rng, valid)]:
         try:
-            checked = wire.decode_request(memoryview(data))
+            checked = ingest.decode_request(memoryview(data))
         except wire.WireError:
             continue
-        assert isinstance(checked, wire.CheckedPush)
+        assert isinstance(checked, ingest.CheckedPush)
         accepted += 1
         expected = wire.decode(data)  # the generic decoder's reading of the same message
         assert isinstance(expected, wire.PushGroup)

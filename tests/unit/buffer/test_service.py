@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import zmq
 
-from asyncrl import wire
-from asyncrl.config import Config, DataConfig, to_dict
-from asyncrl.tasks import make_source
-from asyncrl.wire import PromptLease, Trajectory
 from buffer.client import BufferClient, BufferRequestError, BufferUnavailable
-from buffer.curve import ClientKeys, client_keys
 from buffer.journal import read_records
+from common import wire
+from common.config import Config, DataConfig, to_dict
+from common.curve import ClientKeys, client_keys
+from common.tasks import make_source
+from common.wire import PromptLease, Trajectory
 
 ROOT = Path(__file__).resolve().parents[3]
 GROUP_SIZE = 2
@@ -621,10 +621,10 @@ def test_a_fetch_of_more_than_a_reply_can_hold_is_refused_and_consumes_nothing(t
 def test_a_batch_too_large_to_encode_goes_back_to_the_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The service in this process (so that the reply size limit can be lowered): the learner is told, the groups
     stay queued (in the journal too), and a smaller fetch gets them."""
-    from asyncrl.netaddr import bind
     from buffer.journal import Journal
     from buffer.service import BufferService, make_socket
     from buffer.state import BufferState
+    from common.netaddr import bind
 
     def start(run: Path) -> tuple[BufferService, threading.Thread, str, zmq.Context]:
         state = BufferState(source=make_source(DataConfig(task="arith", digits=2)), group_size=GROUP_SIZE,

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 from test_service import make_group
 
-from asyncrl import wire
-from asyncrl.config import DataConfig
-from asyncrl.tasks import make_source
-from asyncrl.wire import PushGroup
+from buffer import ingest
 from buffer import state as state_module
 from buffer.journal import Journal, read_records
 from buffer.state import BufferState
+from common import wire
+from common.config import DataConfig
+from common.tasks import make_source
+from common.wire import PushGroup
 
 GROUPS_PER_STEP = 2
 
@@ -35,8 +36,8 @@ def _fill(state: BufferState, version: int) -> None:
     """Lease what the throttle allows and push every group (2 trajectories on `version`)."""
     for lease in state.lease("w0", state.may_lease()).leases:
         data = wire.encode(PushGroup("w0", lease.group, make_group(lease, version)))
-        checked = wire.decode_request(memoryview(data))
-        assert isinstance(checked, wire.CheckedPush)
+        checked = ingest.decode_request(memoryview(data))
+        assert isinstance(checked, ingest.CheckedPush)
         assert state.push(checked).reason == ""
     assert state.journal is not None
     state.journal.commit()

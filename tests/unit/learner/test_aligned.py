@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
 
-from asyncrl.config import ConfigError, load_config, to_dict
+from common.config import ConfigError, load_config, to_dict
 from learner.acrl import AcrlReference
 from learner.aligned import AlignedLinear, aligned_layers, full_precision, install_operands, make_rollout_aligned
 from learner.batch import token_logp
@@ -98,7 +98,7 @@ def test_aligned_learner_step_trains_the_master_weights_through_the_quantized_fo
 
 
 def test_learner_publishes_exactly_the_operands_of_its_forward():
-    from asyncrl.builtin_model import resolve_model_path
+    from common.builtin_model import resolve_model_path
     from learner.trainer import Learner
 
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
@@ -128,9 +128,10 @@ def test_aligned_learner_logp_matches_the_quantized_engine(scheme):
     """The point of QaRL: the learner's pi_theta is the rollout engine's mu on the same published weights."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.builtin_model import resolve_model_path
+    from common.builtin_model import resolve_model_path
+    from quant_sync.update import WeightUpdate
     from rollout_workers.embedded.engine import EmbeddedEngine
-    from rollout_workers.engine import SamplingParams, WeightUpdate
+    from rollout_workers.engine import SamplingParams
 
     model_dir = resolve_model_path("builtin:micro", log=lambda *_: None)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

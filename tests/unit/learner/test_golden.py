@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
 
-from asyncrl.config import LossConfig
+from common.config import LossConfig
 from learner.acrl import AcrlReference
 from learner.batch import overlong_shaping, token_logp
 from learner.losses import LossInputs, advantages, group_discrepancy, policy_loss
@@ -112,7 +112,7 @@ def test_golden_loss(weighting, extra):
 
 
 def test_every_weighting_has_a_golden_step():
-    from asyncrl.config import WEIGHTINGS
+    from common.config import WEIGHTINGS
 
     assert set(GOLDEN_STEP) == set(WEIGHTINGS)
 

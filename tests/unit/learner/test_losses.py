@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import WEIGHTINGS, LossConfig
+from common.config import WEIGHTINGS, LossConfig
 from learner.losses import LossInputs, advantages, aggregate, mismatch_metrics, policy_loss
 
 
@@ -107,7 +107,7 @@ def test_mismatch_metrics():
 
 
 def test_every_configured_weighting_is_implemented():
-    from asyncrl.config import WEIGHTINGS
+    from common.config import WEIGHTINGS
     from learner.losses import IMPLEMENTED
 
     assert IMPLEMENTED == WEIGHTINGS
@@ -194,7 +194,7 @@ def test_acrl_uses_the_whole_batch_group_discrepancy():
 
 
 def test_acrl_reference_modes():
-    from asyncrl.config import AcrlConfig
+    from common.config import AcrlConfig
     from learner.acrl import AcrlReference
 
     first = AcrlReference(AcrlConfig())
@@ -263,7 +263,7 @@ TBPO_CASES = [
     ids=[c[0] for c in TBPO_CASES],
 )
 def test_tbpo_hand_computed(name, log_w, log_s, adv, dual, expected, grad_sign, dropped):
-    from asyncrl.config import TbpoConfig
+    from common.config import TbpoConfig
 
     inputs = one_seq(log_w, log_s, adv)
     out = policy_loss(inputs, LossConfig(weighting="tbpo", tbpo=TbpoConfig(dual=dual)))

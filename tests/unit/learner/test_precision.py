@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
 
-from asyncrl.config import to_dict
-from asyncrl.wire import Trajectory
+from common.config import to_dict
+from common.wire import Trajectory
 from learner.acrl import AcrlReference
 from learner.precision import LossScaler, autocast
 from learner.update import train_on_batch
@@ -140,8 +140,8 @@ def _groups(vocab: int, n_groups: int = 2, size: int = 4) -> list[list[Trajector
 
 
 def test_learner_never_publishes_a_skipped_fp16_step_and_publishes_a_clean_one(tmp_path):
-    from asyncrl.builtin_model import resolve_model_path
-    from asyncrl.config import load_config
+    from common.builtin_model import resolve_model_path
+    from common.config import load_config
     from learner.trainer import Learner
 
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.builtin_model import resolve_model_path
-from asyncrl.config import load_config, to_dict
+from common.builtin_model import resolve_model_path
+from common.config import load_config, to_dict
 from learner.trainer import Learner
 
 UNUSED_BUFFER = "tcp://127.0.0.1:9"  # these learners never fetch

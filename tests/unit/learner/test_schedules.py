@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncrl.config import OptimConfig
+from common.config import OptimConfig
 from learner.schedules import LrSchedule
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from asyncrl.config import Config, load_config
+from common.config import Config, load_config
 from learner.batch import Batch
 
 VOCAB = 24

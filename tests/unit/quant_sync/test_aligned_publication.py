@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.builtin_model import resolve_model_path
-from asyncrl.config import load_config, to_dict
+from common.builtin_model import resolve_model_path
+from common.config import load_config, to_dict
 from learner.aligned import aligned_layers
 from learner.trainer import Learner
 from quant_sync.quantizers import QuantizedWeight

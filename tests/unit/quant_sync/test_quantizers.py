@@ -96,8 +96,8 @@ def test_weight_only_groups_of_128():
 
 
 def test_weight_only_export_and_engine_weights():
+    from quant_sync.update import WeightUpdate
     from rollout_workers.embedded.engine import build_weight_map
-    from rollout_workers.engine import WeightUpdate
 
     state = {"model.layers.0.mlp.up_proj.weight": torch.randn(8, 256)}
     out = export_rollout_tensors(state, "w4a16")

@@ -272,7 +272,7 @@ def test_with_curve_keys_only_allow_listed_subscribers_get_weights(tmp_path):
     keys or with a stranger's keys never receives a version, and the publisher keeps serving the good one."""
     import zmq.auth
 
-    from buffer.curve import ClientKeys, client_keys, create_keys, server_keys
+    from common.curve import ClientKeys, client_keys, create_keys, server_keys
 
     create_keys(tmp_path / "keys")
     publisher = WeightPublisher(host="0.0.0.0", shm_dir=None, curve=server_keys(str(tmp_path / "keys")))

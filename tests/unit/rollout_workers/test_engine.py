@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from quant_sync.export import export_rollout_tensors
 from quant_sync.quantizers import QuantizedWeight, quantize_weight, quantized_linear
+from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.engine import EmbeddedEngine
 from rollout_workers.embedded.model import (
     EXACT_FP32_MAX_IN_FEATURES,
@@ -21,7 +22,7 @@ from rollout_workers.embedded.model import (
     linear,
     prepare_linear,
 )
-from rollout_workers.engine import SamplingParams, WeightUpdate
+from rollout_workers.engine import SamplingParams
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # fmt: skip
@@ -306,7 +307,7 @@ def test_requests_joining_mid_flight_grow_the_cache(tmp_path):
 def test_builtin_model_parity_with_hugging_face():
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.builtin_model import resolve_model_path
+    from common.builtin_model import resolve_model_path
 
     model_dir = resolve_model_path("builtin:micro")  # seconds to build once, then cached
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.builtin_model import resolve_model_path
+from common.builtin_model import resolve_model_path
 from quant_sync.export import export_rollout_tensors
-from rollout_workers.engine import SamplingParams, WeightUpdate
+from quant_sync.update import WeightUpdate
+from rollout_workers.engine import SamplingParams
 from rollout_workers.sglang_api.checkpoint import read_tensors, rollout_tensors, sglang_tensors, write_version_dir
 from rollout_workers.sglang_api.client import ServerError, SGLangClient
 

@@ -11,10 +11,11 @@ import time
 import pytest
 import torch
 
-from asyncrl.builtin_model import resolve_model_path
-from asyncrl.config import load_config
+from common.builtin_model import resolve_model_path
+from common.config import load_config
 from quant_sync.export import export_rollout_tensors
-from rollout_workers.engine import SamplingParams, WeightUpdate
+from quant_sync.update import WeightUpdate
+from rollout_workers.engine import SamplingParams
 from rollout_workers.sglang_api.backend import SGLangEngine
 from rollout_workers.sglang_api.checkpoint import read_tensors
 
@@ -137,7 +138,7 @@ def test_in_flight_modes_tag_every_token_with_its_version(model_dir, tmp_path, m
 
 
 def test_real_sglang_command_and_the_int8_reload_refusal():
-    from asyncrl.config import ConfigError
+    from common.config import ConfigError
     from rollout_workers.sglang_api.backend import server_command
 
     with pytest.raises(ConfigError, match="w8a8_int8.*quant.scheme=fp8"):

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from asyncrl.builtin_model import resolve_model_path
-from asyncrl.config import Config, load_config, to_dict
-from asyncrl.wire import PromptLease
 from buffer.client import BufferClient
 from buffer.launcher import start_service, stop_service
+from common.builtin_model import resolve_model_path
+from common.config import Config, load_config, to_dict
+from common.wire import PromptLease
 from quant_sync.export import export_rollout_tensors
-from rollout_workers.engine import WeightUpdate
+from quant_sync.update import WeightUpdate
 from rollout_workers.worker import RolloutWorker
 
 

@@ -7,8 +7,8 @@ on what problem `i` is without sharing state:
     eval_set()    `data.eval_size` held-out problems, always the same ones
     reward(r, a)  1.0 if the response text `r` answers reference `a`, else 0.0
 
-Sources: `arith` (built-in procedurally generated arithmetic, exact-match reward; `asyncrl.tasks.arith`) and
-`jsonl` (a dataset file scored with math-verify; `asyncrl.tasks.jsonl`). This package must stay cheap to import
+Sources: `arith` (built-in procedurally generated arithmetic, exact-match reward; `common.tasks.arith`) and
+`jsonl` (a dataset file scored with math-verify; `common.tasks.jsonl`). This package must stay cheap to import
 (no torch; numpy and math-verify are imported only by the sources that need them).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from asyncrl.config import DataConfig
+    from common.config import DataConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +56,11 @@ class PromptSource(Protocol):
 def make_source(data_cfg: DataConfig) -> PromptSource:
     """The prompt source for `data.task` (`arith` or `jsonl`); a jsonl dataset is loaded and validated here."""
     if data_cfg.task == "arith":
-        from asyncrl.tasks.arith import ArithSource
+        from common.tasks.arith import ArithSource
 
         return ArithSource(seed=data_cfg.seed, digits=data_cfg.digits, ops=data_cfg.ops, eval_size=data_cfg.eval_size)
     if data_cfg.task == "jsonl":
-        from asyncrl.tasks.jsonl import JsonlSource
+        from common.tasks.jsonl import JsonlSource
 
         return JsonlSource(
             path=data_cfg.path,
@@ -73,6 +73,6 @@ def make_source(data_cfg: DataConfig) -> PromptSource:
 
 
 # Re-exported for the model warm-up recipe; imported last because arith needs `Problem` defined above.
-from asyncrl.tasks.arith import arith_problem  # noqa: E402
+from common.tasks.arith import arith_problem  # noqa: E402
 
 __all__ = ["DatasetError", "Problem", "PromptSource", "arith_problem", "make_source"]

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.tasks import DatasetError, Problem
-from asyncrl.tasks.rewards import THOUSANDS_COMMA, math_verify_reward
+from common.tasks import DatasetError, Problem
+from common.tasks.rewards import THOUSANDS_COMMA, math_verify_reward
 
 _MAX_REPORTED = 10
 _PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?\Z")

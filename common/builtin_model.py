@@ -152,7 +152,7 @@ def build_tiny(recipe: TinyRecipe, out_dir: Path) -> dict[str, float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from asyncrl.tasks.arith import arith_problem
+    from common.tasks.arith import arith_problem
 
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -216,7 +216,7 @@ def warm_start_accuracy(model, tokenizer, recipe: TinyRecipe, n: int = 512) -> d
     """Accuracy on training-distribution problems, greedy and sampled at temperature 1 (the "perfectible" check)."""
     import torch
 
-    from asyncrl.tasks.arith import arith_problem
+    from common.tasks.arith import arith_problem
 
     problems = [arith_problem(recipe.data_seed + 1, i, recipe.digits, recipe.ops) for i in range(n)]
     enc = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True, padding_side="left")

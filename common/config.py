@@ -23,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from asyncrl.wire import MAX_GROUP
+from common.wire import MAX_GROUP
 
 WEIGHTINGS = (
     "none",
@@ -202,7 +202,7 @@ class BufferConfig:
     """MiB of memory the buffer process faults in at start-up and keeps for queued groups, so that admitting them
     does not page-fault on every message (buffer/memory.py; the process starts at about this resident size)."""
     curve_keys_dir: str = ""
-    """Directory of CurveZMQ keys (`asyncrl keys DIR`; layout in buffer/curve.py): encrypts the buffer socket and
+    """Directory of CurveZMQ keys (`asyncrl keys DIR`; layout in common/curve.py): encrypts the buffer socket and
     admits only allow-listed clients. Required when `host` is not a loopback address; empty: plain ZMQ."""
 
     def __post_init__(self) -> None:
@@ -612,7 +612,7 @@ def _check_cross_field(cfg: Config) -> None:
             if not amount > 0:
                 raise ConfigError(f"`{key}.{name}` must be a positive amount of that resource, got {amount}")
     if cfg.model.path.startswith("builtin:"):
-        from asyncrl.models_registry import BUILTIN_MODELS
+        from common.models_registry import BUILTIN_MODELS
 
         name = cfg.model.path.split(":", 1)[1]
         if name not in BUILTIN_MODELS:

@@ -12,8 +12,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from asyncrl import wire
-from asyncrl.wire import (
+from buffer import ingest
+from common import wire
+from common.wire import (
     BatchReply,
     ErrorReply,
     FetchBatch,
@@ -327,13 +328,13 @@ def test_a_schema_1_push_from_an_old_journal_is_upgraded() -> None:
     with pytest.raises(WireError) as err:
         decode(old)
     assert err.value.reason == "schema_version"
-    assert_same(decode(wire.upgrade_push(old)), PushGroup("w0", "g7", group))
+    assert_same(decode(ingest.upgrade_push(old)), PushGroup("w0", "g7", group))
     current = encode(PushGroup("w0", "g7", group))
-    assert wire.upgrade_push(current) is current
+    assert ingest.upgrade_push(current) is current
     bad = msgpack.unpackb(old)
     bad["trajectories"][1]["behav_logp"] = arr("f4", [math.nan, -1.0])
     with pytest.raises(WireError) as err:
-        wire.upgrade_push(msgpack.packb(bad))
+        ingest.upgrade_push(msgpack.packb(bad))
     assert err.value.reason == "nonfinite_logp"
 
 
@@ -480,12 +481,12 @@ def test_decode_request_agrees_with_decode() -> None:
         except WireError as err:
             expected = err.reason
         try:
-            checked = wire.decode_request(data)
+            checked = ingest.decode_request(data)
         except WireError as err:
             assert err.reason == expected, (i, err, expected)
             outcomes.add(err.reason)
             continue
-        if not isinstance(checked, wire.CheckedPush):
+        if not isinstance(checked, ingest.CheckedPush):
             assert_same(checked, expected)
             continue
         assert isinstance(expected, PushGroup), (i, expected)
@@ -510,12 +511,12 @@ def test_ids_steps_and_waits_are_bounded() -> None:
         traj = make_traj(0)
         setattr(traj, field_name, long_id)
         for data in (encode(traj), encode(PushGroup("w", "g7", [traj]))):
-            for decoder in (decode, wire.decode_request):
+            for decoder in (decode, ingest.decode_request):
                 with pytest.raises(WireError) as err:
                     decoder(data)
                 assert err.value.reason == "oversized", (field_name, decoder)
     with pytest.raises(WireError, match="oversized"):
-        wire.decode_request(encode(PushGroup(long_id, "g7", [make_traj(0)])))
+        ingest.decode_request(encode(PushGroup(long_id, "g7", [make_traj(0)])))
     ok = make_traj(0)
     ok.uid = ok.group = ok.worker = "g" * wire.MAX_ID_CHARS
     assert decode(encode(ok)).uid == ok.uid

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import DataConfig
-from asyncrl.tasks import DatasetError, Problem, arith_problem, make_source
-from asyncrl.tasks.arith import is_heldout
-from asyncrl.tasks.jsonl import reference_answer
-from asyncrl.tasks.rewards import exact_match_reward, math_verify_reward
+from common.config import DataConfig
+from common.tasks import DatasetError, Problem, arith_problem, make_source
+from common.tasks.arith import is_heldout
+from common.tasks.jsonl import reference_answer
+from common.tasks.rewards import exact_match_reward, math_verify_reward
 
 REPO = Path(__file__).parents[3]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -51,7 +51,7 @@ def _jsonl_cfg(path: Path, **kwargs: object) -> DataConfig:
 def test_arith_same_seed_and_index_give_the_same_problem_in_another_process() -> None:
     here = [arith_problem(7, i, 4, "+-").prompt for i in range(50)]
     assert here == [arith_problem(7, i, 4, "+-").prompt for i in range(50)]
-    code = "from asyncrl.tasks import arith_problem; print([arith_problem(7, i, 4, '+-').prompt for i in range(50)])"
+    code = "from common.tasks import arith_problem; print([arith_problem(7, i, 4, '+-').prompt for i in range(50)])"
     env = {
         **os.environ,
         "PYTHONHASHSEED": "12345",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import ConfigError, all_keys, from_dict, load_config, to_dict
+from common.config import ConfigError, all_keys, from_dict, load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[3]
 MAIN = ROOT / "configs" / "dapo_int8.yaml"
@@ -96,7 +96,7 @@ def test_round_trip_through_dict():
 
 
 def test_every_key_has_a_docstring_line():
-    source = (ROOT / "asyncrl" / "config.py").read_text()
+    source = (ROOT / "common" / "config.py").read_text()
     for key in all_keys():
         leaf = key.rsplit(".", 1)[-1]
         assert f"    {leaf}:" in source, key
@@ -117,7 +117,7 @@ def test_cli_rejects_bad_weighting_fast_without_heavy_imports():
 
 
 def test_config_import_stays_light():
-    code = "import sys, asyncrl.cli, asyncrl.config; print(any(m in sys.modules for m in ('torch', 'ray', 'zmq')))"
+    code = "import sys, asyncrl.cli, common.config; print(any(m in sys.modules for m in ('torch', 'ray', 'zmq')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -140,7 +140,7 @@ def test_every_invalid_config_is_rejected_naming_the_key(path):
 
 
 def test_a_live_change_to_a_non_finite_value_is_refused():
-    from asyncrl.config import live_update
+    from common.config import live_update
 
     cfg = load_config(MAIN)
     for item in ("optim.lr=nan", "loss.cap=inf", "loss.eps_high=-inf"):

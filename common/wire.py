@@ -394,7 +394,7 @@ def _array_kind(code: str) -> _Kind:
     return _Kind(encode, decode)
 
 
-def _list_kind(item: _Kind, what: str) -> _Kind:
+def list_kind(item: _Kind, what: str) -> _Kind:
     def encode(value: Any, name: str) -> list[Any]:
         if not isinstance(value, (list, tuple)):
             raise _bad(name, f"a list of {what}", value)
@@ -632,7 +632,7 @@ def _bytes_column(value: dict[str, Any], column: str, itemsize: int, count: int)
     return raw
 
 
-def _check_group(value: Any, name: str) -> _Group:
+def check_group(value: Any, name: str) -> _Group:
     """Validate a group of trajectories in its column layout: every check `decode` makes of a single Trajectory
     holds for each. Per-trajectory columns are checked in Python (a handful of values), token columns with one
     numpy reduction per check over the whole group (numpy's per-call cost, not the data, dominates here)."""
@@ -705,7 +705,7 @@ def _check_group(value: Any, name: str) -> _Group:
 
 def _group_kind() -> _Kind:
     def decode(value: Any, name: str) -> list[Trajectory]:
-        return _check_group(value, name).trajectories()
+        return check_group(value, name).trajectories()
 
     return _Kind(_encode_group, decode)
 
@@ -716,13 +716,13 @@ _SCHEMAS: dict[type, tuple[tuple[str, _Kind], ...]] = {
     Trajectory: _TRAJECTORY_FIELDS,
     PromptLease: _LEASE_FIELDS,
     LeaseRequest: (("worker", ID), ("max_groups", NAT)),
-    LeaseReply: (("leases", _list_kind(LEASE, "PromptLease")), ("retry_after_s", NONNEG)),
+    LeaseReply: (("leases", list_kind(LEASE, "PromptLease")), ("retry_after_s", NONNEG)),
     PushGroup: (("worker", ID), ("group", ID), ("trajectories", TRAJECTORIES)),
     PushReply: (("accepted", BOOL), ("reason", STR)),
     FetchBatch: (("step", STEP), ("num_groups", NAT), ("wait_s", WAIT)),
     BatchReply: (
         ("step", STEP),
-        ("groups", _list_kind(TRAJECTORIES, "groups")),
+        ("groups", list_kind(TRAJECTORIES, "groups")),
         ("dropped_stale", NAT),
         ("ready", BOOL),
     ),
@@ -737,7 +737,7 @@ _BY_NAME: dict[str, tuple[type, _Kind]] = {
 }
 MESSAGE_TYPES: tuple[type, ...] = tuple(_SCHEMAS)
 
-_UNPACK_LIMITS = {
+UNPACK_LIMITS = {
     "max_str_len": MAX_STR_BYTES,
     "max_bin_len": MAX_MESSAGE_BYTES,  # a group's token columns; each array's own bound is checked on decode
     "max_array_len": MAX_GROUP,
@@ -763,7 +763,7 @@ def encode(msg: Message) -> bytes:
     return data
 
 
-def _unpack(data: bytes | bytearray | memoryview) -> tuple[str, dict[str, Any]]:
+def unpack_message(data: bytes | bytearray | memoryview) -> tuple[str, dict[str, Any]]:
     """msgpack-unpack one message within the MAX_* bounds; (type name, fields without "v" and "type")."""
     try:
         size = memoryview(data).nbytes
@@ -772,7 +772,7 @@ def _unpack(data: bytes | bytearray | memoryview) -> tuple[str, dict[str, Any]]:
     if size > MAX_MESSAGE_BYTES:
         raise WireError("oversized", f"{size} bytes > {MAX_MESSAGE_BYTES}")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **UNPACK_LIMITS)
     except ValueError as err:
         text = str(err)  # msgpack says "<n> exceeds max_<kind>_len(<limit>)"; ext types are not in our format at all
         reason = "oversized" if "exceeds max" in text and "max_ext_len" not in text else "bad_msgpack"
@@ -790,7 +790,7 @@ def _unpack(data: bytes | bytearray | memoryview) -> tuple[str, dict[str, Any]]:
     return name, obj
 
 
-def _decode_fields(name: str, obj: dict[str, Any]) -> Message:
+def decode_fields(name: str, obj: dict[str, Any]) -> Message:
     try:
         return _BY_NAME[name][1].decode(obj, name)
     except WireError:
@@ -801,128 +801,5 @@ def _decode_fields(name: str, obj: dict[str, Any]) -> Message:
 
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """Parse and validate one message; raises WireError (and nothing else) on any malformed input."""
-    name, obj = _unpack(data)
-    return _decode_fields(name, obj)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The buffer's ingest path: a PushGroup validated exactly like `decode` does, then kept as its encoded bytes, so the
-# buffer never builds Trajectory objects, never holds thousands of small Python objects per group, and hands groups
-# to the learner by copying the msgpack bytes of their trajectory arrays into the BatchReply.
-
-
-@dataclass(slots=True)
-class CheckedPush:
-    """A PushGroup that passed every check of `decode`, as the buffer keeps it. Producer: `decode_request`.
-
-    `payload` is the validated PushGroup in `encode`'s layout (the bytes received, or their canonical re-encoding if
-    they were valid but laid out otherwise); its map of trajectory columns starts at `trajectories_at` and runs to
-    the end. The per-trajectory lists are in trajectory order. `oldest_version` / `newest_version`: min / max
-    over all tokens (0 for an empty group).
-    """
-
-    worker: str
-    group: str
-    payload: bytes | memoryview
-    trajectories_at: int
-    uids: list[str]
-    trajectory_groups: list[str]
-    prompt_indices: tuple[int, ...]
-    rewards: tuple[float, ...]
-    oldest_version: int
-    newest_version: int
-
-
-_PACK = msgpack.Packer(use_bin_type=True).pack
-_TRAJECTORIES_KEY = _PACK("trajectories")
-_WORKER_KEY = _PACK("worker")
-_GROUP_KEY = _PACK("group")
-_PUSH_HEAD = b"".join((b"\x85", _PACK("v"), _PACK(SCHEMA_VERSION), _PACK("type"), _PACK("PushGroup")))
-"""How every PushGroup of this schema that `encode` writes begins (a map of 5: v, type, worker, group, trajectories)."""
-
-
-def _trajectories_at(data: bytes | memoryview, worker: str, group: str) -> int | None:
-    """Where the trajectory columns start in a valid PushGroup laid out as `encode` writes it: a map of 5 entries
-    v, type, worker, group and trajectories last, whose value (a map of the GROUP_COLUMNS) then runs to the end
-    (msgpack refused trailing bytes). None for any other layout (the caller re-encodes)."""
-    prefix = b"".join((_PUSH_HEAD, _WORKER_KEY, _PACK(worker), _GROUP_KEY, _PACK(group), _TRAJECTORIES_KEY))
-    view = memoryview(data).cast("B")
-    at = len(prefix)
-    if at < view.nbytes and view[:at] == prefix and view[at] == 0x80 | len(GROUP_COLUMNS):
-        return at
-    return None
-
-
-def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush | None:
-    """A CheckedPush of an unpacked PushGroup `obj` received as `data`; WireError if invalid, None if valid but not
-    laid out as `encode` writes it."""
-    worker, group_id = obj.get("worker"), obj.get("group")
-    if len(obj) != 3 or type(worker) is not str or type(group_id) is not str:
-        return None  # the generic decoder says what is wrong
-    if len(worker) > MAX_ID_CHARS or len(group_id) > MAX_ID_CHARS:
-        return None  # the generic decoder raises `oversized`
-    group = _check_group(obj.get("trajectories"), "trajectories")
-    at = _trajectories_at(data, worker, group_id)
-    if at is None:
-        return None
-    return CheckedPush(
-        worker, group_id, data, at, group.uid, group.group, group.prompt_index, group.reward,
-        group.oldest_version, group.newest_version,
-    )  # fmt: skip
-
-
-def decode_request(data: bytes | bytearray | memoryview) -> Message | CheckedPush:
-    """`decode`, except that a valid PushGroup comes back as a CheckedPush (same validation, no Trajectory objects).
-
-    A PushGroup that is valid but not canonically encoded (fields in another order) is accepted too: it is decoded
-    generically and its canonical re-encoding becomes the payload.
-    """
-    name, obj = _unpack(data)
-    if name == "PushGroup":
-        try:
-            checked = _checked_push(obj, data if isinstance(data, bytes | memoryview) else bytes(data))
-        except WireError:
-            raise
-        except Exception as err:  # a safety net, as in _decode_fields
-            raise WireError("bad_field", f"{type(err).__name__}: {err}"[:200]) from None
-        if checked is not None:
-            return checked
-        msg = _decode_fields(name, obj)  # raises the precise WireError, or the message was valid after all
-        canonical = encode(msg)
-        checked = _checked_push(_unpack(canonical)[1], canonical)
-        assert checked is not None, "a decoded PushGroup re-encodes canonically"
-        return checked
-    return _decode_fields(name, obj)
-
-
-def encode_batch_reply(step: int, groups: list[bytes | memoryview], dropped_stale: int, ready: bool) -> bytes:
-    """A BatchReply whose groups are trajectory column maps, already encoded and valid (the
-    `CheckedPush.payload[trajectories_at:]` of each group): copied in as they are, never decoded again."""
-    if len(groups) > MAX_GROUP:
-        raise WireError("oversized", f"`groups` has {len(groups)} > {MAX_GROUP} items")
-    pack = msgpack.Packer(use_bin_type=True)
-    head = [pack.pack_map_header(6)]
-    for key, value in (("v", SCHEMA_VERSION), ("type", "BatchReply"), ("step", _dec_step(step, "step"))):
-        head += (pack.pack(key), pack.pack(value))
-    tail = [pack.pack("dropped_stale"), pack.pack(_dec_nat(dropped_stale, "dropped_stale"))]
-    tail += (pack.pack("ready"), pack.pack(_dec_bool(ready, "ready")))
-    data = b"".join([*head, pack.pack("groups"), pack.pack_array_header(len(groups)), *groups, *tail])
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireError("oversized", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
-    return data
-
-
-def upgrade_push(data: bytes | memoryview) -> bytes | memoryview:
-    """A PushGroup in this schema: `data` itself, or a schema-1 PushGroup (a map per trajectory, as journals written
-    before the column layout hold) decoded with the per-trajectory checks and re-encoded. WireError if invalid."""
-    if bytes(memoryview(data)[: len(_PUSH_HEAD)]) == _PUSH_HEAD:  # this schema, as encode writes it: nothing to do
-        return data
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
-    except Exception as err:
-        raise WireError("bad_msgpack", f"{type(err).__name__}: {err}"[:200]) from None
-    if type(obj) is not dict or obj.get("v") != 1 or obj.get("type") != "PushGroup":
-        return data
-    worker, group, items = obj.get("worker"), obj.get("group"), obj.get("trajectories")
-    trajectories = _list_kind(TRAJECTORY, "Trajectory").decode(items, "trajectories")
-    return encode(PushGroup(_dec_str(worker, "worker"), _dec_str(group, "group"), trajectories))
+    name, obj = unpack_message(data)
+    return decode_fields(name, obj)

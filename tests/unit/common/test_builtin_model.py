@@ -7,7 +7,7 @@ import stat
 import time
 from pathlib import Path
 
-from asyncrl.builtin_model import BUILT_FILES, resolve_model_path
+from common.builtin_model import BUILT_FILES, resolve_model_path
 
 
 def test_a_damaged_cached_model_is_rebuilt_and_abandoned_builds_are_removed(tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 import random
 
-from asyncrl.tasks import Problem
-from asyncrl.tasks.rewards import exact_match_reward
+from common.tasks import Problem
+from common.tasks.rewards import exact_match_reward
 
 _HELDOUT_MODULUS = 16
 _MAX_TRIES = 1024

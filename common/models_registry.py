@@ -1,6 +1,6 @@
 """Names of the built-in model recipes (`model.path: builtin:<name>`), importable without torch.
 
-The recipes themselves (architecture, tokenizer, warm-up) live in `asyncrl.builtin_model`.
+The recipes themselves (architecture, tokenizer, warm-up) live in `common.builtin_model`.
 """
 
 from __future__ import annotations
