@@ -9,7 +9,7 @@ Atomic: everything is written into `.step_<k>.tmp`, fsynced, then renamed to `st
 `step_<k>` is therefore complete, and leftovers of a crash (`.*.tmp`) are ignored and removed by the next save.
 
 The buffer is not copied: its journal (runs/<name>/buffer.journal) already records every lease, admission and
-consumption. On resume the buffer replays it and rewinds to the checkpoint's step (buffer/state.py `rewind`): groups
+consumption. On resume the buffer replays it and rewinds to the checkpoint's step (buffer/recovery.py `rewind`): groups
 consumed after the checkpoint go back to the queue, groups generated with the lost versions are dropped.
 """
 

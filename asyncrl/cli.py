@@ -150,13 +150,15 @@ def _up(args: argparse.Namespace) -> int:
     else:
         cfg = _load(args.config, args.overrides)
     from asyncrl.driver import StartupError, run
+    from asyncrl.raycluster import RayAuthError
     from asyncrl.supervise import SupervisionError
+    from common.config import ConfigError
 
     try:
         run(cfg, resume=resume)
-    except (StartupError, SupervisionError) as err:
+    except (StartupError, ConfigError, SupervisionError, RayAuthError) as err:  # ConfigError: wandb missing
         print(f"asyncrl: {err}", file=sys.stderr)
-        return 2 if isinstance(err, StartupError) else 1
+        return 1 if isinstance(err, SupervisionError) else 2
     return 0
 
 

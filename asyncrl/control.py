@@ -3,8 +3,11 @@
     asyncrl status/scale/set/down --REQ, msgpack--> driver (REP on 127.0.0.1, polled by its step loop)
                                   <--REP, msgpack--  {"ok": true, ...} | {"ok": false, "error": "..."}
 
-The driver binds a REP socket on 127.0.0.1 (a free port) and writes its endpoint to runs/<name>/control.json; the
-file is removed when the driver exits. Requests and replies are msgpack maps (never pickle), size-limited:
+The driver binds a REP socket on 127.0.0.1 (a free port) and writes its endpoint and a per-run secret to
+runs/<name>/control.json (mode 0600: only the run's user can read it); the file is removed when the driver exits.
+Every request carries that secret; one without it, or with another, is refused (`ok: false`) whatever it asks, so a
+process of another local user that can reach the loopback port can neither stop nor steer the run, nor read its
+status. Requests and replies are msgpack maps (never pickle), size-limited:
 
 | request | reply fields | effect |
 |---|---|---|
@@ -20,8 +23,10 @@ This module imports no torch or ray: the CLI side (`request`, `find_run`) must s
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,8 +55,13 @@ class ControlServer:
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.secret = secrets.token_hex(32)
         tmp = self.path.with_name(CONTROL_FILE + ".tmp")
-        tmp.write_text(json.dumps({"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time()}))
+        tmp.unlink(missing_ok=True)
+        record = {"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time(), "secret": self.secret}
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # private from the first byte
+        with os.fdopen(fd, "w") as handle:
+            json.dump(record, handle)
         tmp.rename(self.path)
 
     def poll(self, handler: Callable[[dict[str, Any]], dict[str, Any]], timeout_ms: int = 0) -> int:
@@ -63,6 +73,9 @@ class ControlServer:
                 request = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_array_len=256, max_map_len=32)
                 if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
                     raise ControlError('a request must be a map with a string "cmd"')
+                given = request.pop("secret", None)
+                if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.secret.encode()):
+                    raise ControlError(f"refused: the request lacks this run's secret (read from {self.path})")
                 reply = {"ok": True, **handler(request)}
             except ControlError as err:
                 reply = {"ok": False, "error": str(err)}
@@ -103,14 +116,17 @@ def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> 
     if not control.is_file():
         raise ControlError(f"{run_dir} is not running: no {CONTROL_FILE} (the run ended, or never started)")
     try:
-        endpoint = json.loads(control.read_text())["endpoint"]
-    except (ValueError, KeyError) as err:
+        record = json.loads(control.read_text())
+        endpoint, secret = record["endpoint"], record["secret"]
+    except PermissionError:
+        raise ControlError(f"{control} is not readable by this user: only the run's owner controls it") from None
+    except (ValueError, KeyError, TypeError) as err:
         raise ControlError(f"{control} is unreadable: {err}") from None
     socket = zmq.Context.instance().socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(endpoint)
-        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "cmd": cmd, **fields}, use_bin_type=True))
+        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "cmd": cmd, "secret": secret, **fields}, use_bin_type=True))
         if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise ControlError(
                 f"no answer from the driver of {run_dir} at {endpoint} within {timeout_s:.0f}s: it is not running "

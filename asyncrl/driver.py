@@ -20,30 +20,18 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from asyncrl import checkpoint
+from asyncrl import checkpoint, raycluster
 from asyncrl.metrics import MetricsLogger
-from asyncrl.operations import Operations
+from asyncrl.operations import Operations, OperationsSections
 from asyncrl.supervise import WorkerPool
-from common.config import Config, to_dict
-
-
-def init_ray(cfg: Config) -> None:
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    if cfg.ray.address:  # a cluster started elsewhere: its actors get this process's quiet settings explicitly
-        quiet = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TOKENIZERS_PARALLELISM", "PYTHONWARNINGS")
-        env_vars = {name: os.environ[name] for name in quiet if name in os.environ}
-        ray.init(address=cfg.ray.address, log_to_driver=True, runtime_env={"env_vars": env_vars})
-    else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True,
-                 _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # fmt: skip
+from common.config import Config, live_update, to_dict
+from learner.sections import LearnerSections
+from rollout_workers.sections import WorkerSections
 
 
 class StartupError(RuntimeError):
@@ -113,7 +101,7 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         to_dict(cfg), run_dir, resume_step=start_step if resume is not None else None
     )
     try:
-        init_ray(cfg)
+        raycluster.connect(cfg.ray, warn=logger.info)
         signals.install()  # again: ray.init replaces the SIGTERM handler
         return _train(cfg, run_dir, model_dir, buffer_endpoint, logger, checkpoint_dir, start_step, signals)
     finally:
@@ -175,10 +163,15 @@ def _train(
     from learner.group import LearnerGroup
 
     resume_dir = str(checkpoint_dir) if checkpoint_dir is not None else ""
-    learner = LearnerGroup(cfg, model_dir, buffer_endpoint, resume_dir=resume_dir, start_version=start_step)
+    # Each part is given its own config sections: the root's very objects, so a live change applied to one shows in cfg
+    learner = LearnerGroup(LearnerSections.pick(cfg), cfg.ray, model_dir, buffer_endpoint, resume_dir, start_step)
     # Workers start up (imports, tokenizer, engine) while the learner does; they subscribe once it has published.
-    pool = WorkerPool(cfg, model_dir, buffer_endpoint, learner.weights_endpoint_ref(), logger.event)
-    ops = Operations(cfg, run_dir, pool, learner, buffer_endpoint, logger, start_step)
+    worker_sections, weights_endpoint = WorkerSections.pick(cfg), learner.weights_endpoint_ref()
+    pool = WorkerPool(worker_sections, cfg.ray, model_dir, buffer_endpoint, weights_endpoint, logger.event)
+    check_live = partial(live_update, cfg)  # a live change is validated against the whole config
+    ops = Operations(
+        OperationsSections.pick(cfg), check_live, run_dir, pool, learner, buffer_endpoint, logger, start_step
+    )
     ops.buffer.set_max_lag(cfg.staleness.max_lag)  # the config wins over a max_lag the journal replayed
     pool.start(cfg.rollout.num_workers, meanwhile=learner.weights_endpoint)
     logger.info(f"run {cfg.logging.name}: {cfg.rollout.num_workers} rollout workers, buffer {buffer_endpoint}, "

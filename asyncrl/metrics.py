@@ -3,7 +3,8 @@
 On a terminal (stdout is a TTY) the console shows a live table of the latest step instead (rich.live, see
 `live_view`), with the step lines scrolling above it; elsewhere (pipes, tests, CI) it prints the plain lines.
 
-wandb runs offline unless `logging.wandb_mode=online` (with an API key and no network, online `init` hangs).
+wandb runs offline unless `logging.wandb_mode=online` (with an API key and no network, online `init` hangs). It is an
+optional extra: `pip install 'asyncrl[wandb]'`; `logging.wandb=true` without it raises a ConfigError that says so.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common.config import LoggingConfig
+from common.config import ConfigError, LoggingConfig
 
 CONSOLE_FIELDS = (
     ("step", "step", "{:.0f}"),
@@ -51,19 +52,36 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+WANDB_MISSING = "logging.wandb=true needs the wandb package: pip install 'asyncrl[wandb]' (or set logging.wandb=false)"
+"""What `MetricsLogger` raises (as a ConfigError) when `logging.wandb` is on and wandb is not installed."""
+
+
+def _import_wandb() -> Any:
+    """The wandb module; a ConfigError naming `logging.wandb` and the extra to install when it is missing (wandb is
+    the optional extra `asyncrl[wandb]`, not a dependency)."""
+    try:
+        import wandb
+    except ModuleNotFoundError as err:
+        if err.name != "wandb":  # wandb is there but broken (one of its own dependencies is missing): say that
+            raise
+        raise ConfigError(WANDB_MISSING) from None
+    return wandb
+
+
 class MetricsLogger:
     def __init__(self, cfg: LoggingConfig, run_dir: Path):
+        wandb = None
+        if cfg.wandb:  # first: a missing wandb fails before this logger opens a file
+            import os
+
+            os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+            wandb = _import_wandb()
         self.cfg = cfg
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
         self._started = time.time()
         self._wandb = None
-        if cfg.wandb:
-            import os
-
-            os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
-            import wandb
-
+        if wandb is not None:
             self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.name, dir=str(run_dir), mode=cfg.wandb_mode)
         from rich.console import Console
 

@@ -7,11 +7,18 @@ step boundaries, and resumable checkpoints (asyncrl/checkpoint.py).
 | scale rollout=N | at once: workers added or told to stop | new workers generate once they have weights |
 | set key=value | at once (validated like the config) | at the next step boundary, logged as a `set` event |
 | down | at once | after the step in progress: workers stop, checkpoint, exit 0 |
+
+`Operations` reads only its config sections (`OperationsSections`). A live change is validated against the whole
+config by the `check_live` the driver gives it (`common.config.live_update` on the root config, whose live
+sections are this bundle's very objects: `OperationsSections.pick` shares them), and applied to the bundle with
+`set_key` at the step boundary.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +26,50 @@ from asyncrl import checkpoint
 from asyncrl.control import ControlError, ControlServer
 from asyncrl.metrics import MetricsLogger
 from asyncrl.supervise import WorkerPool
-from common.config import LIVE_KEYS, Config, ConfigError, get_key, live_update, set_key
+from common.config import (
+    LIVE_KEYS,
+    BufferConfig,
+    CheckpointConfig,
+    ConfigError,
+    LossConfig,
+    OptimConfig,
+    RayConfig,
+    StalenessConfig,
+    TrainConfig,
+    get_key,
+    set_key,
+)
 
 BUFFER_KEYS = ("cursor", "cursor_epoch", "cursor_position", "consumed_groups", "admitted_groups", "current_step")
+
+
+@dataclass(kw_only=True, slots=True)
+class OperationsSections:
+    """The config sections the driver's operations read."""
+
+    train: TrainConfig
+    """`steps`, for `status`."""
+    # the sections of the live keys (common.config.LIVE_KEYS): `status` shows them, `set` changes them
+    staleness: StalenessConfig
+    loss: LossConfig
+    optim: OptimConfig
+    ray: RayConfig
+    """What `scale` checks a new worker count against."""
+    buffer: BufferConfig
+    """The CurveZMQ keys of the driver's buffer client."""
+    checkpoint: CheckpointConfig
+
+    @classmethod
+    def pick(cls, root: object) -> OperationsSections:
+        """These sections of `root` (the root config): the same section objects, not copies."""
+        return cls(**{f.name: getattr(root, f.name) for f in fields(cls)})
 
 
 class Operations:
     def __init__(
         self,
-        cfg: Config,
+        sections: OperationsSections,
+        check_live: Callable[[list[str]], dict[str, Any]],
         run_dir: Path,
         pool: WorkerPool,
         learner: Any,
@@ -35,11 +77,14 @@ class Operations:
         logger: MetricsLogger,
         start_step: int,
     ) -> None:
+        """`check_live(items)`: `key=value` live changes validated against the whole config -> {key: new value}
+        (raises ConfigError)."""
         from buffer.client import BufferClient
         from common.curve import client_keys
 
-        self.cfg, self.run_dir, self.pool, self.learner, self.logger = cfg, run_dir, pool, learner, logger
-        curve = client_keys(cfg.buffer.curve_keys_dir)
+        self.sections, self.check_live = sections, check_live
+        self.run_dir, self.pool, self.learner, self.logger = run_dir, pool, learner, logger
+        curve = client_keys(sections.buffer.curve_keys_dir)
         self.buffer = BufferClient(buffer_endpoint, identity="driver", timeout_s=10, curve=curve)
         self.control = ControlServer(run_dir)
         self.step = start_step  # train steps completed
@@ -75,7 +120,7 @@ class Operations:
         return {
             "run": str(self.run_dir),
             "step": self.step,
-            "steps": self.cfg.train.steps,
+            "steps": self.sections.train.steps,
             "version": metrics.get("version", self.step),
             "stopping": self.stopping,
             "workers": self.pool.describe(),
@@ -83,13 +128,13 @@ class Operations:
             "staleness": {
                 "mean": metrics.get("staleness/mean"),
                 "max": metrics.get("staleness/max"),
-                "max_lag": self.cfg.staleness.max_lag,
+                "max_lag": self.sections.staleness.max_lag,
             },
             "throughput": {
                 "rollout_tok_s": metrics.get("perf/rollout_tok_s", 0.0),
                 "step_s": metrics.get("perf/step_s", 0.0),
             },
-            "live": {key: get_key(self.cfg, key) for key in LIVE_KEYS},
+            "live": {key: get_key(self.sections, key) for key in LIVE_KEYS},
             "pending": self.pending,
             "errors": self.recent_errors(),
         }
@@ -105,14 +150,15 @@ class Operations:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ControlError(f"rollout=N needs a whole number N >= 1, got {count!r}")
         total = ray.cluster_resources()
-        need = {"CPU": self.cfg.ray.learner_cpus + count * self.cfg.ray.worker_cpus}
-        for name, amount in self.cfg.ray.worker_resources.items():
+        ray_cfg = self.sections.ray
+        need = {"CPU": ray_cfg.learner_cpus + count * ray_cfg.worker_cpus}
+        for name, amount in ray_cfg.worker_resources.items():
             need[name] = need.get(name, 0.0) + count * amount
         for name, amount in need.items():
             if amount > total.get(name, 0.0) + 1e-9:
                 raise ControlError(
                     f"{count} rollout workers need {amount:g} {name} but the Ray cluster has {total.get(name, 0.0):g}"
-                    f" (learner {self.cfg.ray.learner_cpus:g} CPU + `ray.worker_cpus`={self.cfg.ray.worker_cpus:g}"
+                    f" (learner {ray_cfg.learner_cpus:g} CPU + `ray.worker_cpus`={ray_cfg.worker_cpus:g}"
                     " per worker; lower it with `asyncrl up ... ray.worker_cpus=...`)"
                 )
         added, removed = self.pool.scale(count)
@@ -123,7 +169,7 @@ class Operations:
         if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
             raise ControlError("set needs one or more key=value items")
         try:
-            changes = live_update(self.cfg, items)
+            changes = self.check_live(items)
         except ConfigError as err:
             raise ControlError(str(err)) from None
         self.pending.update(changes)
@@ -143,8 +189,8 @@ class Operations:
         if learner_changes:
             self.learner.set_live(learner_changes)
         for key, value in changes.items():
-            old = get_key(self.cfg, key)
-            set_key(self.cfg, key, value)
+            old = get_key(self.sections, key)
+            set_key(self.sections, key, value)
             self.logger.event("set", key=key, value=value, old=old, step=step)
             self.logger.info(f"set {key}={value} (was {old}) from step {step}")
 
@@ -159,8 +205,10 @@ class Operations:
             "version": step,
             "time": time.time(),
             "buffer": {key: buffer_stats.get(key) for key in BUFFER_KEYS},
-            "live": {key: get_key(self.cfg, key) for key in LIVE_KEYS},
+            "live": {key: get_key(self.sections, key) for key in LIVE_KEYS},
         }
-        path = checkpoint.save(self.run_dir, step, self.learner.save_checkpoint, meta, self.cfg.checkpoint.keep_last)
+        path = checkpoint.save(
+            self.run_dir, step, self.learner.save_checkpoint, meta, self.sections.checkpoint.keep_last
+        )
         self.logger.event("checkpoint", step=step, path=str(path))
         return path

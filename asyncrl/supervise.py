@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import Config, to_dict
+from common.config import RayConfig, to_dict
+from rollout_workers.sections import WorkerSections
 
 MAX_BACKOFF_S = 60.0
 STATS_EVERY_S = 0.5
@@ -52,23 +53,25 @@ class _Worker:
 class WorkerPool:
     def __init__(
         self,
-        cfg: Config,
+        sections: WorkerSections,
+        ray_cfg: RayConfig,
         model_dir: str,
         buffer_endpoint: str,
         weights_endpoint: Any,
         event: Callable[..., None],
     ) -> None:
-        """`weights_endpoint`: the publisher's endpoint, or a Ray ObjectRef of it (workers then start up while the
-        learner still does; each worker's `start` waits for the ref)."""
+        """Every worker is given `sections`; `ray_cfg` sizes their actors. `weights_endpoint`: the publisher's
+        endpoint, or a Ray ObjectRef of it (workers then start up while the learner still does; each worker's `start`
+        waits for the ref)."""
         import ray
 
         from rollout_workers.worker import RolloutWorker
 
-        self.cfg = cfg
-        self.args = (to_dict(cfg), model_dir, buffer_endpoint, weights_endpoint)
-        options: dict[str, Any] = {"num_cpus": cfg.ray.worker_cpus, "max_concurrency": 4}
-        if cfg.ray.worker_resources:
-            options["resources"] = dict(cfg.ray.worker_resources)
+        self.rollout = sections.rollout  # max_restarts, restart_backoff_s
+        self.args = (to_dict(sections), model_dir, buffer_endpoint, weights_endpoint)
+        options: dict[str, Any] = {"num_cpus": ray_cfg.worker_cpus, "max_concurrency": 4}
+        if ray_cfg.worker_resources:
+            options["resources"] = dict(ray_cfg.worker_resources)
         self.actor_cls = ray.remote(**options)(RolloutWorker)
         self.event = event
         self.workers: dict[str, _Worker] = {}
@@ -125,8 +128,8 @@ class WorkerPool:
     def _spawn(self, slot: int, replaces: str = "") -> _Worker:
         generation = self.generation.get(slot, 0)
         worker_id = f"worker-{slot}" + (f".{generation}" if generation else "")
-        config, model_dir, buffer_endpoint, weights_endpoint = self.args
-        handle = self.actor_cls.remote(config, worker_id, model_dir, buffer_endpoint)
+        section_values, model_dir, buffer_endpoint, weights_endpoint = self.args
+        handle = self.actor_cls.remote(section_values, worker_id, model_dir, buffer_endpoint)
         worker = _Worker(slot, worker_id, handle, handle.start.remote(weights_endpoint))
         self.workers[worker_id] = worker
         self.event("worker_starting", worker=worker_id, replaces=replaces or None)
@@ -185,13 +188,13 @@ class WorkerPool:
         self.crashes += 1
         message = f"{worker.worker_id} (pid {worker.pid or '?'}) died: {str(err).splitlines()[0][:300]}"
         self.recent_errors.append(message)
-        if self.crashes > self.cfg.rollout.max_restarts:
+        if self.crashes > self.rollout.max_restarts:
             self.event("worker_crashed", worker=worker.worker_id, error=message, restart_in_s=None)
             raise SupervisionError(
                 f"rollout workers crashed {self.crashes} times, more than `rollout.max_restarts` "
-                f"({self.cfg.rollout.max_restarts}) allows; last: {message}"
+                f"({self.rollout.max_restarts}) allows; last: {message}"
             )
-        delay = min(self.cfg.rollout.restart_backoff_s * 2 ** (self.crashes - 1), MAX_BACKOFF_S)
+        delay = min(self.rollout.restart_backoff_s * 2 ** (self.crashes - 1), MAX_BACKOFF_S)
         self.restarts.append((now + delay, worker.slot, worker.worker_id))
         self.event("worker_crashed", worker=worker.worker_id, error=message, restart_in_s=delay, crashes=self.crashes)
 

@@ -23,7 +23,7 @@ A `rewind` record's `c` is the consumed count after it. A `state` record's `max_
 A crash can leave a torn last record; `read_records` stops at the first record that is short or fails its checksum
 and truncates the file there.
 
-Compaction (`Journal.rewrite`): the service replaces the file with `BufferState.snapshot()` (one `state` record and
+Compaction (`Journal.rewrite`): the service replaces the file with `recovery.snapshot(state)` (one `state` record and
 the `admit` records of the groups still queued) once it outgrows its threshold, so the file stays proportional to
 what is in flight. The new file is written beside the old one, fsynced and renamed over it (then the directory is
 fsynced): a crash at any point leaves either the old journal or the new one, both complete, so a consumed group is

@@ -49,7 +49,7 @@ from omegaconf.errors import OmegaConfBaseException
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from buffer import ingest
+from buffer import ingest, recovery
 from buffer.ingest import CheckedPush
 from buffer.journal import Journal, read_records
 from buffer.memory import configure_malloc, reserve
@@ -109,7 +109,9 @@ _SECTIONS = {
 def load_service_config(values: dict[str, Any]) -> ServiceConfig:
     """Rebuild the sections the buffer needs from `common.config.to_dict` output; other sections are ignored.
 
-    Raises ConfigError naming the key on unknown keys, wrong types, invalid choices or out-of-range values.
+    Raises ConfigError naming the key on unknown keys, wrong types, invalid choices or out-of-range values (the
+    config's own checks, `common.config.check_section`; the rules that span other sections were checked when the
+    driver loaded the config).
     """
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
@@ -118,16 +120,7 @@ def load_service_config(values: dict[str, Any]) -> ServiceConfig:
             sections[name] = OmegaConf.to_object(merged)
         except OmegaConfBaseException as err:
             raise cfgmod.ConfigError(f"{name}.{getattr(err, 'full_key', '?')}: {str(err).splitlines()[0]}") from err
-    for key, choices in cfgmod.CHOICES.items():
-        section, _, leaf = key.partition(".")
-        if section in sections and "." not in leaf and getattr(sections[section], leaf) not in choices:
-            raise cfgmod.ConfigError(f"invalid value for `{key}`; valid values: {', '.join(choices)}")
-    for key, (low, high) in cfgmod.RANGES.items():
-        section, _, leaf = key.partition(".")
-        if section in sections and "." not in leaf:
-            value = getattr(sections[section], leaf)
-            if (low is not None and value < low) or (high is not None and value > high):
-                raise cfgmod.ConfigError(f"value {value!r} for `{key}` is out of range [{low}, {high}]")
+        cfgmod.check_section(sections[name], f"{name}.")  # the choices and ranges declared with each field
     return ServiceConfig(**sections)
 
 
@@ -237,7 +230,7 @@ class BufferService:
             self._compact_at = size + self.compact_bytes // 4  # look again once the journal has grown some more
             return
         self._flush()
-        self.journal.rewrite(self.state.snapshot())
+        self.journal.rewrite(recovery.snapshot(self.state))
         self.state.counters["journal_compactions"] += 1
         self._compact_at = max(self.compact_bytes, 2 * self.journal.size_bytes())
 
@@ -425,14 +418,74 @@ def _lock_run_dir(run_dir: Path) -> Any:
             time.sleep(0.1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m buffer", description=__doc__.splitlines()[0])
     parser.add_argument("--config-json", required=True, help="JSON of common.config.to_dict(cfg)")
     parser.add_argument("--run-dir", required=True, help="run directory (holds buffer.journal)")
     parser.add_argument("--resume-step", type=int, default=None,
                         help="resuming a learner checkpoint whose next train step is this: rewind the replayed "
-                             "journal to it (BufferState.rewind)")  # fmt: skip
-    args = parser.parse_args(argv)
+                             "journal to it (buffer.recovery.rewind)")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def _open_journal(state: BufferState, path: Path, fsync: str, resume_step: int | None) -> Journal:
+    """Replay the journal at `path` into `state`, attach it for appending, and rewind to `resume_step` if given."""
+    records = read_records(path)
+    recovery.replay(state, records)
+    journal = state.journal = Journal(path, fsync)
+    if records:
+        print(
+            f"buffer: replayed {len(records)} journal records: {len(state.queue)} groups queued, "
+            f"{len(state.returned)} leases returned, cursor {state.cursor}, step {state.step}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if resume_step is not None:
+        rewound = recovery.rewind(state, resume_step)
+        journal.commit()
+        print(f"buffer: rewound to train step {resume_step}: {rewound}", file=sys.stderr, flush=True)
+    return journal
+
+
+def _serve(
+    buffer_cfg: cfgmod.BufferConfig, curve: ServerKeys | None, state: BufferState, journal: Journal | None
+) -> int:
+    """Bind, print READY, and serve until SIGTERM / SIGINT (0) or a journal write error (3); then close everything."""
+    context = zmq.Context()
+    auth = start_authenticator(context, curve) if curve is not None else None
+    socket = make_socket(context, curve)
+    monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES) if curve is not None else None
+    service = BufferService(state, socket, journal, buffer_cfg.compact_bytes)
+
+    def stop(signum: int, frame: object) -> None:
+        service.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        endpoint = bind(socket, buffer_cfg.host, buffer_cfg.port)
+        print(f"READY {endpoint}", flush=True)
+        service.run(monitor)
+    except OSError as err:  # the journal cannot be written (disk full, I/O error): no durability, so stop
+        print(f"buffer: stopping: the journal {journal.path if journal else ''} cannot be written ({err}); every "
+              "acknowledged group is in it, restart once the disk is fixed", file=sys.stderr, flush=True)  # fmt: skip
+        return 3
+    finally:
+        if journal is not None:
+            with contextlib.suppress(OSError):  # already reported; the sockets must still be closed
+                journal.close()
+        if monitor is not None:
+            socket.disable_monitor()
+            monitor.close(0)
+        socket.close(0)
+        if auth is not None:
+            auth.stop()
+        context.term()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     try:
         cfg = load_service_config(json.loads(Path(args.config_json).read_text()))
     except (OSError, ValueError) as err:
@@ -452,7 +505,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     print(f"buffer: {configure_malloc()}, {reserve(cfg.buffer.reserve_mb << 20)}", file=sys.stderr, flush=True)
-    journal: Journal | None = None
     state = BufferState(
         source=make_source(cfg.data),
         group_size=cfg.train.group_size,
@@ -464,54 +516,10 @@ def main(argv: list[str] | None = None) -> int:
         worker_timeout_s=cfg.buffer.worker_timeout_s,
         seed=cfg.data.seed,
     )
+    journal: Journal | None = None
     if cfg.buffer.journal:
-        path = run_dir / JOURNAL_NAME
-        records = read_records(path)
-        state.replay(records)
-        journal = state.journal = Journal(path, cfg.buffer.fsync)
-        if records:
-            print(
-                f"buffer: replayed {len(records)} journal records: {len(state.queue)} groups queued, "
-                f"{len(state.returned)} leases returned, cursor {state.cursor}, step {state.step}",
-                file=sys.stderr,
-                flush=True,
-            )
-        if args.resume_step is not None:
-            rewound = state.rewind(args.resume_step)
-            journal.commit()
-            print(f"buffer: rewound to train step {args.resume_step}: {rewound}", file=sys.stderr, flush=True)
+        journal = _open_journal(state, run_dir / JOURNAL_NAME, cfg.buffer.fsync, args.resume_step)
     elif args.resume_step is not None:
         print("buffer: --resume-step needs buffer.journal=true", file=sys.stderr)
         return 2
-
-    context = zmq.Context()
-    auth = start_authenticator(context, curve) if curve is not None else None
-    socket = make_socket(context, curve)
-    monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES) if curve is not None else None
-    service = BufferService(state, socket, journal, cfg.buffer.compact_bytes)
-
-    def stop(signum: int, frame: object) -> None:
-        service.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        endpoint = bind(socket, cfg.buffer.host, cfg.buffer.port)
-        print(f"READY {endpoint}", flush=True)
-        service.run(monitor)
-    except OSError as err:  # the journal cannot be written (disk full, I/O error): no durability, so stop
-        print(f"buffer: stopping: the journal {journal.path if journal else ''} cannot be written ({err}); every "
-              "acknowledged group is in it, restart once the disk is fixed", file=sys.stderr, flush=True)  # fmt: skip
-        return 3
-    finally:
-        if journal is not None:
-            with contextlib.suppress(OSError):  # already reported; the sockets must still be closed
-                journal.close()
-        if monitor is not None:
-            socket.disable_monitor()
-            monitor.close(0)
-        socket.close(0)
-        if auth is not None:
-            auth.stop()
-        context.term()
-    return 0
+    return _serve(cfg.buffer, curve, state, journal)

@@ -1,4 +1,5 @@
-"""The buffer's bookkeeping, without sockets: prompt leases, group admission, staleness, batches, journal replay.
+"""The buffer's bookkeeping, without sockets: prompt leases, group admission, staleness, batches. Journal recovery
+(snapshot, replay, rewind) is in buffer/recovery.py.
 
 Life of a group (its id is `g<index>` of the problem it was leased for, the same id if the lease is reissued):
 
@@ -13,7 +14,8 @@ any later one is answered `duplicate`, so a group is trained at most once. Live 
 
 Resolved groups need no set: group ids are `g<index>` and indices are handed out in order, so a group below the
 cursor that is neither leased, returned nor queued has been resolved (admitted, consumed, filtered or dropped).
-That keeps the state (and a compacted journal, see `snapshot`) proportional to what is in flight, not to the run.
+That keeps the state (and a compacted journal, see `buffer.recovery.snapshot`) proportional to what is in flight,
+not to the run.
 
 Workers: every LeaseRequest or PushGroup is a heartbeat of the worker it names (`LeaseRequest(max_groups=0)` is a
 pure heartbeat). A worker silent for `worker_timeout_s` (0: never) is declared dead and its leases return at once,
@@ -45,7 +47,9 @@ MAX_TRACKED_WORKERS = 4096
 
 
 @dataclass(slots=True)
-class _Lease:
+class Lease:
+    """A problem leased to `worker` as group `group` until `deadline` (unix seconds)."""
+
     group: str
     index: int
     prompt: str
@@ -112,14 +116,15 @@ class BufferState:
         self.last_seen: dict[str, float] = {}  # worker id -> time.time() of its last request
         self.step = 0  # the learner's current train step (last FetchBatch.step)
         self.cursor = 0  # next problem index of the training stream
-        self.leased: dict[str, _Lease] = {}
-        self.returned: OrderedDict[str, _Lease] = OrderedDict()  # expired, not reissued yet
+        self.leased: dict[str, Lease] = {}
+        self.returned: OrderedDict[str, Lease] = OrderedDict()  # expired, not reissued yet
         self.queue: deque[Queued] = deque()
         self.consumed_groups = 0
         self.counters: Counter[str] = Counter()
-        self._replayed: tuple[dict[str, Queued], dict[str, int]] | None = None  # for `rewind`: admits, consumes
-        self._compacted_step: int | None = None  # step of the `state` record of a compacted journal (for `rewind`)
-        self._max_lag_set_live = False  # SetMaxLag was used: max_lag outlives restarts (else the config's applies)
+        # Journal recovery (buffer/recovery.py) keeps these:
+        self.replayed: tuple[dict[str, Queued], dict[str, int]] | None = None  # for `rewind`: admits, consumes
+        self.compacted_step: int | None = None  # step of the `state` record of a compacted journal (for `rewind`)
+        self.max_lag_set_live = False  # SetMaxLag was used: max_lag outlives restarts (else the config's applies)
 
     # -- throttle -----------------------------------------------------------------------------------------------
 
@@ -138,7 +143,7 @@ class BufferState:
         now = time.time() if now is None else now
         self.heartbeat(worker, now)
         budget = min(max_groups, self.may_lease(), wire.MAX_GROUP)
-        granted: list[_Lease] = []
+        granted: list[Lease] = []
         while len(granted) < budget and self.returned:
             _, lease = self.returned.popitem(last=False)
             granted.append(lease)
@@ -149,11 +154,11 @@ class BufferState:
                 problem = self.source.train(self.cursor)
             except IndexError:  # a finite stream is exhausted
                 break
-            granted.append(_Lease(group_id(self.cursor), self.cursor, problem.prompt, problem.answer, worker, 0.0))
+            granted.append(Lease(group_id(self.cursor), self.cursor, problem.prompt, problem.answer, worker, 0.0))
             new_indices.append(self.cursor)
             self.cursor += 1
         if new_indices:
-            self._log({"k": "lease", "i": new_indices})
+            self.log_record({"k": "lease", "i": new_indices})
         for lease in granted:
             lease.worker, lease.deadline = worker, now + self.lease_timeout_s
             self.leased[lease.group] = lease
@@ -195,7 +200,7 @@ class BufferState:
         self.returned.pop(group, None)
         if outcome:
             self.counters["dropped_stale" if outcome == "stale" else "filtered_groups"] += 1
-            self._log({"k": "done", "g": [group], "why": outcome})
+            self.log_record({"k": "done", "g": [group], "why": outcome})
             return PushReply(True, outcome)
         self.queue.append(Queued.of(msg))
         self.counters["admitted_groups"] += 1
@@ -217,7 +222,7 @@ class BufferState:
         taken = [self.queue.popleft() for _ in range(num_groups)]
         self.consumed_groups += num_groups
         self.counters["consumed_groups"] += num_groups
-        self._log({"k": "consume", "g": [q.group for q in taken], "s": step})
+        self.log_record({"k": "consume", "g": [q.group for q in taken], "s": step})
         return taken, dropped
 
     def requeue(self, taken: list[Queued]) -> None:
@@ -227,12 +232,12 @@ class BufferState:
         self.consumed_groups -= len(taken)
         self.counters["consumed_groups"] -= len(taken)
         self.counters["requeued_groups"] += len(taken)
-        self._log({"k": "requeue", "g": [q.group for q in taken]})
+        self.log_record({"k": "requeue", "g": [q.group for q in taken]})
 
     def set_max_lag(self, max_lag: int) -> None:
         """Change staleness.max_lag live; journaled, so a restarted buffer keeps it."""
-        self.max_lag, self._max_lag_set_live = max_lag, True
-        self._log({"k": "max_lag", "v": max_lag})
+        self.max_lag, self.max_lag_set_live = max_lag, True
+        self.log_record({"k": "max_lag", "v": max_lag})
 
     def drop_stale(self) -> int:
         """Drop and count queued groups too old for the current step."""
@@ -246,7 +251,7 @@ class BufferState:
         if dropped:
             self.queue = kept
             self.counters["dropped_stale"] += len(dropped)
-            self._log({"k": "done", "g": dropped, "why": "stale"})
+            self.log_record({"k": "done", "g": dropped, "why": "stale"})
         return len(dropped)
 
     def heartbeat(self, worker: str, now: float) -> None:
@@ -326,122 +331,9 @@ class BufferState:
             out["journal_bytes"] = self.journal.size_bytes()
         return out
 
-    # -- journal ------------------------------------------------------------------------------------------------
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The journal records of the current state alone: what a compacted journal holds (see buffer/journal.py).
-
-        A `state` record (cursor, step, consumed count, max_lag, the indices still leased or returned), then one
-        `admit` record per queued group in queue order. Everything resolved is implied by the cursor.
-        """
-        pending = sorted(lease.index for lease in [*self.leased.values(), *self.returned.values()])
-        head = {
-            "k": "state",
-            "cursor": self.cursor,
-            "step": self.step,
-            "consumed": self.consumed_groups,
-            "admitted": self.counters["admitted_groups"] - len(self.queue),  # admits not in the snapshot
-            "max_lag": self.max_lag if self._max_lag_set_live else None,  # else the config's value applies
-            "pending": pending,
-        }
-        return [head, *({"k": "admit", "m": q.payload} for q in self.queue)]
-
-    def replay(self, records: list[dict[str, Any]], now: float | None = None) -> None:
-        """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step and
-        max_lag restored, and leases that were never resolved returned to the pool (a live worker may push them)."""
-        now = time.time() if now is None else now
-        admitted: dict[str, Queued] = {}
-        pending: dict[str, Queued] = {}  # admitted, not consumed nor dropped, in admission order
-        unresolved: set[int] = set()  # indices leased and not yet admitted or dropped
-        admitted_count = 0
-        consumed_at: dict[str, int] = {}  # group -> train step, in consumption order (for `rewind`)
-        for record in records:
-            kind, groups = record.get("k"), record.get("g", [])
-            if kind == "state":  # the head of a compacted journal
-                self.cursor, self.step = int(record["cursor"]), int(record["step"])
-                self.consumed_groups = int(record["consumed"])
-                if record.get("max_lag") is not None:  # set live (SetMaxLag) before the compaction
-                    self.max_lag, self._max_lag_set_live = int(record["max_lag"]), True
-                unresolved = set(record["pending"])
-                self._compacted_step = self.step
-                admitted_count = int(record.get("admitted", 0))  # admits compacted away (older journals: unknown)
-            elif kind == "lease":
-                unresolved.update(record["i"])
-                self.cursor = max(self.cursor, max(record["i"], default=-1) + 1)
-            elif kind == "admit":
-                msg = ingest.decode_request(ingest.upgrade_push(record["m"]))
-                assert isinstance(msg, CheckedPush)
-                queued = Queued.of(msg)
-                admitted[msg.group] = pending[msg.group] = queued
-                admitted_count += 1
-                index = group_index(msg.group)
-                unresolved.discard(-1 if index is None else index)
-            elif kind in ("done", "consume"):
-                for group in groups:
-                    pending.pop(group, None)
-                    index = group_index(group)
-                    unresolved.discard(-1 if index is None else index)
-                if kind == "consume":
-                    self.step = int(record["s"])
-                    self.consumed_groups += len(groups)
-                    consumed_at.update((group, self.step) for group in groups)
-            elif kind in ("requeue", "rewind"):
-                self.consumed_groups -= len(groups)
-                requeued = {group: admitted[group] for group in groups}
-                pending = {**requeued, **pending}
-                for group in groups:
-                    consumed_at.pop(group, None)
-                for group in record.get("d", []):
-                    pending.pop(group, None)
-                if kind == "rewind":
-                    self.step = max(int(record["s"]) - 1, 0)
-                    self.consumed_groups = int(record.get("c", self.consumed_groups))  # older journals: no "c"
-            elif kind == "max_lag":
-                self.max_lag, self._max_lag_set_live = int(record["v"]), True
-        self.queue = deque(pending.values())
-        for index in sorted(unresolved):
-            group = group_id(index)
-            problem = self.source.train(index)
-            self.returned[group] = _Lease(group, index, problem.prompt, problem.answer, "", now)
-        self.counters["admitted_groups"] = admitted_count
-        self.counters["consumed_groups"] = self.consumed_groups
-        self.counters["replayed_groups"] = len(self.queue)
-        self._replayed = (admitted, consumed_at)
-
-    def rewind(self, next_step: int) -> dict[str, int]:
-        """After `replay`: go back to a learner checkpoint whose next train step is `next_step` (resume).
-
-        Groups consumed at steps >= next_step were trained by a learner whose updates are lost: they return to the
-        head of the queue in their consumption order, to be trained again at the same steps (so the staleness
-        bound holds as it did). Then every queued group with a token newer than version `next_step` is dropped:
-        those versions belong to the lost updates, not to the resumed learner. Journaled as one `rewind` record.
-        Groups consumed after the checkpoint whose records a journal compaction removed cannot return (counted
-        as `rewind_lost_groups`). Returns {"requeued", "dropped", "lost"}.
-        """
-        admitted, consumed_at = self._replayed or ({}, {})
-        self._replayed = None
-        back = [group for group, step in consumed_at.items() if step >= next_step and group in admitted]
-        compacted_step = self._compacted_step if self._compacted_step is not None else -1
-        lost = max(0, compacted_step - next_step + 1) * self.groups_per_step
-        for group in reversed(back):
-            self.queue.appendleft(admitted[group])
-        # Steps 0 .. next_step - 1 consumed groups_per_step groups each. Lost groups (their consume records were
-        # compacted away) cannot be subtracted one by one: without the bound the throttle would count them as live
-        # forever and lease nothing, and the resumed learner would wait for a batch that never comes.
-        self.consumed_groups = min(self.consumed_groups - len(back), next_step * self.groups_per_step)
-        dropped = [q.group for q in self.queue if q.newest_version > next_step]
-        self.queue = deque(q for q in self.queue if q.newest_version <= next_step)
-        self.step = max(next_step - 1, 0)
-        self.counters["consumed_groups"] = self.consumed_groups
-        self.counters["rewound_groups"] += len(back)
-        self.counters["rewind_dropped_groups"] += len(dropped)
-        self.counters["rewind_lost_groups"] += lost
-        self._log({"k": "rewind", "s": next_step, "g": back, "d": dropped, "c": self.consumed_groups})
-        return {"requeued": len(back), "dropped": len(dropped), "lost": lost}
-
     # -- helpers ------------------------------------------------------------------------------------------------
 
-    def _check_group(self, msg: CheckedPush, lease: _Lease) -> str:
+    def _check_group(self, msg: CheckedPush, lease: Lease) -> str:
         count = len(msg.uids)
         if count != self.group_size:
             return "group_size"
@@ -459,7 +351,8 @@ class BufferState:
         self.counters[f"rejected_{reason}"] += 1
         return PushReply(False, reason)
 
-    def _log(self, record: dict[str, Any]) -> None:
+    def log_record(self, record: dict[str, Any]) -> None:
+        """Append `record` to the journal, if there is one."""
         if self.journal is not None:
             self.journal.append(record)
 

@@ -38,12 +38,14 @@ Encoding never uses pickle; neither does anything else in asyncrl.
 | any malformed or unexpected request | anyone | buffer | `ErrorReply` |
 
 Bump `SCHEMA_VERSION` on any change to a field; peers with another version are rejected (`schema_version`).
+
+Layout: this module holds the message types, their schemas and `encode` / `decode`; the bounds, reject reasons and
+field kinds are in `common.wire_kinds`, the group column codec in `common.wire_columns`. Every public name of those
+two is re-exported here: import from `common.wire`.
 """
 
 from __future__ import annotations
 
-import math
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -51,53 +53,91 @@ from typing import Any, TypeAlias
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2
-MAX_TOKENS = 65536
-"""Largest length of any token array (prompt_ids, response_ids, behav_logp, versions)."""
-MAX_GROUP = 1024
-"""Largest list in a message: trajectories of a group, groups of a batch, leases of a reply."""
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-"""Largest encoded message; checked before unpacking."""
-MAX_STR_BYTES = 1024 * 1024
-"""Largest string (a prompt, an answer, an id)."""
-MAX_MAP_LEN = 1024
-"""Largest map (the stats counters)."""
-MAX_ID_CHARS = 256
-"""Longest id: a worker, group or trajectory uid (they key the buffer's lease and heartbeat tables)."""
-MAX_STEP = 2**31 - 1
-"""Largest train step or staleness.max_lag a message may carry (the buffer's throttle arithmetic stays in 64 bits)."""
-MAX_WAIT_S = 3600.0
-"""Longest FetchBatch.wait_s: how long the buffer may park a fetch."""
-LOGP_TOLERANCE = 1e-4
-"""A behavior log-prob may exceed 0 by this much (rounding in the engine); more is rejected."""
-FINISH_REASONS = ("stop", "length", "abort")
-
-WIRE_REASONS = (
-    "bad_msgpack",  # not msgpack, truncated, trailing bytes, too deeply nested, not a map
-    "oversized",  # a message, string, list, map or array beyond the MAX_* bounds
-    "schema_version",  # missing or different "v"
-    "unknown_type",  # missing or unknown "type"
-    "bad_field",  # a missing or unknown field, or a field of the wrong type or range
-    "bad_dtype",  # an array whose "dt" is not the one the schema fixes for that field
-    "length_mismatch",  # len(b) != n * itemsize, or response_ids/behav_logp/versions of different lengths
-    "empty_response",  # a trajectory with no response token
-    "nonfinite_logp",  # NaN or inf in behav_logp
-    "positive_logp",  # behav_logp above LOGP_TOLERANCE
-    "negative_version",  # a token version below 0
-    "negative_token",  # a token id below 0
-    "bad_finish",  # finish not in FINISH_REASONS
-    "nonfinite_reward",  # NaN or inf reward
+from common.wire_columns import GROUP_COLUMNS, check_group, group_kind
+from common.wire_kinds import (
+    BOOL,
+    F4,
+    FINISH_REASONS,
+    FINITE,
+    I4,
+    ID,
+    INT,
+    LOGP_TOLERANCE,
+    MAX_GROUP,
+    MAX_ID_CHARS,
+    MAX_MAP_LEN,
+    MAX_MESSAGE_BYTES,
+    MAX_STEP,
+    MAX_STR_BYTES,
+    MAX_TOKENS,
+    MAX_WAIT_S,
+    NAT,
+    NONNEG,
+    STATS,
+    STEP,
+    STR,
+    WAIT,
+    WIRE_REASONS,
+    Kind,
+    WireError,
+    list_kind,
+    struct_kind,
 )
 
+__all__ = [
+    "BOOL",
+    "F4",
+    "FINISH_REASONS",
+    "FINITE",
+    "GROUP_COLUMNS",
+    "I4",
+    "ID",
+    "INT",
+    "LEASE",
+    "LOGP_TOLERANCE",
+    "MAX_GROUP",
+    "MAX_ID_CHARS",
+    "MAX_MAP_LEN",
+    "MAX_MESSAGE_BYTES",
+    "MAX_STEP",
+    "MAX_STR_BYTES",
+    "MAX_TOKENS",
+    "MAX_WAIT_S",
+    "MESSAGE_TYPES",
+    "NAT",
+    "NONNEG",
+    "SCHEMA_VERSION",
+    "STATS",
+    "STEP",
+    "STR",
+    "TRAJECTORIES",
+    "TRAJECTORY",
+    "UNPACK_LIMITS",
+    "WAIT",
+    "WIRE_REASONS",
+    "BatchReply",
+    "ErrorReply",
+    "FetchBatch",
+    "LeaseReply",
+    "LeaseRequest",
+    "Message",
+    "PromptLease",
+    "PushGroup",
+    "PushReply",
+    "SetMaxLag",
+    "StatsReply",
+    "StatsRequest",
+    "Trajectory",
+    "WireError",
+    "check_group",
+    "decode",
+    "decode_fields",
+    "encode",
+    "list_kind",
+    "unpack_message",
+]
 
-class WireError(ValueError):
-    """A message that cannot be encoded or does not validate; `reason` is one of WIRE_REASONS."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
-
+SCHEMA_VERSION = 2
 
 # ---------------------------------------------------------------------------------------------------------------
 # Message types. Field comments give dtype / shape; producer and consumer are in the class docstrings.
@@ -242,240 +282,7 @@ Message: TypeAlias = (
 )
 
 # ---------------------------------------------------------------------------------------------------------------
-# Field kinds: an encoder (python value -> msgpack-able) and a decoder (unpacked value -> checked python value).
-
-
-@dataclass(frozen=True, slots=True)
-class _Kind:
-    encode: Callable[[Any, str], Any]
-    decode: Callable[[Any, str], Any]
-
-
-def _bad(name: str, what: str, value: Any) -> WireError:
-    return WireError("bad_field", f"`{name}` must be {what}, got {type(value).__name__}")
-
-
-def _enc_str(value: Any, name: str) -> str:
-    if type(value) is not str and not isinstance(value, str):
-        raise _bad(name, "str", value)
-    return value
-
-
-def _dec_str(value: Any, name: str) -> str:
-    if type(value) is not str:
-        raise _bad(name, "str", value)
-    return value
-
-
-def _dec_id(value: Any, name: str) -> str:
-    if type(value) is not str:
-        raise _bad(name, "str", value)
-    if len(value) > MAX_ID_CHARS:
-        raise WireError("oversized", f"`{name}` has {len(value)} > {MAX_ID_CHARS} characters")
-    return value
-
-
-def _enc_int(value: Any, name: str) -> int:
-    if type(value) is int:
-        return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise _bad(name, "int", value)
-    return int(value)
-
-
-def _dec_int(value: Any, name: str) -> int:
-    if type(value) is not int:
-        raise _bad(name, "int", value)
-    return value
-
-
-def _dec_nat(value: Any, name: str) -> int:
-    if type(value) is not int or value < 0:
-        raise WireError("bad_field", f"`{name}` must be an int >= 0, got {value!r}"[:200])
-    return value
-
-
-def _dec_step(value: Any, name: str) -> int:
-    if type(value) is not int or not 0 <= value <= MAX_STEP:
-        raise WireError("bad_field", f"`{name}` must be an int in [0, {MAX_STEP}], got {value!r}"[:200])
-    return value
-
-
-def _enc_float(value: Any, name: str) -> float:
-    if type(value) is float:
-        return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise _bad(name, "float", value)
-    return float(value)
-
-
-def _dec_finite(value: Any, name: str) -> float:
-    kind = type(value)
-    if kind is int:
-        value = float(value)
-    elif kind is not float:
-        raise _bad(name, "float", value)
-    if not math.isfinite(value):
-        raise WireError("nonfinite_reward" if name == "reward" else "bad_field", f"`{name}` must be finite")
-    return value
-
-
-def _dec_nonneg_finite(value: Any, name: str) -> float:
-    value = _dec_finite(value, name)
-    if value < 0:
-        raise WireError("bad_field", f"`{name}` must be >= 0")
-    return value
-
-
-def _dec_wait(value: Any, name: str) -> float:
-    value = _dec_nonneg_finite(value, name)
-    if value > MAX_WAIT_S:
-        raise WireError("bad_field", f"`{name}` must be at most {MAX_WAIT_S} s")
-    return value
-
-
-def _enc_bool(value: Any, name: str) -> bool:
-    if type(value) is bool:
-        return value
-    if not isinstance(value, (bool, np.bool_)):
-        raise _bad(name, "bool", value)
-    return bool(value)
-
-
-def _dec_bool(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise _bad(name, "bool", value)
-    return value
-
-
-def _array_kind(code: str) -> _Kind:
-    """An array field of fixed little-endian dtype `code` ("i4" or "f4")."""
-    dtype = np.dtype("<" + code)
-    itemsize = dtype.itemsize
-    is_int = dtype.kind == "i"
-    info = np.iinfo(dtype) if is_int else None
-
-    def encode(value: Any, name: str) -> dict[str, Any]:
-        if type(value) is np.ndarray and value.dtype is dtype and value.ndim == 1:
-            return {"dt": code, "n": value.shape[0], "b": value.tobytes()}  # the common case: one copy, C order
-        arr = np.asarray(value)
-        if arr.ndim != 1:
-            raise WireError("bad_field", f"`{name}` must be 1-D, got shape {arr.shape}")
-        if arr.dtype != dtype:
-            if arr.size == 0:
-                arr = arr.astype(dtype)
-            elif is_int and arr.dtype.kind in "iu":
-                assert info is not None
-                if arr.min() < info.min or arr.max() > info.max:
-                    raise WireError("bad_dtype", f"`{name}` does not fit in {code}")
-                arr = arr.astype(dtype)
-            elif not is_int and arr.dtype.kind in "fiu":
-                arr = arr.astype(dtype)
-            else:
-                raise WireError("bad_dtype", f"`{name}` must be {code}, got {arr.dtype}")
-        return {"dt": code, "n": int(arr.shape[0]), "b": arr.tobytes()}
-
-    def decode(value: Any, name: str) -> np.ndarray:
-        if type(value) is not dict or len(value) != 3:
-            raise _bad(name, 'an array map {"dt", "n", "b"}', value)
-        dt, n, raw = value.get("dt"), value.get("n"), value.get("b")
-        if type(dt) is not str or dt != code:
-            raise WireError("bad_dtype", f"`{name}` must have dt={code!r}, got {dt!r}"[:200])
-        if type(n) is not int or n < 0:
-            raise WireError("bad_field", f"`{name}.n` must be an int >= 0")
-        if n > MAX_TOKENS:
-            raise WireError("oversized", f"`{name}` has {n} > {MAX_TOKENS} elements")
-        if type(raw) is not bytes:
-            raise _bad(name + ".b", "bytes", raw)
-        if len(raw) != n * itemsize:
-            raise WireError("length_mismatch", f"`{name}`: {len(raw)} bytes for n={n} of {code}")
-        return np.frombuffer(raw, dtype=dtype)
-
-    return _Kind(encode, decode)
-
-
-def list_kind(item: _Kind, what: str) -> _Kind:
-    def encode(value: Any, name: str) -> list[Any]:
-        if not isinstance(value, (list, tuple)):
-            raise _bad(name, f"a list of {what}", value)
-        if len(value) > MAX_GROUP:
-            raise WireError("oversized", f"`{name}` has {len(value)} > {MAX_GROUP} items")
-        return [item.encode(x, name) for x in value]
-
-    def decode(value: Any, name: str) -> list[Any]:
-        if type(value) is not list:
-            raise _bad(name, f"a list of {what}", value)
-        return [item.decode(x, name) for x in value]
-
-    return _Kind(encode, decode)
-
-
-def _enc_stats(value: Any, name: str) -> dict[str, float | int]:
-    if not isinstance(value, dict):
-        raise _bad(name, "a dict", value)
-    if len(value) > MAX_MAP_LEN:
-        raise WireError("oversized", f"`{name}` has {len(value)} > {MAX_MAP_LEN} entries")
-    out: dict[str, float | int] = {}
-    for key, number in value.items():
-        if not isinstance(key, str):
-            raise _bad(name + " key", "str", key)
-        if isinstance(number, (bool, np.bool_, int, np.integer)):
-            out[key] = int(number)
-        else:
-            out[key] = _enc_float(number, f"{name}[{key}]")
-    return out
-
-
-def _dec_stats(value: Any, name: str) -> dict[str, float | int]:
-    if type(value) is not dict:
-        raise _bad(name, "a map", value)
-    for key, number in value.items():
-        if type(key) is not str or type(number) not in (int, float):
-            raise WireError("bad_field", f"`{name}` must map str to int or float")
-    return value
-
-
-STR = _Kind(_enc_str, _dec_str)
-ID = _Kind(_enc_str, _dec_id)
-STEP = _Kind(_enc_int, _dec_step)
-WAIT = _Kind(_enc_float, _dec_wait)
-INT = _Kind(_enc_int, _dec_int)
-NAT = _Kind(_enc_int, _dec_nat)
-FINITE = _Kind(_enc_float, _dec_finite)
-NONNEG = _Kind(_enc_float, _dec_nonneg_finite)
-BOOL = _Kind(_enc_bool, _dec_bool)
-I4 = _array_kind("i4")
-F4 = _array_kind("f4")
-STATS = _Kind(_enc_stats, _dec_stats)
-
-
-def _struct_kind(cls: type, fields_: tuple[tuple[str, _Kind], ...], check: Callable[[Any], None] | None) -> _Kind:
-    """A nested message: a map of exactly its fields."""
-    names = frozenset(name for name, _ in fields_)
-    encoders = tuple((fname, kind.encode) for fname, kind in fields_)
-    decoders = tuple((fname, kind.decode) for fname, kind in fields_)
-
-    def encode(value: Any, name: str) -> dict[str, Any]:
-        if type(value) is not cls:
-            raise _bad(name, cls.__name__, value)
-        return {fname: field_encode(getattr(value, fname), fname) for fname, field_encode in encoders}
-
-    def decode(value: Any, name: str) -> Any:
-        if type(value) is not dict:
-            raise _bad(name, f"a {cls.__name__} map", value)
-        try:
-            args = [field_decode(value[fname], fname) for fname, field_decode in decoders]
-        except KeyError as err:
-            raise WireError("bad_field", f"{cls.__name__}: missing field {err.args[0]!r}") from None
-        if len(value) != len(fields_):
-            extra = sorted(repr(k)[:40] for k in value if k not in names)
-            raise WireError("bad_field", f"{cls.__name__}: unknown fields {', '.join(extra)}")
-        obj = cls(*args)
-        if check is not None:
-            check(obj)
-        return obj
-
-    return _Kind(encode, decode)
+# Schemas: the fields of each message, in encode's order, with their kinds (common.wire_kinds).
 
 
 def _check_trajectory(traj: Trajectory) -> None:
@@ -520,199 +327,13 @@ _TRAJECTORY_FIELDS = (
     ("t_start", FINITE),
     ("t_end", FINITE),
 )
-TRAJECTORY = _struct_kind(Trajectory, _TRAJECTORY_FIELDS, _check_trajectory)
+TRAJECTORY = struct_kind(Trajectory, _TRAJECTORY_FIELDS, _check_trajectory)
 _LEASE_FIELDS = (("group", ID), ("index", NAT), ("prompt", STR), ("answer", STR), ("deadline", FINITE))
-LEASE = _struct_kind(PromptLease, _LEASE_FIELDS, None)
-_I4 = np.dtype("<i4")
-_F4 = np.dtype("<f4")
-_MIN, _MAX, _OR = np.minimum.reduce, np.maximum.reduce, np.bitwise_or.reduce
-_FINISH_SET = frozenset(FINISH_REASONS)
-_TEXT_COLUMNS = ("uid", "group", "finish", "worker")
-_SCALAR_COLUMNS = (  # one value per trajectory: (column, little-endian struct code, bytes per value)
-    ("prompt_index", "q", 8),
-    ("reward", "d", 8),
-    ("correct", "B", 1),
-    ("t_start", "d", 8),
-    ("t_end", "d", 8),
-    ("prompt_len", "i", 4),
-    ("response_len", "i", 4),
-)
-_TOKEN_COLUMNS = (  # concatenated arrays: (column, dtype, the length column giving each trajectory's share)
-    ("prompt_ids", _I4, "prompt_len"),
-    ("response_ids", _I4, "response_len"),
-    ("behav_logp", _F4, "response_len"),
-    ("versions", _I4, "response_len"),
-)
-GROUP_COLUMNS = (*_TEXT_COLUMNS, *(c for c, _, _ in _SCALAR_COLUMNS), *(c for c, _, _ in _TOKEN_COLUMNS))
-"""The keys of a group of trajectories on the wire, in `encode`'s order (see `_encode_group`)."""
-_GROUP_KEYS = frozenset(GROUP_COLUMNS)
+LEASE = struct_kind(PromptLease, _LEASE_FIELDS, None)
 
+TRAJECTORIES = group_kind(TRAJECTORY, Trajectory)
 
-@dataclass(slots=True)
-class _Group:
-    """The checked columns of a group of trajectories: Python values for the per-trajectory columns, read-only numpy
-    views of the received bytes for the token columns."""
-
-    uid: list[str]
-    group: list[str]
-    finish: list[str]
-    worker: list[str]
-    prompt_index: tuple[int, ...]
-    reward: tuple[float, ...]
-    correct: bytes
-    t_start: tuple[float, ...]
-    t_end: tuple[float, ...]
-    prompt_len: tuple[int, ...]
-    response_len: tuple[int, ...]
-    prompt_ids: np.ndarray
-    response_ids: np.ndarray
-    behav_logp: np.ndarray
-    versions: np.ndarray
-    oldest_version: int  # min over all tokens (0 for an empty group)
-    newest_version: int  # max over all tokens (0 for an empty group)
-
-    def trajectories(self) -> list[Trajectory]:
-        out = []
-        prompt_at = response_at = 0
-        for uid, group, finish, worker, index, reward, correct, t_start, t_end, plen, rlen in zip(
-            self.uid, self.group, self.finish, self.worker, self.prompt_index, self.reward, self.correct,
-            self.t_start, self.t_end, self.prompt_len, self.response_len, strict=True,
-        ):  # fmt: skip
-            end = response_at + rlen
-            out.append(
-                Trajectory(
-                    uid,
-                    group,
-                    index,
-                    self.prompt_ids[prompt_at : prompt_at + plen],
-                    self.response_ids[response_at:end],
-                    self.behav_logp[response_at:end],
-                    self.versions[response_at:end],
-                    reward,
-                    correct == 1,
-                    finish,
-                    worker,
-                    t_start,
-                    t_end,
-                )  # fmt: skip
-            )
-            prompt_at, response_at = prompt_at + plen, end
-        return out
-
-
-def _encode_group(value: Any, name: str) -> dict[str, Any]:
-    """A list of Trajectory as one map of columns (the layout is in the module docstring)."""
-    if not isinstance(value, (list, tuple)):
-        raise _bad(name, "a list of Trajectory", value)
-    if len(value) > MAX_GROUP:
-        raise WireError("oversized", f"`{name}` has {len(value)} > {MAX_GROUP} items")
-    rows = [TRAJECTORY.encode(traj, name) for traj in value]  # every field checked and converted as for one
-    out: dict[str, Any] = {column: [row[column] for row in rows] for column in _TEXT_COLUMNS}
-    lengths = {
-        "prompt_len": [row["prompt_ids"]["n"] for row in rows],
-        "response_len": [row["response_ids"]["n"] for row in rows],
-    }
-    for column, code, _ in _SCALAR_COLUMNS:
-        values = lengths.get(column) or [row[column] for row in rows]
-        try:
-            out[column] = struct.pack(f"<{len(values)}{code}", *values)
-        except struct.error as err:  # an int beyond the column's width
-            raise WireError("bad_field", f"`{column}`: {err}") from None
-    for column, _, _ in _TOKEN_COLUMNS:
-        out[column] = b"".join(row[column]["b"] for row in rows)
-    return out
-
-
-def _bytes_column(value: dict[str, Any], column: str, itemsize: int, count: int) -> bytes:
-    raw = value[column]
-    if type(raw) is not bytes:
-        raise _bad(column, "bytes", raw)
-    if len(raw) != count * itemsize:
-        raise WireError("length_mismatch", f"`{column}`: {len(raw)} bytes for {count} values of {itemsize} bytes")
-    return raw
-
-
-def check_group(value: Any, name: str) -> _Group:
-    """Validate a group of trajectories in its column layout: every check `decode` makes of a single Trajectory
-    holds for each. Per-trajectory columns are checked in Python (a handful of values), token columns with one
-    numpy reduction per check over the whole group (numpy's per-call cost, not the data, dominates here)."""
-    if type(value) is not dict:
-        raise _bad(name, "a map of trajectory columns", value)
-    if value.keys() != _GROUP_KEYS:
-        missing = sorted(_GROUP_KEYS - value.keys())
-        extra = sorted(repr(k)[:40] for k in value.keys() - _GROUP_KEYS)
-        raise WireError("bad_field", f"`{name}`: missing columns {missing}, unknown columns {extra}"[:300])
-    texts = []
-    for column in _TEXT_COLUMNS:
-        items = value[column]
-        if type(items) is not list:
-            raise _bad(column, "a list of str", items)
-        try:  # unpacked msgpack holds exact types only, so join succeeds iff every item is a str
-            "".join(items)
-        except TypeError:
-            raise _bad(column, "a list of str", items) from None
-        if column != "finish" and items and max(map(len, items)) > MAX_ID_CHARS:
-            raise WireError("oversized", f"`{column}`: an id of more than {MAX_ID_CHARS} characters")
-        texts.append(items)
-    count = len(texts[0])
-    if any(len(items) != count for items in texts):
-        raise WireError("length_mismatch", f"`{name}`: text columns of {[len(t) for t in texts]} items")
-    uid0 = texts[0][0][:100] if count else ""
-    scalars: dict[str, Any] = {}
-    for column, code, itemsize in _SCALAR_COLUMNS:
-        raw = _bytes_column(value, column, itemsize, count)
-        scalars[column] = raw if code == "B" else struct.unpack(f"<{count}{code}", raw)
-    if count:
-        if min(scalars["prompt_index"]) < 0:
-            raise WireError("bad_field", f"`prompt_index` must be an int >= 0 ({uid0})")
-        if not all(map(math.isfinite, scalars["reward"])):
-            raise WireError("nonfinite_reward", uid0)
-        if not (all(map(math.isfinite, scalars["t_start"])) and all(map(math.isfinite, scalars["t_end"]))):
-            raise WireError("bad_field", f"`t_start` and `t_end` must be finite ({uid0})")
-        if max(scalars["correct"]) > 1:
-            raise WireError("bad_field", f"`correct` must be 0 or 1 ({uid0})")
-        if not _FINISH_SET.issuperset(texts[2]):
-            bad = next(f for f in texts[2] if f not in _FINISH_SET)
-            raise WireError("bad_finish", f"{bad[:40]!r} not in {FINISH_REASONS}")
-        lens = scalars["prompt_len"] + scalars["response_len"]
-        if min(lens) < 0:
-            raise WireError("bad_field", f"`{name}`: a negative prompt_len or response_len ({uid0})")
-        if max(lens) > MAX_TOKENS:
-            raise WireError("oversized", f"`{name}`: a trajectory of more than {MAX_TOKENS} tokens ({uid0})")
-        if min(scalars["response_len"]) == 0:
-            raise WireError("empty_response", texts[0][scalars["response_len"].index(0)][:100])
-    tokens = {
-        column: np.frombuffer(_bytes_column(value, column, 4, sum(scalars[length_column])), dtype)
-        for column, dtype, length_column in _TOKEN_COLUMNS
-    }
-    oldest = newest = 0
-    if count:
-        logp = tokens["behav_logp"]
-        low, high = float(_MIN(logp)), float(_MAX(logp))  # NaN propagates: two comparisons check finite and sign
-        if not (low > -math.inf and high <= LOGP_TOLERANCE):
-            if not np.isfinite(logp).all():
-                raise WireError("nonfinite_logp", uid0)
-            raise WireError("positive_logp", f"{uid0}: max {high}")
-        versions = tokens["versions"]
-        oldest, newest = int(_MIN(versions)), int(_MAX(versions))
-        if oldest < 0:
-            raise WireError("negative_version", uid0)
-        prompts = tokens["prompt_ids"]
-        if int(_OR(tokens["response_ids"])) < 0 or (prompts.size and int(_OR(prompts)) < 0):
-            raise WireError("negative_token", uid0)  # a negative int32 has the sign bit, so their OR is negative
-    return _Group(*texts, **scalars, **tokens, oldest_version=oldest, newest_version=newest)
-
-
-def _group_kind() -> _Kind:
-    def decode(value: Any, name: str) -> list[Trajectory]:
-        return check_group(value, name).trajectories()
-
-    return _Kind(_encode_group, decode)
-
-
-TRAJECTORIES = _group_kind()
-
-_SCHEMAS: dict[type, tuple[tuple[str, _Kind], ...]] = {
+_SCHEMAS: dict[type, tuple[tuple[str, Kind], ...]] = {
     Trajectory: _TRAJECTORY_FIELDS,
     PromptLease: _LEASE_FIELDS,
     LeaseRequest: (("worker", ID), ("max_groups", NAT)),
@@ -732,8 +353,8 @@ _SCHEMAS: dict[type, tuple[tuple[str, _Kind], ...]] = {
     ErrorReply: (("reason", STR), ("detail", STR)),
 }
 _CHECKS: dict[type, Callable[[Any], None]] = {Trajectory: _check_trajectory}
-_BY_NAME: dict[str, tuple[type, _Kind]] = {
-    cls.__name__: (cls, _struct_kind(cls, fields_, _CHECKS.get(cls))) for cls, fields_ in _SCHEMAS.items()
+_BY_NAME: dict[str, tuple[type, Kind]] = {
+    cls.__name__: (cls, struct_kind(cls, fields_, _CHECKS.get(cls))) for cls, fields_ in _SCHEMAS.items()
 }
 MESSAGE_TYPES: tuple[type, ...] = tuple(_SCHEMAS)
 

@@ -9,7 +9,7 @@ Per train step, before the loss:
 Modes (`loss.acrl`):
 - `x > 0`: X is that number, always (it wins over `x_mode`; nothing is measured).
 - `x_mode = first_batch` (the paper): X = mean over the groups of the first batch's Y_g, frozen afterwards.
-  A first batch without measurable mismatch (X <= losses.ACRL_X_MIN) leaves ACRL at alpha = 0 for the run.
+  A first batch without measurable mismatch (X <= weightings.ACRL_X_MIN) leaves ACRL at alpha = 0 for the run.
 - `x_mode = ema`: X starts like first_batch, then X <- decay * X + (1 - decay) * mean_g Y_g every step,
   this step's batch included (the paper's sec. 6 suggestion for very long runs).
 """

@@ -10,27 +10,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.config import Config, to_dict
+from common.config import RayConfig, to_dict
+from learner.sections import LearnerSections
 
 
 class LearnerGroup:
-    def __init__(self, cfg: Config, model_dir: str, buffer_endpoint: str, resume_dir: str = "", start_version: int = 0):
+    def __init__(
+        self,
+        sections: LearnerSections,
+        ray_cfg: RayConfig,
+        model_dir: str,
+        buffer_endpoint: str,
+        resume_dir: str = "",
+        start_version: int = 0,
+    ):
+        """Start `sections.learner.world_size` ranks, each given `sections`; `ray_cfg` sizes their actors."""
         import ray
 
         from learner.distributed import start_rendezvous
         from learner.trainer import Learner
 
-        world = cfg.learner.world_size
+        world = sections.learner.world_size
         self.store, address = start_rendezvous() if world > 1 else (None, "")  # alive while the ranks are
-        resources = {name: amount / world for name, amount in cfg.ray.learner_resources.items()}
-        options: dict[str, Any] = {"num_cpus": cfg.ray.learner_cpus / world}
+        resources = {name: amount / world for name, amount in ray_cfg.learner_resources.items()}
+        options: dict[str, Any] = {"num_cpus": ray_cfg.learner_cpus / world}
         if resources:
             options["resources"] = resources
         actor = ray.remote(**options)(Learner)
-        config = to_dict(cfg)
+        section_values = to_dict(sections)
         self.ranks = [
-            actor.remote(config, model_dir, buffer_endpoint, rank=rank, rendezvous=address, resume_dir=resume_dir,
-                         start_version=start_version)
+            actor.remote(section_values, model_dir, buffer_endpoint, rank=rank, rendezvous=address,
+                         resume_dir=resume_dir, start_version=start_version)
             for rank in range(world)
         ]  # fmt: skip
 

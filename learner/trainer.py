@@ -8,6 +8,7 @@ One `Learner` per rank, each in its own process (a Ray actor; `learner.group` st
 and to quant_sync, and broadcasts each batch to the other ranks. The update itself is `learner.update`.
 Precision (`precision.train`) and rollout-aligned forwards (`learner.rollout_aligned`) are set up here.
 A step whose loss or gradient is not finite is skipped and counted, and its weights are never published.
+A rank reads only its config sections (`learner.sections.LearnerSections`), never the root config.
 
 Resumable checkpoints (`save_checkpoint`, `resume_dir`): `model/` is a Hugging Face model directory of the (UAQ-
 reparametrized) fp32 master weights, `training_state.pt` holds the optimizer, LR schedule, loss scaler, ACRL
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from common.config import Config, from_dict, set_key
+from common.config import set_key
 from common.wire import Trajectory
 from learner import aligned, distributed
 from learner.acrl import AcrlReference
@@ -32,6 +33,7 @@ from learner.batch import Batch, collate, overlong_shaping, token_logp  # noqa: 
 from learner.losses import mismatch_metrics
 from learner.precision import LossScaler
 from learner.schedules import LrSchedule
+from learner.sections import LearnerSections
 from learner.update import train_on_batch
 from quant_sync.export import export_rollout_tensors
 from quant_sync.uaq import apply_uaq, quant_error_by_type
@@ -42,7 +44,7 @@ class Learner:
 
     def __init__(
         self,
-        config: dict[str, Any],
+        section_values: dict[str, Any],
         model_dir: str,
         buffer_endpoint: str,
         rank: int = 0,
@@ -50,39 +52,42 @@ class Learner:
         resume_dir: str = "",
         start_version: int = 0,
     ):
-        """`resume_dir`: a checkpoint of `save_checkpoint` to continue from; it was saved at `start_version`."""
+        """`section_values`: `common.config.to_dict` of a `LearnerSections`. `resume_dir`: a checkpoint of
+        `save_checkpoint` to continue from; it was saved at `start_version`."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.cfg: Config = from_dict(config)
-        cfg = self.cfg
-        torch.set_num_threads(cfg.learner.threads)
-        torch.manual_seed(cfg.train.seed)
-        self.ranks = distributed.init_distributed(rank, cfg.learner.world_size, rendezvous)
+        sections = self.sections = LearnerSections.load(section_values)
+        torch.set_num_threads(sections.learner.threads)
+        torch.manual_seed(sections.train.seed)
+        self.ranks = distributed.init_distributed(rank, sections.learner.world_size, rendezvous)
         self.model_dir = model_dir
+        self.trust_remote_code = sections.model.trust_remote_code
         source = str(Path(resume_dir) / "model") if resume_dir else model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)  # fp32 master weights
+        self.model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch.float32, trust_remote_code=self.trust_remote_code
+        )  # fp32 master weights
         if not resume_dir:  # a checkpoint holds the reparametrized weights already
-            apply_uaq(self.model, cfg.quant.uaq.scale)  # before the optimizer sees the parameters
-        if cfg.learner.rollout_aligned:
-            aligned.make_rollout_aligned(self.model, cfg.quant.scheme, cache=self.ranks.world == 1)
+            apply_uaq(self.model, sections.quant.uaq.scale)  # before the optimizer sees the parameters
+        if sections.learner.rollout_aligned:
+            aligned.make_rollout_aligned(self.model, sections.quant.scheme, cache=self.ranks.world == 1)
         if self.ranks.world > 1:
             distributed.shard_model(self.model)
         self.model.train()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
         if self.tokenizer.pad_token is None:  # many base models ship without one; only used for padding
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        optim = cfg.optim
+        optim = sections.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
         )
         self.scaler = LossScaler(
-            scale=cfg.precision.loss_scale_init,
-            growth_interval=cfg.precision.loss_scale_growth_interval,
-            enabled=cfg.precision.train == "fp16",
+            scale=sections.precision.loss_scale_init,
+            growth_interval=sections.precision.loss_scale_growth_interval,
+            enabled=sections.precision.train == "fp16",
         )
-        self.schedule = LrSchedule(optim, total_steps=cfg.train.steps)
-        self.acrl_reference = AcrlReference(cfg.loss.acrl)
+        self.schedule = LrSchedule(optim, total_steps=sections.train.steps)
+        self.acrl_reference = AcrlReference(sections.loss.acrl)
         self.skipped_steps = 0
         self.client = self.publisher = None
         if self.ranks.is_main:
@@ -90,10 +95,12 @@ class Learner:
             from common.curve import client_keys, server_keys
             from quant_sync.transport import WeightPublisher
 
-            curve = client_keys(cfg.buffer.curve_keys_dir)
+            curve = client_keys(sections.buffer.curve_keys_dir)
             self.client = BufferClient(buffer_endpoint, identity="learner", timeout_s=60, curve=curve)
             # the weight publisher binds where the buffer does, with the same keys (workers are its clients)
-            self.publisher = WeightPublisher(host=cfg.buffer.host, curve=server_keys(cfg.buffer.curve_keys_dir))
+            self.publisher = WeightPublisher(
+                host=sections.buffer.host, curve=server_keys(sections.buffer.curve_keys_dir)
+            )
         if resume_dir:
             self._load_training_state(Path(resume_dir) / "training_state.pt")
         self.version = start_version
@@ -111,20 +118,21 @@ class Learner:
         state = distributed.full_state_dict(self.model, self.ranks)
         if not self.ranks.is_main:
             return {}
-        tensors = export_rollout_tensors(state, self.cfg.quant.scheme)
-        if self.cfg.learner.rollout_aligned:  # the next forwards run on exactly these tensors (QaRL)
-            aligned.install_operands(self.model, tensors, self.cfg.quant.scheme)
+        scheme = self.sections.quant.scheme
+        tensors = export_rollout_tensors(state, scheme)
+        if self.sections.learner.rollout_aligned:  # the next forwards run on exactly these tensors (QaRL)
+            aligned.install_operands(self.model, tensors, scheme)
         assert self.publisher is not None
-        self.publisher.publish(version, tensors, self.cfg.quant.scheme)
+        self.publisher.publish(version, tensors, scheme)
         self.version = version
-        return quant_error_by_type(state, tensors, self.cfg.quant.scheme)
+        return quant_error_by_type(state, tensors, scheme)
 
     def fetch(self, step: int) -> tuple[list[list[Trajectory]], int, float]:
         assert self.client is not None
         started = time.monotonic()
         dropped = 0
         while True:
-            reply = self.client.fetch_batch(step, self.cfg.train.groups_per_step, wait_s=5.0)
+            reply = self.client.fetch_batch(step, self.sections.train.groups_per_step, wait_s=5.0)
             dropped += reply.dropped_stale
             if reply.ready:
                 return reply.groups, dropped, time.monotonic() - started
@@ -138,12 +146,14 @@ class Learner:
             batch = collate(groups, self.pad_id)
         batch = distributed.broadcast_batch(batch, self.ranks)
         started = time.monotonic()
-        cfg = self.cfg
+        sections = self.sections
         lengths = batch.mask.sum(-1)
         lr = self.schedule.lr(step, float(lengths.mean()))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        result = train_on_batch(self.model, self.optimizer, self.scaler, batch, cfg, self.acrl_reference, self.ranks)
+        result = train_on_batch(
+            self.model, self.optimizer, self.scaler, batch, sections, self.acrl_reference, self.ranks
+        )
         if result.skipped:
             self.skipped_steps += 1
         quant_err = self._publish(step + 1) if not result.skipped else {"norm_quant_err": float("nan")}
@@ -152,7 +162,7 @@ class Learner:
         oldest = (batch.versions + (1 - batch.mask.long()) * 10**9).min(-1).values  # (B,) oldest token version
         staleness = (step - oldest).float()
         metrics = dict(result.metrics)
-        metrics.update(mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, cfg.loss.cap))
+        metrics.update(mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.cap))
         metrics.update(
             {
                 "step": step,
@@ -185,7 +195,9 @@ class Learner:
         state = distributed.full_state_dict(self.model, self.ranks)
         if not self.ranks.is_main:
             return None
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.float32, trust_remote_code=self.trust_remote_code
+        )
         model.load_state_dict(state)  # the UAQ-reparametrized weights define the same function
         return model
 
@@ -231,8 +243,8 @@ class Learner:
         state = torch.load(path, weights_only=True)
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"], self.ranks)
         for group in self.optimizer.param_groups:  # the resumed run's optim.* (lr is set every step)
-            group["weight_decay"] = self.cfg.optim.weight_decay
-            group["betas"] = tuple(self.cfg.optim.betas)
+            group["weight_decay"] = self.sections.optim.weight_decay
+            group["betas"] = tuple(self.sections.optim.betas)
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.acrl_reference.load_state_dict(state["acrl"])
@@ -242,12 +254,13 @@ class Learner:
 
     def set_live(self, changes: dict[str, Any]) -> None:
         """Apply validated live config changes (common.config.live_update) before the next train step."""
+        optim = self.sections.optim
         for key, value in changes.items():
             if key == "optim.lr":  # length_decay keeps its halvings relative to the new peak
-                ratio = value / self.cfg.optim.lr if self.cfg.optim.lr > 0 else 1.0
-                self.schedule.decayed_lr = self.schedule.decayed_lr * ratio if self.cfg.optim.lr > 0 else value
-                self.schedule.lr_min = self.cfg.optim.lr_min_ratio * value
-            set_key(self.cfg, key, value)
+                ratio = value / optim.lr if optim.lr > 0 else 1.0
+                self.schedule.decayed_lr = self.schedule.decayed_lr * ratio if optim.lr > 0 else value
+                self.schedule.lr_min = optim.lr_min_ratio * value
+            set_key(self.sections, key, value)
 
     @torch.no_grad()
     def evaluate(self, prompts: list[str], answers: list[str], max_new_tokens: int) -> float:
@@ -257,7 +270,7 @@ class Learner:
         model = self._full_precision_copy()
         if model is None:
             return float("nan")
-        source = make_source(self.cfg.data)
+        source = make_source(self.sections.data)
         model.eval()
         correct = 0
         with aligned.full_precision(model):

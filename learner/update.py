@@ -12,6 +12,8 @@ The minibatch's gradient is therefore the gradient of `policy_loss` over all its
 and the number of ranks. A non-finite loss or gradient skips the whole train step: the step's earlier minibatch
 updates (parameters and AdamW state) are undone, the loss scale halves (fp16), and the caller must not publish.
 Ranks run the same number of forwards (FSDP2's collectives): a rank with fewer micro-batches runs zero-weight ones.
+Each function takes the config sections it reads; `minibatch_backward` and `train_on_batch`, which read most of
+them, take the bundle (`learner.sections.UpdateSections`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.config import Config
+from common.config import AlgoConfig, LearnerConfig, LossConfig, PrecisionConfig, RolloutConfig
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batches, overlong_shaping, rank_rows, token_logp
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
 from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
 from learner.precision import LossScaler, autocast
+from learner.sections import UpdateSections
 
 
 @dataclass(slots=True)
@@ -49,30 +52,37 @@ class UpdateResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _plan(batch: Batch, lo: int, hi: int, cfg: Config, ranks: Dist) -> tuple[list[tuple[int, int]], int]:
+def _plan(batch: Batch, lo: int, hi: int, learner: LearnerConfig, ranks: Dist) -> tuple[list[tuple[int, int]], int]:
     """This rank's micro-batches of rows lo..hi-1 and the number every rank runs (the max over ranks)."""
     mine = rank_rows(lo, hi, ranks.rank, ranks.world)
-    plan = micro_batches(batch, *mine, cfg.learner.micro_batch_tokens)
+    plan = micro_batches(batch, *mine, learner.micro_batch_tokens)
     count = int(all_reduce_(torch.tensor([len(plan)]), ranks, op="max"))
     return plan, count
 
 
 @torch.no_grad()
-def proximal_logp(model: torch.nn.Module, batch: Batch, cfg: Config, ranks: Dist) -> tuple[torch.Tensor, torch.Tensor]:
+def proximal_logp(
+    model: torch.nn.Module,
+    batch: Batch,
+    learner: LearnerConfig,
+    precision: PrecisionConfig,
+    rollout: RolloutConfig,
+    ranks: Dist,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """lp and entropy (B, T) with the weights at the start of the step; each rank computes its rows, then a sum."""
     prox = torch.zeros_like(batch.behav_logp)
     entropy = torch.zeros_like(batch.behav_logp)
-    plan, count = _plan(batch, 0, batch.rows, cfg, ranks)
+    plan, count = _plan(batch, 0, batch.rows, learner, ranks)
     for i in range(count):
         lo, hi = plan[i] if i < len(plan) else (0, 1)  # past this rank's rows: a forward for FSDP's collectives
-        with autocast(cfg.precision.train):
-            logp, ent = token_logp(model, batch.select(lo, hi), cfg.rollout.temperature)
+        with autocast(precision.train):
+            logp, ent = token_logp(model, batch.select(lo, hi), rollout.temperature)
         if i < len(plan):
             prox[lo:hi], entropy[lo:hi] = logp, ent
     return all_reduce_(prox, ranks), all_reduce_(entropy, ranks)
 
 
-def prox_from_training_forward(cfg: Config) -> bool:
+def prox_from_training_forward(learner: LearnerConfig, loss: LossConfig) -> bool:
     """Whether the step's lp comes from its only minibatch's forward instead of an extra no-grad forward.
 
     With `learner.minibatches = 1` that forward runs at the weights the step starts from, on the same micro-batches
@@ -80,7 +90,7 @@ def prox_from_training_forward(cfg: Config) -> bool:
     the extra forward is skipped (a third of the step's forward and backward work). Not for `acrl`, whose Y_g needs
     lp of whole groups before the first micro-batch.
     """
-    return cfg.learner.prox == "recompute" and cfg.learner.minibatches == 1 and cfg.loss.weighting != "acrl"
+    return learner.prox == "recompute" and learner.minibatches == 1 and loss.weighting != "acrl"
 
 
 def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -93,21 +103,31 @@ def _restore(model: torch.nn.Module, before: list[torch.Tensor]) -> None:
         param.copy_(old)
 
 
-def step_inputs(batch: Batch, prox_logp: torch.Tensor, cfg: Config, acrl_reference: AcrlReference) -> StepInputs:
+def step_inputs(
+    batch: Batch,
+    prox_logp: torch.Tensor,
+    rollout: RolloutConfig,
+    algo: AlgoConfig,
+    loss: LossConfig,
+    acrl_reference: AcrlReference,
+) -> StepInputs:
     """Advantages (DAPO overlong shaping first) and, for ACRL, Y_g over whole groups and the reference X."""
     lengths = batch.mask.sum(-1)
-    shaped = batch.rewards + overlong_shaping(
-        lengths, batch.truncated, cfg.rollout.max_new_tokens, cfg.algo.overlong.len
-    )
-    inputs = StepInputs(prox_logp=prox_logp, adv=advantages(shaped, batch.group_index, cfg.algo.adv))
-    if cfg.loss.weighting == "acrl":  # Y_g over whole groups, before minibatches split them (ACRL eq. 9)
+    shaped = batch.rewards + overlong_shaping(lengths, batch.truncated, rollout.max_new_tokens, algo.overlong.len)
+    inputs = StepInputs(prox_logp=prox_logp, adv=advantages(shaped, batch.group_index, algo.adv))
+    if loss.weighting == "acrl":  # Y_g over whole groups, before minibatches split them (ACRL eq. 9)
         inputs.acrl_y = group_discrepancy(batch.behav_logp, prox_logp, batch.mask, batch.group_index)
         inputs.acrl_x = acrl_reference.update_and_get(inputs.acrl_y)
     return inputs
 
 
 def micro_loss(
-    micro: Batch, rows: tuple[int, int], cur_logp: torch.Tensor, inputs: StepInputs, cfg: Config
+    micro: Batch,
+    rows: tuple[int, int],
+    cur_logp: torch.Tensor,
+    inputs: StepInputs,
+    rollout: RolloutConfig,
+    loss: LossConfig,
 ) -> LossOutputs:
     """`policy_loss` of micro-batch `micro` = rows lo..hi-1 of the step's batch, given its lc (B_micro, T)."""
     lo, hi = rows
@@ -118,12 +138,12 @@ def micro_loss(
             cur_logp=cur_logp,
             advantages=inputs.adv[lo:hi],
             mask=micro.mask,
-            max_len=cfg.rollout.max_new_tokens,
+            max_len=rollout.max_new_tokens,
             group_index=micro.group_index,
             acrl_x=inputs.acrl_x,
             acrl_y=inputs.acrl_y,
         ),
-        cfg.loss,
+        loss,
     )
 
 
@@ -132,7 +152,7 @@ def minibatch_backward(
     batch: Batch,
     rows: tuple[int, int],
     inputs: StepInputs,
-    cfg: Config,
+    sections: UpdateSections,
     scaler: LossScaler,
     ranks: Dist = SINGLE,
 ) -> tuple[float, dict[str, float]]:
@@ -140,29 +160,30 @@ def minibatch_backward(
 
     Returns the minibatch's loss and its loss metrics, reduced over ranks.
     """
-    normalizer = max(loss_normalizer(batch.mask[rows[0] : rows[1]], cfg.loss), 1.0)
-    plan, count = _plan(batch, *rows, cfg, ranks)
+    loss_cfg = sections.loss
+    normalizer = max(loss_normalizer(batch.mask[rows[0] : rows[1]], loss_cfg), 1.0)
+    plan, count = _plan(batch, *rows, sections.learner, ranks)
     loss_sum = torch.zeros(())
     metric_sums: dict[str, float] = {}
     for i in range(count):
         real = i < len(plan)
         lo, hi = plan[i] if real else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
         micro = batch.select(lo, hi)
-        with autocast(cfg.precision.train):
-            cur_logp, entropy = token_logp(model, micro, cfg.rollout.temperature)
+        with autocast(sections.precision.train):
+            cur_logp, entropy = token_logp(model, micro, sections.rollout.temperature)
         if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
             (scaler.scale_loss(cur_logp.nan_to_num(0.0, 0.0, 0.0).sum()) * 0.0).backward()
             continue
         if inputs.prox_entropy is not None:  # lp is this forward's (prox_from_training_forward)
             inputs.prox_logp[lo:hi], inputs.prox_entropy[lo:hi] = cur_logp.detach(), entropy
-        out = micro_loss(micro, (lo, hi), cur_logp, inputs, cfg)
-        share = loss_normalizer(micro.mask, cfg.loss) / normalizer  # this micro-batch's part of the mean
+        out = micro_loss(micro, (lo, hi), cur_logp, inputs, sections.rollout, loss_cfg)
+        share = loss_normalizer(micro.mask, loss_cfg) / normalizer  # this micro-batch's part of the mean
         scaler.scale_loss(out.loss * (share * ranks.world)).backward()
         loss_sum += out.loss.detach() * share
         for key, value in out.metrics.items():
             metric_sums[key] = metric_sums.get(key, 0.0) + value * share
     # Fixed per weighting; with several ranks, one without real micro-batches still reports every key (as zeros).
-    keys = metric_names(cfg) if ranks.world > 1 else sorted(metric_sums)
+    keys = metric_names(loss_cfg) if ranks.world > 1 else sorted(metric_sums)
     packed = all_reduce_(torch.tensor([float(loss_sum)] + [metric_sums.get(k, 0.0) for k in keys]), ranks)
     return float(packed[0]), dict(zip(keys, packed[1:].tolist()))
 
@@ -170,20 +191,20 @@ def minibatch_backward(
 _METRIC_NAMES: dict[str, list[str]] = {}
 
 
-def metric_names(cfg: Config) -> list[str]:
+def metric_names(loss: LossConfig) -> list[str]:
     """The metric keys `policy_loss` reports for this weighting (from a one-token dummy call, cached)."""
-    if cfg.loss.weighting in _METRIC_NAMES:
-        return _METRIC_NAMES[cfg.loss.weighting]
+    if loss.weighting in _METRIC_NAMES:
+        return _METRIC_NAMES[loss.weighting]
     one = torch.zeros((1, 1))
     out = policy_loss(
         LossInputs(
             behav_logp=one, prox_logp=one, cur_logp=one, advantages=torch.ones(1), mask=torch.ones((1, 1)),
             max_len=1, group_index=torch.zeros(1, dtype=torch.long), acrl_x=1.0, acrl_y=torch.zeros(1),
         ),
-        cfg.loss,
+        loss,
     )  # fmt: skip
-    _METRIC_NAMES[cfg.loss.weighting] = sorted(out.metrics)
-    return _METRIC_NAMES[cfg.loss.weighting]
+    _METRIC_NAMES[loss.weighting] = sorted(out.metrics)
+    return _METRIC_NAMES[loss.weighting]
 
 
 def train_on_batch(
@@ -191,30 +212,31 @@ def train_on_batch(
     optimizer: torch.optim.Optimizer,
     scaler: LossScaler,
     batch: Batch,
-    cfg: Config,
+    sections: UpdateSections,
     acrl_reference: AcrlReference,
     ranks: Dist = SINGLE,
 ) -> UpdateResult:
     """One train step on `batch` (every rank passes the same batch). Returns metrics; on skip, nothing changed."""
-    from_forward = prox_from_training_forward(cfg)
+    learner, optim = sections.learner, sections.optim
+    from_forward = prox_from_training_forward(learner, sections.loss)
     if from_forward:  # filled in, micro-batch by micro-batch, by the minibatch's own forward
         prox_logp, entropy = torch.zeros_like(batch.behav_logp), torch.zeros_like(batch.behav_logp)
-    elif cfg.learner.prox == "recompute":
-        prox_logp, entropy = proximal_logp(model, batch, cfg, ranks)
+    elif learner.prox == "recompute":
+        prox_logp, entropy = proximal_logp(model, batch, learner, sections.precision, sections.rollout, ranks)
     else:
         prox_logp, entropy = batch.behav_logp.clone(), torch.zeros_like(batch.behav_logp)
-    inputs = step_inputs(batch, prox_logp, cfg, acrl_reference)
+    inputs = step_inputs(batch, prox_logp, sections.rollout, sections.algo, sections.loss, acrl_reference)
     inputs.prox_entropy = entropy if from_forward else None
     before = _snapshot(model)
-    optim_before = copy.deepcopy(optimizer.state_dict()) if cfg.learner.minibatches > 1 else None
+    optim_before = copy.deepcopy(optimizer.state_dict()) if learner.minibatches > 1 else None
     params = [p for p in model.parameters() if p.requires_grad]
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    clip = optim.grad_clip if optim.grad_clip > 0 else math.inf
     metrics: dict[str, float] = {"loss_scale": scaler.scale}
-    bounds = torch.linspace(0, batch.rows, cfg.learner.minibatches + 1).long().tolist()
+    bounds = torch.linspace(0, batch.rows, learner.minibatches + 1).long().tolist()
     skipped = False
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         optimizer.zero_grad(set_to_none=True)
-        loss_value, loss_metrics = minibatch_backward(model, batch, (lo, hi), inputs, cfg, scaler, ranks)
+        loss_value, loss_metrics = minibatch_backward(model, batch, (lo, hi), inputs, sections, scaler, ranks)
         scaler.unscale_(params)
         grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree
         metrics["loss"], metrics["grad_norm"] = loss_value, grad_norm

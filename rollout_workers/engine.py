@@ -1,14 +1,16 @@
-"""The rollout engine interface: what a worker needs from any engine (embedded PyTorch, or SGLang later).
+"""The rollout engine interface: everything a worker uses of an engine (embedded PyTorch, or the SGLang backend).
 
 An engine samples responses with per-token behavior log-probs and the weight version that produced each token,
 and accepts new weight versions at any time without stopping: `stage_weights` may be called from another thread
-while `generate` runs; the engine applies the staged version between two decode steps.
+while `generate` runs; the engine applies the staged version between two decode steps. The worker touches an
+engine only through `Engine` (no probing for optional attributes): a member one engine has no use for is still
+there, with the value that says so (`max_seq_len = None`, `build_errors = 0`, `stats() = {}`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from quant_sync.update import WeightUpdate
 
@@ -35,10 +37,40 @@ class Completion:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@runtime_checkable
 class Engine(Protocol):
     @property
     def version(self) -> int:
         """The weight version decode steps currently run with (-1 before any weights)."""
+        ...
+
+    @property
+    def swaps(self) -> int:
+        """Weight versions applied so far."""
+        ...
+
+    @property
+    def build_errors(self) -> int:
+        """Staged versions dropped because they could not be built (the running version kept generating)."""
+        ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence token ids: where a response stops unless `SamplingParams` names others."""
+        ...
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest prompt + response the engine can hold, in tokens; None when it does not know (a server that
+        checks lengths itself)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-specific counters for the worker's stats, with keys prefixed by the engine's name ({} if none)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds (a server process, threads, files); the worker calls it once, last."""
         ...
 
     def stage_weights(self, update: WeightUpdate) -> None:

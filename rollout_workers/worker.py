@@ -9,6 +9,9 @@ One `RolloutWorker` per process (a Ray actor in `asyncrl up`); `start()` runs th
 While the loop runs, a heartbeat thread (its own socket) tells the buffer every `buffer.worker_timeout_s / 6`
 seconds that the worker is alive, even in the middle of a long batch; if the process or its loop dies, the beats
 stop and the buffer returns the worker's leases after `buffer.worker_timeout_s`.
+
+A worker reads only its config sections (`rollout_workers.sections.WorkerSections`), never the root config, and
+uses its engine only through the `Engine` protocol (rollout_workers/engine.py).
 """
 
 from __future__ import annotations
@@ -17,22 +20,31 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from buffer.client import BufferClient, BufferRequestError, BufferUnavailable, Heartbeat
-from common.config import Config, from_dict
 from common.curve import client_keys
 from common.wire import PromptLease, Trajectory
+from rollout_workers.sections import WorkerSections
+
+if TYPE_CHECKING:
+    from quant_sync.transport import WeightSubscriber
+    from rollout_workers.engine import Engine
 
 
 class RolloutWorker:
     def __init__(
-        self, config: dict[str, Any], worker_id: str, model_dir: str, buffer_endpoint: str, weights_endpoint: str = ""
+        self,
+        section_values: dict[str, Any],
+        worker_id: str,
+        model_dir: str,
+        buffer_endpoint: str,
+        weights_endpoint: str = "",
     ):
-        """`weights_endpoint` may instead be given to `start`: the constructor (imports, tokenizer, engine) can then
-        run while the learner is still starting."""
+        """`section_values`: `common.config.to_dict` of a `WorkerSections`. `weights_endpoint` may instead be given
+        to `start`: the constructor (imports, tokenizer, engine) can then run while the learner is still starting."""
         import torch
         from transformers import AutoTokenizer
 
@@ -40,34 +52,37 @@ class RolloutWorker:
         from rollout_workers.embedded.engine import EmbeddedEngine
         from rollout_workers.engine import SamplingParams
 
-        self.cfg: Config = from_dict(config)
-        rollout = self.cfg.rollout
+        self.sections = WorkerSections.load(section_values)
+        rollout = self.sections.rollout
         torch.set_num_threads(rollout.threads)
         self.worker_id = worker_id
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.source = make_source(self.cfg.data)
-        seed = self.cfg.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model_dir, trust_remote_code=self.sections.model.trust_remote_code
+        )
+        self.source = make_source(self.sections.data)
+        seed = self.sections.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
+        self.engine: Engine
         if rollout.backend == "sglang":  # an SGLang server per worker (rollout_workers/sglang_api/backend.py)
             from rollout_workers.sglang_api.backend import SGLangEngine
 
-            self.engine = SGLangEngine(self.cfg, model_dir, worker_id=worker_id, seed=seed)
+            self.engine = SGLangEngine(self.sections, model_dir, worker_id=worker_id, seed=seed)
         else:
             self.engine = EmbeddedEngine(
                 model_dir, max_batch=rollout.max_batch, seed=seed, swap_mode=rollout.swap_mode,
-                max_seq_len=rollout.max_seq_len, precision=self.cfg.precision.rollout, device=rollout.device,
+                max_seq_len=rollout.max_seq_len, precision=self.sections.precision.rollout, device=rollout.device,
             )  # fmt: skip
         self.params = SamplingParams(
             max_new_tokens=rollout.max_new_tokens,
             temperature=rollout.temperature,
             top_p=rollout.top_p,
             top_k=rollout.top_k,
-            stop_token_ids=tuple(self.engine.arch.eos_token_ids),
+            stop_token_ids=self.engine.stop_token_ids,
         )
         self.buffer_endpoint = buffer_endpoint
-        self.curve = client_keys(self.cfg.buffer.curve_keys_dir)
+        self.curve = client_keys(self.sections.buffer.curve_keys_dir)
         self.heartbeat: Heartbeat | None = None
         self.weights_endpoint = weights_endpoint
-        self.subscriber: Any = None  # a WeightSubscriber once `start` knows the publisher
+        self.subscriber: WeightSubscriber | None = None  # once `start` knows the publisher
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = {
@@ -88,8 +103,8 @@ class RolloutWorker:
             raise RuntimeError(f"{self.worker_id}: no weights from the publisher at {self.subscriber.endpoint}")
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop", daemon=True)
         self._thread.start()
-        if self.cfg.buffer.worker_timeout_s > 0:
-            interval_s = self.cfg.buffer.worker_timeout_s / 6
+        if self.sections.buffer.worker_timeout_s > 0:
+            interval_s = self.sections.buffer.worker_timeout_s / 6
             alive = self._thread.is_alive  # a dead loop stops the beats, so its leases return
             self.heartbeat = Heartbeat(self.buffer_endpoint, self.worker_id, interval_s, alive, self.curve)
             self.heartbeat.start()
@@ -120,23 +135,23 @@ class RolloutWorker:
         if self.subscriber is not None:
             self.subscriber.close()
         stats = self.stats()
-        if hasattr(self.engine, "close"):  # the SGLang backend stops its server
-            self.engine.close()
+        self.engine.close()  # the SGLang backend stops its server
         return stats
 
     def stats(self) -> dict[str, Any]:
+        subscriber = self.subscriber
         return {
             **self.counters,
             "worker": self.worker_id,
             "version": self.engine.version,
             "swaps": self.engine.swaps,
             # a worker whose weight subscriber stopped would generate on stale weights forever: not alive
-            "alive": self._thread is not None and self._thread.is_alive() and getattr(self.subscriber, "alive", True),
+            "alive": self._thread is not None and self._thread.is_alive() and (subscriber is None or subscriber.alive),
             "last_error": self.last_error,
-            "weights_rejected": getattr(self.subscriber, "rejected", 0),
-            "weights_error": getattr(self.subscriber, "last_error", ""),
-            "build_errors": getattr(self.engine, "build_errors", 0),
-            **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
+            "weights_rejected": subscriber.rejected if subscriber is not None else 0,
+            "weights_error": subscriber.last_error if subscriber is not None else "",
+            "build_errors": self.engine.build_errors,
+            **self.engine.stats(),
         }
 
     def _loop(self) -> None:
@@ -144,7 +159,7 @@ class RolloutWorker:
         try:
             while not self._stop.is_set():
                 try:
-                    leases, retry_after = client.lease(self.cfg.rollout.groups_per_lease)
+                    leases, retry_after = client.lease(self.sections.rollout.groups_per_lease)
                 except BufferUnavailable:
                     continue
                 except BufferRequestError as err:  # the buffer refused the request itself: say so, back off
@@ -191,14 +206,15 @@ class RolloutWorker:
 
     def _prompt_fits(self, lease: PromptLease, ids: list[int]) -> bool:
         """Whether the engine can generate for this prompt (not empty, room for max_new_tokens); counted if not."""
-        limit = getattr(self.engine, "max_seq_len", None)
-        room = limit is None or len(ids) + self.cfg.rollout.max_new_tokens <= limit
+        limit = self.engine.max_seq_len
+        max_new_tokens = self.sections.rollout.max_new_tokens
+        room = limit is None or len(ids) + max_new_tokens <= limit
         if ids and room:
             return True
         self.counters["prompts_skipped"] += 1
         self.last_error = (
             f"prompt of group {lease.group} skipped: {len(ids)} tokens + rollout.max_new_tokens "
-            f"{self.cfg.rollout.max_new_tokens} do not fit the engine's max sequence length {limit}"
+            f"{max_new_tokens} do not fit the engine's max sequence length {limit}"
             if ids
             else f"prompt of group {lease.group} skipped: it tokenizes to no tokens"
         )
@@ -206,7 +222,7 @@ class RolloutWorker:
 
     def rollout(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
         """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch)."""
-        group_size = self.cfg.train.group_size
+        group_size = self.sections.train.group_size
         prompt_ids = [self.tokenizer(lease.prompt)["input_ids"] for lease in leases]
         fits = [self._prompt_fits(lease, ids) for lease, ids in zip(leases, prompt_ids)]
         if not all(fits):  # generate the others; a prompt that cannot be generated is left to its lease's expiry

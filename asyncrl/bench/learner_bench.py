@@ -28,7 +28,8 @@ from collections.abc import Callable
 import torch
 
 from asyncrl.bench import BenchResult
-from common.config import PRECISIONS, WEIGHTINGS, Config, load_config
+from common.config import PRECISIONS, WEIGHTINGS, load_config
+from learner.sections import UpdateSections
 
 HIDDEN, LAYERS, VOCAB = 128, 4, 1024
 GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 4, 8, 16, 32
@@ -84,10 +85,10 @@ def _batch(model: torch.nn.Module, seed: int = 0):
     return batch
 
 
-def _config(*overrides: str) -> Config:
+def _config(*overrides: str) -> UpdateSections:
     base = (f"rollout.max_new_tokens={RESPONSE_LEN}", "rollout.temperature=1.0", "algo.overlong.len=8",
             "loss.cap=2.0", "learner.micro_batch_tokens=100000")  # fmt: skip
-    return load_config(None, [*base, *overrides])
+    return UpdateSections.pick(load_config(None, [*base, *overrides]))
 
 
 def _best(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -102,7 +103,7 @@ def _best(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     return best
 
 
-def _loss_step(model: torch.nn.Module, batch, cfg: Config, prox_logp: torch.Tensor) -> Callable[[], object]:
+def _loss_step(model: torch.nn.Module, batch, cfg: UpdateSections, prox_logp: torch.Tensor) -> Callable[[], object]:
     """The weighting-dependent part of a train step: step inputs, then forward + loss + backward of the batch."""
     from learner.acrl import AcrlReference
     from learner.precision import LossScaler
@@ -112,14 +113,14 @@ def _loss_step(model: torch.nn.Module, batch, cfg: Config, prox_logp: torch.Tens
 
     def run() -> object:
         model.zero_grad(set_to_none=True)
-        inputs = step_inputs(batch, prox_logp, cfg, reference)
+        inputs = step_inputs(batch, prox_logp, cfg.rollout, cfg.algo, cfg.loss, reference)
         return minibatch_backward(model, batch, (0, batch.rows), inputs, cfg, scaler)
 
     return run
 
 
 def _loss_part(
-    batch, cfg: Config, prox_logp: torch.Tensor, cur_logp: torch.Tensor, repeat: int
+    batch, cfg: UpdateSections, prox_logp: torch.Tensor, cur_logp: torch.Tensor, repeat: int
 ) -> Callable[[], object]:
     """What differs between weightings, `repeat` times: step inputs, the loss, and its backward down to lc (B, T).
 
@@ -133,7 +134,8 @@ def _loss_part(
     def run() -> object:
         for _ in range(repeat):
             leaf = cur_logp.detach().requires_grad_()
-            out = micro_loss(batch, (0, batch.rows), leaf, step_inputs(batch, prox_logp, cfg, reference), cfg)
+            inputs = step_inputs(batch, prox_logp, cfg.rollout, cfg.algo, cfg.loss, reference)
+            out = micro_loss(batch, (0, batch.rows), leaf, inputs, cfg.rollout, cfg.loss)
             out.loss.backward()
         return out
 
@@ -151,7 +153,8 @@ def _weightings_and_precision(quick: bool) -> tuple[dict[str, float], dict[str, 
 
     model = _model()
     batch = _batch(model)
-    prox_logp, _ = proximal_logp(model, batch, _config(), _single())
+    cfg = _config()
+    prox_logp, _ = proximal_logp(model, batch, cfg.learner, cfg.precision, cfg.rollout, _single())
     gen = torch.Generator().manual_seed(1)
     cur_logp = (prox_logp + 0.05 * torch.randn(prox_logp.shape, generator=gen)) * batch.mask  # r != 1: clipping
     configs = {w: _config(f"loss.weighting={w}") for w in WEIGHTINGS}

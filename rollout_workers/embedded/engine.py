@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,7 +124,8 @@ class _Group:
 
 
 class EmbeddedEngine:
-    """See the module docstring. Thread-safe for `stage_weights`; `generate`/`step` run on one thread at a time."""
+    """See the module docstring; implements `rollout_workers.engine.Engine`. Thread-safe for `stage_weights`;
+    `generate`/`step` run on one thread at a time."""
 
     def __init__(
         self,
@@ -173,6 +175,18 @@ class EmbeddedEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids (`eos_token_id` of its config.json)."""
+        return tuple(self.arch.eos_token_ids)
+
+    def stats(self) -> dict[str, Any]:
+        """No counters beyond the protocol's (`version`, `swaps`, `build_errors`)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release: the KV cache and weights are freed with the engine."""
 
     @property
     def num_active(self) -> int:

@@ -39,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from common.config import Config
 from quant_sync.update import WeightUpdate
 from rollout_workers.engine import Completion, SamplingParams
+from rollout_workers.sections import EngineSections
 from rollout_workers.sglang_api.client import ServerError, ServerUnavailable, SGLangClient
 from rollout_workers.sglang_api.protocol import WEIGHT_VERSIONS_KEY, expand_spans
 
@@ -119,15 +119,15 @@ class ServerProcess:
 class SGLangEngine:
     """The Engine protocol over an SGLang server this object launches, feeds with weights and keeps alive."""
 
-    def __init__(self, cfg: Config, model_dir: str, worker_id: str = "worker-0", seed: int = 0):
+    def __init__(self, sections: EngineSections, model_dir: str, worker_id: str = "worker-0", seed: int = 0):
         from rollout_workers.embedded.model import DTYPES, ArchConfig
 
-        self.cfg = cfg
-        self.sg = cfg.rollout.sglang
-        self.scheme = cfg.quant.scheme
+        self.sections = sections
+        self.sg = sections.rollout.sglang
+        self.scheme = sections.quant.scheme
         self.model_dir = str(model_dir)
         self.arch = ArchConfig.from_model_dir(model_dir)
-        self.float_dtype = DTYPES[cfg.precision.rollout]
+        self.float_dtype = DTYPES[sections.precision.rollout]
         self.seed = seed
         tail = worker_id.rsplit("-", 1)[-1]
         self.worker_index = int(tail) if tail.isdigit() else 0  # worker-i listens on base_port + i
@@ -160,7 +160,9 @@ class SGLangEngine:
         self._launch_dir, self._launch_label = self._initial_dir(), "-1"
         self._session: bool | None = None  # whether the server has begin/end_weight_update (probed once)
         self._nccl_ready = False
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(cfg.rollout.max_batch, 512)), thread_name_prefix="gen")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(sections.rollout.max_batch, 512)), thread_name_prefix="gen"
+        )
         self._thread = threading.Thread(target=self._sync_loop, name=f"{worker_id}-sglang-sync", daemon=True)
         self._thread.start()
 
@@ -168,6 +170,21 @@ class SGLangEngine:
     @property
     def version(self) -> int:
         return self._applied
+
+    @property
+    def build_errors(self) -> int:
+        """Always 0: a version the server fails to load is retried, not dropped (`sglang_weight_update_errors`)."""
+        return 0
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids (`eos_token_id` of its config.json)."""
+        return tuple(self.arch.eos_token_ids)
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """None: the server checks a prompt's length against its own context length (a too-long one fails there)."""
+        return None
 
     def stage_weights(self, update: WeightUpdate) -> None:
         """Write version `update.version` as a checkpoint (or keep it for NCCL); the sync thread applies it."""
@@ -303,7 +320,7 @@ class SGLangEngine:
             self._server.stop()
         model_dir, label = self._launch_dir, self._launch_label
         port = self.sg.base_port + self.worker_index if self.sg.base_port else free_port(self.sg.host)
-        command = server_command(self.cfg, model_dir, port, label, self.seed)
+        command = server_command(self.sections, model_dir, port, label, self.seed)
         env = None
         if self.sg.gpus_per_server:  # disjoint GPUs per worker on a node (Ray does not place the servers)
             first = self.worker_index * self.sg.gpus_per_server
@@ -426,9 +443,9 @@ class SGLangEngine:
         answer.result()
 
 
-def server_command(cfg: Config, model_dir: Path | str, port: int, label: str, seed: int) -> list[str]:
+def server_command(sections: EngineSections, model_dir: Path | str, port: int, label: str, seed: int) -> list[str]:
     """The server's command line for `rollout.sglang.launcher`: SGLang's `launch_server` flags, or `asyncrl serve`."""
-    sg, rollout, scheme = cfg.rollout.sglang, cfg.rollout, cfg.quant.scheme
+    sg, rollout, scheme = sections.rollout.sglang, sections.rollout, sections.quant.scheme
     python = sg.python or sys.executable
     if sg.launcher == "sglang":
         head = [python, "-m", "sglang.launch_server"]
@@ -441,7 +458,7 @@ def server_command(cfg: Config, model_dir: Path | str, port: int, label: str, se
         head = [python, "-m", "asyncrl.cli", "serve", str(model_dir)]
         flags = {"--host": sg.host, "--port": port, "--quant": scheme, "--weight-version": label, "--seed": seed,
                  "--max-batch": rollout.max_batch, "--max-seq-len": rollout.max_seq_len,
-                 "--precision": cfg.precision.rollout, "--device": rollout.device, "--threads": rollout.threads,
+                 "--precision": sections.precision.rollout, "--device": rollout.device, "--threads": rollout.threads,
                  "--parent-pid": os.getpid()}  # fmt: skip
     return head + [str(item) for pair in flags.items() for item in pair] + list(sg.extra_args)
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_up_with_sglang_backend_on_asyncrl_serve(tmp_path):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"), f"logging.dir={tmp_path}",
          "logging.name=sglang", "rollout.backend=sglang", "rollout.sglang.launcher=asyncrl",

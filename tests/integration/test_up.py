@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_up(tmp_path: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ)
     return subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"),
          f"logging.dir={tmp_path}", *overrides],

@@ -80,10 +80,50 @@ def test_control_errors_name_the_problem(tmp_path: Path):
     socket = zmq.Context.instance().socket(zmq.REP)  # a port nobody answers on: a driver that was killed
     port = socket.bind_to_random_port("tcp://127.0.0.1")
     socket.close(0)
-    (run_dir / "control.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}"}))
+    (run_dir / "control.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}", "secret": "s"}))
     assert find_run(None, runs_root=str(runs)) == run_dir
     with pytest.raises(ControlError, match="no answer from the driver"):
         request(run_dir, "status", timeout_s=0.5)
+
+
+def test_a_request_without_the_runs_secret_is_refused(tmp_path: Path):
+    """control.json is private to the run's user (0600) and holds a secret; a local process that only knows the
+    port (any user can connect to loopback) is refused whatever it asks, and the handler never sees it."""
+    import os
+    import stat
+
+    server = ControlServer(tmp_path)
+    record = json.loads((tmp_path / "control.json").read_text())
+    assert stat.S_IMODE(os.stat(tmp_path / "control.json").st_mode) == 0o600
+    assert len(record["secret"]) >= 32
+    seen: list[str] = []
+
+    def handler(req):
+        seen.append(req["cmd"])
+        assert "secret" not in req  # the handler never gets (or logs) the secret
+        return {"echo": req["cmd"]}
+
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [server.poll(handler, 50) for _ in iter(stop.is_set, True)])
+    thread.start()
+    raw = zmq.Context.instance().socket(zmq.REQ)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.connect(record["endpoint"])
+        for secret in (None, "", "0" * 64, record["secret"][:-1] + "x", 7):
+            req = {"v": 1, "cmd": "down"} | ({} if secret is None else {"secret": secret})
+            raw.send(msgpack.packb(req))
+            assert raw.poll(5000)
+            reply = msgpack.unpackb(raw.recv())
+            assert reply["ok"] is False and "lacks this run's secret" in reply["error"], reply
+        assert seen == []
+        assert request(tmp_path, "status")["echo"] == "status"  # the owner, through control.json
+        assert seen == ["status"]
+    finally:
+        raw.close(0)
+        stop.set()
+        thread.join()
+        server.close()
 
 
 @pytest.mark.parametrize("target", ["rollout=²", "rollout=99999999999999999999999", "rollout=-1", "workers=2"])
@@ -93,7 +133,7 @@ def test_scale_rejects_what_is_not_a_worker_count_before_asking_the_driver(tmp_p
 
     run_dir = tmp_path / "runs" / "a"
     run_dir.mkdir(parents=True)
-    (run_dir / "control.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:9"}))  # nobody answers there
+    (run_dir / "control.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:9", "secret": "s"}))  # nobody there
     args = [sys.executable, "-m", "asyncrl.cli", "scale", target, "--run", str(run_dir)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "scale takes rollout=N (a whole number" in proc.stderr, proc.stderr

@@ -1,6 +1,8 @@
 """Worker heartbeats against a real `python -m buffer`: worker processes lease prompts and beat from a thread with
 its own socket (`buffer.client.Heartbeat`, as rollout workers do); a SIGKILLed one loses its leases after
-`buffer.worker_timeout_s`, a live one that generates slowly (its main thread busy, holding the GIL) keeps them."""
+`buffer.worker_timeout_s`, a live one that generates slowly (its main thread busy, holding the GIL) keeps them. The
+timing rule itself (silent for more than the timeout, not before) is checked on the buffer's state with its clock
+passed in."""
 
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from test_service import ROOT, make_group, running_buffer
+from test_service import ROOT, make_group, running_buffer, wait_until
 
 from buffer.client import BufferClient, Heartbeat
-from common.config import BufferConfig
+from buffer.state import BufferState
+from common.config import BufferConfig, DataConfig
+from common.tasks import make_source
 from common.wire import PromptLease
 
 WORKER_TIMEOUT_S = 1.0
@@ -62,13 +65,9 @@ def test_killed_worker_loses_its_leases_and_a_slow_live_one_keeps_them(tmp_path:
         try:
             doomed.send_signal(signal.SIGKILL)
             doomed.wait()
-            killed_at = time.monotonic()
-            while buffer.stats()["dead_worker_leases"] < 2 and time.monotonic() - killed_at < 10:
-                time.sleep(0.05)
-            returned_after = time.monotonic() - killed_at
+            wait_until(lambda: buffer.stats()["dead_worker_leases"] >= 2, "the killed worker's leases to return")
             stats = buffer.stats()
             assert stats["dead_workers"] == 1 and stats["dead_worker_leases"] == 2, stats
-            assert returned_after >= WORKER_TIMEOUT_S - 0.4  # not before the timeout (minus the last beat's age)
             assert stats["leased_groups"] == 2 and stats["returned_groups"] == 2  # the slow worker's are still out
             with BufferClient(buffer.endpoint, "w-new", timeout_s=5.0) as new:  # returned leases go out first
                 reissued, _ = new.lease(2)
@@ -96,16 +95,31 @@ def test_heartbeat_stops_when_its_worker_loop_dies(tmp_path: Path) -> None:
         with BufferClient(buffer.endpoint, "w-loop", timeout_s=5.0) as client:
             client.lease(1)
         beat = Heartbeat(buffer.endpoint, "w-loop", WORKER_TIMEOUT_S / 6, alive=lambda: loop_alive).start()
-        try:
-            time.sleep(2 * WORKER_TIMEOUT_S)
-            assert buffer.stats()["leased_groups"] == 1 and beat.sent >= 6
+        try:  # 12 beats, one every timeout / 6 at most: two timeouts have passed on beats alone
+            wait_until(lambda: beat.sent >= 12, "12 heartbeats", timeout_s=30.0)
+            assert buffer.stats()["leased_groups"] == 1
             loop_alive = False  # the process lives on, but its loop does not: the lease must come back
-            deadline = time.monotonic() + 10
-            while buffer.stats()["dead_worker_leases"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: buffer.stats()["dead_worker_leases"] >= 1, "the lease of the dead loop to return")
             assert buffer.stats()["dead_worker_leases"] == 1
         finally:
             beat.stop()
+
+
+def test_leases_return_once_their_worker_is_silent_for_longer_than_worker_timeout_s() -> None:
+    state = BufferState(
+        source=make_source(DataConfig(task="arith", digits=2)), group_size=2, groups_per_step=4, max_lag=1,
+        filter_groups=False, lease_timeout_s=60.0, max_queued_groups=100, worker_timeout_s=WORKER_TIMEOUT_S,
+    )  # fmt: skip
+    start = 1000.0  # unix seconds, passed in as `now`
+    lost = state.lease("w-silent", 2, now=start).leases
+    state.lease("w-beating", 2, now=start)
+    state.heartbeat("w-beating", now=start + WORKER_TIMEOUT_S / 2)
+    assert state.expire_leases(now=start + WORKER_TIMEOUT_S) == 0  # silent for the timeout itself: not yet past it
+    state.heartbeat("w-beating", now=start + WORKER_TIMEOUT_S)
+    assert state.expire_leases(now=start + 1.5 * WORKER_TIMEOUT_S) == 2  # the silent one's; the beating one's stay
+    assert state.counters["dead_workers"] == 1 and state.counters["dead_worker_leases"] == 2
+    assert sorted(state.returned) == sorted(x.group for x in lost)
+    assert {lease.worker for lease in state.leased.values()} == {"w-beating"}
 
 
 def test_heartbeats_are_on_by_default() -> None:

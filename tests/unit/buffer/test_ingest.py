@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -149,21 +150,23 @@ def test_commit_async_reports_durability_through_its_fd(tmp_path: Path, monkeypa
     import select
 
     synced: list[int] = []
+    disk_done = threading.Event()  # the disk finishes an fsync only once the test says so
     real_fsync = os.fsync
 
-    def slow_fsync(fd: int) -> None:  # a disk that takes its time
-        time.sleep(0.3)
+    def held_fsync(fd: int) -> None:  # a disk that takes its time
+        assert disk_done.wait(10), "the test never released the fsync"
         real_fsync(fd)
         synced.append(fd)
 
     path = tmp_path / "buffer.journal"
     journal = Journal(path, "batch")  # created (and its directory entry synced) before the disk slows down
-    monkeypatch.setattr(journal_module.os, "fsync", slow_fsync)
+    monkeypatch.setattr(journal_module.os, "fsync", held_fsync)
     assert journal.commit_async() == 0  # nothing appended: nothing to wait for
     journal.append_admit(_push_bytes())
-    started = time.monotonic()
-    seq = journal.commit_async()
-    assert seq == 1 and time.monotonic() - started < 0.1 and journal.durable() == 0 and not synced
+    seq = journal.commit_async()  # returns while its fsync is held: it did not wait for the disk
+    assert seq == 1 and journal.durable() == 0 and not synced
+    assert select.select([journal.ready_fd], [], [], 0.0)[0] == []  # nothing announced yet
+    disk_done.set()
     readable, _, _ = select.select([journal.ready_fd], [], [], 5.0)
     assert readable and journal.durable() == 1 and len(synced) == 1
     assert [r["k"] for r in read_records(path)] == ["admit"]

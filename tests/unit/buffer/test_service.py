@@ -11,7 +11,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,14 @@ def running_buffer(
         proc.stdout.close()
 
 
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s` (a bound for a hang, not a speed claim)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what} after {timeout_s} s"
+        time.sleep(0.02)
+
+
 def make_group(lease: PromptLease, version: int = 0, rewards: tuple[float, ...] = (1.0, 0.0)) -> list[Trajectory]:
     rng = np.random.default_rng(lease.index)
     out = []
@@ -125,13 +135,15 @@ def lease_and_push(buffer: Buffer, count: int, version: int = 0) -> list[PromptL
 
 def test_lease_push_fetch(tmp_path: Path) -> None:
     with running_buffer(tmp_path) as buffer:
+        asked_at = time.time()
         leases, retry = buffer.client.lease(2)
+        answered_at = time.time()
         source = make_source(DataConfig(task="arith", digits=2))
         assert [x.index for x in leases] == [0, 1] and retry == 0.0
         assert [(x.prompt, x.answer) for x in leases] == [
             (source.train(i).prompt, source.train(i).answer) for i in (0, 1)
         ]
-        assert all(x.deadline > time.time() + 20 for x in leases)
+        assert all(asked_at + 30.0 <= x.deadline <= answered_at + 30.0 for x in leases)  # buffer.lease_timeout_s
         for lease in reversed(leases):  # admission order, not lease order, is the batch order (FIFO)
             assert buffer.client.push_group(lease.group, make_group(lease)).accepted
         not_yet = buffer.client.fetch_batch(step=0, num_groups=3, wait_s=0.0)
@@ -149,24 +161,23 @@ def test_lease_push_fetch(tmp_path: Path) -> None:
 
 
 def test_parked_fetch_is_answered_when_groups_arrive(tmp_path: Path) -> None:
-    with running_buffer(tmp_path) as buffer:
-        leases, _ = buffer.client.lease(2)
-
-        def push_later() -> None:
-            time.sleep(0.3)
-            with BufferClient(buffer.endpoint, "worker") as worker:
-                for lease in leases:
-                    assert worker.push_group(lease.group, make_group(lease)).accepted
-
-        pusher = threading.Thread(target=push_later)
-        pusher.start()
+    with (
+        running_buffer(tmp_path) as buffer,
+        BufferClient(buffer.endpoint, "worker") as worker,
+        ThreadPoolExecutor(1) as learner,
+    ):
+        leases, _ = worker.lease(2)
+        fetch = learner.submit(buffer.client.fetch_batch, step=0, num_groups=2, wait_s=30.0)
+        wait_until(lambda: worker.stats()["parked_fetches"] == 1, "the fetch to park")
+        for lease in leases:
+            assert worker.push_group(lease.group, make_group(lease)).accepted
+        answered, _ = wait_for_futures([fetch], timeout=20.0)
+        assert answered, "the parked fetch was not answered when its groups arrived (it waits up to 30 s)"
+        batch = fetch.result()
+        assert batch.ready and len(batch.groups) == 2
         start = time.monotonic()
-        batch = buffer.client.fetch_batch(step=0, num_groups=2, wait_s=10.0)
-        pusher.join()
-        assert batch.ready and len(batch.groups) == 2 and time.monotonic() - start < 5.0
-        start = time.monotonic()
-        empty = buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.3)
-        assert not empty.ready and 0.25 < time.monotonic() - start < 3.0
+        empty = buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.3)  # the client gives up 5 s past wait_s
+        assert not empty.ready and time.monotonic() - start > 0.25  # answered once its wait was over, not before
 
 
 def test_a_commit_without_replies_does_not_wake_the_poll_forever(
@@ -181,10 +192,12 @@ def test_a_commit_without_replies_does_not_wake_the_poll_forever(
     from buffer.state import BufferState
 
     real_fsync = os.fsync
+    synced: list[int] = []
 
     def slow_fsync(fd: int) -> None:
         time.sleep(0.2)
         real_fsync(fd)
+        synced.append(fd)
 
     monkeypatch.setattr(journal_module.os, "fsync", slow_fsync)
     state = BufferState(
@@ -206,12 +219,13 @@ def test_a_commit_without_replies_does_not_wake_the_poll_forever(
             (lease,), _ = client.lease(1)
         dealer.send(wire.encode(wire.PushGroup("w0", lease.group, make_group(lease, version=0))))
         assert dealer.poll(5000) and wire.decode(dealer.recv()).reason == ""
-        dealer.send(wire.encode(wire.FetchBatch(step=5, num_groups=BATCH, wait_s=3.0)))  # drops it: max_lag 1
-        time.sleep(0.5)  # the drop's commit became durable meanwhile; the fetch is still parked
+        synced_before = len(synced)  # the push's commit is durable: it was answered
+        dealer.send(wire.encode(wire.FetchBatch(step=5, num_groups=BATCH, wait_s=4.0)))  # drops it: max_lag 1
+        wait_until(lambda: len(synced) > synced_before, "the drop's commit to turn durable")  # the fetch stays parked
         before = time.process_time()
         time.sleep(1.5)
-        assert time.process_time() - before < 0.5  # this process idles: the service's poll blocks
-        assert dealer.poll(5000)
+        assert time.process_time() - before < 0.5  # this process idles (CPU time): the service's poll blocks
+        assert dealer.poll(10_000)
         reply = wire.decode(dealer.recv())
         assert isinstance(reply, wire.BatchReply) and not reply.ready and reply.dropped_stale == 1
     finally:
@@ -289,8 +303,7 @@ def test_throttle_and_resume(tmp_path: Path) -> None:
 def test_lease_expiry_returns_the_prompt(tmp_path: Path) -> None:
     with running_buffer(tmp_path, buffer={"lease_timeout_s": 0.3}) as buffer:
         first, _ = buffer.client.lease(1)
-        time.sleep(0.6)
-        assert buffer.stats()["expired_leases"] == 1
+        wait_until(lambda: buffer.stats()["expired_leases"] == 1, "the 0.3 s lease to expire")
         with BufferClient(buffer.endpoint, "w1") as other:
             again, _ = other.lease(2)
             assert [x.group for x in again] == [first[0].group, "g1"]  # the expired prompt first, same group id
@@ -541,15 +554,18 @@ def test_fuzz_over_the_socket_while_valid_traffic_flows(tmp_path: Path) -> None:
 
 def test_dead_worker_leases_return_before_their_deadline(tmp_path: Path) -> None:
     with (
-        running_buffer(tmp_path, buffer={"lease_timeout_s": 60.0, "worker_timeout_s": 0.4}) as buffer,
+        running_buffer(tmp_path, buffer={"lease_timeout_s": 60.0, "worker_timeout_s": 1.0}) as buffer,
         BufferClient(buffer.endpoint, "doomed") as doomed,
         BufferClient(buffer.endpoint, "alive") as alive,
     ):
         lost, _ = doomed.lease(2)
         kept, _ = alive.lease(1)
-        for _ in range(6):  # `alive` heartbeats (a LeaseRequest of 0 groups); `doomed` stays silent
-            time.sleep(0.15)
+
+        def doomed_is_declared_dead() -> bool:  # `alive` heartbeats (a LeaseRequest of 0 groups); `doomed` is silent
             assert alive.lease(0)[0] == []
+            return buffer.stats()["dead_workers"] > 0
+
+        wait_until(doomed_is_declared_dead, "the silent worker to be declared dead")
         stats = buffer.stats()
         assert stats["dead_workers"] == 1 and stats["dead_worker_leases"] == 2 and stats["leased_groups"] == 1
         again, _ = alive.lease(3)
@@ -621,6 +637,7 @@ def test_a_fetch_of_more_than_a_reply_can_hold_is_refused_and_consumes_nothing(t
 def test_a_batch_too_large_to_encode_goes_back_to_the_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The service in this process (so that the reply size limit can be lowered): the learner is told, the groups
     stay queued (in the journal too), and a smaller fetch gets them."""
+    from buffer import recovery
     from buffer.journal import Journal
     from buffer.service import BufferService, make_socket
     from buffer.state import BufferState
@@ -630,7 +647,7 @@ def test_a_batch_too_large_to_encode_goes_back_to_the_queue(tmp_path: Path, monk
         state = BufferState(source=make_source(DataConfig(task="arith", digits=2)), group_size=GROUP_SIZE,
                             groups_per_step=BATCH, max_lag=5, filter_groups=False, lease_timeout_s=30.0,
                             max_queued_groups=100)  # fmt: skip
-        state.replay(read_records(run / "buffer.journal"))
+        recovery.replay(state, read_records(run / "buffer.journal"))
         journal = state.journal = Journal(run / "buffer.journal", "batch")
         context = zmq.Context()
         socket = make_socket(context)
@@ -732,9 +749,9 @@ def test_a_request_interrupted_while_waiting_never_takes_its_late_reply_for_the_
         socket = client._socket
         real_poll = socket.poll
 
-        def interrupted(*args, **kwargs):  # Ctrl-C while the request is out: its reply comes later
+        def interrupted(*args, **kwargs):  # Ctrl-C while the request is out: its reply is left unread
             socket.poll = real_poll
-            time.sleep(0.3)
+            assert real_poll(5000)  # the reply is there, unread, when the interrupt lands
             raise KeyboardInterrupt
 
         socket.poll = interrupted

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_service import make_group
 
-from buffer import ingest
+from buffer import ingest, recovery
 from buffer import state as state_module
 from buffer.journal import Journal, read_records
 from buffer.state import BufferState
@@ -27,7 +27,7 @@ def _state(path: Path, max_lag: int = 1, worker_timeout_s: float = 0.0) -> Buffe
         max_lag=max_lag, filter_groups=False, lease_timeout_s=30.0, max_queued_groups=1000,
         worker_timeout_s=worker_timeout_s,
     )  # fmt: skip
-    state.replay(read_records(path))
+    recovery.replay(state, read_records(path))
     state.journal = Journal(path, "batch")
     return state
 
@@ -55,11 +55,11 @@ def test_a_resume_past_a_compaction_leases_again_and_serves_the_next_step(tmp_pa
         taken, _ = state.take_batch(step, GROUPS_PER_STEP)
         assert taken is not None
     assert state.journal is not None
-    state.journal.rewrite(state.snapshot())
+    state.journal.rewrite(recovery.snapshot(state))
     state.journal.close()
 
     state = _state(path)
-    rewound = state.rewind(2)
+    rewound = recovery.rewind(state, 2)
     assert state.journal is not None
     state.journal.commit()
     assert rewound["lost"] == 4 * GROUPS_PER_STEP
@@ -85,7 +85,7 @@ def test_compaction_keeps_max_lag_only_if_it_was_set_live(tmp_path: Path) -> Non
         _fill(state, version=0)
         state.take_batch(0, GROUPS_PER_STEP)
         assert state.journal is not None
-        state.journal.rewrite(state.snapshot())
+        state.journal.rewrite(recovery.snapshot(state))
         state.journal.close()
         restarted = _state(path, max_lag=4)  # the run resumed with staleness.max_lag=4 in its config
         assert restarted.max_lag == (3 if set_live else 4), set_live

@@ -12,6 +12,7 @@ from learner.acrl import AcrlReference
 from learner.aligned import AlignedLinear, aligned_layers, full_precision, install_operands, make_rollout_aligned
 from learner.batch import token_logp
 from learner.precision import LossScaler
+from learner.sections import LearnerSections
 from learner.update import train_on_batch
 from quant_sync.export import export_rollout_tensors
 from quant_sync.quantizers import dequantize_published, quantize_weight, quantize_weight_only, quantized_linear
@@ -103,7 +104,7 @@ def test_learner_publishes_exactly_the_operands_of_its_forward():
 
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
     cfg = load_config(None, ["model.path=builtin:micro", "learner.rollout_aligned=true", "quant.scheme=fp8"])
-    learner = Learner(to_dict(cfg), model_dir, "tcp://127.0.0.1:9")
+    learner = Learner(to_dict(LearnerSections.pick(cfg)), model_dir, "tcp://127.0.0.1:9")
     try:
         sent: dict[str, torch.Tensor] = {}
         learner.publisher.publish = lambda version, tensors, scheme: sent.update(tensors)

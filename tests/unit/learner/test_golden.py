@@ -14,9 +14,10 @@ from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
 from common.config import LossConfig
 from learner.acrl import AcrlReference
 from learner.batch import overlong_shaping, token_logp
-from learner.losses import LossInputs, advantages, group_discrepancy, policy_loss
+from learner.losses import LossInputs, advantages, policy_loss
 from learner.precision import LossScaler
 from learner.update import train_on_batch
+from learner.weightings import group_discrepancy
 
 # (weighting, extra LossConfig fields) -> (loss, global grad norm over the model's parameters)
 GOLDEN_LOSS: dict[tuple[str, str], tuple[float, float]] = {

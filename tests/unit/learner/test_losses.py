@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common.config import WEIGHTINGS, LossConfig
-from learner.losses import LossInputs, advantages, aggregate, mismatch_metrics, policy_loss
+from learner import weightings
+from learner.losses import LossInputs, advantages, aggregate, loss_normalizer, mismatch_metrics, policy_loss
 
 
 def one_token(lb: float, lp: float, lc: float, adv: float) -> LossInputs:
@@ -103,14 +104,55 @@ def test_mismatch_metrics():
     assert m["mismatch/w_max"] == pytest.approx(1.0)
 
 
+# ---- the weighting table (learner.weightings.WEIGHTINGS) -------------------------------------------------------
+
+
+def test_the_weighting_table_names_exactly_the_configured_weightings():
+    assert tuple(weightings.WEIGHTINGS) == WEIGHTINGS
+    weightings.check_names(tuple(weightings.WEIGHTINGS), WEIGHTINGS)  # the import-time check passes
+
+
+@pytest.mark.parametrize(
+    ("table_names", "message"),
+    [
+        (WEIGHTINGS[:-1], r"missing from the table: \['pg_mis'\]; in the table but not the config: \[\]"),
+        ((*WEIGHTINGS, "vtrace"), r"missing from the table: \[\]; in the table but not the config: \['vtrace'\]"),
+        (WEIGHTINGS[::-1], "the same names in another order"),
+    ],
+)
+def test_the_table_check_names_the_difference(table_names, message):
+    with pytest.raises(RuntimeError, match=message):
+        weightings.check_names(table_names, WEIGHTINGS)
+
+
+def test_every_weighting_is_its_own_function_citing_its_equation():
+    functions = [entry.fn for entry in weightings.WEIGHTINGS.values()]
+    assert len(set(functions)) == len(functions)
+    for name, fn in zip(weightings.WEIGHTINGS, functions, strict=True):
+        doc = fn.__doc__ or ""
+        assert any(cite in doc for cite in ("eq.", "eqs.", "sec.", "ALGORITHMS.md")), name
+
+
+def test_sequence_level_weightings_ignore_the_token_aggregation():
+    sequence_level = {
+        name for name, entry in weightings.WEIGHTINGS.items() if isinstance(entry, weightings.SequenceLevel)
+    }
+    assert sequence_level == {"tbpo", "gspo", "pg_is", "pg_tis", "pg_mis"}
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    for name in WEIGHTINGS:
+        normalizer = loss_normalizer(mask, LossConfig(weighting=name, agg="token_mean"))
+        assert normalizer == (2.0 if name in sequence_level else 3.0), name
+        assert loss_normalizer(mask, LossConfig(weighting=name, agg="seq_mean_token_mean")) == 2.0, name
+
+
+def test_an_unknown_weighting_is_refused_by_name():
+    cfg = LossConfig()
+    cfg.weighting = "vtrace"  # past the config's own check
+    with pytest.raises(ValueError, match="unknown loss.weighting 'vtrace'"):
+        policy_loss(one_token(LN(0.5), LN(0.5), LN(0.5), 1.0), cfg)
+
+
 # ---- weightings added with acrl, tbpo, gspo and pg_* ----------------------------------------------------------
-
-
-def test_every_configured_weighting_is_implemented():
-    from common.config import WEIGHTINGS
-    from learner.losses import IMPLEMENTED
-
-    assert IMPLEMENTED == WEIGHTINGS
 
 
 def acrl_one_token(pi: float, mu: float, adv: float, x: float) -> LossInputs:
@@ -174,7 +216,7 @@ def test_acrl_requires_group_and_reference():
 
 
 def test_group_discrepancy_per_group_mean_of_token_means():
-    from learner.losses import group_discrepancy
+    from learner.weightings import group_discrepancy
 
     mu = torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.9, 0.9], [0.3, 0.3, 0.3]])
     pi = torch.tensor([[0.4, 0.2, 0.1], [0.2, 0.9, 0.9], [0.3, 0.4, 0.6]])

@@ -11,6 +11,7 @@ from common.config import to_dict
 from common.wire import Trajectory
 from learner.acrl import AcrlReference
 from learner.precision import LossScaler, autocast
+from learner.sections import LearnerSections
 from learner.update import train_on_batch
 
 
@@ -146,7 +147,8 @@ def test_learner_never_publishes_a_skipped_fp16_step_and_publishes_a_clean_one(t
 
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
     cfg = load_config(None, ["model.path=builtin:micro", "precision.train=fp16", "precision.loss_scale_init=16777216"])
-    learner = Learner(to_dict(cfg), model_dir, "tcp://127.0.0.1:9")  # the buffer is never contacted: fetch is ours
+    sections = to_dict(LearnerSections.pick(cfg))
+    learner = Learner(sections, model_dir, "tcp://127.0.0.1:9")  # the buffer is never contacted: fetch is ours
     try:
         groups = _groups(learner.model.config.vocab_size)
         learner.fetch = lambda step: (groups, 0, 0.0)

@@ -7,6 +7,7 @@ import torch
 
 from common.builtin_model import resolve_model_path
 from common.config import load_config, to_dict
+from learner.sections import LearnerSections
 from learner.trainer import Learner
 
 UNUSED_BUFFER = "tcp://127.0.0.1:9"  # these learners never fetch
@@ -14,7 +15,8 @@ UNUSED_BUFFER = "tcp://127.0.0.1:9"  # these learners never fetch
 
 def _learner(*overrides: str, resume_dir: str = "") -> Learner:
     cfg = load_config(None, ["model.path=builtin:micro", "quant.scheme=int8", *overrides])
-    return Learner(to_dict(cfg), str(resolve_model_path(cfg.model.path)), UNUSED_BUFFER, resume_dir=resume_dir)
+    sections = to_dict(LearnerSections.pick(cfg))
+    return Learner(sections, str(resolve_model_path(cfg.model.path)), UNUSED_BUFFER, resume_dir=resume_dir)
 
 
 def _one_update(learner: Learner) -> None:

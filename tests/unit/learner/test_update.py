@@ -75,7 +75,7 @@ def test_one_minibatch_takes_lp_from_its_own_forward_with_the_same_result(weight
     outcomes = {}
     for reuse in (True, False):
         if not reuse:
-            monkeypatch.setattr(update, "prox_from_training_forward", lambda cfg: False)
+            monkeypatch.setattr(update, "prox_from_training_forward", lambda learner, loss: False)
         model = tiny_model(seed=1)
         batch = with_behavior(tiny_batch(seed=1), model, seed=2)
         cfg = tiny_config(f"loss.weighting={weighting}", "learner.micro_batch_tokens=20", "loss.cap=2.0")

@@ -1,4 +1,4 @@
-"""Shared by the learner tests (and their spawned ranks): a tiny seeded Llama, a seeded batch, a config.
+"""Shared by the learner tests (and their spawned ranks): a tiny seeded Llama, a seeded batch, update sections.
 
 The weights are written from our own seeded generator, not by transformers' initialisers, so the golden numbers
 depend only on the Llama forward and on our loss math.
@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.config import Config, load_config
+from common.config import load_config
 from learner.batch import Batch
+from learner.sections import UpdateSections
 
 VOCAB = 24
 
@@ -82,6 +83,7 @@ def with_behavior(batch: Batch, model: torch.nn.Module, seed: int = 1, noise: fl
     return batch
 
 
-def tiny_config(*overrides: str) -> Config:
+def tiny_config(*overrides: str) -> UpdateSections:
+    """The sections an update reads, of a config validated with `overrides` (`key=value`) on a few test defaults."""
     base = ("rollout.max_new_tokens=8", "rollout.temperature=1.0", "algo.overlong.len=2", "optim.lr=1e-3")
-    return load_config(None, [*base, *overrides])
+    return UpdateSections.pick(load_config(None, [*base, *overrides]))

@@ -8,6 +8,7 @@ import torch
 from common.builtin_model import resolve_model_path
 from common.config import load_config, to_dict
 from learner.aligned import aligned_layers
+from learner.sections import LearnerSections
 from learner.trainer import Learner
 from quant_sync.quantizers import QuantizedWeight
 from quant_sync.transport import WeightSubscriber
@@ -18,7 +19,8 @@ from rollout_workers.embedded.engine import EmbeddedEngine, build_weight_map
 def test_engine_loads_exactly_the_operands_of_the_aligned_forward(scheme, use_shm):
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
     cfg = load_config(None, ["model.path=builtin:micro", "learner.rollout_aligned=true", f"quant.scheme={scheme}"])
-    learner = Learner(to_dict(cfg), model_dir, "tcp://127.0.0.1:9")  # no buffer needed: only publication
+    sections = to_dict(LearnerSections.pick(cfg))
+    learner = Learner(sections, model_dir, "tcp://127.0.0.1:9")  # no buffer needed: only publication
     engine = EmbeddedEngine(model_dir)
     received = []
     subscriber = WeightSubscriber(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -22,7 +23,8 @@ from rollout_workers.embedded.model import (
     linear,
     prepare_linear,
 )
-from rollout_workers.engine import SamplingParams
+from rollout_workers.engine import Engine, SamplingParams
+from rollout_workers.sglang_api.backend import SGLangEngine
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # fmt: skip
@@ -463,3 +465,25 @@ def test_a_version_that_fails_to_build_mid_generation_is_dropped_and_generation_
     monkeypatch.setattr(model_module, "prepare_linear", real)
     engine.stage_weights(WeightUpdate(2, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
     assert engine.generate(PROMPTS[:1], greedy)[0].versions == [2] * 6
+
+
+def test_the_embedded_engine_answers_the_whole_engine_protocol(tmp_path):
+    engine = engine_for(make_model(tmp_path, "llama"), tmp_path, max_seq_len=64)
+    assert isinstance(engine, Engine)
+    assert engine.stop_token_ids == (1,) and engine.max_seq_len == 64  # the model's eos_token_id; min(64, 128)
+    assert (engine.version, engine.swaps, engine.build_errors, engine.stats()) == (-1, 0, 0, {})
+    engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))  # swaps version 0 in
+    assert (engine.version, engine.swaps) == (0, 1)
+    engine.close()
+
+
+def test_both_engines_have_every_member_of_the_engine_protocol():
+    """What the worker uses of an engine is on the protocol, and both engines have all of it (a property or method
+    of the class, or an attribute its constructor sets): the worker never probes with getattr / hasattr."""
+    members = [name for name in vars(Engine) if not name.startswith("_")]
+    expected = {"version", "swaps", "build_errors", "stop_token_ids", "max_seq_len", "stats", "close"}
+    assert expected | {"stage_weights", "generate"} <= set(members)
+    for engine_cls in (EmbeddedEngine, SGLangEngine):
+        constructor = inspect.getsource(engine_cls.__init__)
+        missing = [name for name in members if not hasattr(engine_cls, name) and f"self.{name} = " not in constructor]
+        assert not missing, f"{engine_cls.__name__} lacks {missing}"

@@ -16,6 +16,7 @@ from common.config import load_config
 from quant_sync.export import export_rollout_tensors
 from quant_sync.update import WeightUpdate
 from rollout_workers.engine import SamplingParams
+from rollout_workers.sections import EngineSections
 from rollout_workers.sglang_api.backend import SGLangEngine
 from rollout_workers.sglang_api.checkpoint import read_tensors
 
@@ -48,7 +49,7 @@ def backend(model_dir: str, tmp_path, *overrides: str) -> SGLangEngine:
             *overrides,
         ],
     )
-    return SGLangEngine(cfg, model_dir, worker_id="worker-0", seed=0)
+    return SGLangEngine(EngineSections.pick(cfg), model_dir, worker_id="worker-0", seed=0)
 
 
 def wait_version(engine: SGLangEngine, number: int, timeout_s: float = 60) -> None:
@@ -155,7 +156,7 @@ def test_real_sglang_command_and_the_int8_reload_refusal():
             "rollout.sglang.extra_args=[--log-level,error]",
         ],
     )
-    command = server_command(cfg, "/ckpt/v3", 30001, "3", seed=7)
+    command = server_command(EngineSections.pick(cfg), "/ckpt/v3", 30001, "3", seed=7)
     assert command[1:3] == ["-m", "sglang.launch_server"]
     flags = dict(zip(command[3:-2:2], command[4:-2:2]))
     assert flags == {

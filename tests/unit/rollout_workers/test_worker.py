@@ -14,6 +14,7 @@ from common.config import Config, load_config, to_dict
 from common.wire import PromptLease
 from quant_sync.export import export_rollout_tensors
 from quant_sync.update import WeightUpdate
+from rollout_workers.sections import WorkerSections
 from rollout_workers.worker import RolloutWorker
 
 
@@ -23,7 +24,8 @@ def worker_and_buffer(tmp_path):
     values = to_dict(cfg)
     (tmp_path / "run").mkdir()
     proc, endpoint = start_service(values, tmp_path / "run")
-    worker = RolloutWorker(values, "w0", str(resolve_model_path(cfg.model.path)), endpoint)
+    sections = to_dict(WorkerSections.pick(cfg))
+    worker = RolloutWorker(sections, "w0", str(resolve_model_path(cfg.model.path)), endpoint)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path))
@@ -39,7 +41,7 @@ def worker_and_buffer(tmp_path):
 def test_a_prompt_too_long_for_the_engine_is_skipped_and_the_others_generated(worker_and_buffer):
     worker, client = worker_and_buffer
     leases, _ = client.lease(2)
-    room = worker.engine.max_seq_len - worker.cfg.rollout.max_new_tokens
+    room = worker.engine.max_seq_len - worker.sections.rollout.max_new_tokens
     too_long = PromptLease(leases[1].group, leases[1].index, "1+" * room + "1=", "x", leases[1].deadline)
     groups = worker.rollout([leases[0], too_long])
     assert [lease.group for lease, _ in groups] == [leases[0].group] and len(groups[0][1]) == 2

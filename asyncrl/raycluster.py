@@ -1,0 +1,133 @@
+"""The Ray cluster of a run: token authentication always on, and a local cluster that listens on loopback only.
+
+- `ray.address` empty (the default): a local cluster whose every server (GCS, raylet, object manager, core
+  workers, runtime-env agent) listens on 127.0.0.1, guarded by a fresh per-run token in a private file (0600).
+- `ray.address` = `host:port` or `auto`: a cluster started elsewhere, joined with the user's token
+  (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, or Ray's `~/.ray/auth_token`). A cluster that admits clients without
+  a token is refused unless `ray.allow_unauthenticated` is set, which warns on every run.
+
+Two facts of Ray 2.60 this rests on (docs/security.md):
+- A loopback `node_ip_address` is replaced by the machine's address unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
+  (`ray._private.services.get_node_ip_address`); with it, the compiled servers bind the node address, 127.0.0.1.
+  Ray reads it when it is imported, so it is set before the first `import ray` of the process.
+- A client sends its token only with `RAY_AUTH_MODE=token`; a cluster's own mode is not visible to a client that
+  sends one, so `probe_open` asks from a fresh process that sends none.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from common.config import RayConfig
+
+TOKEN_FILE = "auth_token"
+LOCAL_HOST = "127.0.0.1"
+_PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_get(b"asyncrl-auth-probe", None, timeout=10)
+except Exception as err:
+    print("refused" if "auth" in f"{type(err).__name__} {err}".lower() else f"error {type(err).__name__}: {err}")
+else:
+    print("open")
+"""
+
+
+class RayAuthError(RuntimeError):
+    """The cluster named by `ray.address` cannot be joined with token authentication: the message says why."""
+
+
+def local_token_file(temp_dir: Path) -> Path:
+    """A fresh random token in `temp_dir`/auth_token, readable by this user only (written 0600 from the start)."""
+    path = temp_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_hex(32))
+    return path
+
+
+def _has_token(environ: dict[str, str]) -> bool:
+    path = environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / TOKEN_FILE)
+    return bool(environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
+
+
+def probe_open(address: str, timeout_s: float = 60.0) -> bool:
+    """True if the cluster at `address` (host:port of its GCS) answers a client that sends no token."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}  # no mode: no token is sent
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, address], env=environ, capture_output=True, text=True, timeout=timeout_s
+    )
+    verdict = (result.stdout.strip().splitlines() or [""])[-1]
+    if verdict not in ("open", "refused"):
+        raise RayAuthError(
+            f"ray.address={address}: could not reach the cluster's GCS ({verdict or result.stderr[-300:]})"
+        )
+    return verdict == "open"
+
+
+def _gcs_address(address: str) -> str:
+    if address != "auto":
+        return address
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    return canonicalize_bootstrap_address_or_die("auto")
+
+
+def connect(ray_cfg: RayConfig, warn: Callable[[str], object] = print) -> None:
+    """`ray.init` for a run (see the module docstring); call it before anything else of this process imports ray."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray_cfg.address:
+        _join(ray_cfg, warn)
+    else:
+        _start_local(ray_cfg.num_cpus)
+
+
+def _start_local(num_cpus: int) -> None:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep the loopback node address (module docstring)
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # mode 0700
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(local_token_file(temp_dir))
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # the file is the one token of this cluster
+    import ray
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER:  # read by Ray at import: ray was imported before this function set it
+        raise RuntimeError("ray was imported before asyncrl.raycluster.connect: the local cluster would not be private")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, _node_ip_address=LOCAL_HOST,
+             _temp_dir=str(temp_dir))  # fmt: skip
+
+
+def _join(ray_cfg: RayConfig, warn: Callable[[str], object]) -> None:
+    import ray
+
+    gcs = _gcs_address(ray_cfg.address)
+    if probe_open(gcs):
+        if not ray_cfg.allow_unauthenticated:
+            raise RayAuthError(
+                f"ray.address={ray_cfg.address}: the cluster admits clients without a token, so anyone who reaches "
+                "its ports can run code on it. Restart it with token authentication (RAY_AUTH_MODE=token, see "
+                "docs/security.md), or set ray.allow_unauthenticated=true to accept the risk"
+            )
+        warn(f"WARNING: ray.address={ray_cfg.address} runs WITHOUT token authentication (ray.allow_unauthenticated)")
+        os.environ.pop("RAY_AUTH_MODE", None)  # the cluster checks no token; Ray's local default must not apply
+    else:
+        if not _has_token(dict(os.environ)):
+            raise RayAuthError(
+                f"ray.address={ray_cfg.address}: the cluster needs its token; set RAY_AUTH_TOKEN_PATH to the token "
+                "file (or RAY_AUTH_TOKEN); `ray get-auth-token` prints it on the head node"
+            )
+        os.environ["RAY_AUTH_MODE"] = "token"  # a client sends its token only in this mode
+    quiet = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TOKENIZERS_PARALLELISM", "PYTHONWARNINGS")
+    env_vars = {name: os.environ[name] for name in quiet if name in os.environ}
+    try:
+        ray.init(address=ray_cfg.address, log_to_driver=True, runtime_env={"env_vars": env_vars})
+    except ConnectionError as err:
+        raise RayAuthError(f"ray.address={ray_cfg.address}: could not join the cluster ({err}); a wrong token "
+                           "looks the same as no token to Ray") from err  # fmt: skip

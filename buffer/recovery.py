@@ -1,0 +1,131 @@
+"""Journal recovery: the records of a buffer's state alone (`snapshot`, what a compacted journal holds), the state
+rebuilt from a journal at start-up (`replay`), and the return to a learner checkpoint on resume (`rewind`).
+
+Functions of a `BufferState`, called by the service: `snapshot` when it compacts the journal, `replay` then `rewind`
+(with `--resume-step`) before it serves. The record kinds are listed in buffer/journal.py; `replay` leaves in
+`state.replayed` what `rewind` needs (the admitted groups and the train step that consumed each).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from buffer import ingest
+from buffer.ingest import CheckedPush
+from buffer.state import BufferState, Lease, Queued, group_id, group_index
+
+
+def snapshot(state: BufferState) -> list[dict[str, Any]]:
+    """The journal records of the current state alone: what a compacted journal holds (see buffer/journal.py).
+
+    A `state` record (cursor, step, consumed count, max_lag, the indices still leased or returned), then one
+    `admit` record per queued group in queue order. Everything resolved is implied by the cursor.
+    """
+    pending = sorted(lease.index for lease in [*state.leased.values(), *state.returned.values()])
+    head = {
+        "k": "state",
+        "cursor": state.cursor,
+        "step": state.step,
+        "consumed": state.consumed_groups,
+        "admitted": state.counters["admitted_groups"] - len(state.queue),  # admits not in the snapshot
+        "max_lag": state.max_lag if state.max_lag_set_live else None,  # else the config's value applies
+        "pending": pending,
+    }
+    return [head, *({"k": "admit", "m": q.payload} for q in state.queue)]
+
+
+def replay(state: BufferState, records: list[dict[str, Any]], now: float | None = None) -> None:
+    """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step and
+    max_lag restored, and leases that were never resolved returned to the pool (a live worker may push them)."""
+    now = time.time() if now is None else now
+    admitted: dict[str, Queued] = {}
+    pending: dict[str, Queued] = {}  # admitted, not consumed nor dropped, in admission order
+    unresolved: set[int] = set()  # indices leased and not yet admitted or dropped
+    admitted_count = 0
+    consumed_at: dict[str, int] = {}  # group -> train step, in consumption order (for `rewind`)
+    for record in records:
+        kind, groups = record.get("k"), record.get("g", [])
+        if kind == "state":  # the head of a compacted journal
+            state.cursor, state.step = int(record["cursor"]), int(record["step"])
+            state.consumed_groups = int(record["consumed"])
+            if record.get("max_lag") is not None:  # set live (SetMaxLag) before the compaction
+                state.max_lag, state.max_lag_set_live = int(record["max_lag"]), True
+            unresolved = set(record["pending"])
+            state.compacted_step = state.step
+            admitted_count = int(record.get("admitted", 0))  # admits compacted away (older journals: unknown)
+        elif kind == "lease":
+            unresolved.update(record["i"])
+            state.cursor = max(state.cursor, max(record["i"], default=-1) + 1)
+        elif kind == "admit":
+            msg = ingest.decode_request(ingest.upgrade_push(record["m"]))
+            assert isinstance(msg, CheckedPush)
+            queued = Queued.of(msg)
+            admitted[msg.group] = pending[msg.group] = queued
+            admitted_count += 1
+            index = group_index(msg.group)
+            unresolved.discard(-1 if index is None else index)
+        elif kind in ("done", "consume"):
+            for group in groups:
+                pending.pop(group, None)
+                index = group_index(group)
+                unresolved.discard(-1 if index is None else index)
+            if kind == "consume":
+                state.step = int(record["s"])
+                state.consumed_groups += len(groups)
+                consumed_at.update((group, state.step) for group in groups)
+        elif kind in ("requeue", "rewind"):
+            state.consumed_groups -= len(groups)
+            requeued = {group: admitted[group] for group in groups}
+            pending = {**requeued, **pending}
+            for group in groups:
+                consumed_at.pop(group, None)
+            for group in record.get("d", []):
+                pending.pop(group, None)
+            if kind == "rewind":
+                state.step = max(int(record["s"]) - 1, 0)
+                state.consumed_groups = int(record.get("c", state.consumed_groups))  # older journals: no "c"
+        elif kind == "max_lag":
+            state.max_lag, state.max_lag_set_live = int(record["v"]), True
+    state.queue = deque(pending.values())
+    for index in sorted(unresolved):
+        group = group_id(index)
+        problem = state.source.train(index)
+        state.returned[group] = Lease(group, index, problem.prompt, problem.answer, "", now)
+    state.counters["admitted_groups"] = admitted_count
+    state.counters["consumed_groups"] = state.consumed_groups
+    state.counters["replayed_groups"] = len(state.queue)
+    state.replayed = (admitted, consumed_at)
+
+
+def rewind(state: BufferState, next_step: int) -> dict[str, int]:
+    """After `replay`: go back to a learner checkpoint whose next train step is `next_step` (resume).
+
+    Groups consumed at steps >= next_step were trained by a learner whose updates are lost: they return to the
+    head of the queue in their consumption order, to be trained again at the same steps (so the staleness
+    bound holds as it did). Then every queued group with a token newer than version `next_step` is dropped:
+    those versions belong to the lost updates, not to the resumed learner. Journaled as one `rewind` record.
+    Groups consumed after the checkpoint whose records a journal compaction removed cannot return (counted
+    as `rewind_lost_groups`). Returns {"requeued", "dropped", "lost"}.
+    """
+    admitted, consumed_at = state.replayed or ({}, {})
+    state.replayed = None
+    back = [group for group, step in consumed_at.items() if step >= next_step and group in admitted]
+    compacted_step = state.compacted_step if state.compacted_step is not None else -1
+    lost = max(0, compacted_step - next_step + 1) * state.groups_per_step
+    for group in reversed(back):
+        state.queue.appendleft(admitted[group])
+    # Steps 0 .. next_step - 1 consumed groups_per_step groups each. Lost groups (their consume records were
+    # compacted away) cannot be subtracted one by one: without the bound the throttle would count them as live
+    # forever and lease nothing, and the resumed learner would wait for a batch that never comes.
+    state.consumed_groups = min(state.consumed_groups - len(back), next_step * state.groups_per_step)
+    dropped = [q.group for q in state.queue if q.newest_version > next_step]
+    state.queue = deque(q for q in state.queue if q.newest_version <= next_step)
+    state.step = max(next_step - 1, 0)
+    state.counters["consumed_groups"] = state.consumed_groups
+    state.counters["rewound_groups"] += len(back)
+    state.counters["rewind_dropped_groups"] += len(dropped)
+    state.counters["rewind_lost_groups"] += lost
+    state.log_record({"k": "rewind", "s": next_step, "g": back, "d": dropped, "c": state.consumed_groups})
+    return {"requeued": len(back), "dropped": len(dropped), "lost": lost}

@@ -1,0 +1,127 @@
+"""The config rules that span sections, and `validate`, the step every loaded config goes through.
+
+`validate(cfg)` first checks each key against the choices and range declared with its field
+(`common.config_checks.check_section`), then the rules below; each raises `ConfigError` naming the key to change.
+A rule within one section lives in that section's `__post_init__` instead (e.g. `BufferConfig`: a non-loopback
+`buffer.host` needs `buffer.curve_keys_dir`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from common.config_checks import ConfigError, check_section, is_loopback
+from common.config_schema import Config
+
+SIMULATED_SCHEMES = ("fp8_trunc", "w4a16", "w8a16")
+"""Quantization schemes only the embedded engine simulates; SGLang serves int8 or fp8."""
+
+
+def validate(cfg: Config) -> Config:
+    """Check every key's declared choices and range, then every rule that spans fields; return cfg unchanged."""
+    check_section(cfg)
+    _check_compute(cfg)  # the rules run in this order: a config breaking several is told of the first
+    _check_data(cfg)
+    if cfg.loss.dual_clip and cfg.loss.dual_clip <= 1.0:
+        raise ConfigError(f"`loss.dual_clip` must be 0 (off) or > 1, got {cfg.loss.dual_clip}")
+    # `learner.prox=behav` with a mismatch weighting is allowed (the QuRL eq. 3 baseline): every weight is then 1.
+    _check_rollout(cfg)
+    _check_optim_and_resources(cfg)
+    _check_model(cfg)
+    return cfg
+
+
+def _check_compute(cfg: Config) -> None:
+    """Precision, quantization and the Ray CPUs every actor needs."""
+    if cfg.learner.rollout_aligned and cfg.quant.scheme in ("w8a16", "w4a16") and cfg.precision.rollout != "fp32":
+        raise ConfigError(
+            f"`learner.rollout_aligned` with weight-only `quant.scheme={cfg.quant.scheme}` needs "
+            f"`precision.rollout=fp32` (the engine would compute in {cfg.precision.rollout}, the aligned learner in "
+            "fp32: they would not align)"
+        )
+    scale = cfg.precision.loss_scale_init
+    if math.frexp(scale)[0] != 0.5:  # unscaling must be exact: a power of two
+        raise ConfigError(f"`precision.loss_scale_init` must be a power of two, got {scale!r}")
+    if not cfg.ray.address:  # a local Ray of ray.num_cpus CPUs: every actor must fit, or some wait forever
+        need = cfg.ray.learner_cpus + cfg.rollout.num_workers * cfg.ray.worker_cpus
+        if need > cfg.ray.num_cpus + 1e-9:
+            raise ConfigError(
+                f"`ray.learner_cpus` ({cfg.ray.learner_cpus:g}) + `rollout.num_workers` ({cfg.rollout.num_workers}) "
+                f"x `ray.worker_cpus` ({cfg.ray.worker_cpus:g}) = {need:g} CPUs > `ray.num_cpus` ({cfg.ray.num_cpus})"
+            )
+
+
+def _check_rollout(cfg: Config) -> None:
+    if cfg.rollout.backend == "sglang" and cfg.quant.scheme in SIMULATED_SCHEMES:
+        raise ConfigError(
+            f"`quant.scheme={cfg.quant.scheme}` is a simulation scheme of the embedded engine; "
+            "rollout.backend=sglang serves int8 or fp8"
+        )
+    if cfg.rollout.backend == "sglang":
+        _check_sglang(cfg)
+    if cfg.algo.overlong.len >= cfg.rollout.max_new_tokens and cfg.algo.overlong.len > 0:
+        raise ConfigError(
+            f"`algo.overlong.len` ({cfg.algo.overlong.len}) must be below `rollout.max_new_tokens` "
+            f"({cfg.rollout.max_new_tokens})"
+        )
+    if cfg.learner.rollout_aligned and cfg.quant.scheme == "none":
+        raise ConfigError("`learner.rollout_aligned=true` needs a quantized `quant.scheme` (int8, fp8, ...), got none")
+    if cfg.rollout.num_workers < 1:
+        raise ConfigError("`rollout.num_workers` must be at least 1 to start a run")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.rollout.device):
+        raise ConfigError(f"`rollout.device` must be cpu, cuda or cuda:N, got {cfg.rollout.device!r}")
+    if cfg.rollout.max_seq_len <= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"`rollout.max_seq_len` ({cfg.rollout.max_seq_len}) must exceed `rollout.max_new_tokens` "
+            f"({cfg.rollout.max_new_tokens}): each slot holds the prompt and the response"
+        )
+
+
+def _check_sglang(cfg: Config) -> None:
+    sglang = cfg.rollout.sglang
+    if sglang.launcher == "sglang" and cfg.quant.scheme == "int8":
+        raise ConfigError(
+            "`quant.scheme=int8` with `rollout.backend=sglang`: SGLang's w8a8_int8 layers cannot reload weights (after "
+            "the first load they replace their weights with transposed tensors that have no weight loader, so "
+            "/update_weights_from_disk fails and rolls back; docs/sglang.md). Use `quant.scheme=fp8` (block FP8 "
+            "reloads), `rollout.backend=embedded` (INT8 on our engine), or `rollout.sglang.launcher=asyncrl`"
+        )
+    if sglang.launcher == "asyncrl" and sglang.weight_sync == "distributed":
+        raise ConfigError("`rollout.sglang.weight_sync=distributed` needs NCCL and real SGLang servers "
+                          "(`rollout.sglang.launcher=sglang`); `asyncrl serve` loads weights with `disk`")  # fmt: skip
+    if not is_loopback(sglang.host):
+        raise ConfigError(f"`rollout.sglang.host={sglang.host}` would expose SGLang's unauthenticated HTTP API "
+                          "beyond this machine; keep it on a loopback address")  # fmt: skip
+
+
+def _check_data(cfg: Config) -> None:
+    if cfg.data.task == "jsonl" and not cfg.data.path:
+        raise ConfigError("data.task=jsonl needs `data.path` (a JSONL file with prompt and answer fields)")
+    if cfg.data.task == "arith" and (not cfg.data.ops or set(cfg.data.ops) - {"+", "-"}):
+        raise ConfigError(f"`data.ops` must be made of '+' and '-', got {cfg.data.ops!r}")
+
+
+def _check_optim_and_resources(cfg: Config) -> None:
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise ConfigError(f"`optim.betas` must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
+    resources = {"ray.worker_resources": cfg.ray.worker_resources, "ray.learner_resources": cfg.ray.learner_resources}
+    for key, amounts in resources.items():
+        for name, amount in amounts.items():
+            if not amount > 0:
+                raise ConfigError(f"`{key}.{name}` must be a positive amount of that resource, got {amount}")
+
+
+def _check_model(cfg: Config) -> None:
+    if cfg.model.path.startswith("builtin:"):
+        from common.models_registry import BUILTIN_MODELS
+
+        name = cfg.model.path.split(":", 1)[1]
+        if name not in BUILTIN_MODELS:
+            raise ConfigError(
+                f"unknown built-in model {name!r} in `model.path`; valid: "
+                + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+            )
+    elif not Path(cfg.model.path).expanduser().is_dir():
+        raise ConfigError(f"`model.path` {cfg.model.path!r} is not a directory (nor builtin:<name>)")

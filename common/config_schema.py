@@ -1,0 +1,415 @@
+"""The config schema: one dataclass per component, composed into the root `Config`.
+
+Every field's docstring line says what it means and its unit; a key's valid choices (`one_of`) or range
+(`in_range`) are declared with the field and checked by `common.config_checks.check_section`. A rule that spans
+the fields of one section lives in its `__post_init__`, one that spans sections in `common/config_rules.py`; both
+name the key to change. Loading, merging and overrides are in `common/config.py`, which re-exports every name here.
+
+This module must stay importable without torch, ray or zmq: the CLI parses config first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any
+
+from common.config_checks import ConfigError, in_range, is_loopback, one_of
+from common.wire import MAX_GROUP, MAX_STEP
+
+WEIGHTINGS = (
+    "none",
+    "decoupled",
+    "tis",
+    "mis_token",
+    "mis_seq",
+    "acr",
+    "acrl",
+    "tbpo",
+    "gspo",
+    "pg_is",
+    "pg_tis",
+    "pg_mis",
+)
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+PROX_MODES = ("recompute", "behav")
+QUANT_SCHEMES = ("none", "int8", "fp8", "fp8_trunc", "w8a16", "w4a16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("constant", "cosine", "length_decay")
+BACKENDS = ("embedded", "sglang")
+TASKS = ("arith", "jsonl")
+SWAP_MODES = ("in_place", "retract")
+ACRL_X_MODES = ("first_batch", "ema")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """A Hugging Face model directory, or `builtin:<name>` for a built-in recipe (built once, cached)."""
+    cache_dir: str = ""
+    """Where built-in models are cached; empty means $ASYNCRL_CACHE or ~/.cache/asyncrl."""
+    trust_remote_code: bool = False
+    """Let transformers run Python code shipped in the model directory (`auto_map` modeling files). Off: a model
+    directory is data, and one that needs its own code is refused (docs/security.md)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    task: str = one_of(TASKS, default="arith")
+    """Prompt source: `arith` (built-in procedurally generated arithmetic) or `jsonl` (a dataset file)."""
+    path: str = ""
+    """JSONL dataset file for task=jsonl: one object per line with a prompt and an answer field."""
+    prompt_key: str = "prompt"
+    """Field of a JSONL row holding the prompt text."""
+    answer_key: str = "answer"
+    """Field of a JSONL row holding the reference answer (scored with math-verify)."""
+    digits: int = in_range(1, 18, default=2)
+    """Built-in arithmetic difficulty: the maximum number of digits of each operand."""
+    ops: str = "+-"
+    """Built-in arithmetic operators to draw from (any of `+`, `-`)."""
+    seed: int = 1234
+    """Seed of the prompt stream (generation for built-in tasks, shuffling for datasets)."""
+    eval_size: int = in_range(0, default=256)
+    """Number of held-out prompts used for evaluation."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = in_range(1, default=100)
+    """Number of learner steps (each publishes a new weight version)."""
+    groups_per_step: int = in_range(1, MAX_GROUP, default=16)  # one BatchReply carries at most MAX_GROUP groups
+    """Prompt groups in each learner batch."""
+    group_size: int = in_range(2, MAX_GROUP, default=8)  # one sample per prompt has no baseline: advantage 0
+    """Responses sampled per prompt (G)."""
+    seed: int = 0
+    """Seed of the learner (init, sampling of minibatches) and of the rollout samplers."""
+    eval_every: int = in_range(0, default=0)
+    """Evaluate greedy accuracy on the held-out prompts every this many steps (0: only at the end)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SGLangConfig:
+    """The SGLang backend (`rollout.backend: sglang`): one server per rollout worker, docs/sglang.md."""
+
+    launcher: str = one_of(("sglang", "asyncrl"), default="sglang")
+    """Server program: `sglang` (`python -m sglang.launch_server`, GPUs) or `asyncrl` (`asyncrl serve`: the embedded
+    engine behind SGLang's HTTP API, CPU; what the tests run)."""
+    python: str = ""
+    """Python executable that runs the server; empty: the worker's own interpreter."""
+    host: str = "127.0.0.1"
+    """Address each server binds to (and the worker reaches it at)."""
+    base_port: int = in_range(0, 65535, default=0)
+    """Worker i's server listens on base_port + i; 0 picks a free port at every launch."""
+    tp: int = in_range(1, default=1)
+    """Tensor-parallel GPUs per SGLang server (`--tp`)."""
+    gpus_per_server: int = in_range(0, default=0)
+    """GPUs of each server on its node: worker i's server gets CUDA_VISIBLE_DEVICES i*n .. i*n+n-1; 0: inherit."""
+    mem_fraction_static: float = in_range(0.01, 1.0, default=0.8)
+    """Fraction of GPU memory SGLang reserves for weights and KV cache (`--mem-fraction-static`)."""
+    pause_mode: str = one_of(("retract", "in_place", "abort"), default="retract")
+    """How a weight update pauses generation: `retract` (KV recomputed with the new weights), `in_place` (KV kept) or
+    `abort` (requests end and are resubmitted with their tokens)."""
+    weight_sync: str = one_of(("disk", "distributed"), default="disk")
+    """How weights reach the server: `disk` (a quantized checkpoint for /update_weights_from_disk) or `distributed`
+    (NCCL /update_weights_from_distributed; GPUs only, untested in this project's CI)."""
+    ckpt_dir: str = ""
+    """Parent directory of the weight checkpoints written for `disk`; empty: /dev/shm (else the temp directory)."""
+    startup_timeout_s: float = in_range(1.0, default=600.0)
+    """Seconds a launched server may take to answer /health."""
+    request_timeout_s: float = in_range(0.1, default=600.0)
+    """Seconds one HTTP request to the server may take."""
+    max_restarts: int = in_range(0, default=3)
+    """Relaunches of a dead server before the worker reports failure."""
+    max_retries: int = in_range(0, default=2)
+    """Resubmissions of a sample after an abort the worker did not ask for (then it is pushed with finish=abort)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for the server, e.g. [--attention-backend, fa3]."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    backend: str = one_of(BACKENDS, default="embedded")
+    """Rollout engine: `embedded` (our PyTorch engine, CPU or GPU) or `sglang` (GPU servers)."""
+    num_workers: int = in_range(0, default=2)
+    """Rollout worker actors."""
+    max_new_tokens: int = in_range(1, default=16)
+    """Maximum response length in tokens (L_max)."""
+    temperature: float = in_range(1e-6, default=1.0)
+    """Sampling temperature; behavior log-probs are those of log_softmax(logits / temperature)."""
+    top_p: float = in_range(1e-6, 1.0, default=1.0)
+    """Nucleus sampling mass (1.0 disables)."""
+    top_k: int = in_range(0, default=0)
+    """Top-k sampling (0 disables)."""
+    groups_per_lease: int = in_range(1, default=2)
+    """Prompt groups a worker leases and decodes together."""
+    swap_mode: str = one_of(SWAP_MODES, default="in_place")
+    """How a new weight version enters in-flight sequences: `in_place` keeps their KV, `retract` recomputes it."""
+    threads: int = in_range(1, default=1)
+    """torch intra-op threads per rollout worker."""
+    max_batch: int = in_range(1, default=256)
+    """Sequences one embedded engine decodes together (its KV-cache slots; the cache grows to this on demand)."""
+    max_seq_len: int = in_range(2, default=2048)
+    """Prompt + response positions per KV-cache slot (capped at the model's max_position_embeddings)."""
+    device: str = "cpu"
+    """Device of the embedded engine: `cpu`, `cuda` or `cuda:N` (GPU path written to torch's APIs, untested on GPU)."""
+    max_restarts: int = in_range(0, default=5)
+    """Restarts of crashed rollout worker actors, over the whole run, before the run fails (asyncrl/supervise.py)."""
+    restart_backoff_s: float = in_range(0.0, default=1.0)
+    """Delay before restarting a crashed worker; doubles with every further crash (capped at 60 s)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class BufferConfig:
+    host: str = "127.0.0.1"
+    """Address the buffer service binds to; anything but a loopback address (e.g. 0.0.0.0) needs `curve_keys_dir`."""
+    port: int = in_range(0, 65535, default=0)
+    """TCP port of the buffer service (0 picks a free one)."""
+    lease_timeout_s: float = in_range(0.1, default=60.0)
+    """Seconds after which an unacknowledged prompt lease returns to the pool."""
+    max_queued_groups: int = in_range(1, default=1024)
+    """Admitted groups held in memory before producers are told to wait."""
+    journal: bool = True
+    """Append admitted trajectories and consumption marks to runs/<name>/buffer.journal."""
+    fsync: str = one_of(("always", "batch", "never"), default="batch")
+    """Journal fsync policy: `always`, `batch` (once per burst of requests, before replying) or `never`."""
+    worker_timeout_s: float = in_range(0.0, default=30.0)
+    """Seconds without any request from a worker after which it is declared dead and its leases return; 0: off.
+    Rollout workers send a heartbeat every worker_timeout_s / 6 seconds, also while generating."""
+    compact_bytes: int = in_range(1, default=67108864)
+    """Journal size in bytes that triggers compaction into a snapshot of the live state."""
+    reserve_mb: int = in_range(0, 512, default=128)  # buffer.memory.MAX_RESERVE_MB
+    """MiB of memory the buffer process faults in at start-up and keeps for queued groups, so that admitting them
+    does not page-fault on every message (buffer/memory.py; the process starts at about this resident size)."""
+    curve_keys_dir: str = ""
+    """Directory of CurveZMQ keys (`asyncrl keys DIR`; layout in common/curve.py): encrypts the buffer socket and
+    admits only allow-listed clients. Required when `host` is not a loopback address; empty: plain ZMQ."""
+
+    def __post_init__(self) -> None:
+        if not self.curve_keys_dir and not is_loopback(self.host):
+            raise ConfigError(
+                f"`buffer.host={self.host}` binds beyond loopback, so the buffer needs CurveZMQ keys: set "
+                "`buffer.curve_keys_dir` to a directory made by `asyncrl keys DIR`"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class StalenessConfig:
+    max_lag: int = in_range(0, MAX_STEP, default=2)  # the buffer refuses a larger lag on the wire
+    """Largest allowed (train step - oldest token version) of a trained sample; 0 is synchronous RL."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AcrlConfig:
+    gamma: float = in_range(0.0, default=0.65)
+    """ACRL gamma: strength of the adaptive exponent."""
+    x: float = in_range(0.0, default=0.0)
+    """Override of the reference discrepancy X (0: measured on the first training batch)."""
+    x_mode: str = one_of(ACRL_X_MODES, default="first_batch")
+    """`first_batch` (the paper: X frozen after step 0) or `ema` (our optional moving reference)."""
+    ema_decay: float = in_range(0.0, 1.0, default=0.99)
+    """Decay of the moving reference when x_mode=ema."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TbpoConfig:
+    eps_seq_high: float = in_range(0.0, 1.0, default=4e-4)
+    """Upper sequence-ratio bound for positive advantages."""
+    eps_seq_low: float = in_range(0.0, 1.0, default=3e-4)
+    """Lower sequence-ratio bound for negative advantages when dual=false."""
+    delta_high: float = in_range(0.0, 1.0, default=7e-4)
+    """Dual band upper bound for negative advantages."""
+    delta_low: float = in_range(0.0, 1.0, default=3e-4)
+    """Dual band lower bound for negative advantages."""
+    c: float = in_range(1.0, default=2.0)
+    """Mismatch weight clip: m_i is clipped to [-log c, log c]."""
+    dual: bool = True
+    """Use the dual band for negative advantages."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    weighting: str = one_of(WEIGHTINGS, default="tis")
+    """Mismatch weighting (ALGORITHMS.md): none, decoupled, tis, mis_token, mis_seq, acr, acrl, tbpo, gspo, pg_*."""
+    cap: float = in_range(1.0, default=2.0)
+    """C: truncation / masking threshold of the mismatch weight."""
+    eps_low: float = in_range(0.0, 1.0, default=0.2)
+    """PPO lower clip."""
+    eps_high: float = in_range(0.0, default=0.28)
+    """PPO upper clip (DAPO clip-higher)."""
+    agg: str = one_of(AGGREGATIONS, default="token_mean")
+    """Loss aggregation: token_mean, seq_mean_token_mean or seq_mean_token_sum_norm."""
+    dual_clip: float = 0.0
+    """Negative dual clip c (> 1) for A < 0; 0 disables."""
+    acrl: AcrlConfig = field(default_factory=AcrlConfig)
+    tbpo: TbpoConfig = field(default_factory=TbpoConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class OverlongConfig:
+    len: int = in_range(0, default=0)
+    """DAPO overlong shaping length L_c in tokens (0 disables); truncated responses get -1."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgoConfig:
+    adv: str = one_of(ADVANTAGES, default="grpo")
+    """Advantage estimator: grpo, drgrpo or rloo."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class LearnerConfig:
+    prox: str = one_of(PROX_MODES, default="recompute")
+    """Proximal log-probs: `recompute` (the policy at the start of the step: one no-grad forward, or with one minibatch
+    and any weighting but acrl that minibatch's own forward, same values) or `behav` (use behavior log-probs)."""
+    minibatches: int = in_range(1, default=1)
+    """PPO minibatches (optimizer steps) per learner step."""
+    micro_batch_tokens: int = in_range(1, default=16384)
+    """Token budget of one forward/backward micro-batch: its rows x their longest prompt + response, in tokens."""
+    rollout_aligned: bool = False
+    """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
+    threads: int = in_range(1, default=1)
+    """torch intra-op threads of each learner rank."""
+    world_size: int = in_range(1, default=1)
+    """Learner ranks (FSDP2, gloo on CPU), each a Ray actor requesting `ray.learner_cpus / world_size` CPUs."""
+
+
+@dataclass(kw_only=True, slots=True)
+class UaqConfig:
+    scale: float = in_range(1e-3, default=1.5)
+    """UAQ scale s (QuRL sec. 4.3), applied once before training; 1.0 disables the reparametrization."""
+
+
+@dataclass(kw_only=True, slots=True)
+class QuantConfig:
+    scheme: str = one_of(QUANT_SCHEMES, default="int8")
+    """Rollout weight quantization: none, int8 (W8A8), fp8 (e4m3), fp8_trunc, w8a16, w4a16."""
+    uaq: UaqConfig = field(default_factory=UaqConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    train: str = one_of(PRECISIONS, default="fp32")
+    """Learner compute precision: fp32, bf16 or fp16."""
+    rollout: str = one_of(PRECISIONS, default="fp32")
+    """Rollout compute precision of non-quantized parts: fp32, bf16 or fp16."""
+    loss_scale_init: float = in_range(2.0**-24, 2.0**64, default=65536.0)
+    """fp16 training: initial dynamic loss scale, a power of two (halved on every step with inf/nan gradients)."""
+    loss_scale_growth_interval: int = in_range(1, default=2000)
+    """fp16 training: consecutive clean optimizer steps after which the loss scale doubles."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = in_range(0.0, default=1e-5)
+    """Peak learning rate."""
+    sched: str = one_of(SCHEDULES, default="constant")
+    """LR schedule: constant, cosine or length_decay."""
+    warmup_steps: int = in_range(0, default=0)
+    """Linear warmup steps."""
+    weight_decay: float = in_range(0.0, default=0.0)
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    grad_clip: float = in_range(0.0, default=1.0)
+    """Global gradient-norm clip (0 disables)."""
+    decay_period: int = in_range(0, default=0)
+    """length_decay: halving period in steps (0: 1.8 x the surge step)."""
+    surge_factor: float = in_range(1.0, default=1.5)
+    """length_decay: response-length ratio over its baseline that counts as a surge."""
+    surge_window: int = in_range(1, default=5)
+    """length_decay: k, the window of steps averaged for baseline and surge detection."""
+    lr_min_ratio: float = in_range(0.0, 1.0, default=0.1)
+    """length_decay: floor as a fraction of the peak LR."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    dir: str = "runs"
+    """Parent directory of run directories."""
+    name: str = ""
+    """Run name (runs/<name>); empty: the config file's stem."""
+    console: bool = True
+    """Print a live line per step."""
+    wandb: bool = False
+    """Also log to Weights & Biases."""
+    wandb_mode: str = one_of(("offline", "online", "disabled"), default="offline")
+    """wandb mode (offline by default: wandb hangs without a network)."""
+    wandb_project: str = "asyncrl"
+    """wandb project name."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = in_range(0, default=0)
+    """Save a resumable checkpoint (runs/<name>/checkpoints/step_<k>) every this many steps (0: only on `down`)."""
+    keep_last: int = in_range(1, default=2)
+    """Resumable checkpoints kept on disk (the oldest are deleted)."""
+    final: bool = True
+    """Save a final Hugging Face model directory when the run ends."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RayConfig:
+    address: str = ""
+    """Ray cluster address (`auto` or host:port); empty starts a local cluster."""
+    num_cpus: int = in_range(1, default=2)
+    """CPUs of the local cluster."""
+    worker_cpus: float = in_range(0.0, default=0.5)
+    """CPU request of each rollout worker actor."""
+    learner_cpus: float = in_range(0.0, default=1.0)
+    """CPU request of the whole learner, split evenly over its `learner.world_size` rank actors."""
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each rollout worker actor requests, e.g. {rollout_node: 0.1} to place them on the nodes
+    started with `ray start --resources '{"rollout_node": 1}'`."""
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources of the whole learner, split evenly over its rank actors like `learner_cpus`."""
+    allow_unauthenticated: bool = False
+    """With `ray.address`: accept a cluster that runs without token authentication (anyone who reaches its ports
+    can run code as its user). Off: such a cluster is refused; on: a warning every run (docs/security.md)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+LIVE_KEYS: tuple[str, ...] = (
+    "staleness.max_lag",
+    "loss.cap",
+    "loss.eps_low",
+    "loss.eps_high",
+    "loss.acrl.gamma",
+    "optim.lr",
+)
+"""Keys `asyncrl set key=value` may change in a running job (applied at the next step boundary)."""
+
+
+def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config schema, e.g. `loss.acrl.gamma`."""
+    keys: list[str] = []
+    for f in fields(node):
+        dotted = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys.extend(all_keys(type(default), dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys

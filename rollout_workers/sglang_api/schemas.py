@@ -1,0 +1,228 @@
+"""The request bodies of `asyncrl serve`, one pydantic model per route, with SGLang 0.5.x's field names and defaults.
+
+SGLang declares them in `managers/io_struct.py` (`GenerateReqInput`, `PauseGenerationReqInput`,
+`UpdateWeightFromDiskReqInput`, `UpdateWeightVersionReqInput`, `AbortReq`, `SlowDownReqInput`) and
+`sampling/sampling_params.py` (`SamplingParams`). Two kinds of bad request, two error shapes (protocol.error_body):
+
+- a field of the wrong type (a string for `top_k`, `["a"]` for `input_ids`, a 20-digit integer, `mode: "later"`) fails
+  pydantic's validation here; FastAPI raises RequestValidationError and the app answers SGLang's validation shape.
+- a value of the right type that SGLang refuses (`top_p = 2`, an empty prompt, `stream: true`) fails `verify()` /
+  `normalize()` with `BadRequest`, answered with SGLang's ValueError shape `{"error": {"message": ...}}`.
+
+Integers are strict (no `true`, no `1.0`, no `"1"`) and bounded to int64 where torch takes them; numbers accept JSON
+integers and floats but not booleans or strings. Unknown top-level keys are ignored, as SGLang's dataclass does;
+unknown sampling keys are refused by name. A `null` sampling value means its default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, model_validator
+
+from rollout_workers.sglang_api.protocol import TOP_K_ALL, BadRequest, PauseMode
+
+Int64 = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]
+"""An integer torch can hold (a larger one is a validation error, not an overflow in the engine)."""
+Number = Annotated[float, Strict()]
+"""A JSON number (integer or float), never a boolean or a string."""
+
+UNSUPPORTED_NEUTRAL = {
+    "min_p": 0.0,
+    "min_new_tokens": 0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+"""Sampling keys `asyncrl serve` accepts only at their neutral value (issue 25 implements them)."""
+UNSUPPORTED_FEATURES = ("stop", "stop_regex", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag")
+"""Sampling keys `asyncrl serve` accepts only empty (stop strings, constrained decoding, logit bias)."""
+
+
+class SamplingParams(BaseModel):
+    """SGLang's SamplingParams: the fields and defaults; `verify()` holds its value checks."""
+
+    model_config = ConfigDict(extra="allow")  # unknown keys reach verify(), which names them
+
+    max_new_tokens: Int64 = 128
+    temperature: Number = 1.0
+    """Below 1e-6 means greedy (top_k = 1 at temperature 1), as in SGLang."""
+    top_p: Number = 1.0
+    top_k: Int64 = TOP_K_ALL
+    min_p: Number = 0.0
+    n: Int64 = 1
+    """Samples per prompt; a batch's entries must agree on it."""
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: Int64 | None = None
+    """Sample i of a request with seed s draws exactly as `EmbeddedEngine.generate` with seed s draws copy i."""
+    min_new_tokens: Int64 = 0
+    frequency_penalty: Number = 0.0
+    presence_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
+    stream_interval: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
+    logit_bias: dict[str, Number] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    custom_params: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            return {key: value for key, value in values.items() if value is not None or key not in cls.model_fields}
+        return values
+
+    def verify(self) -> None:
+        """SGLang's `SamplingParams.verify` for what `asyncrl serve` runs; what it does not run is refused by name."""
+        if self.model_extra:
+            raise BadRequest(f"unknown sampling_params: {', '.join(sorted(self.model_extra))}")
+        for key, neutral in UNSUPPORTED_NEUTRAL.items():
+            if getattr(self, key) != neutral:
+                raise BadRequest(f"sampling_params.{key}={getattr(self, key)!r} is not supported by asyncrl serve")
+        for key in UNSUPPORTED_FEATURES:
+            if getattr(self, key):
+                raise BadRequest(f"sampling_params.{key} is not supported by asyncrl serve (use stop_token_ids)")
+        if self.sampling_seed is not None and self.sampling_seed < 0:
+            raise BadRequest(f"sampling_seed must be at least 0, got {self.sampling_seed}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise BadRequest(f"temperature must be a non-negative finite number, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 1 and self.top_k != TOP_K_ALL:
+            raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.max_new_tokens < 0:
+            raise BadRequest(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if self.n < 1:
+            raise BadRequest(f"n must be at least 1, got {self.n}.")
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A checked `/generate` body: one entry per prompt (before `n` expands it)."""
+
+    prompts: list[list[int] | str]
+    sampling: list[SamplingParams]
+    rids: list[str] | None
+    """Per prompt (n = 1) or per response in response order (the batch repeated n times); None: fresh ids."""
+    single: bool
+    """Answer one object rather than a list (one prompt, n = 1)."""
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+
+
+class GenerateReqInput(BaseModel):
+    """`POST|PUT /generate`: one prompt or a batch, as `text` or `input_ids`; `normalize()` checks and expands it."""
+
+    text: str | Annotated[list[str], Field(min_length=1)] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams | None] | None = None
+    """One set for every prompt, or one per prompt."""
+    rid: str | list[str] | None = None
+    """Request id(s); with `n > 1` a string becomes `rid_0, rid_1, ...` in the response order."""
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    """Only -1 (no prompt log-probs) until issue 25."""
+    top_logprobs_num: int | list[int] | None = None
+    """Only 0 until issue 25."""
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    def normalize(self) -> GenerateRequest:
+        """SGLang's `GenerateReqInput.normalize_batch_and_arguments` for what `asyncrl serve` runs."""
+        if self.stream:
+            raise BadRequest("stream=true is not supported by asyncrl serve")
+        if self.logprob_start_len not in (None, -1) or self.top_logprobs_num not in (None, 0):
+            raise BadRequest(
+                "asyncrl serve returns output-token logprobs only (logprob_start_len=-1, top_logprobs_num=0)"
+            )
+        if (self.text is None) == (self.input_ids is None):
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+        prompts: list[list[int] | str]
+        if self.text is not None:
+            single = isinstance(self.text, str)
+            prompts = [self.text] if isinstance(self.text, str) else list(self.text)
+        else:
+            if len(self.input_ids) == 0:
+                raise BadRequest("input_ids cannot be empty.")
+            single = isinstance(self.input_ids[0], int)
+            prompts = [self.input_ids] if single else self.input_ids  # type: ignore[list-item]
+        raw = self.sampling_params
+        per_prompt = raw if isinstance(raw, list) else [raw] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise BadRequest("The length of sampling_params should be equal to the batch size.")
+        sampling = [params or SamplingParams() for params in per_prompt]
+        for params in sampling:
+            params.verify()
+        n = sampling[0].n
+        if any(params.n != n for params in sampling):
+            raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
+        logprob = self.return_logprob
+        return GenerateRequest(
+            prompts=prompts,
+            sampling=sampling,
+            rids=self._rids(single, len(prompts), n),
+            single=single and n == 1,
+            return_logprob=any(logprob) if isinstance(logprob, list) else bool(logprob),
+            return_text_in_logprobs=self.return_text_in_logprobs,
+        )
+
+    def _rids(self, single: bool, batch: int, n: int) -> list[str] | None:
+        if isinstance(self.rid, str):
+            return [self.rid] if single and n == 1 else [f"{self.rid}_{i}" for i in range(batch * n)]
+        if isinstance(self.rid, list):
+            if len(self.rid) != batch:
+                raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
+            return list(self.rid) if n == 1 else None
+        return None
+
+
+class PauseGenerationReqInput(BaseModel):
+    """`POST /pause_generation`: `abort` ends the running requests, `retract` / `in_place` keep them."""
+
+    mode: PauseMode = "abort"
+
+
+class UpdateWeightFromDiskReqInput(BaseModel):
+    """`POST /update_weights_from_disk`: a checkpoint directory in SGLang's layout (checkpoint.py)."""
+
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    """The new weights' label; an integer above the current version becomes the engine's version too."""
+
+
+class UpdateWeightVersionReqInput(BaseModel):
+    """`POST /update_weight_version`: relabel the served weights."""
+
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class AbortReq(BaseModel):
+    """`POST /abort_request`: the requests whose id starts with `rid`, or all of them."""
+
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+
+    rid: str | None = ""
+    abort_all: bool = False
+
+
+class SlowDownReqInput(BaseModel):
+    """`GET|POST /slow_down`: SGLang's testing knob, seconds slept after every engine step (null: none)."""
+
+    forward_sleep_time: Annotated[Number, Field(ge=0)] | None = None

@@ -1,0 +1,317 @@
+"""The FastAPI app of `asyncrl serve` and its uvicorn listener: SGLang 0.5.x's native HTTP routes over the engine
+adapter (service.py), on the stack SGLang itself serves with.
+
+`make_app(service)` is the one factory. Request bodies are the pydantic models of schemas.py, so FastAPI validates
+them; the exception handlers below answer every failure in the shape SGLang's own server gives (protocol.error_body;
+V: the validation shape `{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}`,
+E: the ValueError shape `{"error": {"message"}}`):
+
+| failure                                                       | status  | body                              |
+|---------------------------------------------------------------|---------|-----------------------------------|
+| a body that fails validation, or is not JSON                  | 400     | V                                 |
+| a value SGLang refuses (`BadRequest`)                         | 400     | E                                 |
+| a body over MAX_BODY_BYTES; a Content-Length h11 cannot parse | 400     | E, and the connection closes      |
+| an unknown path / a method the path does not take             | 404/405 | FastAPI's `{"detail": "Not Found"}` |
+| anything else raised while answering                          | 500     | E (the traceback in the log)      |
+
+Threads: blocking calls into the adapter (tokenizing, pause, weight updates, ...) run in Starlette's thread pool
+(`run_in_threadpool`), and a `/generate` awaits its requests on the event loop without holding a thread, so any
+number of requests can wait (while paused, say) and `/continue_generation` or `/abort_request` still get through.
+Bodies are read as JSON when their Content-Type is JSON or absent; a form or text body is refused, as SGLang does.
+A body a route does not read (an unknown path's, say) is still framed by h11, so the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from typing import Annotated, Any
+
+import h11
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from rollout_workers.sglang_api.protocol import BadRequest, error_body
+from rollout_workers.sglang_api.schemas import (
+    AbortReq,
+    GenerateReqInput,
+    PauseGenerationReqInput,
+    SlowDownReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightVersionReqInput,
+)
+from rollout_workers.sglang_api.service import ModelService
+
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body accepted (a batch of prompts as token ids fits many times over)."""
+SHUTDOWN_GRACE_S = 1.0
+"""On SIGTERM, how long running requests may finish before they are cancelled (launchers wait 10 s, then kill)."""
+
+
+def make_app(service: ModelService) -> FastAPI:
+    """The app serving `service`: SGLang's native routes, error shapes and body limit."""
+    # strict_content_type=False: a JSON body without a Content-Type is read as JSON, as before (recent FastAPI
+    # refuses it by default; older releases read it anyway and keep the unknown keyword in `app.extra`).
+    app = FastAPI(title="asyncrl serve", docs_url=None, redoc_url=None, strict_content_type=False)
+    app.state.service = service
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
+    app.include_router(native_routes)
+    return app
+
+
+# ---- serving -----------------------------------------------------------------------------------------------------
+class SGLangH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, but a request h11 cannot parse (a Content-Length that is not a number, a broken
+    request line or header) is answered in SGLang's error shape, saying what was wrong, rather than plain text.
+    The connection closes after it: where the body ends is unknown."""
+
+    def send_400_response(self, msg: str) -> None:
+        parse_error = sys.exc_info()[1]  # called from the `except h11.RemoteProtocolError` of handle_events
+        if isinstance(parse_error, h11.RemoteProtocolError):
+            msg = f"Invalid HTTP request received: {parse_error}"
+            if "Content-Length" in str(parse_error):
+                msg = f"Content-Length must be a number of bytes up to {MAX_BODY_BYTES} ({parse_error})"
+        if self.transport.is_closing():
+            return
+        payload = json.dumps(error_body(msg, validation=False)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload)):
+            self.transport.write(self.conn.send(event))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6 by the address)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(1024)
+    return sock
+
+
+def serve(service: ModelService, sock: socket.socket) -> None:
+    """Answer on `sock` until SIGTERM / SIGINT (uvicorn's handlers; the signal is re-raised once stopped)."""
+    config = uvicorn.Config(
+        make_app(service),
+        http=SGLangH11Protocol,
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+# ---- errors -------------------------------------------------------------------------------------------------------
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """SGLang's handler: FastAPI's 422 becomes 400 in SGLang's validation shape, one `where: what` per error."""
+    assert isinstance(exc, RequestValidationError)
+    message = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
+    return JSONResponse(error_body(message[:2000], validation=True), status_code=400)
+
+
+async def _bad_request(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BadRequest)
+    return JSONResponse(error_body(str(exc), exc.validation), status_code=400)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's answer ({"detail"}), except for a body FastAPI could not read: over the size limit (BodyLimit), or
+    not decodable (not UTF-8, a 5,000-digit integer, nested too deep: SGLang's validation shape, as a JSON syntax
+    error gets)."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code != 400:
+        return await http_exception_handler(request, exc)
+    cause = exc.__cause__
+    if isinstance(cause, BadRequest):
+        return await _bad_request(request, cause)
+    reason = f"{type(cause).__name__}: {str(cause)[:120]}" if cause is not None else str(exc.detail)
+    return JSONResponse(error_body(f"JSON decode error: {reason}", validation=True), status_code=400)
+
+
+async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+    """At the process boundary: answer 500 and keep serving (Starlette re-raises it, uvicorn logs the traceback)."""
+    return JSONResponse({"error": {"message": f"{type(exc).__name__}: {exc}"}}, status_code=500)
+
+
+class BodyLimit:
+    """Refuses a body over `max_bytes`: by its Content-Length before reading it (answered 400, the connection
+    closed, since the body is not read), or, when chunked, once the bytes received pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"Content-Length must be a number of bytes up to {self.max_bytes}"
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            reply = JSONResponse(
+                error_body(f"{message}, got {declared[:40].decode('latin-1')!r}", validation=False),
+                status_code=400,
+                headers={"Connection": "close"},
+            )
+            await reply(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_limited() -> Message:
+            nonlocal received
+            chunk = await receive()
+            received += len(chunk.get("body", b""))
+            if received > self.max_bytes:
+                raise BadRequest(f"the request body is over {self.max_bytes} bytes")
+            return chunk
+
+        await self.app(scope, receive_limited, send)
+
+
+# ---- routes -------------------------------------------------------------------------------------------------------
+def _service(request: Request) -> ModelService:
+    return request.app.state.service
+
+
+Service = Annotated[ModelService, Depends(_service)]
+native_routes = APIRouter()
+"""SGLang's native routes (`entrypoints/http_server.py`); issue 25 adds the OpenAI `/v1/*` routes beside them."""
+
+
+@native_routes.get("/health")
+async def health(service: Service) -> Response:
+    return Response(status_code=200 if service.alive else 503)
+
+
+@native_routes.get("/health_generate")
+async def health_generate(service: Service) -> Response:
+    return Response(status_code=200 if await run_in_threadpool(service.health_generate) else 503)
+
+
+@native_routes.get("/get_model_info")
+@native_routes.get("/model_info")
+async def model_info(service: Service) -> dict[str, Any]:
+    return {
+        "model_path": service.model_dir,
+        "tokenizer_path": service.model_dir,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": service.weight_version,
+    }
+
+
+@native_routes.get("/get_server_info")
+async def server_info(service: Service) -> dict[str, Any]:
+    return {
+        "model_path": service.model_dir,
+        "quantization": {"int8": "w8a8_int8", "fp8": "fp8"}.get(service.quant),
+        "weight_version": service.weight_version,
+        "max_running_requests": service.engine.max_batch,
+        "context_length": service.engine.max_seq_len,
+        "version": "asyncrl-serve",
+    }
+
+
+@native_routes.get("/get_weight_version")
+async def weight_version(service: Service) -> dict[str, Any]:
+    return {"weight_version": service.weight_version}
+
+
+@native_routes.api_route("/generate", methods=["POST", "PUT"])
+async def generate(service: Service, obj: GenerateReqInput | None = None) -> Any:
+    request = (obj or GenerateReqInput()).normalize()
+    order = await run_in_threadpool(service.submit, request)
+    await service.wait(order)
+    return await run_in_threadpool(service.responses, request, order)
+
+
+@native_routes.post("/pause_generation")
+async def pause_generation(service: Service, obj: PauseGenerationReqInput | None = None) -> dict[str, Any]:
+    return await run_in_threadpool(service.pause, (obj or PauseGenerationReqInput()).mode)
+
+
+@native_routes.post("/continue_generation")
+async def continue_generation(service: Service) -> dict[str, Any]:
+    return await run_in_threadpool(service.resume)
+
+
+@native_routes.post("/update_weights_from_disk")
+async def update_weights_from_disk(service: Service, obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
+    status, body = await run_in_threadpool(
+        service.update_from_disk, obj.model_path, obj.weight_version, obj.abort_all_requests
+    )
+    return JSONResponse(body, status_code=status)
+
+
+@native_routes.post("/begin_weight_update")
+async def begin_weight_update(service: Service) -> JSONResponse:
+    status, body = await run_in_threadpool(service.session, True)
+    return JSONResponse(body, status_code=status)
+
+
+@native_routes.post("/end_weight_update")
+async def end_weight_update(service: Service) -> JSONResponse:
+    status, body = await run_in_threadpool(service.session, False)
+    return JSONResponse(body, status_code=status)
+
+
+@native_routes.post("/update_weight_version")
+async def update_weight_version(service: Service, obj: UpdateWeightVersionReqInput) -> dict[str, Any]:
+    return await run_in_threadpool(service.set_label, obj.new_version, obj.abort_all_requests)
+
+
+@native_routes.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(service: Service) -> PlainTextResponse:
+    flushed = await run_in_threadpool(service.flush_cache)
+    return PlainTextResponse(
+        "Cache flushed.\nPlease check backend logs for more details. (When there are "
+        "running or waiting requests, the operation will not be performed.)\n",
+        status_code=200 if flushed else 400,
+    )
+
+
+@native_routes.post("/abort_request")
+async def abort_request(service: Service, obj: AbortReq | None = None) -> Response:
+    obj = obj or AbortReq()
+    await run_in_threadpool(service.abort, obj.rid or "", obj.abort_all)
+    return Response(status_code=200)
+
+
+@native_routes.api_route("/slow_down", methods=["GET", "POST"])
+async def slow_down(service: Service, obj: SlowDownReqInput | None = None) -> Response:
+    service.forward_sleep_s = float((obj or SlowDownReqInput()).forward_sleep_time or 0.0)
+    return Response(status_code=200)
+
+
+@native_routes.post("/update_weights_from_distributed")
+@native_routes.post("/init_weights_update_group")
+@native_routes.post("/update_weights_from_tensor")
+async def needs_nccl(request: Request) -> JSONResponse:
+    """Routes that move weights over NCCL/CUDA: answered as SGLang answers a failed update."""
+    return JSONResponse(
+        {
+            "success": False,
+            "message": f"{request.url.path} needs NCCL/CUDA and is not supported by asyncrl serve; "
+            "use /update_weights_from_disk",
+        },
+        status_code=400,
+    )

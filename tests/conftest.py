@@ -1,0 +1,22 @@
+"""Suite-wide settings: tests marked `slow` get a larger pytest-timeout limit than the default in pyproject.toml.
+
+The default (`timeout` in `[tool.pytest.ini_options]`, 300 s) catches a hung unit test: the slowest take tens of
+seconds on 2 cores. End-to-end runs marked `slow` start Ray, the buffer process and rollout workers, and the first may
+build the built-in model (minutes on 2 cores): they get SLOW_TEST_TIMEOUT_S, small enough that a hung run fails with
+its stack before the whole suite's 15-minute budget is spent (at 900 s it never could).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SLOW_TEST_TIMEOUT_S = 600
+"""pytest-timeout limit of a test marked `slow`, in seconds (unless it carries its own `timeout` mark)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("timeout"):  # `-p no:timeout`: the marker is not even registered
+        return
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))

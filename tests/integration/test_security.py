@@ -1,0 +1,89 @@
+"""Nobody gets in: every process of a default run listens on loopback only, and its Ray cluster wants a token."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1 on an IPv6 socket
+    return address.is_loopback
+
+
+def listening(procs: list[psutil.Process]) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every listening TCP socket and bound, unconnected UDP socket."""
+    rows = []
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            name = " ".join(proc.cmdline()[:3])[:80] or proc.name()
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN or (conn.type == 2 and not conn.raddr):  # 2: SOCK_DGRAM
+                    rows.append((name, conn.laddr.ip, conn.laddr.port))
+    return rows
+
+
+def wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (metrics.parent.parent / "up.err").read_text()[-3000:]
+        if metrics.is_file():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if sum("loss" in r for r in rows) >= steps:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"no {steps} steps within {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_a_default_run_listens_on_loopback_only_and_its_ray_wants_a_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}  # the user sets nothing
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"), f"logging.dir={tmp_path}",
+         "logging.name=sec", "model.path=builtin:micro", "train.steps=400", "data.eval_size=0",
+         "checkpoint.final=false"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "up.err").open("w"),
+    )  # fmt: skip
+    try:
+        wait_for_steps(tmp_path / "sec" / "metrics.jsonl", proc, steps=2, timeout_s=300)
+        driver = psutil.Process(proc.pid)
+        tree = [driver, *driver.children(recursive=True)]
+        names = " ".join(" ".join(p.cmdline()) for p in tree)
+        for part in ("gcs_server", "raylet", "python -m buffer", "RolloutWorker", "Learner"):
+            assert part in names, f"{part} is not in the run's process tree: the check would prove nothing"
+        rows = listening(tree)
+        assert len(rows) >= 6, rows  # gcs, raylet x2, core workers, the buffer, the publisher, control, ...
+        wide = [row for row in rows if not is_loopback(row[1])]
+        assert wide == [], f"listening beyond loopback: {wide}"
+
+        token_path = Path(driver.environ()["RAY_AUTH_TOKEN_PATH"])
+        assert driver.environ()["RAY_AUTH_MODE"] == "token"
+        assert stat.S_IMODE(token_path.stat().st_mode) == 0o600 and len(token_path.read_text()) >= 32
+        gcs_ports = [c.laddr.port for p in tree if p.name() == "gcs_server" for c in p.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN]  # fmt: skip
+        from asyncrl.raycluster import probe_open
+
+        assert probe_open(f"127.0.0.1:{gcs_ports[0]}") is False  # a Ray client without the run's token is refused
+        control = tmp_path / "sec" / "control.json"
+        assert stat.S_IMODE(control.stat().st_mode) == 0o600
+    finally:
+        proc.terminate()  # a graceful stop, as Ctrl-C: the driver stops its workers, buffer and Ray
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
