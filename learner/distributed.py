@@ -11,6 +11,7 @@ With world size 1 every helper here is a no-op and the model stays a plain modul
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from datetime import timedelta
 
@@ -38,24 +39,42 @@ SINGLE = Dist()
 """One process, no torch.distributed."""
 
 
+FILE_RENDEZVOUS = "file://"
+"""A rendezvous of ranks on one machine: a torch.distributed FileStore, which opens no port (a TCPStore listens
+on every interface, whatever host it is given)."""
+
+
 def start_rendezvous(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
     """A torch.distributed key-value store on a port the OS picks (no race), hosted by the caller.
 
     Returns the store (keep it alive until every rank has joined) and its `host:port` for `init_distributed`.
+    For ranks spread over a Ray cluster; ranks on one machine use `local_rendezvous`.
     """
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     return store, f"{host}:{store.port}"
 
 
+def local_rendezvous(directory: str) -> str:
+    """The rendezvous of ranks that share this machine's filesystem: a FileStore in `directory` (a fresh, private
+    one per learner group: the file must not hold an earlier group's keys)."""
+    return f"{FILE_RENDEZVOUS}{directory}/store"
+
+
 def init_distributed(rank: int, world: int, rendezvous: str, timeout_s: float = 300.0) -> Dist:
-    """Join the learner's process group (gloo on CPU, NCCL when CUDA is available) at `host:port`."""
+    """Join the learner's process group (gloo on CPU, NCCL when CUDA is available) at `rendezvous`: `host:port`
+    of `start_rendezvous`, or `local_rendezvous`'s file (gloo's own sockets then listen on loopback only)."""
     if world == 1:
         return Dist()
     if not rendezvous:
-        raise ValueError("learner.world_size > 1 needs a rendezvous address (host:port of start_rendezvous)")
-    host, port = rendezvous.rsplit(":", 1)
+        raise ValueError("learner.world_size > 1 needs a rendezvous (start_rendezvous or local_rendezvous)")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    if rendezvous.startswith(FILE_RENDEZVOUS):
+        store: dist.Store = dist.FileStore(rendezvous.removeprefix(FILE_RENDEZVOUS), world)
+        store.set_timeout(timeout)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair sockets on loopback, not the host's address
+    else:
+        host, port = rendezvous.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return Dist(rank=rank, world=world)

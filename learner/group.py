@@ -8,6 +8,8 @@ evenly over its ranks, so a world of 2 fits the same Ray cluster as a world of 1
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Any
 
 from common.config import RayConfig, to_dict
@@ -27,11 +29,16 @@ class LearnerGroup:
         """Start `sections.learner.world_size` ranks, each given `sections`; `ray_cfg` sizes their actors."""
         import ray
 
-        from learner.distributed import start_rendezvous
+        from learner.distributed import local_rendezvous, start_rendezvous
         from learner.trainer import Learner
 
         world = sections.learner.world_size
-        self.store, address = start_rendezvous() if world > 1 else (None, "")  # alive while the ranks are
+        self.store, address, self.store_dir = None, "", ""
+        if world > 1 and ray_cfg.address:  # ranks may be on other nodes: a TCP store (alive while the ranks are)
+            self.store, address = start_rendezvous()
+        elif world > 1:  # one machine: a file store, no port
+            self.store_dir = tempfile.mkdtemp(prefix="asyncrl-rdzv-")
+            address = local_rendezvous(self.store_dir)
         resources = {name: amount / world for name, amount in ray_cfg.learner_resources.items()}
         options: dict[str, Any] = {"num_cpus": ray_cfg.learner_cpus / world}
         if resources:
@@ -78,4 +85,8 @@ class LearnerGroup:
         return self._all("save", out_dir)
 
     def close(self) -> None:
-        self._all("close")
+        try:
+            self._all("close")
+        finally:
+            if self.store_dir:
+                shutil.rmtree(self.store_dir, ignore_errors=True)

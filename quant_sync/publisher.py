@@ -160,7 +160,7 @@ class WeightPublisher:
         try:
             if self._spare_bytes >= nbytes or self._stop.is_set():
                 return
-            fd = os.open(self._spare_path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self._spare_path, os.O_RDWR | os.O_CREAT, 0o600)  # weights: this user only
             try:
                 os.posix_fallocate(fd, 0, nbytes)
                 self._spare_bytes = nbytes
@@ -192,7 +192,12 @@ class WeightPublisher:
         tmp = path + ".tmp"
         nbytes = max((e["file_offset"] + e["nbytes"] for e in entries), default=0)
         try:
-            with open(tmp, "r+b") if self._take_spare(nbytes, tmp) else open(tmp, "wb") as file:
+            spare = self._take_spare(nbytes, tmp)
+            with (
+                open(tmp, "r+b")
+                if spare
+                else open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file
+            ):
                 for data, entry in zip(views, entries):
                     file.seek(entry["file_offset"])
                     file.write(data)

@@ -63,18 +63,18 @@ def test_a_default_run_listens_on_loopback_only_and_its_ray_wants_a_token(tmp_pa
         driver = psutil.Process(proc.pid)
         tree = [driver, *driver.children(recursive=True)]
         names = " ".join(" ".join(p.cmdline()) for p in tree)
-        for part in ("gcs_server", "raylet", "python -m buffer", "RolloutWorker", "Learner"):
+        for part in ("gcs_server", "raylet", "-m buffer", "RolloutWorker", "Learner"):
             assert part in names, f"{part} is not in the run's process tree: the check would prove nothing"
         rows = listening(tree)
         assert len(rows) >= 6, rows  # gcs, raylet x2, core workers, the buffer, the publisher, control, ...
         wide = [row for row in rows if not is_loopback(row[1])]
         assert wide == [], f"listening beyond loopback: {wide}"
 
-        token_path = Path(driver.environ()["RAY_AUTH_TOKEN_PATH"])
-        assert driver.environ()["RAY_AUTH_MODE"] == "token"
+        gcs_server = next(p for p in tree if p.name() == "gcs_server")  # started with the driver's settings
+        token_path = Path(gcs_server.environ()["RAY_AUTH_TOKEN_PATH"])
+        assert gcs_server.environ()["RAY_AUTH_MODE"] == "token"
         assert stat.S_IMODE(token_path.stat().st_mode) == 0o600 and len(token_path.read_text()) >= 32
-        gcs_ports = [c.laddr.port for p in tree if p.name() == "gcs_server" for c in p.net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN]  # fmt: skip
+        gcs_ports = [c.laddr.port for c in gcs_server.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
         from asyncrl.raycluster import probe_open
 
         assert probe_open(f"127.0.0.1:{gcs_ports[0]}") is False  # a Ray client without the run's token is refused

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 
+import psutil
 import torch
 import torch.multiprocessing as mp
 from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
@@ -16,6 +17,7 @@ from learner.distributed import (
     full_optimizer_state,
     full_state_dict,
     load_optimizer_state,
+    local_rendezvous,
     shard_model,
     start_rendezvous,
 )
@@ -92,6 +94,7 @@ def _rank_main(rank: int, world: int, address: str, out_path: str) -> None:
     ranks = init_distributed(rank, world, address)
     outputs = {f"{w}{extra}": run_case(w, extra, ranks) for w, extra in CASES}
     outputs["resumed_optimizer"] = resume_single_process_state(ranks)
+    outputs["listening"] = [c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"]
     if ranks.is_main:
         torch.save(outputs, out_path)
     close(ranks)
@@ -101,10 +104,10 @@ def test_fsdp2_world_2_gives_the_gradients_of_one_process(tmp_path):
     out_path = str(tmp_path / "rank0.pt")
     # A fork server that imports torch, transformers and this module once, then forks both ranks: half the start-up.
     multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
-    store, address = start_rendezvous()
+    address = local_rendezvous(str(tmp_path))  # ranks on one machine, as `asyncrl up` runs them on a local cluster
     mp.start_processes(_rank_main, args=(2, address, out_path), nprocs=2, join=True, start_method="forkserver")
-    del store
     sharded = torch.load(out_path, weights_only=False)
+    assert sharded["listening"] and all(ip == "127.0.0.1" for ip in sharded["listening"]), sharded["listening"]
     for weighting, extra in CASES:
         single, dist = run_case(weighting, extra, SINGLE), sharded[f"{weighting}{extra}"]
         minibatches = 1 if "learner.minibatches=1" in extra else 2
@@ -124,3 +127,21 @@ def test_fsdp2_world_2_gives_the_gradients_of_one_process(tmp_path):
     for name, moments in expected["state"].items():
         for key, value in moments.items():
             torch.testing.assert_close(resumed["state"][name][key], value, rtol=0, atol=0)
+
+
+def _all_reduce_main(rank: int, world: int, address: str, out_dir: str) -> None:
+    from learner.distributed import close, init_distributed
+
+    ranks = init_distributed(rank, world, address)
+    value = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(value)
+    torch.save(value, f"{out_dir}/rank{rank}.pt")
+    close(ranks)
+
+
+def test_ranks_meet_at_a_tcp_rendezvous_too(tmp_path):
+    """The rendezvous of ranks spread over a cluster (`ray.address`): a TCP store hosted by the learner group."""
+    store, address = start_rendezvous()
+    mp.start_processes(_all_reduce_main, args=(2, address, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    del store
+    assert [float(torch.load(tmp_path / f"rank{r}.pt")) for r in range(2)] == [3.0, 3.0]
