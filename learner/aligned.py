@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from common.config import QUANT_SCHEMES
 from quant_sync.export import is_quantized_linear
 from quant_sync.quantizers import (
     WEIGHT_ONLY_BITS,
@@ -38,7 +39,7 @@ from quant_sync.quantizers import (
     quantized_linear,
 )
 
-ALIGNED_SCHEMES = ("int8", "fp8", "fp8_trunc", "w8a16", "w4a16")
+ALIGNED_SCHEMES = tuple(scheme for scheme in QUANT_SCHEMES if scheme != "none")
 Operand = QuantizedWeight | torch.Tensor  # W8A8 weight, or the fp32 dequantized weight-only matrix
 
 

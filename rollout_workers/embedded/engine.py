@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from common.config import SWAP_MODES
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight, dequantize_published
 from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.model import (
@@ -48,7 +49,6 @@ from rollout_workers.embedded.model import (
 from rollout_workers.engine import Completion, SamplingParams
 
 SCALE_SUFFIX = "_scale"
-SWAP_MODES = ("in_place", "retract")
 BUILD_SLICE_MIN_S = 0.02
 BUILD_SLICE_OF_STEP = 0.5
 """Build work between two steps, as a fraction of a step: the swap gap stays under 1.5 steps (target <= 2)."""

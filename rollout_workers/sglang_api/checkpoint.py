@@ -36,6 +36,7 @@ from quant_sync.sglang_formats import (
     sglang_quantization_config,
 )
 from quant_sync.update import WeightUpdate
+from rollout_workers.sglang_api.protocol import SERVED_SCHEMES
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -48,7 +49,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "added_tokens.json",
 )
-SERVED_SCHEMES = ("none", "int8", "fp8")
 SCALE = "weight_scale"
 SCALE_INV = "weight_scale_inv"
 

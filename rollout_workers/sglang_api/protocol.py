@@ -33,6 +33,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
+SERVED_SCHEMES = ("none", "int8", "fp8")
+"""The weight schemes `asyncrl serve` and the SGLang backend serve (SGLang's w8a8_int8 and FP8 block formats)."""
+
 PauseMode = Literal["abort", "retract", "in_place"]
 """`/pause_generation`'s modes: `abort` ends the running requests, `retract` and `in_place` keep them."""
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)

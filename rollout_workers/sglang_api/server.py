@@ -19,6 +19,9 @@ import sys
 import threading
 import time
 
+from common.config import PRECISIONS
+from rollout_workers.sglang_api.protocol import SERVED_SCHEMES
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl serve", description="The embedded engine behind SGLang's HTTP API.")
@@ -27,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=30000, help="TCP port (0 picks a free one; SGLang's default 30000)")
     parser.add_argument(
         "--quant",
-        choices=("int8", "fp8", "none"),
+        choices=SERVED_SCHEMES,
         default=None,
         help="served weight scheme (default: the checkpoint's quantization_config, else none)",
     )
@@ -35,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without sampling_seed")
     parser.add_argument("--max-batch", type=int, default=256, help="sequences decoded together (KV-cache slots)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response positions per slot")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--cache-dir", default="", help="cache of built-in models (builtin:NAME)")

@@ -85,7 +85,8 @@ class ModelService:
         from transformers import AutoTokenizer
 
         from rollout_workers.embedded.engine import EmbeddedEngine
-        from rollout_workers.sglang_api.checkpoint import SERVED_SCHEMES, checkpoint_scheme
+        from rollout_workers.sglang_api.checkpoint import checkpoint_scheme
+        from rollout_workers.sglang_api.protocol import SERVED_SCHEMES
 
         on_disk, _ = checkpoint_scheme(model_dir)
         self.quant = quant or on_disk

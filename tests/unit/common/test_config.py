@@ -8,7 +8,6 @@ import inspect
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -143,18 +142,18 @@ def test_the_docstring_check_finds_a_missing_docstring():
     assert _field_docstrings(Documented) == {"steps": "Learner steps.", "lr": None, "seed": "Seed."}
 
 
-def test_cli_rejects_bad_weighting_fast_without_heavy_imports():
-    started = time.monotonic()
+def test_cli_rejects_bad_weighting_before_starting_anything():
+    """The config is checked before torch, Ray or a run directory: `test_config_import_stays_light` covers the
+    imports; start-up speed is not asserted here (a wall-clock bound fails on a busy machine)."""
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "up", str(MAIN), "loss.weighting=tsi"],
         capture_output=True,
         text=True,
         timeout=30,
     )
-    elapsed = time.monotonic() - started
     assert proc.returncode == 2
     assert "loss.weighting" in proc.stderr and "tis" in proc.stderr
-    assert elapsed < 5.0, elapsed
+    assert "Traceback" not in proc.stderr and not (MAIN.parent / "runs").exists()
 
 
 def test_config_import_stays_light():

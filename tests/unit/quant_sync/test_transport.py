@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 import time
 
 import msgpack
@@ -64,22 +65,34 @@ def test_subscribers_receive_latest_and_late_ones_catch_up(use_shm):
         publisher.close()
 
 
-def test_a_new_version_reaches_a_waiting_subscriber_at_once():
-    """Subscribers long-poll: a version published while they wait is answered right away, not at their next poll."""
+def test_a_new_version_reaches_a_waiting_subscriber_at_once(monkeypatch):
+    """Subscribers long-poll: a version published while they wait is answered right away, not when their poll times
+    out. Polls here last 60 s and the subscriber polls every 30 s, so an answer within the 10 s wait can only come
+    from the publisher waking the parked poll; and close returns without waiting the poll out."""
+    from quant_sync import subscriber as subscriber_module
+
+    monkeypatch.setattr(subscriber_module, "LONG_POLL_MS", 60_000)
     publisher = WeightPublisher()
     applied = []
     try:
         publisher.publish(0, tensors(0), "int8")
-        subscriber = WeightSubscriber(publisher.endpoint, applied.append, poll_s=30.0)  # polling would take 30 s
+        subscriber = WeightSubscriber(publisher.endpoint, applied.append, poll_s=30.0)
         assert subscriber.wait_for(0, 10)
-        time.sleep(0.3)  # its next `get` is now parked at the publisher
-        published = time.monotonic()
+        deadline = time.monotonic() + 10
+        while not publisher._parked:  # its next `get` is parked at the publisher
+            assert time.monotonic() < deadline, "the subscriber never parked a long poll"
+            time.sleep(0.01)
         publisher.publish(1, tensors(1), "int8")
-        assert subscriber.wait_for(1, 5) and time.monotonic() - published < 0.5  # its poll had 0.7 s left
+        assert subscriber.wait_for(1, 10)  # 10 s against the parked poll's 60 s
         assert_identical(applied[-1], tensors(1))
-        closing = time.monotonic()
-        subscriber.close()
-        assert time.monotonic() - closing < 1.0  # close does not wait out a parked poll
+        deadline = time.monotonic() + 10
+        while not publisher._parked:  # parked again, for version 2
+            assert time.monotonic() < deadline, "the subscriber never parked its next long poll"
+            time.sleep(0.01)
+        closer = threading.Thread(target=subscriber.close)
+        closer.start()
+        closer.join(30)  # against the poll's 60 s
+        assert not closer.is_alive(), "close waited out a parked poll"
     finally:
         publisher.close()
 
