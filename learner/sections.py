@@ -8,24 +8,16 @@ counts, the quantization scheme it publishes). A `LearnerSections` is an `Update
 own bundle to the update. Live changes (`asyncrl set`) apply to a bundle with `common.config.set_key`, as to the
 root config: the dotted keys are the same.
 
-`load` rebuilds a bundle in the process it was sent to: OmegaConf's schema checks (types, unknown keys, a missing
-section), then the config's own checks of the choices and ranges declared with each field, section by section
-(`common.config.check_section`). The rules that span sections were checked on the root config, where every
-section is known.
+`pick` and `load` (and the checks `load` runs) are `common.config_bundle.SectionBundle`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from dataclasses import dataclass
 
 from common.config import (
     AlgoConfig,
     BufferConfig,
-    ConfigError,
     DataConfig,
     LearnerConfig,
     LossConfig,
@@ -35,14 +27,12 @@ from common.config import (
     QuantConfig,
     RolloutConfig,
     TrainConfig,
-    check_section,
 )
-
-Bundle = TypeVar("Bundle", bound="UpdateSections")
+from common.config_bundle import SectionBundle
 
 
 @dataclass(kw_only=True, slots=True)
-class UpdateSections:
+class UpdateSections(SectionBundle):
     """The sections one learner update reads (learner/update.py)."""
 
     learner: LearnerConfig
@@ -53,24 +43,6 @@ class UpdateSections:
     rollout: RolloutConfig
     """Only `temperature` (of the behavior log-probs) and `max_new_tokens` (overlong shaping, length-normalized
     losses)."""
-
-    @classmethod
-    def pick(cls: type[Bundle], root: object) -> Bundle:
-        """This bundle's sections of `root` (the root config): the same section objects, not copies."""
-        return cls(**{f.name: getattr(root, f.name) for f in fields(cls)})
-
-    @classmethod
-    def load(cls: type[Bundle], values: dict[str, Any]) -> Bundle:
-        """Rebuild the bundle from `common.config.to_dict(bundle)` output; raises ConfigError naming the key."""
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(values))
-            bundle = OmegaConf.to_object(merged)
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"`{getattr(err, 'full_key', '?')}`: {str(err).splitlines()[0]}") from err
-        assert isinstance(bundle, cls)
-        for f in fields(cls):  # the choices and ranges declared with each field
-            check_section(getattr(bundle, f.name), f"{f.name}.")
-        return bundle
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,39 +8,27 @@ quantization scheme and float dtype of the weights it is fed); `WorkerSections` 
 keys and heartbeat timeout). A `WorkerSections` is an `EngineSections`, so a worker hands its own bundle to the
 engine it builds.
 
-`load` rebuilds a bundle in the process it was sent to: OmegaConf's schema checks (types, unknown keys, a missing
-section), then the config's own checks of the choices and ranges declared with each field, section by section
-(`common.config.check_section`). The rules that span sections were checked on the root config, where every
-section is known.
-(`learner.sections` does the same for the learner: the two packages are independent siblings, so each keeps its
-copy of these few lines.)
+`pick` and `load` (and the checks `load` runs) are `common.config_bundle.SectionBundle`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from dataclasses import dataclass
 
 from common.config import (
     BufferConfig,
-    ConfigError,
     DataConfig,
     ModelConfig,
     PrecisionConfig,
     QuantConfig,
     RolloutConfig,
     TrainConfig,
-    check_section,
 )
-
-Bundle = TypeVar("Bundle", bound="EngineSections")
+from common.config_bundle import SectionBundle
 
 
 @dataclass(kw_only=True, slots=True)
-class EngineSections:
+class EngineSections(SectionBundle):
     """The sections an engine built from the config reads (rollout_workers/sglang_api/backend.py)."""
 
     rollout: RolloutConfig
@@ -48,24 +36,6 @@ class EngineSections:
     """`scheme`: how the published weights are quantized (the server's quantization)."""
     precision: PrecisionConfig
     """`rollout`: the float dtype the engine computes in."""
-
-    @classmethod
-    def pick(cls: type[Bundle], root: object) -> Bundle:
-        """This bundle's sections of `root` (the root config): the same section objects, not copies."""
-        return cls(**{f.name: getattr(root, f.name) for f in fields(cls)})
-
-    @classmethod
-    def load(cls: type[Bundle], values: dict[str, Any]) -> Bundle:
-        """Rebuild the bundle from `common.config.to_dict(bundle)` output; raises ConfigError naming the key."""
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(values))
-            bundle = OmegaConf.to_object(merged)
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"`{getattr(err, 'full_key', '?')}`: {str(err).splitlines()[0]}") from err
-        assert isinstance(bundle, cls)
-        for f in fields(cls):  # the choices and ranges declared with each field
-            check_section(getattr(bundle, f.name), f"{f.name}.")
-        return bundle
 
 
 @dataclass(kw_only=True, slots=True)
