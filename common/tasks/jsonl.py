@@ -1,4 +1,4 @@
-"""Task `jsonl`: a user dataset file, one JSON object per line, scored with math-verify.
+"""Task `jsonl`: a user dataset file, one JSON object per line, scored by the math reward (`common.tasks.rewards`).
 
 Each row needs a non-empty string prompt (`data.prompt_key`) and an answer (`data.answer_key`) that is a string or
 a number. The whole file is read and validated when the source is built; every bad row is reported by 1-based line
@@ -6,8 +6,11 @@ number in one `DatasetError`. Blank lines are skipped.
 
 GSM8K convention: when an answer string contains `####`, the reference is the text after the last `####`,
 stripped, with thousands separators removed from numbers (`...\\n#### 1,000` -> `1000`). Other answers are used
-as they are (stripped); numbers are written in fixed point (`1e16` -> `10000000000000000`). A row whose reference
-does not score 1 against itself (`18 dollars`, `12,34`) is a bad row: every reward of it would be 0.
+as they are (stripped); numbers are written in fixed point (`1e16` -> `10000000000000000`). A reference that is one
+number (`72`, `1,000`, `0.5`, `3/4`, `50%`) is scored by the response's final answer as a number; any other reference
+goes to math-verify as LaTeX, and a row whose reference does not score 1 against itself (`18 dollars`, `12,34`, or
+LaTeX without delimiters: write `$\\frac{\\sqrt{3}}{2}$`) is a bad row: every reward of it would be 0. Rows are data:
+nothing in them is evaluated (see `common.tasks.rewards`).
 
 Training stream: index i is row `permutation(seed, epoch)[i % n]` with epoch = i // n, a fresh shuffle per epoch.
 Eval set: the first `data.eval_size` rows of a separate fixed permutation. These rows are NOT removed from the
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
@@ -26,10 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from common.tasks import DatasetError, Problem
-from common.tasks.rewards import THOUSANDS_COMMA, math_verify_reward
+from common.tasks.rewards import THOUSANDS_COMMA, math_verify_reward, numeric_reference
 
 _MAX_REPORTED = 10
-_PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?\Z")
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 
 
@@ -78,7 +79,7 @@ def _row_problem(line: bytes, prompt_key: str, answer_key: str) -> tuple[str, st
             text.encode("utf-8")
         except UnicodeEncodeError:
             return f"field {name} holds an unpaired surrogate escape (\\ud800-\\udfff): not text"
-    if not _PLAIN_NUMBER.match(answer) and math_verify_reward(answer, answer) != 1.0:  # ~2 ms a row: not for numbers
+    if numeric_reference(answer) is None and math_verify_reward(answer, answer) != 1.0:  # ~2 ms a row: not for numbers
         return f"the reference answer {answer[:60]!r} does not read as math: every reward of this row would be 0"
     return prompt, answer
 
@@ -117,7 +118,7 @@ def _permutation(size: int, seed: int, stream: int, epoch: int) -> np.ndarray:
 
 
 class JsonlSource:
-    """The `jsonl` prompt source: a shuffled-per-epoch dataset, a fixed eval subset, math-verify reward."""
+    """The `jsonl` prompt source: a shuffled-per-epoch dataset, a fixed eval subset, the math reward."""
 
     def __init__(self, *, path: str, prompt_key: str, answer_key: str, seed: int, eval_size: int) -> None:
         self.path, self.seed, self.eval_size = path, seed, eval_size

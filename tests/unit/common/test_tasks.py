@@ -212,7 +212,9 @@ def test_math_verify_reward() -> None:
     assert math_verify_reward("-72", "72") == 0.0
 
 
-def test_math_verify_reward_rejects_astronomical_numbers_quickly() -> None:
+@pytest.mark.parametrize("reference", ["72", "\\frac{\\sqrt{3}}{2}"], ids=["numeric", "latex"])
+def test_math_verify_reward_rejects_astronomical_numbers_quickly(reference: str) -> None:
+    """Both paths: a numeric reference reads the last number (never evaluated), a LaTeX one goes to math-verify."""
     results: list[float] = []
     responses = [
         f"\\boxed{{{r}}}"
@@ -225,13 +227,15 @@ def test_math_verify_reward_rejects_astronomical_numbers_quickly() -> None:
             "\\binom{2000000}{1000000}",
             "\\dbinom{5}{100000000}",
         )  # fmt: skip
-    ]
-    worker = threading.Thread(target=lambda: results.extend(math_verify_reward(r, "72") for r in responses))
+    ] + ["10^10^10", "9" * 100_000, "1,000" * 20_000]
+    worker = threading.Thread(target=lambda: results.extend(math_verify_reward(r, reference) for r in responses))
     worker.start()
     worker.join(timeout=20)
     assert not worker.is_alive(), "math_verify_reward hung on a huge number"
     assert results == [0.0] * len(responses)
-    assert math_verify_reward("\\boxed{2^{10}}", "1024") == 1.0
+    # A power is an expression: it answers a LaTeX reference it equals, never a numeric one (issue 26).
+    assert math_verify_reward("\\boxed{2^{10}}", "2^{10}") == 1.0
+    assert math_verify_reward("\\boxed{2^{10}}", "1024") == 0.0
 
 
 def test_math_verify_reward_runs_in_a_non_main_thread() -> None:
