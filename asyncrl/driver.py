@@ -65,6 +65,7 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
         client_keys(cfg.buffer.curve_keys_dir)
     except CurveKeyError as err:
         raise StartupError(str(err)) from None
+    check_model_code(model_dir, cfg.model.trust_remote_code)
     try:
         ArchConfig.from_model_dir(model_dir)
     except ModelDirError as err:
@@ -74,6 +75,20 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
             break
     else:
         raise StartupError(f"model.path: {model_dir} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+
+
+def check_model_code(model_dir: str, trust_remote_code: bool) -> None:
+    """A model directory is data: one whose config.json names its own Python code (`auto_map`) is refused unless
+    `model.trust_remote_code` says to run that code (docs/security.md)."""
+    try:
+        auto_map = json.loads((Path(model_dir) / "config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # ArchConfig.from_model_dir names what is wrong with config.json
+    if auto_map and not trust_remote_code:
+        raise StartupError(
+            f"model.path: {model_dir} ships its own code (auto_map in config.json: {', '.join(auto_map)}); asyncrl "
+            "loads model directories as data. Set model.trust_remote_code=true to run that code"
+        )
 
 
 def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:

@@ -137,3 +137,15 @@ def test_scale_rejects_what_is_not_a_worker_count_before_asking_the_driver(tmp_p
     args = [sys.executable, "-m", "asyncrl.cli", "scale", target, "--run", str(run_dir)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "scale takes rollout=N (a whole number" in proc.stderr, proc.stderr
+
+
+def test_a_model_directory_with_its_own_code_is_refused_unless_trusted(tmp_path: Path):
+    """issue 23: model directories are data; `auto_map` (code shipped with the model) needs model.trust_remote_code."""
+    from asyncrl.driver import StartupError, check_model_code
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    check_model_code(str(tmp_path), trust_remote_code=False)  # plain weights: fine
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    with pytest.raises(StartupError, match="ships its own code.*model.trust_remote_code=true"):
+        check_model_code(str(tmp_path), trust_remote_code=False)
+    check_model_code(str(tmp_path), trust_remote_code=True)
