@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="benchmark name (`asyncrl bench list` lists them)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
     bench.add_argument("--quick", action="store_true", help="a short run (smoke test), same metrics")
+    bench.add_argument("--seeds", type=int, default=None, help="seeds of the accuracy comparisons (bench e2e only)")
     return parser
 
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyError as err:
             print(f"asyncrl: {err.args[0]}", file=sys.stderr)
             return 2
-        result = bench(args.quick)
+        result = bench(args.quick) if args.seeds is None else bench(args.quick, seeds=args.seeds)
         print_table(result)
         if args.json_path:
             write_json(result, args.json_path)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from common.wire import Trajectory
+from learner.logprobs import response_logp
 
 
 @dataclass(slots=True)
@@ -116,11 +117,8 @@ def rank_rows(lo: int, hi: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def token_logp(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs (B, T) of the response tokens under `model` (at the rollout temperature), and entropies (B, T)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
-    pos = (batch.response_pos - 1).clamp_min(0)  # logits at position p predict token p + 1
-    picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])) / temperature  # (B, T, V)
-    logp_all = torch.log_softmax(picked, dim=-1)
-    logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy.detach()
+    """Log-probs (B, T) of the response tokens under `model` (at the rollout temperature), with grad, and entropies
+    (B, T); 0 on padding. The LM head runs at the response tokens only, in chunks (`learner.logprobs`)."""
+    return response_logp(
+        model, batch.input_ids, batch.attention_mask, batch.response_pos, batch.response_ids, batch.mask, temperature
+    )

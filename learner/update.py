@@ -18,8 +18,11 @@ them, take the bundle (`learner.sections.UpdateSections`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +53,24 @@ class UpdateResult:
     prox_logp: torch.Tensor  # (B, T)
     entropy: torch.Tensor  # (B, T), zeros with learner.prox = behav
     metrics: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of the step's phases (`PHASES`): kept apart from `metrics`, which equal steps reproduce."""
+
+
+PHASES = ("proximal", "forward", "backward", "optimizer", "metrics")
+"""proximal: the no-grad lp forward; forward: log-probs and loss of the micro-batches; backward; optimizer: unscale,
+clip and AdamW; metrics: norm_update (and the parameter snapshot it and a skip need)."""
+
+
+@contextlib.contextmanager
+def timed(seconds: dict[str, float] | None, phase: str) -> Iterator[None]:
+    """Add the wall time of the block to `seconds[phase]` (nothing when `seconds` is None)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
 def _plan(batch: Batch, lo: int, hi: int, learner: LearnerConfig, ranks: Dist) -> tuple[list[tuple[int, int]], int]:
@@ -95,6 +116,26 @@ def prox_from_training_forward(learner: LearnerConfig, loss: LossConfig) -> bool
 
 def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
+
+
+NORM_CHUNK_ELEMENTS = 2**20
+"""Elements per float64 chunk of `_update_sums` (8 MiB): a whole parameter in float64 is twice its fp32 size."""
+
+
+@torch.no_grad()
+def _update_sums(model: torch.nn.Module, before: list[torch.Tensor]) -> torch.Tensor:
+    """(sum of (new - old)^2, sum of old^2) over this rank's parameters, in float64, a chunk at a time."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    for param, old in zip(model.parameters(), before):
+        new_flat, old_flat = local(param.detach()).reshape(-1), local(old).reshape(-1)
+        for lo in range(0, new_flat.numel(), NORM_CHUNK_ELEMENTS):
+            new, prior = (
+                new_flat[lo : lo + NORM_CHUNK_ELEMENTS].double(),
+                old_flat[lo : lo + NORM_CHUNK_ELEMENTS].double(),
+            )
+            sums[0] += (new - prior).pow(2).sum()
+            sums[1] += prior.pow(2).sum()
+    return sums
 
 
 @torch.no_grad()
@@ -155,10 +196,11 @@ def minibatch_backward(
     sections: UpdateSections,
     scaler: LossScaler,
     ranks: Dist = SINGLE,
+    seconds: dict[str, float] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Forward, loss and backward of PPO minibatch `rows` on this rank (gradients accumulate in the parameters).
 
-    Returns the minibatch's loss and its loss metrics, reduced over ranks.
+    Returns the minibatch's loss and its loss metrics, reduced over ranks; adds its phases' time to `seconds`.
     """
     loss_cfg = sections.loss
     normalizer = max(loss_normalizer(batch.mask[rows[0] : rows[1]], loss_cfg), 1.0)
@@ -169,16 +211,19 @@ def minibatch_backward(
         real = i < len(plan)
         lo, hi = plan[i] if real else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
         micro = batch.select(lo, hi)
-        with autocast(sections.precision.train):
+        with timed(seconds, "forward"), autocast(sections.precision.train):
             cur_logp, entropy = token_logp(model, micro, sections.rollout.temperature)
         if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
-            (scaler.scale_loss(cur_logp.nan_to_num(0.0, 0.0, 0.0).sum()) * 0.0).backward()
+            with timed(seconds, "backward"):
+                (scaler.scale_loss(cur_logp.nan_to_num(0.0, 0.0, 0.0).sum()) * 0.0).backward()
             continue
         if inputs.prox_entropy is not None:  # lp is this forward's (prox_from_training_forward)
             inputs.prox_logp[lo:hi], inputs.prox_entropy[lo:hi] = cur_logp.detach(), entropy
-        out = micro_loss(micro, (lo, hi), cur_logp, inputs, sections.rollout, loss_cfg)
+        with timed(seconds, "forward"):
+            out = micro_loss(micro, (lo, hi), cur_logp, inputs, sections.rollout, loss_cfg)
         share = loss_normalizer(micro.mask, loss_cfg) / normalizer  # this micro-batch's part of the mean
-        scaler.scale_loss(out.loss * (share * ranks.world)).backward()
+        with timed(seconds, "backward"):
+            scaler.scale_loss(out.loss * (share * ranks.world)).backward()
         loss_sum += out.loss.detach() * share
         for key, value in out.metrics.items():
             metric_sums[key] = metric_sums.get(key, 0.0) + value * share
@@ -218,17 +263,21 @@ def train_on_batch(
 ) -> UpdateResult:
     """One train step on `batch` (every rank passes the same batch). Returns metrics; on skip, nothing changed."""
     learner, optim = sections.learner, sections.optim
+    seconds = dict.fromkeys(PHASES, 0.0)
     from_forward = prox_from_training_forward(learner, sections.loss)
     if from_forward:  # filled in, micro-batch by micro-batch, by the minibatch's own forward
         prox_logp, entropy = torch.zeros_like(batch.behav_logp), torch.zeros_like(batch.behav_logp)
     elif learner.prox == "recompute":
-        prox_logp, entropy = proximal_logp(model, batch, learner, sections.precision, sections.rollout, ranks)
+        with timed(seconds, "proximal"):
+            prox_logp, entropy = proximal_logp(model, batch, learner, sections.precision, sections.rollout, ranks)
     else:
         prox_logp, entropy = batch.behav_logp.clone(), torch.zeros_like(batch.behav_logp)
     inputs = step_inputs(batch, prox_logp, sections.rollout, sections.algo, sections.loss, acrl_reference)
     inputs.prox_entropy = entropy if from_forward else None
-    before = _snapshot(model)
-    optim_before = copy.deepcopy(optimizer.state_dict()) if learner.minibatches > 1 else None
+    # The weights and AdamW state the step starts from (for norm_update and to undo a skipped step), taken before
+    # the first optimizer step changes them: after the first backward, never alongside its activations.
+    before: list[torch.Tensor] | None = None
+    optim_before: dict | None = None
     params = [p for p in model.parameters() if p.requires_grad]
     clip = optim.grad_clip if optim.grad_clip > 0 else math.inf
     metrics: dict[str, float] = {"loss_scale": scaler.scale}
@@ -236,30 +285,34 @@ def train_on_batch(
     skipped = False
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         optimizer.zero_grad(set_to_none=True)
-        loss_value, loss_metrics = minibatch_backward(model, batch, (lo, hi), inputs, sections, scaler, ranks)
-        scaler.unscale_(params)
-        grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree
+        loss_value, loss_metrics = minibatch_backward(model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds)
+        with timed(seconds, "optimizer"):
+            scaler.unscale_(params)
+            grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree
         metrics["loss"], metrics["grad_norm"] = loss_value, grad_norm
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             scaler.update(finite=False)
             skipped = True
             break
-        optimizer.step()
+        if before is None:
+            with timed(seconds, "metrics"):
+                before = _snapshot(model)
+                optim_before = copy.deepcopy(optimizer.state_dict()) if learner.minibatches > 1 else None
+        with timed(seconds, "optimizer"):
+            optimizer.step()
         scaler.update(finite=True)
         metrics.update(loss_metrics)
     optimizer.zero_grad(set_to_none=True)
     if from_forward:  # each rank filled its own rows
         prox_logp, entropy = all_reduce_(prox_logp, ranks), all_reduce_(entropy, ranks)
     if skipped:
-        _restore(model, before)
+        if before is not None:
+            _restore(model, before)
         if optim_before is not None:
             optimizer.load_state_dict(optim_before)
         metrics["skipped_nonfinite"] = 1.0
-    with torch.no_grad():
-        sums = torch.zeros(2, dtype=torch.float64)
-        for param, old in zip(model.parameters(), before):
-            sums[0] += (local(param.detach()).double() - local(old).double()).pow(2).sum()
-            sums[1] += local(old).double().pow(2).sum()
-        delta, base = all_reduce_(sums, ranks).tolist()
+    with timed(seconds, "metrics"):
+        olds = before if before is not None else [p.detach() for p in model.parameters()]  # no step: unchanged
+        delta, base = all_reduce_(_update_sums(model, olds), ranks).tolist()
     metrics["norm_update"] = delta / max(base, 1e-30)
-    return UpdateResult(skipped=skipped, prox_logp=prox_logp, entropy=entropy, metrics=metrics)
+    return UpdateResult(skipped=skipped, prox_logp=prox_logp, entropy=entropy, metrics=metrics, seconds=seconds)

@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "buffer": "asyncrl.bench.buffer_bench:run",
     "sync": "asyncrl.bench.sync_bench:run",
     "learner": "asyncrl.bench.learner_bench:run",
+    "e2e": "asyncrl.bench.e2e_bench:run",
 }
 
 
@@ -29,9 +30,14 @@ class BenchResult:
     """Raw measurements, units in the key (e.g. `encode_msgs_per_s`)."""
     ratios: dict[str, float] = field(default_factory=dict)
     """Each a measurement over its same-run baseline; the names are fixed by the issues."""
+    details: dict[str, object] = field(default_factory=dict)
+    """What the numbers need to be read: settings, curves, per-run records (written only when a bench has any)."""
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "metrics": self.metrics, "ratios": self.ratios}
+        out: dict[str, object] = {"name": self.name, "metrics": self.metrics, "ratios": self.ratios}
+        if self.details:
+            out["details"] = self.details
+        return out
 
 
 def resolve(name: str) -> Callable[[bool], BenchResult]:

@@ -1,45 +1,98 @@
-"""`asyncrl bench engine`: decode throughput of the embedded engine, INT8 speed-up, and the weight-swap pause.
+"""`asyncrl bench engine`: decode throughput of the embedded engine per weight scheme, against fp32 and against HF.
 
-Baselines, measured in the same run on the same model, batch, prompt length, response length and sampling
-(temperature 1, no top-p/k, no early stop):
+Models (all Llama-family; the random ones are N(0, 0.02) weights, enough for timing):
+- `tiny`: `builtin:tiny` (0.8M parameters: per-token overhead, not weights, bounds it);
+- `big`: a random ~100M Llama, hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 8192;
+- `smol`: a random SmolLM2-135M-shaped Llama: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536,
+  vocab 49,152, tied embeddings.
 
-- `engine_vs_hf_b1`, `engine_vs_hf_b64`: engine decode tokens/s over Hugging Face `generate` (fp32, KV cache,
-  SDPA attention), on `builtin:tiny` and on a random ~100M-parameter Llama (hidden 1024); the ratio is the min
-  of the two models. Decode tokens/s excludes the prompt's prefill, for both: B * (N - 1) / (t(N) - t(1)), where
-  t(n) is the time of a call generating n tokens for each of the B prompts (t(1) is the prefill and first token).
-- `int8_vs_fp32_b32`: engine tokens/s with INT8 W8A8 weights over fp32 weights, batch 32, hidden-1024 model.
-- `swap_max_gap_over_median`: the largest gap between two consecutive scheduler steps over the median gap while
-  5 weight versions are staged from another thread mid-generation (in_place mode, hidden-1024 model in INT8,
-  batch 64; 16 with `quick`).
+Ratios (one run, same model, batch, 8-token prompts, response length and sampling: temperature 1, no top-p/k,
+no early stop). Decode tokens/s excludes the prefill, for every contender: B * (N - 1) / (t(N) - t(1)), t(n) being
+the time of a call generating n tokens for each of the B prompts.
+- `engine_vs_hf_b1`: the fp32 engine over Hugging Face `generate` (fp32, KV cache, SDPA) on the built-in model
+  (`tiny`: per-token overhead). `big` is reported as `big_b1_engine_tok_per_s` / `big_b1_hf_tok_per_s`: at one
+  row both stream the same fp32 weights, so memory bandwidth, not the engine, bounds that ratio.
+- `engine_vs_hf_b64`: the same at batch 64, the lower of `tiny` and `big`.
+- `engine_int8_vs_hf_b64`: the engine as the main job runs it (INT8 W8A8) over HF `generate` in fp32 (what TRL
+  rolls out with), batch 64, the lower of `tiny` and `big`.
+- `int8_vs_fp32_b32` (`big`), `smol_int8_vs_fp32_b32` (`smol`): INT8 engine over the fp32 engine at batch 32.
+- `w8a16_vs_fp32_b1` (`big`): the weight-only INT8 engine over fp32 at batch 1 (memory-bound: weight bytes).
+- `swap_max_gap_over_median`: the largest gap between two scheduler steps over the median gap while 5 weight
+  versions are staged from another thread mid-generation (in_place, `big` in INT8, batch 64; 16 with `quick`),
+  gaps in the decode thread's CPU time (see below: what the engine's scheduling adds, not a neighbour's).
+
+Metrics: `<model>_b<B>_<scheme>_tok_per_s` for every scheme (fp32, int8, fp8, w8a16, w4a16) at batches 1, 32, 64
+on every model (`--quick`: only the pairs the ratios need), and each one's `_roofline_fraction`: measured tok/s
+over min(bandwidth x B / weight bytes per step, GEMM peak / FLOPs per token). Bytes per step: every weight a decode
+step reads once in the scheme's published format (decoder linears quantized, norms and the LM head in fp32; the
+embedding is gathered, not read). FLOPs per token: 2 per multiply-accumulate of the linears and the LM head
+(attention, a few percent at these lengths, is not counted). Bandwidth: a large single-thread copy, counting its
+read and its write (`bandwidth_gb_per_s`); peaks: a 1024^3 fp32 `torch.mm` (`fp32_gemm_gflop_per_s`) and the
+exact int8 `torch._int_mm` (`int8_gemm_gop_per_s`, the int8 scheme's peak), measured in this run. `cpu_<flag>`
+is 1 where /proc/cpuinfo lists avx2 / avx512f / avx512_vnni / avx512_bf16 / amx_int8. The JSON's `details` name
+the kernel each scheme's linears ran (`kernels`) and the CPU's ISA (`cpu_isa`).
 
 Everything runs on one torch thread, as a rollout worker does by default (`rollout.threads`): on these shared
-2-core machines two OpenMP threads contend with the neighbours and every op slows by up to 10x. Contenders
-alternate (engine, HF, engine, HF, ...) after a short warm-up and each reports its best round, so a noisy
-neighbour slows both rather than one.
+2-core machines two OpenMP threads contend with the neighbours. Times are the calling thread's CPU time (every
+contender computes on it: one torch thread, single-threaded kernels; the peaks and the copy too): wall time here
+also counts the waits for a core that other jobs cause, which swung one contender's rate 3x between rounds and a
+swap gap past 2 steps. Contenders alternate (a, b, a, b, ...) after a warm-up, so a noisy neighbour slows both
+rather than one, and each t(n) is the smallest of its rounds.
+
+CUDA: `ASYNCRL_BENCH_DEVICE=cuda` runs the engines (`rollout.device=cuda`) and HF on the GPU. Untested: these
+machines have no GPU; it is written to torch's documented CUDA API, and the CPU-side figures (ISA flags, kernel
+names) then do not describe what ran.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from asyncrl.bench import BenchResult
 
 PROMPT_TOKENS = 8
+SCHEMES = ("none", "int8", "fp8", "w8a16", "w4a16")
+LABELS = {"none": "fp32"}  # metric names call the unquantized engine fp32
+BATCHES = (1, 32, 64)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+BIG_SHAPE = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+             "num_attention_heads": 16, "num_key_value_heads": 4}  # fmt: skip
+SMOL_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}  # fmt: skip
+QUICK_GRID = (("big", 32, ("none", "int8")), ("big", 1, ("none", "w8a16")), ("smol", 32, ("none", "int8")))
+"""`--quick`: the (model, batch, schemes) the scheme ratios need; the full run measures every combination."""
 
 
-def _big_model(tmp_dir: str):
+def _device() -> torch.device:
+    return torch.device(os.environ.get("ASYNCRL_BENCH_DEVICE", "cpu"))
+
+
+def _sync() -> None:
+    if _device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _clock() -> float:
+    """Seconds of this thread's CPU time on CPU (every contender computes on the calling thread: one torch thread,
+    single-threaded kernels), wall time on a GPU. On the shared 2-core machines wall time also counts the waits for a
+    core that the neighbours' jobs cause, which swung one contender's rate 3x between rounds."""
+    return time.perf_counter() if _device().type == "cuda" else time.thread_time()
+
+
+def _random_llama(tmp_dir: str, shape: dict[str, object]):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=256,
-                         eos_token_id=2, attn_implementation="sdpa")  # fmt: skip
+    config = LlamaConfig(**shape, max_position_embeddings=256, eos_token_id=2, attn_implementation="sdpa")
     with no_init_weights():  # HF's initialisation takes seconds; N(0, 0.02) matrices and unit norms are enough
         model = LlamaForCausalLM(config).eval()
     generator = torch.Generator().manual_seed(0)
@@ -47,7 +100,7 @@ def _big_model(tmp_dir: str):
         for param in model.parameters():
             param.normal_(0.0, 0.02, generator=generator) if param.dim() == 2 else param.fill_(1.0)
     config.save_pretrained(tmp_dir)  # the engine reads config.json; weights reach it as published tensors
-    return model
+    return model.to(_device())
 
 
 def _tiny_model():
@@ -56,7 +109,8 @@ def _tiny_model():
     from common.builtin_model import resolve_model_path
 
     model_dir = str(resolve_model_path("builtin:tiny"))
-    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval(), model_dir
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    return model.to(_device()), model_dir
 
 
 def _engine(model, model_dir: str, scheme: str, **kwargs):
@@ -64,8 +118,9 @@ def _engine(model, model_dir: str, scheme: str, **kwargs):
     from quant_sync.update import WeightUpdate
     from rollout_workers.embedded.engine import EmbeddedEngine
 
-    engine = EmbeddedEngine(model_dir, **kwargs)
-    engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), scheme), scheme))
+    engine = EmbeddedEngine(model_dir, max_seq_len=128, device=str(_device()), **kwargs)
+    state = {name: value.cpu() for name, value in model.state_dict().items()}
+    engine.stage_weights(WeightUpdate(0, export_rollout_tensors(state, scheme), scheme))
     engine.apply_staged()
     return engine
 
@@ -75,53 +130,68 @@ def _prompts(model, batch: int) -> torch.Tensor:
     return torch.randint(3, model.config.vocab_size, (batch, PROMPT_TOKENS), generator=generator)
 
 
-def _engine_rate(engine, prompts: torch.Tensor, new_tokens: int) -> Callable[[], float]:
+def _engine_rate(engine, prompts: torch.Tensor, new_tokens: int) -> Callable[[], Timing]:
     from rollout_workers.engine import SamplingParams
 
     prompt_lists = prompts.tolist()
     engine.generate(prompt_lists, SamplingParams(max_new_tokens=2))  # warm-up: allocates the KV cache
 
     def timed(n: int) -> float:
-        start = time.perf_counter()
+        start = _clock()
         out = engine.generate(prompt_lists, SamplingParams(max_new_tokens=n, stop_token_ids=(-1,)))
-        elapsed = time.perf_counter() - start
+        _sync()
+        elapsed = _clock() - start
         assert all(len(c.response_ids) == n for c in out)
         return elapsed
 
-    return lambda: _decode_rate(len(prompt_lists), new_tokens, timed)
+    return lambda: Timing(len(prompt_lists), new_tokens, timed(1), timed(new_tokens))
 
 
-def _decode_rate(batch: int, new_tokens: int, timed: Callable[[int], float]) -> float:
-    """Decode tokens/s without the prefill: B * (N - 1) / (t(N) - t(1))."""
-    prefill_s = timed(1)
-    total_s = timed(new_tokens)
-    return batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9)
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One round of a contender: the seconds of a call generating 1 token (prefill) and N tokens per prompt."""
+
+    batch: int
+    new_tokens: int
+    prefill_s: float
+    total_s: float
 
 
-def _hf_rate(model, prompts: torch.Tensor, new_tokens: int) -> Callable[[], float]:
+def _decode_rate(rounds: list[Timing]) -> float:
+    """Decode tokens/s without the prefill: B * (N - 1) / (t(N) - t(1)), each t the least disturbed (smallest) of
+    the rounds: the best round of the difference would reward a round whose t(1) a neighbour happened to slow."""
+    first = rounds[0]
+    decode_s = min(r.total_s for r in rounds) - min(r.prefill_s for r in rounds)
+    return first.batch * (first.new_tokens - 1) / max(decode_s, 1e-9)
+
+
+def _hf_rate(model, prompts: torch.Tensor, new_tokens: int) -> Callable[[], Timing]:
+    prompts = prompts.to(_device())
     with torch.inference_mode():  # warm-up
         model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=2, pad_token_id=0)
 
     def timed(n: int) -> float:
-        start = time.perf_counter()
+        start = _clock()
         with torch.inference_mode():
             out = model.generate(
                 prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0, top_p=1.0,
                 top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
             )  # fmt: skip
-        elapsed = time.perf_counter() - start
+        _sync()
+        elapsed = _clock() - start
         assert out.shape[1] == prompts.shape[1] + n
         return elapsed
 
-    return lambda: _decode_rate(prompts.shape[0], new_tokens, timed)
+    return lambda: Timing(prompts.shape[0], new_tokens, timed(1), timed(new_tokens))
 
 
-def _best_alternating(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
+def _best_alternating(contenders: dict[str, Callable[[], Timing]], rounds: int) -> dict[str, float]:
+    """Decode tok/s of each contender over `rounds` rounds in which they take turns (see `_decode_rate`)."""
+    samples: dict[str, list[Timing]] = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
             samples[name].append(fn())
-    return {name: max(values) for name, values in samples.items()}
+    return {name: _decode_rate(timings) for name, timings in samples.items()}
 
 
 def _swap_gaps(model, model_dir: str, batch: int, new_tokens: int, swaps: int) -> tuple[float, float, int]:
@@ -131,7 +201,7 @@ def _swap_gaps(model, model_dir: str, batch: int, new_tokens: int, swaps: int) -
     from rollout_workers.engine import SamplingParams
 
     engine = _engine(model, model_dir, "int8", max_batch=batch)
-    tensors = export_rollout_tensors(model.state_dict(), "int8")
+    tensors = export_rollout_tensors({name: value.cpu() for name, value in model.state_dict().items()}, "int8")
     prompts = _prompts(model, batch).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=(-1,))
     engine.generate(prompts, SamplingParams(max_new_tokens=2))  # warm-up
@@ -147,11 +217,11 @@ def _swap_gaps(model, model_dir: str, batch: int, new_tokens: int, swaps: int) -
     for index, prompt in enumerate(prompts):
         engine.submit(prompt, params, [index])
     every = max(new_tokens // (2 * swaps + 2), 1)
-    stamps = [time.perf_counter()]
+    stamps = [_clock()]
     requested, last_request = 0, 0
     while engine.busy:
         engine.step()
-        stamps.append(time.perf_counter())
+        stamps.append(_clock())
         steps = len(stamps) - 1
         # the next version is published once the previous one is in and `every` steps have passed
         if requested < swaps and engine.version == requested and steps - last_request >= every:
@@ -164,6 +234,162 @@ def _swap_gaps(model, model_dir: str, batch: int, new_tokens: int, swaps: int) -
     return max(gaps), statistics.median(gaps), engine.swaps - 1
 
 
+def cpu_isa() -> dict[str, bool]:
+    """The /proc/cpuinfo flags of CPU_FLAGS (all False where there is no such file)."""
+    path = Path("/proc/cpuinfo")
+    flags: set[str] = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return {flag: flag in flags for flag in CPU_FLAGS}
+
+
+def int8_kernel() -> str:
+    """The exact INT8 kernel new int8 weights get (`int8_linear.int8_kernel_name`; "unknown" where that module or
+    function is missing)."""
+    try:
+        from rollout_workers.embedded import int8_linear
+    except ImportError:
+        return "unknown"
+    name_of = getattr(int8_linear, "int8_kernel_name", None)
+    return name_of() if callable(name_of) else "unknown"
+
+
+def kernel_of(engine) -> str:
+    """What the engine's decoder linears run on (its first layer's gate/up projection, as built)."""
+    from rollout_workers.embedded import model as engine_model
+    from rollout_workers.embedded.weight_only import PackedWeightOnly
+
+    weight = engine._weights.layers[0].gate_up
+    if isinstance(weight, PackedWeightOnly):
+        return f"weight_only:{weight.kernel}"
+    if isinstance(weight, engine_model.UpcastQuantized):
+        return f"fp32 GEMM on the exact upcast ({weight.scheme})"
+    if isinstance(weight, engine_model.PackedFp32):
+        return "fp32 oneDNN prepacked (MKL at one row)"
+    if isinstance(weight, torch.Tensor):
+        return f"{weight.dtype} torch.nn.functional.linear"
+    kernel = getattr(weight, "kernel", None)
+    return f"int8:{kernel}" if kernel else type(weight).__name__
+
+
+def machine_peaks(quick: bool) -> dict[str, float]:
+    """Bandwidth (a large copy: read + written bytes per second) and GEMM peaks (fp32 FLOP/s, int8 op/s)."""
+    device, reps = _device(), 3 if quick else 8
+    source = torch.empty(1 << 25, dtype=torch.float32, device=device).fill_(1.0)  # 128 MiB
+    target = torch.empty_like(source)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            _sync()
+            start = _clock()
+            fn()
+            _sync()
+            times.append(_clock() - start)
+        return min(times)
+
+    copy_s = best(lambda: target.copy_(source))
+    size = 1024
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    gemm_s = best(lambda: torch.mm(a, b))
+    a8 = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
+    int8_s = best(lambda: torch._int_mm(a8, a8))
+    return {
+        "bandwidth_gb_per_s": 2 * source.nbytes / copy_s / 1e9,
+        "fp32_gemm_gflop_per_s": 2 * size**3 / gemm_s / 1e9,
+        "int8_gemm_gop_per_s": 2 * size**3 / int8_s / 1e9,
+    }
+
+
+def weight_traffic(state: dict[str, torch.Tensor], scheme: str) -> tuple[float, float]:
+    """(bytes a decode step reads, FLOPs per token) of a model in `scheme`'s published format (see the docstring)."""
+    from quant_sync.export import export_rollout_tensors
+
+    published = export_rollout_tensors(state, scheme)
+    tied = "lm_head.weight" not in published
+    embed = published["model.embed_tokens.weight"]
+    read = sum(t.nbytes for name, t in published.items() if name != "model.embed_tokens.weight")
+    read += embed.nbytes if tied else 0  # a tied LM head reads the embedding matrix whole
+    macs = sum(t.numel() for name, t in published.items() if t.dim() == 2 and name != "model.embed_tokens.weight")
+    macs += embed.numel() if tied else 0
+    return float(read), 2.0 * macs
+
+
+def roofline_fraction(
+    tok_per_s: float, batch: int, traffic: tuple[float, float], peaks: dict[str, float], scheme: str
+) -> float:
+    """Measured tok/s over min(bandwidth x B / bytes per step, GEMM peak / FLOPs per token)."""
+    bytes_per_step, flops_per_token = traffic
+    peak = peaks["int8_gemm_gop_per_s"] if scheme == "int8" else peaks["fp32_gemm_gflop_per_s"]
+    memory_bound = peaks["bandwidth_gb_per_s"] * 1e9 * batch / bytes_per_step
+    compute_bound = peak * 1e9 / flops_per_token
+    return tok_per_s / min(memory_bound, compute_bound)
+
+
+def _new_tokens(model_name: str, batch: int, quick: bool) -> int:
+    if model_name == "tiny":
+        return 48 if batch == 1 else 32
+    if model_name == "big":
+        return (8 if batch == 1 else 6) if quick else (32 if batch == 1 else 16)
+    return (6 if batch == 1 else 4) if quick else (16 if batch == 1 else 8)  # smol: 30 layers, a 49k-token head
+
+
+def _scheme_rows(
+    models: dict[str, tuple[object, str]], grid, rounds: int, quick: bool, peaks: dict[str, float]
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Every (model, batch, schemes) of `grid`, the schemes alternating: tok/s and roofline fraction per scheme."""
+    metrics: dict[str, float] = {}
+    kernels: dict[str, str] = {}
+    traffic: dict[tuple[str, str], tuple[float, float]] = {}
+    for model_name, batch, schemes in grid:
+        model, model_dir = models[model_name]
+        state = {name: value.cpu() for name, value in model.state_dict().items()}  # type: ignore[attr-defined]
+        prompts = _prompts(model, batch)
+        engines = {scheme: _engine(model, model_dir, scheme, max_batch=batch) for scheme in schemes}
+        new_tokens = _new_tokens(model_name, batch, quick)
+        rates = _best_alternating(
+            {scheme: _engine_rate(engine, prompts, new_tokens) for scheme, engine in engines.items()}, rounds
+        )
+        for scheme, rate in rates.items():
+            key = f"{model_name}_b{batch}_{LABELS.get(scheme, scheme)}"
+            traffic.setdefault((model_name, scheme), weight_traffic(state, scheme))
+            metrics[f"{key}_tok_per_s"] = rate
+            metrics[f"{key}_roofline_fraction"] = roofline_fraction(
+                rate, batch, traffic[model_name, scheme], peaks, scheme
+            )
+            kernels[f"{model_name}_{LABELS.get(scheme, scheme)}"] = kernel_of(engines[scheme])
+        del engines
+    for (model_name, scheme), (bytes_per_step, flops) in traffic.items():
+        metrics[f"{model_name}_{LABELS.get(scheme, scheme)}_weight_mb_per_step"] = bytes_per_step / 1e6
+        metrics[f"{model_name}_gflop_per_token"] = flops / 1e9
+    return metrics, kernels
+
+
+def _engine_vs_hf(models: dict[str, tuple[object, str]], rounds: int, quick: bool) -> dict[str, float]:
+    """fp32 engine, INT8 engine and HF generate (fp32) on `tiny` and `big` at batches 1 and 64."""
+    metrics: dict[str, float] = {}
+    tokens = {("tiny", 1): 48, ("tiny", 64): 48, ("big", 1): 8 if quick else 32, ("big", 64): 6 if quick else 16}
+    for name in ("tiny", "big"):
+        model, model_dir = models[name]
+        fp32 = _engine(model, model_dir, "none", max_batch=64)
+        int8 = _engine(model, model_dir, "int8", max_batch=64)
+        for batch in (1, 64):
+            new_tokens, prompts = tokens[name, batch], _prompts(model, batch)
+            contenders = {"engine": _engine_rate(fp32, prompts, new_tokens), "hf": _hf_rate(model, prompts, new_tokens)}
+            if batch == 64:
+                contenders["int8"] = _engine_rate(int8, prompts, new_tokens)
+            rates = _best_alternating(contenders, rounds)
+            metrics[f"{name}_b{batch}_engine_tok_per_s"] = rates["engine"]
+            metrics[f"{name}_b{batch}_hf_tok_per_s"] = rates["hf"]
+            if batch == 64:
+                metrics[f"{name}_b{batch}_engine_int8_tok_per_s"] = rates["int8"]
+    return metrics
+
+
 def run(quick: bool) -> BenchResult:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like a rollout worker (rollout.threads); 2 threads on a shared 2-core box thrash
@@ -174,44 +400,44 @@ def run(quick: bool) -> BenchResult:
 
 
 def _run(quick: bool) -> BenchResult:
+    from rollout_workers.embedded import weight_only
+
     torch.manual_seed(0)
     rounds = 1 if quick else 3
-    metrics: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as big_dir:
-        big = _big_model(big_dir)
-        tiny, tiny_dir = _tiny_model()
-        tokens = {("tiny", 1): 48, ("tiny", 64): 48, ("big", 1): 8 if quick else 32, ("big", 64): 6 if quick else 16}
-        for name, model, model_dir in (("tiny", tiny, tiny_dir), ("big", big, big_dir)):
-            engine = _engine(model, model_dir, "none", max_batch=64)
-            for batch in (1, 64):
-                new_tokens = tokens[name, batch]
-                prompts = _prompts(model, batch)
-                rates = _best_alternating(
-                    {"engine": _engine_rate(engine, prompts, new_tokens), "hf": _hf_rate(model, prompts, new_tokens)},
-                    rounds,
-                )
-                metrics[f"{name}_b{batch}_engine_tok_per_s"] = rates["engine"]
-                metrics[f"{name}_b{batch}_hf_tok_per_s"] = rates["hf"]
-        for batch in (32, 1):  # b1 is reported too: memory-bound, where 4x smaller weights pay most
-            prompts = _prompts(big, batch)
-            rates = _best_alternating(
-                {
-                    scheme: _engine_rate(_engine(big, big_dir, scheme, max_batch=batch), prompts, 6 if quick else 16)
-                    for scheme in ("int8", "none")
-                },
-                rounds,
-            )
-            metrics[f"big_b{batch}_int8_tok_per_s"] = rates["int8"]
-            metrics[f"big_b{batch}_fp32_tok_per_s"] = rates["none"]
+    peaks = machine_peaks(quick)
+    isa = cpu_isa()
+    metrics: dict[str, float] = {**peaks, **{f"cpu_{flag}": float(present) for flag, present in isa.items()}}
+    with tempfile.TemporaryDirectory() as big_dir, tempfile.TemporaryDirectory() as smol_dir:
+        models = {"tiny": _tiny_model(), "big": (_random_llama(big_dir, BIG_SHAPE), big_dir)}
+        models["smol"] = (_random_llama(smol_dir, SMOL_SHAPE), smol_dir)
+        metrics.update(_engine_vs_hf(models, rounds, quick))
+        grid = QUICK_GRID if quick else tuple((m, b, SCHEMES) for m in ("tiny", "big", "smol") for b in BATCHES)
+        scheme_metrics, kernels = _scheme_rows(models, grid, rounds, quick, peaks)
+        metrics.update(scheme_metrics)
+        big, _ = models["big"]
         max_gap, median_gap, swaps = _swap_gaps(big, big_dir, 16 if quick else 64, 28 if quick else 48, 5)
     metrics.update(swap_max_gap_s=max_gap, swap_median_gap_s=median_gap, swaps_applied=float(swaps))
     ratios = {
-        f"engine_vs_hf_b{batch}": min(
-            metrics[f"{name}_b{batch}_engine_tok_per_s"] / metrics[f"{name}_b{batch}_hf_tok_per_s"]
-            for name in ("tiny", "big")
-        )
-        for batch in (1, 64)
+        "engine_vs_hf_b1": metrics["tiny_b1_engine_tok_per_s"] / metrics["tiny_b1_hf_tok_per_s"],
+        "engine_vs_hf_b64": min(
+            metrics[f"{m}_b64_engine_tok_per_s"] / metrics[f"{m}_b64_hf_tok_per_s"] for m in ("tiny", "big")
+        ),
     }
+    ratios["engine_int8_vs_hf_b64"] = min(
+        metrics[f"{name}_b64_engine_int8_tok_per_s"] / metrics[f"{name}_b64_hf_tok_per_s"] for name in ("tiny", "big")
+    )
     ratios["int8_vs_fp32_b32"] = metrics["big_b32_int8_tok_per_s"] / metrics["big_b32_fp32_tok_per_s"]
+    ratios["smol_int8_vs_fp32_b32"] = metrics["smol_b32_int8_tok_per_s"] / metrics["smol_b32_fp32_tok_per_s"]
+    ratios["w8a16_vs_fp32_b1"] = metrics["big_b1_w8a16_tok_per_s"] / metrics["big_b1_fp32_tok_per_s"]
     ratios["swap_max_gap_over_median"] = max_gap / median_gap
-    return BenchResult(name="engine", metrics=metrics, ratios=ratios)
+    details = {
+        "cpu_isa": [flag for flag, present in isa.items() if present],
+        "kernels": kernels,
+        "kernel_by_scheme": {
+            "int8": int8_kernel(),
+            "w8a16": weight_only.kernel_name(),
+            "w4a16": weight_only.kernel_name(),
+        },
+        "device": str(_device()),
+    }
+    return BenchResult(name="engine", metrics=metrics, ratios=ratios, details=details)

@@ -14,6 +14,18 @@ model's plus noise, so every weighting has real work: truncations, masks, clippi
   (gloo, one thread each, spawned processes) over one process with as many threads: same cores, same batch.
 - `bf16_vs_fp32`: tokens/s of the loss+backward step under bf16 autocast over fp32 (fp16 reported as a metric).
   On CPUs without bf16 matrix units this is below 1: autocast adds casts and the GEMMs are not faster.
+- The SmolLM row (issue 26): a random-init model of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV
+  heads, intermediate 1536, vocab 49,152, tied embeddings), 64 sequences of 47 prompt + 16 response tokens, whole
+  learner steps (`train_on_batch`, then the publication and the metrics of `Learner.train_step`) on
+  `learner.threads` threads, in a fresh process that does nothing else (`SMOL_OVERRIDES`: the learner settings).
+  `learner_peak_rss_gb_smol`: that process's `ru_maxrss` after its first step, in GB (1e9 bytes); after its last
+  step (the third without --quick), when AdamW's state lives through forward and backward, `smol_peak_rss_gb_steady`.
+  `learner_mfu_smol`: model FLOP/s of a step over the FLOP/s of a large fp32 `torch.mm` on as many threads in that
+  process, both per busy second (CPU seconds / threads: on a shared machine, wall seconds include the time other
+  processes held the cores; `smol_mfu_wall` is the wall-clock figure). Model FLOPs (`smol_model_flops`): 2 per
+  parameter and token forward, 4 backward, the decoder body at every prompt + response token, the LM head at loss
+  positions only; attention scores (2% of the body at 63 tokens) and recomputation are not counted. The step is
+  split into proximal pass, forward, backward, optimizer, metrics and publish (`smol_<phase>_s`).
 
 Contenders alternate within every round and each reports its best round (machines here are noisy; the minimum
 is the least disturbed measurement of the same work).
@@ -22,6 +34,7 @@ is the least disturbed measurement of the same work).
 from __future__ import annotations
 
 import multiprocessing
+import resource
 import time
 from collections.abc import Callable
 
@@ -34,6 +47,15 @@ from learner.sections import UpdateSections
 HIDDEN, LAYERS, VOCAB = 128, 4, 1024
 GROUPS, GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 4, 8, 16, 32
 FSDP_WORLD = 2
+SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "intermediate_size": 1536, "vocab_size": 49152}  # fmt: skip
+SMOL_GROUPS, SMOL_GROUP_SIZE, SMOL_PROMPT_LEN, SMOL_RESPONSE_LEN = 8, 8, 47, 16
+SMOL_OVERRIDES = ("learner.micro_batch_tokens=512",)
+"""The learner settings of the SmolLM row that differ from the defaults: micro-batches of 8 sequences. Measured here
+(busy-second MFU, first-step / steady RSS in GB): 16384 (the default, one micro-batch) 0.77, 7.7 / 9.8; 1024 0.79,
+3.9 / 5.7; 512 0.77, 3.4 / 4.6; 256 0.70, 3.4 / 4.0."""
+PHASES_SMOL = ("proximal", "forward", "backward", "optimizer", "metrics", "publish")
+GEMM_SIZE = 2048  # the peak: a (GEMM_SIZE x GEMM_SIZE) @ (GEMM_SIZE x GEMM_SIZE) fp32 torch.mm
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -267,6 +289,170 @@ def _fsdp(rounds: int) -> tuple[dict[str, float], dict[str, float]]:
     return metrics, {"fsdp2_w2_vs_single": best_single / best_fsdp}
 
 
+def _smol_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SMOL_SHAPE, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=100000.0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).train()  # transformers' random init: the cost does not depend on the values
+
+
+def _smol_batch():
+    """64 responses of 16 tokens after 47-token prompts; behavior log-probs near a random model's (-log V)."""
+    from learner.batch import Batch
+
+    gen = torch.Generator().manual_seed(0)
+    n, vocab = SMOL_GROUPS * SMOL_GROUP_SIZE, SMOL_SHAPE["vocab_size"]
+    seq_len, resp_len = SMOL_PROMPT_LEN + SMOL_RESPONSE_LEN, SMOL_RESPONSE_LEN
+    input_ids = torch.randint(1, vocab, (n, seq_len), generator=gen)
+    behav = -torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn((n, resp_len), generator=gen)
+    rewards = torch.randint(0, 2, (n,), generator=gen).float()
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=torch.ones((n, seq_len), dtype=torch.long),
+        response_pos=(SMOL_PROMPT_LEN + torch.arange(resp_len))[None, :].expand(n, -1).clone(),
+        response_ids=input_ids[:, SMOL_PROMPT_LEN:].clone(),
+        mask=torch.ones((n, resp_len)),
+        behav_logp=behav.clamp_max(0.0),
+        versions=torch.zeros((n, resp_len), dtype=torch.long),
+        rewards=rewards,
+        correct=rewards.clone(),
+        group_index=torch.arange(SMOL_GROUPS).repeat_interleave(SMOL_GROUP_SIZE),
+        truncated=torch.zeros(n, dtype=torch.bool),
+    )
+
+
+def smol_model_flops(model: torch.nn.Module, batch, proximal_pass: bool) -> float:  # noqa: ANN001 - Batch
+    """Model FLOPs of one learner step: 6 x (P_body x T_all + P_head x T_loss), x 4/3 with a proximal forward.
+
+    P_body: parameters besides the embeddings and the LM head; P_head = vocab x hidden (the head's GEMM, tied or
+    not); T_all: prompt + response tokens; T_loss: response tokens (where the loss is). 2 FLOPs per parameter and
+    token forward, 4 backward; a separate no-grad proximal forward adds 2 more.
+    """
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
+    per_pass = body * float(batch.attention_mask.sum()) + head.numel() * float(batch.mask.sum())
+    return (6.0 + (2.0 if proximal_pass else 0.0)) * per_pass
+
+
+def _gemm_peak_flops(repeats: int) -> tuple[float, float]:
+    """FLOP/s of a large fp32 torch.mm on this process's threads, best of `repeats`: per wall second and per busy
+    second (CPU seconds / threads)."""
+    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+    out = torch.mm(a, b)
+    wall, busy = float("inf"), float("inf")
+    for _ in range(repeats):
+        started, cpu = time.perf_counter(), time.process_time()
+        torch.mm(a, b, out=out)
+        wall = min(wall, time.perf_counter() - started)
+        busy = min(busy, (time.process_time() - cpu) / torch.get_num_threads())
+    return 2.0 * GEMM_SIZE**3 / wall, 2.0 * GEMM_SIZE**3 / busy
+
+
+def _smol_step(model, optimizer, batch, sections, scheme: str, publisher, version: int) -> dict[str, float]:  # noqa: ANN001
+    """One learner step as `Learner.train_step` runs it; its phases' seconds and `total`."""
+    from learner.acrl import AcrlReference
+    from learner.losses import mismatch_metrics
+    from learner.precision import LossScaler
+    from learner.update import timed, train_on_batch
+    from quant_sync.export import export_rollout_tensors
+    from quant_sync.uaq import quant_error_by_type
+
+    started, cpu = time.perf_counter(), time.process_time()
+    scaler, reference = LossScaler(enabled=False), AcrlReference(sections.loss.acrl)
+    result = train_on_batch(model, optimizer, scaler, batch, sections, reference)
+    seconds = dict(result.seconds)
+    with timed(seconds, "publish"):
+        state = model.state_dict()
+        tensors = export_rollout_tensors(state, scheme)
+        publisher.publish(version, tensors, scheme)
+    with timed(seconds, "metrics"):
+        quant_error_by_type(state, tensors, scheme)
+        mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.cap)
+    seconds["total"] = time.perf_counter() - started
+    seconds["busy"] = (time.process_time() - cpu) / torch.get_num_threads()
+    seconds["proximal_pass"] = float(result.seconds["proximal"] > 0)
+    return seconds
+
+
+def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noqa: ANN001 - a multiprocessing queue
+    """The fresh process of the SmolLM row: the GEMM peak, the model, `steps` learner steps, its peak RSS after the
+    first step (the row's) and after all of them (the steady state: AdamW's state lives through the step)."""
+    from quant_sync.publisher import WeightPublisher
+
+    config = load_config(None, [f"rollout.max_new_tokens={SMOL_RESPONSE_LEN}", "rollout.temperature=1.0",
+                                "algo.overlong.len=4", "loss.weighting=tis", "loss.cap=2.0", "loss.eps_high=0.28",
+                                "quant.scheme=int8", "optim.lr=2e-5", *overrides])  # fmt: skip
+    sections = UpdateSections.pick(config)
+    torch.set_num_threads(sections.learner.threads)
+    peaks = [_gemm_peak_flops(5)]
+    model, batch = _smol_model(), _smol_batch()
+    optim = sections.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=0.0)
+    publisher = WeightPublisher()
+    runs, rss_gb = [], []
+    try:
+        for version in range(steps):
+            runs.append(_smol_step(model, optimizer, batch, sections, config.quant.scheme, publisher, version))
+            rss_gb.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)  # KiB on Linux
+    finally:
+        publisher.close()
+    peaks.append(_gemm_peak_flops(5))
+    steady = min(runs[1:] or runs, key=lambda run: run["busy"])  # the first step also allocates AdamW's state
+    learner = sections.learner
+    results.put(
+        {
+            "steady": steady,
+            "first": runs[0],
+            "peak_wall": max(p[0] for p in peaks),
+            "peak_busy": max(p[1] for p in peaks),
+            "rss_gb": rss_gb,
+            "flops": smol_model_flops(model, batch, bool(steady["proximal_pass"])),
+            "threads": learner.threads,
+            "micro_batch_tokens": learner.micro_batch_tokens,
+        }
+    )
+
+
+def _smol(quick: bool, overrides: tuple[str, ...] = SMOL_OVERRIDES) -> tuple[dict[str, float], dict[str, float]]:
+    """The SmolLM row, in a spawned process: one step with --quick, else the best of 2 after a first step.
+
+    MFU is taken over busy seconds (the process's CPU seconds / its threads, for the step and for the peak's GEMM
+    alike): on an idle machine they are wall seconds, and on a shared one they leave out the time other processes
+    held the cores. The wall-clock figures are metrics (`smol_mfu_wall`).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_smol_child, args=(1 if quick else 3, overrides, results), daemon=True)
+    proc.start()
+    try:
+        out = results.get(timeout=3600)
+    finally:
+        proc.join(timeout=60)
+    steady, flops = out["steady"], out["flops"]
+    metrics = {f"smol_{phase}_s": steady[phase] for phase in PHASES_SMOL}
+    metrics["smol_other_s"] = steady["total"] - sum(steady[phase] for phase in PHASES_SMOL)
+    metrics.update(
+        {
+            "smol_step_s": steady["total"],
+            "smol_step_busy_s": steady["busy"],
+            "smol_first_step_s": out["first"]["total"],
+            "smol_model_gflop": flops / 1e9,
+            "smol_gemm_peak_gflop_s": out["peak_busy"] / 1e9,
+            "smol_model_gflop_s": flops / steady["busy"] / 1e9,
+            "smol_mfu_wall": flops / steady["total"] / out["peak_wall"],
+            "smol_peak_rss_gb_steady": out["rss_gb"][-1],
+            "smol_threads": out["threads"],
+            "smol_micro_batch_tokens": out["micro_batch_tokens"],
+        }
+    )
+    ratios = {
+        "learner_mfu_smol": flops / steady["busy"] / out["peak_busy"],
+        "learner_peak_rss_gb_smol": out["rss_gb"][0],
+    }
+    return metrics, ratios
+
+
 def run(quick: bool) -> BenchResult:
     torch.manual_seed(0)
     threads = torch.get_num_threads()
@@ -278,4 +464,7 @@ def run(quick: bool) -> BenchResult:
     fsdp_metrics, fsdp_ratios = _fsdp(rounds=2 if quick else 6)
     metrics.update(fsdp_metrics)
     ratios.update(fsdp_ratios)
+    smol_metrics, smol_ratios = _smol(quick)
+    metrics.update(smol_metrics)
+    ratios.update(smol_ratios)
     return BenchResult(name="learner", metrics=metrics, ratios=ratios)

@@ -24,6 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantized_linear
+from rollout_workers.embedded import fused_decode
+from rollout_workers.embedded.fp8_linear import PackedFp8, fp8_linear, prepare_fp8
+from rollout_workers.embedded.int8_linear import PackedInt8, int8_kernel_name, int8_linear, prepare_int8
+from rollout_workers.embedded.weight_only import GroupQuantized, PackedWeightOnly, pack_weight_only, weight_only_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -32,7 +36,6 @@ LINEAR_SUFFIXES = (
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
 )  # fmt: skip
 
-_ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack")
 _MKLDNN_LINEAR = (
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -41,8 +44,9 @@ _MKLDNN_LINEAR = (
 PACK_FP32_MIN_FEATURES = 512
 """fp32 weights with both dimensions at least this large run through oneDNN's prepacked GEMM (see PackedFp32)."""
 HEAD_PACKED = False
-"""The LM head stays a plain fp32 weight: prepacking a vocab-sized matrix took 50 ms of every version's build
-(100M config, vocab 8192) and gave no measurable decode speed (int8 rollout, batch 8 and 32)."""
+"""The LM head is not prepacked for oneDNN: that took 50 ms of every version's build (100M config, vocab 8192) and
+gave no measurable decode speed (int8 rollout, batch 8 and 32). On CPU in fp32 it takes fused_decode's
+batch-invariant form instead (a transposed or padded copy at most: none at hidden 576 or 1024)."""
 EXACT_FP32_MAX_IN_FEATURES = 1040
 """An int8 x int8 product summed in fp32 is exact while every partial sum stays below 2^24: in_features x 127^2
 < 2^24 holds up to 1040 input features, whatever the summation order."""
@@ -50,34 +54,17 @@ UPCAST_INT8_MAX_ELEMENTS = 1 << 18
 """int8 weights up to this size (and EXACT_FP32_MAX_IN_FEATURES inputs) run as exact fp32 GEMMs (UpcastQuantized)
 instead of oneDNN's prepacked int8 GEMM. Measured on the 2-core AVX2 machines, one thread, rows 1-64: 1.3-2.5x
 faster per call at 512x512 and below, and a version's build costs a cast (0.03 ms) instead of a prepack
-(0.8 ms per matrix, whatever its size). From about 1024x1024 up, oneDNN is faster."""
+(0.8 ms per matrix, whatever its size). From about 1024x1024 up, oneDNN is faster. Only where the int8 kernel is
+`onednn` (int8_linear.py): the C++ and VNNI kernels beat the fp32 GEMM at every size measured (Zen 4, 32x64 up)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(slots=True)
-class PackedInt8:
-    """An int8 `QuantizedWeight` prepacked for oneDNN's u8 x s8 -> s32 GEMM (the engine's fast W8A8 path).
-
-    Same numerics as `quantized_linear`: per-token int8 activations `q_x` (the shared quantizer), an exact
-    integer product with the int8 weight, then `acc * s_x * s_w`. oneDNN's AVX2 kernel sums pairs of u8 x s8
-    products in int16 with saturation, so activations go in as two 7-bit unsigned halves, relu(q_x) and
-    relu(-q_x), stacked as rows: no pair can saturate and acc = acc(pos) - acc(neg) exactly (each half is
-    converted to fp32, which is exact while |acc| < 2^24: always for in_features <= 1040).
-    """
-
-    packed: torch.Tensor
-    scale: torch.Tensor  # (out,) float32
-    ones: torch.Tensor  # (out,) float32: oneDNN's weight scales, 1 so that it returns the raw accumulator
-    zero_points: torch.Tensor
-    out_features: int
-
-
-@dataclass(slots=True)
 class UpcastQuantized:
-    """A `QuantizedWeight` upcast once to fp32 (exact), so steps do not upcast it again: every fp8 weight, and the
-    small int8 ones (see UPCAST_INT8_MAX_ELEMENTS), whose integer products the fp32 GEMM sums exactly."""
+    """An int8 `QuantizedWeight` upcast once to fp32 (exact), so steps do not upcast it again: the small ones where
+    the int8 kernel is oneDNN's (see UPCAST_INT8_MAX_ELEMENTS), whose integer products the fp32 GEMM sums exactly."""
 
-    q32: torch.Tensor  # (out, in) float32 holding e4m3 values
+    q32: torch.Tensor  # (out, in) float32 holding the int8 values
     scale: torch.Tensor
     scheme: str
 
@@ -98,7 +85,8 @@ class PackedFp32:
     out_features: int
 
 
-Linear = torch.Tensor | QuantizedWeight | PackedInt8 | UpcastQuantized | PackedFp32
+Linear = (torch.Tensor | QuantizedWeight | PackedInt8 | PackedFp8 | UpcastQuantized | PackedFp32 | GroupQuantized
+          | PackedWeightOnly | fused_decode.PackedLinear)  # fmt: skip
 
 
 def prepare_linear(
@@ -112,6 +100,8 @@ def prepare_linear(
     """
     device = device or torch.device("cpu")
     if device.type != "cpu":
+        if isinstance(weight, GroupQuantized):  # weight-only on a GPU: the exact dequantized matrix
+            return weight.dequantize().to(device=device, dtype=dtype)
         if isinstance(weight, QuantizedWeight):
             return QuantizedWeight(weight.q.to(device), weight.scale.to(device), weight.scheme)
         return weight.to(device=device, dtype=dtype)  # type: ignore[union-attr]
@@ -120,42 +110,25 @@ def prepare_linear(
         if pack and dtype == torch.float32 and _MKLDNN_LINEAR and min(weight.shape) >= PACK_FP32_MIN_FEATURES:
             weight = weight.contiguous()
             return PackedFp32(torch.ops.mkldnn._reorder_linear_weight(weight, 64), weight, weight.shape[0])
-        return weight
+        return fused_decode.pack_fp32_linear(weight) if fused_decode.enabled_for(weight) else weight
+    if isinstance(weight, GroupQuantized):  # w8a16 / w4a16: the fused dequantize-and-multiply kernel
+        return pack_weight_only(weight)
     if not isinstance(weight, QuantizedWeight):
         return weight
-    if weight.scheme in ("fp8", "fp8_trunc") or (weight.scheme == "int8" and _upcast_is_exact_and_faster(weight.q)):
+    if weight.scheme in ("fp8", "fp8_trunc"):
+        return prepare_fp8(weight)  # the fastest exact form of the FP8 product on this CPU (fp8_linear.py)
+    if weight.scheme == "int8" and _upcast_is_exact_and_faster(weight.q):
         q32, scale = weight.q.to(torch.float32), weight.scale.to(torch.float32)
         return UpcastQuantized(q32=q32, scale=scale, scheme=weight.scheme)
-    if weight.scheme == "int8" and _ONEDNN:
-        out_features = weight.q.shape[0]
-        return PackedInt8(
-            packed=torch.ops.onednn.qlinear_prepack(weight.q.contiguous(), None),
-            scale=weight.scale.to(torch.float32),
-            ones=torch.ones(out_features),
-            zero_points=torch.zeros(out_features, dtype=torch.long),
-            out_features=out_features,
-        )
+    if weight.scheme == "int8":
+        return prepare_int8(weight)  # the fastest exact int8 kernel this CPU runs (int8_linear.py)
     return weight
 
 
 def _upcast_is_exact_and_faster(q: torch.Tensor) -> bool:
     out_features, in_features = q.shape
-    return in_features <= EXACT_FP32_MAX_IN_FEATURES and out_features * in_features <= UPCAST_INT8_MAX_ELEMENTS
-
-
-def _packed_int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1]).to(torch.float32)
-    q_x, s_x = quantize_activation(flat, "int8")
-    rows = q_x.shape[0]
-    halves = torch.cat((q_x.clamp_min(0), q_x.neg().clamp_min(0))).view(torch.uint8)
-    acc = torch.ops.onednn.qlinear_pointwise(
-        halves, 1.0, 0, weight.packed, weight.ones, weight.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
-    )
-    out = (acc[:rows] - acc[rows:]) * s_x[:, None] * weight.scale[None, :]
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.reshape(*shape[:-1], weight.out_features)
+    small = in_features <= EXACT_FP32_MAX_IN_FEATURES and out_features * in_features <= UPCAST_INT8_MAX_ELEMENTS
+    return small and int8_kernel_name() == "onednn"
 
 
 def _upcast_linear(x: torch.Tensor, weight: UpcastQuantized, bias: torch.Tensor | None) -> torch.Tensor:
@@ -269,8 +242,8 @@ def rope_tables(arch: ArchConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: statistics in fp32, the normalised value cast back to x's dtype before the weight."""
-    if x.dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    if x.dtype == torch.float32:  # one op: the same formula (weight * (x * rsqrt(mean(x^2) + eps))), same bits
+        return torch.rms_norm(x, x.shape[-1:], weight, eps)
     h = x.to(torch.float32)
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -285,19 +258,25 @@ def linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor | None) -> torch.
         out = torch.ops.mkldnn._linear_pointwise(rows, weight.packed, bias, "none", [], "")
         return out.reshape(*x.shape[:-1], weight.out_features)
     if isinstance(weight, PackedInt8):
-        out = _packed_int8_linear(x, weight, bias)
+        out = int8_linear(x, weight, bias)
+    elif isinstance(weight, PackedFp8):
+        out = fp8_linear(x, weight, bias)
     elif isinstance(weight, UpcastQuantized):
         out = _upcast_linear(x, weight, bias)
+    elif isinstance(weight, PackedWeightOnly):
+        out = weight_only_linear(x, weight, bias)
+    elif isinstance(weight, fused_decode.PackedLinear):
+        return fused_decode.linear(x, weight, bias)
     else:
         out = quantized_linear(x, weight, bias)
     return out.to(x.dtype)  # quantized products come back in fp32; the rest of the forward runs in x's dtype
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, S, D); cos/sin (B, 1, S, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rotate: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin` in 3 ops instead of 7: rotate_half(x) * sin = roll(x, D/2) * sin_rotate,
+    sin_rotate being sin with its first half negated (KVCache.sin_rotate): the same products, signs flipped exactly;
+    `addcmul` may fuse the last multiply-add (HF's result to an ulp). x (B, H, S, D); cos/sin_rotate (B, 1, S, D)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_rotate)
 
 
 def _fuse(weights: list[Linear]) -> Linear:
@@ -310,6 +289,8 @@ def _fuse(weights: list[Linear]) -> Linear:
             scale=torch.cat([w.scale for w in weights]).contiguous(),  # type: ignore[union-attr]
             scheme=first.scheme,
         )
+    if isinstance(first, GroupQuantized):
+        return GroupQuantized.stack(weights)  # type: ignore[arg-type]
     return torch.cat(weights).contiguous()  # type: ignore[arg-type]
 
 
@@ -346,7 +327,7 @@ class ModelWeights:
     def build_in_parts(
         cls, arch: ArchConfig, weights: dict[str, Linear], dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> Iterator[ModelWeights | None]:
-        """Build one layer per iteration (None), then yield the result: lets the engine spread the work over steps.
+        """Build half a layer per iteration (None), then yield the result: lets the engine spread the work over steps.
 
         Float tensors are cast to the compute `dtype` and moved to `device`; quantized linears keep their scheme.
         Raises KeyError before any work if a weight is missing.
@@ -368,7 +349,8 @@ class ModelWeights:
             p = f"model.layers.{i}."
             attn = [weights[p + f"self_attn.{name}_proj.weight"] for name in "qkv"]
             biases = [tensor(p + f"self_attn.{name}_proj.bias") for name in "qkv"]
-            gate_up = [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+            gate_up = prepare(_fuse([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+            yield None  # the largest matrix, a part of its own: a step's build slice overruns by half a layer at most
             layers.append(
                 LayerWeights(
                     input_norm=tensor(p + "input_layernorm.weight"),  # type: ignore[arg-type]
@@ -378,7 +360,7 @@ class ModelWeights:
                     k_norm=tensor(p + "self_attn.k_norm.weight"),
                     o_proj=prepare(weights[p + "self_attn.o_proj.weight"]),
                     post_norm=tensor(p + "post_attention_layernorm.weight"),  # type: ignore[arg-type]
-                    gate_up=prepare(_fuse(gate_up)),
+                    gate_up=gate_up,
                     down=prepare(weights[p + "mlp.down_proj.weight"]),
                 )
             )
@@ -408,7 +390,7 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
     """
     hidden, q_out, kv_out = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     gate = weights["model.layers.0.mlp.gate_proj.weight"] if arch.num_layers else None
-    inter = (gate.q if isinstance(gate, QuantizedWeight) else gate).shape[0] if gate is not None else 0
+    inter = _matrix(gate).shape[0] if gate is not None else 0
     expected: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (arch.vocab_size, hidden),
         "lm_head.weight": (arch.vocab_size, hidden),
@@ -435,15 +417,22 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
         weight = weights.get(name)
         if weight is None:
             continue
-        got = tuple((weight.q if isinstance(weight, QuantizedWeight) else weight).shape)
+        got = tuple(_matrix(weight).shape)
         if got != shape:
             raise ValueError(f"{name} has shape {list(got)}, the model needs {list(shape)}")
         if isinstance(weight, QuantizedWeight) and tuple(weight.scale.shape) != shape[:1]:
             raise ValueError(f"{name}: scale of shape {list(weight.scale.shape)}, the model needs {[shape[0]]}")
+        if isinstance(weight, GroupQuantized):
+            weight.check_scale(name)
 
 
 def _kind(weight: Linear) -> str:
-    return f"quantized {weight.scheme}" if isinstance(weight, QuantizedWeight) else f"float {weight.dtype}"  # type: ignore[union-attr]
+    quantized = isinstance(weight, (QuantizedWeight, GroupQuantized))
+    return f"quantized {weight.scheme}" if quantized else f"float {weight.dtype}"  # type: ignore[union-attr]
+
+
+def _matrix(weight: Linear) -> torch.Tensor:
+    return weight.q if isinstance(weight, (QuantizedWeight, GroupQuantized)) else weight  # type: ignore[return-value]
 
 
 class KVCache:
@@ -456,7 +445,8 @@ class KVCache:
         self.slots = slots
         self.max_len = max_len
         cos, sin = rope_tables(arch, max_len)  # computed in fp32 and cast, as HF does
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        half = arch.head_dim // 2
+        self.cos, self.sin_rotate = cos.to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), -1).to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -472,26 +462,54 @@ def _heads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused projections qkv (B, S, q + 2 kv) -> q (B, H, S, D), k, v (B, KV, S, D), q/k norms and RoPE applied."""
     batch, seq, _ = qkv.shape
-    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-    q = q.view(batch, seq, arch.num_heads, arch.head_dim).transpose(1, 2)
-    k = k.view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
-    v = v.view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
-    if layer.q_norm is not None:  # Qwen3
-        q = rms_norm(q, layer.q_norm, arch.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, arch.rms_norm_eps)  # type: ignore[arg-type]
+    heads, q_size, kv_size = arch.num_heads, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    v = qkv[..., q_size + kv_size :].view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
+    if layer.q_norm is None:  # RoPE on q and k at once: their heads are adjacent in qkv
+        qk = qkv[..., : q_size + kv_size].view(batch, seq, heads + arch.num_kv_heads, arch.head_dim).transpose(1, 2)
+        qk = apply_rope(qk, cos, sin)
+        return qk[:, :heads], qk[:, heads:], v
+    q = qkv[..., :q_size].view(batch, seq, heads, arch.head_dim).transpose(1, 2)  # Qwen3: q/k norms first
+    k = qkv[..., q_size : q_size + kv_size].view(batch, seq, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
+    q = rms_norm(q, layer.q_norm, arch.rms_norm_eps)
+    k = rms_norm(k, layer.k_norm, arch.rms_norm_eps)  # type: ignore[arg-type]
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _mlp_block(arch: ArchConfig, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+def _attend_decode(
+    arch: ArchConfig, layer: LayerWeights, qkv: torch.Tensor, cache: KVCache, index: int, positions: torch.Tensor
+) -> torch.Tensor:
+    """Decode rows qkv (N, q + 2 kv) of slots 0..N-1 at `positions` -> attention output (N, H * D); their keys and
+    values written into the cache. Fused on CPU in fp32 (`fused_decode`), else torch ops (a GPU, bf16, fp16)."""
+    keys, values = cache.keys[index], cache.values[index]
+    shape = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if fused_decode.enabled_for(keys):
+        norms, tables = (layer.q_norm, layer.k_norm, arch.rms_norm_eps), (cache.cos, cache.sin_rotate)
+        return fused_decode.decode_attention(qkv, positions, shape, tables, norms, (keys, values))
+    n, span = qkv.shape[0], int(positions.max()) + 1
+    cos, sin = cache.cos[positions][:, None, None], cache.sin_rotate[positions][:, None, None]  # (N, 1, 1, D)
+    q, k, v = _heads(arch, layer, qkv[:, None], cos, sin)
+    slots = torch.arange(n)
+    keys[slots, :, positions], values[slots, :, positions] = k[:, :, 0], v[:, :, 0]
+    mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None]  # (N, 1, 1, span)
+    gqa = arch.num_kv_heads != arch.num_heads
+    out = F.scaled_dot_product_attention(q, keys[:n, :, :span], values[:n, :, :span], attn_mask=mask, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(n, -1)
+
+
+def _mlp_block(
+    arch: ArchConfig, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, next_norm: torch.Tensor, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of a layer after attention: returns the residual stream and its RMSNorm by `next_norm` (the next
+    layer's input norm, or the final norm). Fused: the residual adds happen in place, each with its norm."""
+    eps = arch.rms_norm_eps
+    if fused:
+        h = fused_decode.add_rms_norm_(x, linear(attn, layer.o_proj, None), layer.post_norm, eps)
+        gate, up = linear(h, layer.gate_up, None).chunk(2, dim=-1)
+        return x, fused_decode.add_rms_norm_(x, linear(F.silu(gate) * up, layer.down, None), next_norm, eps)
     x = x + linear(attn, layer.o_proj, None)
-    h = rms_norm(x, layer.post_norm, arch.rms_norm_eps)
-    gate, up = linear(h, layer.gate_up, None).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, layer.down, None)
-
-
-def _logits(arch: ArchConfig, weights: ModelWeights, last: torch.Tensor) -> torch.Tensor:
-    return linear(rms_norm(last, weights.norm, arch.rms_norm_eps), weights.head, None).to(torch.float32)
+    gate, up = linear(rms_norm(x, layer.post_norm, eps), layer.gate_up, None).chunk(2, dim=-1)
+    x = x + linear(F.silu(gate) * up, layer.down, None)
+    return x, rms_norm(x, next_norm, eps)
 
 
 def forward_step(
@@ -509,7 +527,8 @@ def forward_step(
     slots. Every linear (norms, q/k/v, o, gate/up, down, head) runs once over the rows of both, so that prompts
     joining a running batch share its weight reads instead of costing a forward of their own; only attention is
     computed apart (decode rows over their cache, prompt rows causally over themselves). Each row's result is that
-    of the separate forwards: quantized products are exact per row, float GEMMs agree to their rounding.
+    of the separate forwards: quantized products are exact per row, float GEMMs agree to their rounding. On CPU in
+    fp32 the norms and the decode attention run fused (`fused_decode`), row by row.
     """
     n = 0 if decoding is None else int(decoding[0].shape[0])
     m, seq = (0, 0) if prompts is None else prompts.tokens.shape
@@ -517,40 +536,29 @@ def forward_step(
     if prompts is not None:
         rows.append(weights.embed[prompts.tokens].reshape(m * seq, -1))
     x = torch.cat(rows) if len(rows) > 1 else rows[0]  # (N + M * S, hidden)
-    gqa = arch.num_kv_heads != arch.num_heads
-    if decoding is not None:
-        positions = decoding[1]
-        span = int(positions.max()) + 1
-        cos_d, sin_d = cache.cos[positions][:, None, None], cache.sin[positions][:, None, None]  # (N, 1, 1, D)
-        mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None]  # (N, 1, 1, span)
-        slots_d = torch.arange(n)
+    fused = fused_decode.enabled_for(cache.keys)
     if prompts is not None:
-        cos_p, sin_p = cache.cos[None, None, :seq], cache.sin[None, None, :seq]
+        cos_p, sin_p = cache.cos[None, None, :seq], cache.sin_rotate[None, None, :seq]
+    h = (fused_decode.rms_norm if fused else rms_norm)(x, weights.layers[0].input_norm, arch.rms_norm_eps)
     for i, layer in enumerate(weights.layers):
-        qkv = linear(rms_norm(x, layer.input_norm, arch.rms_norm_eps), layer.qkv, layer.qkv_bias)
-        attn = []
-        if decoding is not None:
-            q, k, v = _heads(arch, layer, qkv[:n, None], cos_d, sin_d)
-            keys, values = cache.keys[i], cache.values[i]
-            keys[slots_d, :, positions] = k[:, :, 0]
-            values[slots_d, :, positions] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(
-                q, keys[:n, :, :span], values[:n, :, :span], attn_mask=mask, enable_gqa=gqa
-            )
-            attn.append(out.transpose(1, 2).reshape(n, arch.num_heads * arch.head_dim))
+        qkv = linear(h, layer.qkv, layer.qkv_bias)
+        attn = [_attend_decode(arch, layer, qkv[:n], cache, i, decoding[1])] if decoding is not None else []
         if prompts is not None:
             q, k, v = _heads(arch, layer, qkv[n:].view(m, seq, -1), cos_p, sin_p)
             cache.keys[i, prompts.slots, :, :seq] = k[prompts.slot_rows]
             cache.values[i, prompts.slots, :, :seq] = v[prompts.slot_rows]
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=arch.num_kv_heads != arch.num_heads
+            )
             attn.append(out.transpose(1, 2).reshape(m * seq, arch.num_heads * arch.head_dim))
-        x = _mlp_block(arch, layer, x, torch.cat(attn) if len(attn) > 1 else attn[0])
+        next_norm = weights.layers[i + 1].input_norm if i + 1 < len(weights.layers) else weights.norm
+        x, h = _mlp_block(arch, layer, x, torch.cat(attn) if len(attn) > 1 else attn[0], next_norm, fused)
     if not need_logits:
         return None
-    last = [x[:n]] if decoding is not None else []
+    last = [h[:n]] if decoding is not None else []  # h: the final norm of every row
     if prompts is not None:
-        last.append(x[n:].view(m, seq, -1)[torch.arange(m), prompts.lengths - 1])
-    return _logits(arch, weights, torch.cat(last) if len(last) > 1 else last[0])
+        last.append(h[n:].view(m, seq, -1)[torch.arange(m), prompts.lengths - 1])
+    return linear(torch.cat(last) if len(last) > 1 else last[0], weights.head, None).to(torch.float32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,8 @@ from learner.sections import LearnerSections
 from learner.update import train_on_batch
 from quant_sync.export import export_rollout_tensors
 from quant_sync.quantizers import dequantize_published, quantize_weight, quantize_weight_only, quantized_linear
+from rollout_workers.embedded.fp8_linear import available_kernels as fp8_kernels
+from rollout_workers.embedded.int8_linear import available_kernels as int8_kernels
 
 W8A8 = ("int8", "fp8", "fp8_trunc")
 
@@ -124,9 +126,10 @@ def test_rollout_aligned_needs_a_quantized_scheme():
         make_rollout_aligned(tiny_model(), "none")
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
-def test_aligned_learner_logp_matches_the_quantized_engine(scheme):
-    """The point of QaRL: the learner's pi_theta is the rollout engine's mu on the same published weights."""
+def _engine_and_learner_gaps(scheme: str):
+    """Sample from the embedded engine on builtin:micro's published `scheme` weights; return the largest |log-prob
+    gap| between its behavior log-probs and the plain fp32 model's, then the rollout-aligned model's, and the
+    engine."""
     from transformers import AutoModelForCausalLM
 
     from common.builtin_model import resolve_model_path
@@ -154,4 +157,28 @@ def test_aligned_learner_logp_matches_the_quantized_engine(scheme):
     for prompt, completion in zip(prompts, completions):
         behav = torch.tensor(completion.behav_logp)
         aligned_gap = max(aligned_gap, float((logp(model, prompt, completion.response_ids) - behav).abs().max()))
+    return plain_gap, aligned_gap, engine
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
+def test_aligned_learner_logp_matches_the_quantized_engine(scheme):
+    """The point of QaRL: the learner's pi_theta is the rollout engine's mu on the same published weights."""
+    plain_gap, aligned_gap, _ = _engine_and_learner_gaps(scheme)
+    assert aligned_gap < 1e-5 and plain_gap > 100 * aligned_gap, (aligned_gap, plain_gap)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kernel"),
+    [("int8", kernel) for kernel in int8_kernels()] + [("fp8_trunc", kernel) for kernel in fp8_kernels()],
+)
+def test_aligned_learner_logp_matches_the_engine_on_every_kernel(scheme, kernel, monkeypatch):
+    """Each kernel the engine may dispatch to (ASYNCRL_INT8_KERNEL / ASYNCRL_FP8_KERNEL force one) keeps the
+    agreement: exact int8 arithmetic, and FP8's exact products summed in the kernel's fp32 order."""
+    from rollout_workers.embedded import fp8_linear, int8_linear
+
+    module = int8_linear if scheme == "int8" else fp8_linear
+    monkeypatch.setenv(module.ENV_KERNEL, kernel)
+    plain_gap, aligned_gap, engine = _engine_and_learner_gaps(scheme)
+    if kernel != "onednn":  # oneDNN's small int8 weights run as exact fp32 GEMMs (model.UPCAST_INT8_MAX_ELEMENTS)
+        assert engine._weights.layers[0].gate_up.kernel == kernel
     assert aligned_gap < 1e-5 and plain_gap > 100 * aligned_gap, (aligned_gap, plain_gap)

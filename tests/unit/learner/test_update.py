@@ -81,7 +81,7 @@ def test_one_minibatch_takes_lp_from_its_own_forward_with_the_same_result(weight
         cfg = tiny_config(f"loss.weighting={weighting}", "learner.micro_batch_tokens=20", "loss.cap=2.0")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         forwards: list[bool] = []
-        model.register_forward_hook(lambda *_, seen=forwards: seen.append(torch.is_grad_enabled()))
+        model.get_decoder().register_forward_hook(lambda *_, seen=forwards: seen.append(torch.is_grad_enabled()))
         result = train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
         outcomes[reuse] = (result, [p.detach().clone() for p in model.parameters()], forwards)
     (fused, fused_weights, fused_forwards), (extra, extra_weights, extra_forwards) = outcomes[True], outcomes[False]

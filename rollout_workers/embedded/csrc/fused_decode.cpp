@@ -1,0 +1,342 @@
+// Fused fp32 ops of the embedded engine's decode step on CPU: RMSNorm (with the residual add before it), decode
+// attention (q/k norms, RoPE, appending the new key and value to the cache, attention over it), one call each
+// instead of the 7-30 torch ops they take (each op costs microseconds of dispatch: that, not arithmetic, bounds a
+// small model's decode step), and a batch-invariant fp32 linear on a transposed weight.
+//
+// Built and loaded by rollout_workers/embedded/fused_decode.py (rollout_workers/embedded/native.py builds it:
+// plain C ABI, no torch headers). Pointers are to contiguous row-major fp32 memory unless a stride is given.
+// Hot loops are compiled for AVX-512, AVX2 and the baseline ISA (target_clones: the loader picks at run time).
+// Multiplies and adds round separately (the build passes -ffp-contract=off), like torch's ops: RMSNorm and RoPE
+// give HF's values; sums (norms' mean, attention's dot products and softmax) differ from torch's in order only.
+#include <cmath>
+#include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FD_CLONES
+#endif
+
+namespace {
+
+// Helpers are plain inline functions: each FD_CLONES caller inlines them compiled for its own ISA.
+inline float sum_squares(const float* x, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * x[i + j];
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the row's max), Cephes' expf: a degree-6 polynomial on the
+// remainder after n * ln 2, scaled by 2^n through the exponent bits (within 2 ulp of expf). Branch-free and
+// call-free, so a loop of it vectorizes, where a loop of expf calls does not.
+inline float exp_nonpositive(float x) {
+  x = __builtin_fmaxf(x, -87.0f);
+  // n = x / ln 2 rounded to the nearest integer (adding and subtracting 1.5 * 2^23 rounds in fp32, branch-free)
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return y * scale;
+}
+
+// out[d] = sum_t weights[t] * values[t, d]: 8 columns at a time, their sums held in registers over t.
+inline void weighted_sum(const float* __restrict__ weights, const float* __restrict__ values, int64_t span,
+                         int64_t dim, float* __restrict__ out) {
+  int64_t d0 = 0;
+  for (; d0 + 8 <= dim; d0 += 8) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t t = 0; t < span; ++t)
+      for (int l = 0; l < 8; ++l) acc[l] += weights[t] * values[t * dim + d0 + l];
+    for (int l = 0; l < 8; ++l) out[d0 + l] = acc[l];
+  }
+  for (; d0 < dim; ++d0) {
+    float acc = 0.0f;
+    for (int64_t t = 0; t < span; ++t) acc += weights[t] * values[t * dim + d0];
+    out[d0] = acc;
+  }
+}
+
+inline float inv_rms(const float* x, int64_t dim, float eps) {
+  return 1.0f / std::sqrt(sum_squares(x, dim) / static_cast<float>(dim) + eps);
+}
+
+// HF's LlamaRMSNorm in fp32: out = weight * (x * rsqrt(mean(x^2) + eps)); out may be x.
+inline void norm_into(const float* x, const float* weight, float eps, float* out, int64_t dim) {
+  const float s = inv_rms(x, dim, eps);
+  for (int64_t d = 0; d < dim; ++d) out[d] = weight[d] * (x[d] * s);
+}
+
+// x (D) -> x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, D / 2) * sin_rotate (sin's first
+// half negated): HF's products and sum, rounded like its ops. `scratch` holds D floats.
+inline void rope(float* x, const float* cos, const float* sin_rotate, int64_t dim, float* scratch) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) scratch[d] = x[d];
+  for (int64_t d = 0; d < half; ++d) x[d] = scratch[d] * cos[d] + scratch[d + half] * sin_rotate[d];
+  for (int64_t d = half; d < dim; ++d) x[d] = scratch[d] * cos[d] + scratch[d - half] * sin_rotate[d];
+}
+
+struct Attention {
+  const float* qkv;
+  int64_t qkv_stride, heads, kv_heads, head_dim;
+  const int64_t* positions;
+  const float *cos, *sin_rotate, *q_norm, *k_norm;
+  float norm_eps;
+  float *keys, *values;
+  int64_t max_len;
+  float* out;
+};
+
+inline int64_t scratch_floats(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len) {
+  const int64_t group = heads / kv_heads;
+  return head_dim + group * (head_dim + max_len);
+}
+
+// Row i: for each KV head, its new key (norm, RoPE) and value into cache slot i at position p; then the group of
+// query heads it serves (norm, RoPE, scaled by 1/sqrt(D)) over positions 0..p, each key and value read once for
+// the whole group.
+FD_CLONES void attend_row(const Attention& a, int64_t i, float* scratch) {
+  const int64_t D = a.head_dim, p = a.positions[i], group = a.heads / a.kv_heads, span = p + 1;
+  const float* row = a.qkv + i * a.qkv_stride;
+  const float *cos = a.cos + p * D, *sin_rotate = a.sin_rotate + p * D;
+  float* tmp = scratch;                     // D
+  float* q = scratch + D;                   // group x D
+  float* scores = scratch + D + group * D;  // group x max_len
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t h = 0; h < a.kv_heads; ++h) {
+    float* keys = a.keys + (i * a.kv_heads + h) * a.max_len * D;
+    float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
+    const float *k_in = row + (a.heads + h) * D, *v_in = row + (a.heads + a.kv_heads + h) * D;
+    for (int64_t d = 0; d < D; ++d) keys[p * D + d] = k_in[d], values[p * D + d] = v_in[d];
+    if (a.k_norm != nullptr) norm_into(keys + p * D, a.k_norm, a.norm_eps, keys + p * D, D);
+    rope(keys + p * D, cos, sin_rotate, D, tmp);
+    for (int64_t j = 0; j < group; ++j) {
+      float* qj = q + j * D;
+      for (int64_t d = 0; d < D; ++d) qj[d] = row[(h * group + j) * D + d];
+      if (a.q_norm != nullptr) norm_into(qj, a.q_norm, a.norm_eps, qj, D);
+      rope(qj, cos, sin_rotate, D, tmp);
+      for (int64_t d = 0; d < D; ++d) qj[d] = qj[d] * scale;
+    }
+    for (int64_t t = 0; t < span; ++t)
+      for (int64_t j = 0; j < group; ++j) scores[j * a.max_len + t] = dot(q + j * D, keys + t * D, D);
+    for (int64_t j = 0; j < group; ++j) {
+      float* s = scores + j * a.max_len;
+      float total = 0.0f, lanes[8] = {s[0], s[0], s[0], s[0], s[0], s[0], s[0], s[0]};
+      int64_t t0 = 0;
+      for (; t0 + 8 <= span; t0 += 8)
+        for (int l = 0; l < 8; ++l) lanes[l] = __builtin_fmaxf(lanes[l], s[t0 + l]);
+      for (; t0 < span; ++t0) lanes[0] = __builtin_fmaxf(lanes[0], s[t0]);
+      float top = lanes[0];
+      for (int l = 1; l < 8; ++l) top = __builtin_fmaxf(top, lanes[l]);
+      for (int64_t t = 0; t < span; ++t) s[t] = exp_nonpositive(s[t] - top);
+      for (int64_t t = 0; t < span; ++t) total += s[t];
+      const float inv_total = 1.0f / total;
+      for (int64_t t = 0; t < span; ++t) s[t] = s[t] * inv_total;
+    }
+    for (int64_t j = 0; j < group; ++j)
+      weighted_sum(scores + j * a.max_len, values, span, D, a.out + (i * a.heads + h * group + j) * D);
+  }
+}
+
+FD_CLONES void norm_rows(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) norm_into(x + r * dim, weight, eps, out + r * dim, dim);
+}
+
+FD_CLONES void add_norm_rows(float* x, const float* delta, int64_t rows, int64_t dim, const float* weight, float eps,
+                             float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * dim;
+    const float* dr = delta + r * dim;
+    for (int64_t d = 0; d < dim; ++d) xr[d] = xr[d] + dr[d];
+    norm_into(xr, weight, eps, out + r * dim, dim);
+  }
+}
+
+// ---- batch-invariant fp32 linear on a transposed weight: out (rows, N) = x (rows, K) @ wt (K, ldw) [+ bias].
+// Every output is one fused multiply-add chain over k = 0..K-1 in order, whatever the rows, the block it falls in
+// or the ISA (AVX-512, AVX2 and the scalar loop give the same bits): a sequence's logits do not depend on its batch.
+struct LinearT {
+  const float* x;
+  int64_t rows, K;
+  const float* wt;
+  int64_t ldw, N;
+  const float* bias;
+  float* out;
+};
+
+#if defined(__x86_64__)
+template <int MB, int NB>
+__attribute__((target("avx512f,fma"))) void lin_block512(const LinearT& p, int64_t m0, int64_t n0) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.K; ++k) {
+    __m512 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_ps(p.wt + k * p.ldw + n0 + 16 * j);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xb = _mm512_set1_ps(p.x[(m0 + m) * p.K + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = n0 + 16 * j, valid = p.N - n < 16 ? p.N - n : 16;
+      if (valid <= 0) continue;
+      __m512 v = acc[m][j];
+      if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << valid) - 1u), p.bias + n));
+      _mm512_mask_storeu_ps(p.out + (m0 + m) * p.N + n, static_cast<__mmask16>((1u << valid) - 1u), v);
+    }
+}
+
+template <int MB, int NB>
+__attribute__((target("avx2,fma"))) void lin_block256(const LinearT& p, int64_t m0, int64_t n0) {
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < p.K; ++k) {
+    __m256 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = _mm256_loadu_ps(p.wt + k * p.ldw + n0 + 8 * j);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_set1_ps(p.x[(m0 + m) * p.K + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(xb, w[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      alignas(32) float lane[8];
+      _mm256_store_ps(lane, acc[m][j]);
+      for (int l = 0; l < 8 && n0 + 8 * j + l < p.N; ++l) {
+        const int64_t n = n0 + 8 * j + l;
+        p.out[(m0 + m) * p.N + n] = p.bias ? lane[l] + p.bias[n] : lane[l];
+      }
+    }
+}
+#endif
+
+void lin_reference(const LinearT& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+  for (int64_t m = m0; m < m0 + rows; ++m)
+    for (int64_t n = n0; n < n0 + cols && n < p.N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) acc = std::fma(p.x[m * p.K + k], p.wt[k * p.ldw + n], acc);
+      p.out[m * p.N + n] = p.bias ? acc + p.bias[n] : acc;
+    }
+}
+
+// Columns n0..n0+63 for every row of x, in blocks of 4 rows (then single rows).
+void lin_columns(const LinearT& p, int isa, int64_t n0) {
+  int64_t m = 0;
+#if defined(__x86_64__)
+  if (isa == 2) {
+    for (; m + 4 <= p.rows; m += 4) lin_block512<4, 4>(p, m, n0);
+    for (; m < p.rows; ++m) lin_block512<1, 4>(p, m, n0);
+    return;
+  }
+  if (isa == 1) {  // 16 registers: 4 rows x 16 columns at a time
+    for (int64_t sub = n0; sub < n0 + 64 && sub < p.N; sub += 16) {
+      int64_t r = 0;
+      for (; r + 4 <= p.rows; r += 4) lin_block256<4, 2>(p, r, sub);
+      for (; r < p.rows; ++r) lin_block256<1, 2>(p, r, sub);
+    }
+    return;
+  }
+#endif
+  lin_reference(p, 0, p.rows, n0, 64);
+}
+
+}  // namespace
+
+extern "C" {
+
+int fd_abi_version(void) { return 1; }
+
+// Which path fd_linear_t runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the scalar loop (all give the same bits).
+int fd_linear_isa(void) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+// out (rows, N) = x (rows, K) @ wt (K, ldw)[:, :N] (+ bias): wt is the weight transposed, ldw >= N a multiple of
+// 64 (columns beyond N are zeros). Batch-invariant (see LinearT). `isa` from fd_linear_isa (or lower).
+void fd_linear_t(int isa, const float* x, int64_t rows, int64_t K, const float* wt, int64_t ldw, int64_t N,
+                 const float* bias, float* out, int threads) {
+  const LinearT p{x, rows, K, wt, ldw, N, bias, out};
+  const int64_t blocks = (N + 63) / 64;
+  const bool parallel = threads > 1 && rows * N * K >= (int64_t{1} << 18);
+#pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1) if (parallel)
+  for (int64_t b = 0; b < blocks; ++b) lin_columns(p, isa, b * 64);
+}
+
+// Floats of scratch one thread of fd_decode_attention needs.
+int64_t fd_scratch_floats(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len) {
+  return scratch_floats(heads, kv_heads, head_dim, max_len);
+}
+
+// out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)), r < rows; out may be x.
+void fd_rms_norm(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* out) {
+  norm_rows(x, rows, dim, weight, eps, out);
+}
+
+// x[r] += delta[r] (the residual stream, in place), then out[r] = rms_norm(x[r]).
+void fd_add_rms_norm(float* x, const float* delta, int64_t rows, int64_t dim, const float* weight, float eps,
+                     float* out) {
+  add_norm_rows(x, delta, rows, dim, weight, eps, out);
+}
+
+// Decode attention for rows i < n, row i living in cache slot i at position positions[i] (< max_len):
+// qkv row i = [q heads | k heads | v heads] (each head_dim wide; qkv_stride floats apart); q_norm / k_norm
+// (head_dim, or null) are Qwen3's per-head RMSNorms; cos / sin_rotate (max_len, head_dim) the RoPE tables; keys /
+// values one layer of the cache, (slots, kv_heads, max_len, head_dim); out (n, heads * head_dim).
+// `scratch` holds threads x fd_scratch_floats(...) floats. Returns 0, or -1 for a position out of range.
+int fd_decode_attention(const float* qkv, int64_t qkv_stride, int64_t n, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, const int64_t* positions, const float* cos, const float* sin_rotate,
+                        const float* q_norm, const float* k_norm, float norm_eps, float* keys, float* values,
+                        int64_t max_len, float* out, float* scratch, int threads) {
+  for (int64_t i = 0; i < n; ++i)
+    if (positions[i] < 0 || positions[i] >= max_len) return -1;
+  if (heads % kv_heads != 0) return -1;
+  const Attention a{qkv, qkv_stride, heads, kv_heads, head_dim, positions, cos, sin_rotate, q_norm, k_norm,
+                    norm_eps, keys, values, max_len, out};
+  const int64_t per_thread = scratch_floats(heads, kv_heads, head_dim, max_len);
+  const bool parallel = threads > 1 && n > 1;
+#pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1) if (parallel)
+  for (int64_t i = 0; i < n; ++i) {
+    int worker = 0;
+#ifdef _OPENMP
+    worker = omp_get_thread_num();
+#endif
+    attend_row(a, i, scratch + worker * per_thread);
+  }
+  return 0;
+}
+
+}  // extern "C"

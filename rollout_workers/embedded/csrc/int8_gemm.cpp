@@ -1,0 +1,482 @@
+// Exact W8A8 INT8 kernels for the embedded engine: per-token activation quantization, an int8 x int8 -> int32 GEMM
+// (AVX512-VNNI, AVX2, or portable C++) and the fp32 epilogue, with the numerics of quant_sync's quantized_linear.
+//
+// Built once per machine by rollout_workers/embedded/int8_linear.py with the system C++ compiler (no torch headers:
+// about 2 s) and called through ctypes. Plain C ABI; every pointer is to contiguous memory. Compiled with
+// -ffp-contract=off: every fp32 product and sum below is rounded on its own, as the torch reference rounds it. Each
+// ISA's code carries its own target attribute and runs only where cpuid has it (i8_has_isa), so one build serves
+// every x86 CPU.
+//
+// Numerics, bit for bit those of the reference (quantize_int8_rows, int8_matmul, quantized_linear):
+//   s_x[m] = max_k |x[m, k]| / 127 (fp32 division), 1 where that is not > 0;
+//   q[m, k] = clamp(nearbyint(x[m, k] / s_x[m]), -127, 127)   (fp32 division, round half to even);
+//   acc[m, n] = sum_k q[m, k] * w[n, k]                           (exact, int32);
+//   out[m, n] = fl(fl(float(acc) * s_x[m]) * s_w[n]) (+ bias[n], rounded once more).
+// Non-finite activations give an unspecified row (the reference's is unspecified too: a NaN cast to int8).
+//
+// The AVX2 product (ISA 1) needs no VNNI and no saturating step: both operands are widened to int16 (activations
+// by the quantizer, weights by vpmovsxbw as they are loaded) and vpmaddwd sums pairs of int16 products into int32
+// lanes (at most 2 * 128 * 128 = 2^15 each), which vpaddd accumulates: exact for any int8 operands and any
+// K < 2^31 / 2^14 = 131072. (vpmaddubsw, the other AVX2 route, saturates int16 pair sums and needs llama.cpp's
+// |w| x (x * sign(w)) trick to stay exact; measured on Zen 4, both run at the same speed and this one has fewer
+// caveats. Per 16 multiply-accumulates both issue one multiply-pipe instruction.)
+//
+// Packed weight layout of the AVX2 and portable paths (i8_pack): N padded to a multiple of 16 ("panels" of 16 output columns), K
+// padded with zeros to a multiple of 4 (kp); panel p holds, for each pair of inputs k2, 16 columns x 2 bytes:
+//   packed[((p * (kp / 2) + k2) * 16 + c) * 2 + j] = w[16 p + c, 2 k2 + j]   (0 beyond N or K).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define I8_X86 1
+#define I8_AVX2 __attribute__((target("avx2,fma")))
+#define I8_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+#endif
+
+#define I8_ISA_PORTABLE 0
+#define I8_ISA_AVX2 1
+#define I8_ISA_VNNI 2
+
+namespace {
+
+constexpr float kInt8Max = 127.0f;
+constexpr int kPanel = 16;    // output columns per packed panel (two 8-lane int32 vectors)
+constexpr int kRowBlock = 4;  // activation rows per micro-kernel call
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline float nonzero_scale(float amax) {
+  const float scale = amax / kInt8Max;
+  return scale > 0.0f ? scale : 1.0f;  // NaN and 0 -> 1, like torch.where(scale > 0, scale, 1)
+}
+
+inline int quantize_one(float x, float scale) {
+  float q = std::nearbyint(x / scale);
+  q = q < -kInt8Max ? -kInt8Max : (q > kInt8Max ? kInt8Max : q);
+  return static_cast<int>(q);
+}
+
+// Stores a quantized value: int8 (+ offset, 0 or 128, as the byte's bit pattern) or int16.
+inline void put(int8_t* q, int64_t i, int value, int offset) {
+  q[i] = static_cast<int8_t>(static_cast<uint8_t>(value + offset));
+}
+inline void put(int16_t* q, int64_t i, int value, int) { q[i] = static_cast<int16_t>(value); }
+
+// ------------------------------------------------------------------------------------------------ portable
+float row_scale_portable(const float* x, int64_t k) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < k; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+  return nonzero_scale(amax);
+}
+
+template <typename Q>
+void quantize_row_portable(const float* x, int64_t k, float scale, int offset, Q* q) {
+  for (int64_t i = 0; i < k; ++i) put(q, i, quantize_one(x[i], scale), offset);
+}
+
+inline int32_t packed_at(const int8_t* panel, int64_t k, int64_t c) {
+  return panel[((k >> 1) * kPanel + c) * 2 + (k & 1)];
+}
+
+// acc[m, c] = exact dot product of q row m (int16, row stride kp) and panel column c, for c < cols
+void panel_rows_portable(const int16_t* q, int64_t rows, int64_t kp, const int8_t* panel, int64_t cols, int32_t* acc,
+                         int64_t acc_stride) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t c = 0; c < cols; ++c) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kp; ++k) sum += static_cast<int32_t>(q[m * kp + k]) * packed_at(panel, k, c);
+      acc[m * acc_stride + c] = sum;
+    }
+  }
+}
+
+#ifdef I8_X86
+// ------------------------------------------------------------------------------------------------ AVX2
+I8_AVX2 float row_scale_avx2(const float* x, int64_t k) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) amax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), amax);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float result = 0.0f;
+  for (float lane : lanes) result = lane > result ? lane : result;
+  for (; i < k; ++i) result = std::fabs(x[i]) > result ? std::fabs(x[i]) : result;
+  return nonzero_scale(result);
+}
+
+// 8 quantized values as int32 lanes: clamp(nearbyint(x / s), -127, 127), exact integers
+I8_AVX2 inline __m256i quantize8_avx2(const float* x, __m256 s) {
+  const __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-kInt8Max)), _mm256_set1_ps(kInt8Max)));
+}
+
+I8_AVX2 void quantize_row_avx2(const float* x, int64_t k, float scale, int offset, int8_t* q) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i off = _mm256_set1_epi32(offset), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_add_epi32(quantize8_avx2(x + i + 8 * j, s), off);
+    const __m256i words_lo = _mm256_packs_epi32(v[0], v[1]), words_hi = _mm256_packs_epi32(v[2], v[3]);
+    // -127..127 fit signed bytes; with the offset, 1..255 fit unsigned ones: neither pack saturates
+    const __m256i bytes = offset ? _mm256_packus_epi16(words_lo, words_hi) : _mm256_packs_epi16(words_lo, words_hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  for (; i < k; ++i) put(q, i, quantize_one(x[i], scale), offset);
+}
+
+I8_AVX2 void quantize_row_avx2(const float* x, int64_t k, float scale, int, int16_t* q) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const __m256i words = _mm256_packs_epi32(quantize8_avx2(x + i, s), quantize8_avx2(x + i + 8, s));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permute4x64_epi64(words, 0xD8));  // lane order
+  }
+  for (; i < k; ++i) put(q, i, quantize_one(x[i], scale), 0);
+}
+
+// acc[r][h] = the int32 dot products of MR int16 activation rows (row stride kp) with one panel's 16 columns.
+template <int MR>
+I8_AVX2 inline void micro_avx2(const int16_t* q, int64_t kp, const int8_t* panel, __m256i acc[MR][2]) {
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int64_t k2 = 0; k2 < kp / 2; ++k2) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k2 * 32)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k2 * 32 + 16)));
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;  // q[r, 2 k2] and q[r, 2 k2 + 1], in every lane
+      std::memcpy(&pair, q + r * kp + k2 * 2, 4);
+      const __m256i xb = _mm256_set1_epi32(pair);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(xb, w0));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(xb, w1));
+    }
+  }
+}
+
+// out[r, c] = fl(fl(float(acc) * s_x[r]) * s_w[c]) (+ bias[c]) for one panel's `cols` valid columns;
+// with out_s32, the raw accumulators instead.
+template <int MR>
+I8_AVX2 void block_avx2(const int16_t* q, int64_t kp, const int8_t* panel, const float* sx, const float* sw,
+                        const float* bias, int64_t cols, float* out, int32_t* out_s32, int64_t out_stride) {
+  __m256i acc[MR][2];
+  micro_avx2<MR>(q, kp, panel, acc);
+  for (int r = 0; r < MR; ++r) {
+    alignas(32) int32_t lanes[kPanel];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][0]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), acc[r][1]);
+    if (out_s32) {
+      std::memcpy(out_s32 + r * out_stride, lanes, cols * sizeof(int32_t));
+      continue;
+    }
+    const __m256 s = _mm256_set1_ps(sx[r]);
+    if (cols == kPanel) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), s), _mm256_loadu_ps(sw + 8 * h));
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+        _mm256_storeu_ps(out + r * out_stride + 8 * h, v);
+      }
+    } else {
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = static_cast<float>(lanes[c]) * sx[r] * sw[c];
+        out[r * out_stride + c] = bias ? v + bias[c] : v;
+      }
+    }
+  }
+}
+
+I8_AVX2 void panel_rows_avx2(const int16_t* q, int64_t rows, int64_t kp, const int8_t* panel, const float* sx,
+                             const float* sw, const float* bias, int64_t cols, float* out, int32_t* out_s32,
+                             int64_t out_stride) {
+  int64_t m = 0;
+  for (; m + kRowBlock <= rows; m += kRowBlock) {
+    block_avx2<kRowBlock>(q + m * kp, kp, panel, sx + m, sw, bias, cols, out ? out + m * out_stride : nullptr,
+                          out_s32 ? out_s32 + m * out_stride : nullptr, out_stride);
+  }
+  const int64_t left = rows - m;
+  const int16_t* qm = q + m * kp;
+  float* om = out ? out + m * out_stride : nullptr;
+  int32_t* sm = out_s32 ? out_s32 + m * out_stride : nullptr;
+  if (left == 3) block_avx2<3>(qm, kp, panel, sx + m, sw, bias, cols, om, sm, out_stride);
+  if (left == 2) block_avx2<2>(qm, kp, panel, sx + m, sw, bias, cols, om, sm, out_stride);
+  if (left == 1) block_avx2<1>(qm, kp, panel, sx + m, sw, bias, cols, om, sm, out_stride);
+}
+
+// ------------------------------------------------------------------------------------------------ AVX512-VNNI
+// vpdpbusd multiplies unsigned by signed bytes, sums each group of 4 products into an int32 lane and adds it to
+// the accumulator, without saturation. The weight is the unsigned operand, stored as w + 128 (0..255), the
+// activation the signed one (any int8, broadcast 4 bytes at a time), so acc' = sum (w + 128) x = acc + 128 sum x:
+// the caller passes comp[m] = 128 * sum_k q[m, k] and the epilogue subtracts it, in int32 (exact).
+// Layout (i8_pack): panels of 16 columns as above, each group of 4 inputs k4 one 64-byte vector:
+//   packed[((p * (kp / 4) + k4) * 16 + c) * 4 + j] = w[16 p + c, 4 k4 + j] + 128   (128 beyond N or K).
+#ifndef I8_VNNI_ROWS
+#define I8_VNNI_ROWS 4
+#endif
+#ifndef I8_VNNI_PANELS
+#define I8_VNNI_PANELS 4
+#endif
+constexpr int kVnniRows = I8_VNNI_ROWS;      // activation rows per micro-kernel call
+constexpr int kVnniPanels = I8_VNNI_PANELS;  // panels (of 16 columns) per micro-kernel call
+
+struct VnniCall {  // one product's operands (see i8_linear); out or out_s32 is null
+  const int8_t* q;
+  int64_t rows, kp;
+  const uint8_t* packed;
+  int64_t n;
+  const int32_t* comp;
+  const float *sx, *sw, *bias;
+  float* out;
+  int32_t* out_s32;
+  int64_t out_stride;
+};
+
+// rows [m, m + MR) against panels [p, p + NR): the whole K loop in registers, then the epilogue
+template <int MR, int NR>
+I8_VNNI void block_vnni(const VnniCall& a, int64_t m, int64_t p) {
+  const int8_t* q = a.q + m * a.kp;
+  const uint8_t* panel = a.packed + p * a.kp * kPanel;
+  const int64_t panel_bytes = a.kp * kPanel, n0 = p * kPanel;
+  __m512i acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t k4 = 0; k4 < a.kp / 4; ++k4) {
+    __m512i w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(panel + j * panel_bytes + k4 * 64);
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, q + r * a.kp + k4 * 4, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], xb);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512i offset = _mm512_set1_epi32(a.comp[m + r]);
+    for (int j = 0; j < NR; ++j) {
+      const int64_t col = n0 + kPanel * j, valid = min64(kPanel, a.n - col);
+      const __mmask16 mask = valid >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+      const __m512i exact = _mm512_sub_epi32(acc[r][j], offset);
+      if (a.out_s32) {
+        _mm512_mask_storeu_epi32(a.out_s32 + (m + r) * a.out_stride + col, mask, exact);
+        continue;
+      }
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(a.sx[m + r]));
+      v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, a.sw + col));
+      if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + col));
+      _mm512_mask_storeu_ps(a.out + (m + r) * a.out_stride + col, mask, v);
+    }
+  }
+}
+
+template <int MR, int NR>
+I8_VNNI void row_tail_vnni(const VnniCall& a, int64_t m, int64_t p, int64_t left) {
+  if constexpr (MR > 0) {
+    if (left == MR) return block_vnni<MR, NR>(a, m, p);
+    row_tail_vnni<MR - 1, NR>(a, m, p, left);
+  }
+}
+
+template <int NR>
+I8_VNNI void panel_group_vnni(const VnniCall& a, int64_t p) {
+  int64_t m = 0;
+  for (; m + kVnniRows <= a.rows; m += kVnniRows) block_vnni<kVnniRows, NR>(a, m, p);
+  if (m < a.rows) row_tail_vnni<kVnniRows - 1, NR>(a, m, p, a.rows - m);
+}
+
+template <int NR>
+I8_VNNI void panel_tail_vnni(const VnniCall& a, int64_t p, int64_t left) {
+  if constexpr (NR > 0) {
+    if (left == NR) return panel_group_vnni<NR>(a, p);
+    panel_tail_vnni<NR - 1>(a, p, left);
+  }
+}
+
+I8_VNNI void gemm_vnni(const VnniCall& a, int threads) {
+  const int64_t panels = (a.n + kPanel - 1) / kPanel, groups = (panels + kVnniPanels - 1) / kVnniPanels;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t p = g * kVnniPanels, left = min64(kVnniPanels, panels - p);
+    if (left == kVnniPanels) {
+      panel_group_vnni<kVnniPanels>(a, p);
+    } else {
+      panel_tail_vnni<kVnniPanels - 1>(a, p, left);
+    }
+  }
+}
+#endif  // I8_X86
+
+bool has_isa(int isa) {
+  if (isa == I8_ISA_PORTABLE) return true;
+#ifdef I8_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == I8_ISA_AVX2) return avx2;
+  if (isa == I8_ISA_VNNI)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+  return false;
+}
+
+template <typename Q>
+void quantize_rows(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride, int offset, Q* q,
+                   int64_t q_stride, float* scale) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * x_stride;
+    Q* qm = q + m * q_stride;
+#ifdef I8_X86
+    if (isa != I8_ISA_PORTABLE) {  // the VNNI path quantizes with AVX2 too
+      scale[m] = row_scale_avx2(xm, k);
+      quantize_row_avx2(xm, k, scale[m], offset, qm);
+    } else
+#endif
+    {
+      scale[m] = row_scale_portable(xm, k);
+      quantize_row_portable(xm, k, scale[m], offset, qm);
+    }
+    for (int64_t i = k; i < q_stride; ++i) qm[i] = 0;  // padding inputs: zero (the packed weight is zero there too)
+  }
+}
+
+int32_t row_sum(const int8_t* q, int64_t k) {
+  int32_t sum = 0;
+  for (int64_t i = 0; i < k; ++i) sum += q[i];
+  return sum;
+}
+
+void scale_output(const int32_t* acc, int64_t acc_stride, int64_t rows, int64_t n, const float* sx, const float* sw,
+                  const float* bias, float* out, int64_t out_stride) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t c = 0; c < n; ++c) {
+      const float v = static_cast<float>(acc[m * acc_stride + c]) * sx[m] * sw[c];
+      out[m * out_stride + c] = bias ? v + bias[c] : v;
+    }
+}
+
+// Every panel of the product of q (rows x kp int16) and the packed weight: fp32 outputs (out) or raw int32 (out_s32)
+void gemm(int isa, const int16_t* q, int64_t rows, int64_t kp, const int8_t* packed, int64_t n, const float* sx,
+          const float* sw, const float* bias, float* out, int32_t* out_s32, int64_t out_stride, int threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kPanel, cols = min64(kPanel, n - n0);
+    const int8_t* panel = packed + p * kp * kPanel;
+    const float* bias_p = bias ? bias + n0 : nullptr;
+    const float* sw_p = sw ? sw + n0 : nullptr;
+    float* out_p = out ? out + n0 : nullptr;
+    int32_t* s32_p = out_s32 ? out_s32 + n0 : nullptr;
+#ifdef I8_X86
+    if (isa == I8_ISA_AVX2) {
+      panel_rows_avx2(q, rows, kp, panel, sx, sw_p, bias_p, cols, out_p, s32_p, out_stride);
+      continue;
+    }
+#endif
+    std::vector<int32_t> acc(static_cast<size_t>(rows * kPanel));
+    panel_rows_portable(q, rows, kp, panel, cols, acc.data(), kPanel);
+    if (s32_p) {
+      for (int64_t m = 0; m < rows; ++m) std::memcpy(s32_p + m * out_stride, acc.data() + m * kPanel, cols * 4);
+    } else {
+      scale_output(acc.data(), kPanel, rows, cols, sx, sw_p, bias_p, out_p, out_stride);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int i8_abi_version(void) { return 4; }
+
+// Whether this CPU runs the path `isa` (I8_ISA_*): the portable one always, AVX2 (+ FMA) and AVX512-VNNI (+ F, BW,
+// VL) by cpuid.
+int i8_has_isa(int isa) { return has_isa(isa); }
+
+// q[m, :k] = the reference quantizer's int8 row (+ offset: 0, or 128 for oneDNN's unsigned input), zeros to
+// q_stride; scale[m] = s_x. x rows are x_stride floats apart.
+void i8_quantize_rows(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride, int offset, int8_t* q,
+                      int64_t q_stride, float* scale) {
+  quantize_rows(isa, x, rows, k, x_stride, offset, q, q_stride, scale);
+}
+
+// out[m, n] = fl(fl(acc[m, n] * sx[m]) * sw[n]) (+ bias[n]) for an fp32 (`acc_is_int32` = 0) or int32 accumulator
+// holding exact integers; out may be acc (fp32, in place). Row strides in elements.
+void i8_scale_output(const void* acc, int acc_is_int32, int64_t acc_stride, int64_t rows, int64_t n, const float* sx,
+                     const float* sw, const float* bias, float* out, int64_t out_stride) {
+  if (acc_is_int32) {
+    scale_output(static_cast<const int32_t*>(acc), acc_stride, rows, n, sx, sw, bias, out, out_stride);
+    return;
+  }
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t c = 0; c < n; ++c) {
+      const float v = static_cast<const float*>(acc)[m * acc_stride + c] * sx[m] * sw[c];
+      out[m * out_stride + c] = bias ? v + bias[c] : v;
+    }
+}
+
+// The fused W8A8 linear: quantize x (rows x k, row stride x_stride) per token, multiply by the packed weight (n
+// columns, kp inputs, see the layout above) exactly, and write fl(fl(acc * s_x) * s_w) (+ bias) to out (row stride
+// out_stride). `threads` > 1 splits the panels over OpenMP threads. Returns 0, or -1 for bad arguments.
+int i8_linear(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride, const int8_t* packed, int64_t n,
+              int64_t kp, const float* sw, const float* bias, float* out, int64_t out_stride, int threads) {
+  if (kp % 4 != 0 || kp < k || rows < 0 || n < 0 || !has_isa(isa)) return -1;
+  thread_local std::vector<float> sx;
+  sx.resize(static_cast<size_t>(rows));
+#ifdef I8_X86
+  if (isa == I8_ISA_VNNI) {
+    thread_local std::vector<int8_t> q8;
+    thread_local std::vector<int32_t> comp;
+    q8.resize(static_cast<size_t>(rows * kp));
+    comp.resize(static_cast<size_t>(rows));
+    quantize_rows(isa, x, rows, k, x_stride, 0, q8.data(), kp, sx.data());
+    for (int64_t m = 0; m < rows; ++m) comp[m] = 128 * row_sum(q8.data() + m * kp, kp);
+    const VnniCall call{q8.data(), rows, kp, reinterpret_cast<const uint8_t*>(packed), n, comp.data(), sx.data(),
+                        sw, bias, out, nullptr, out_stride};
+    gemm_vnni(call, threads);
+    return 0;
+  }
+#endif
+  thread_local std::vector<int16_t> q;
+  q.resize(static_cast<size_t>(rows * kp));
+  quantize_rows(isa, x, rows, k, x_stride, 0, q.data(), kp, sx.data());
+  gemm(isa, q.data(), rows, kp, packed, n, sx.data(), sw, bias, out, nullptr, out_stride, threads);
+  return 0;
+}
+
+// Lay the int8 weight w (n x k, row-major) out for `isa` (see the layouts above): pairs of inputs per column for
+// the AVX2 and portable paths, groups of 4 as w + 128 for VNNI; padding columns and inputs hold zero weights.
+// packed holds ceil(n / 16) * 16 * kp bytes; kp >= k, a multiple of 4. Returns 0, or -1 for bad arguments.
+int i8_pack(int isa, const int8_t* w, int64_t n, int64_t k, int64_t kp, uint8_t* packed) {
+  if (kp % 4 != 0 || kp < k || n < 0) return -1;
+  const int64_t group = isa == I8_ISA_VNNI ? 4 : 2;
+  const int offset = isa == I8_ISA_VNNI ? 128 : 0;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  uint8_t* out = packed;  // written in order: panel, group of inputs, column, input within the group
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t i0 = 0; i0 < kp; i0 += group)
+      for (int64_t row = p * kPanel; row < (p + 1) * kPanel; ++row)
+        for (int64_t i = i0; i < i0 + group; ++i) *out++ = static_cast<uint8_t>((row < n && i < k ? w[row * k + i] : 0) + offset);
+  return 0;
+}
+
+// The exact integer product alone, for tests: acc[m, n] = sum_k q[m, k] * w[n, k] (int32) for any int8 q (rows x
+// kp, zero padding) and the weight packed as above.
+int i8_gemm_s32(int isa, const int8_t* q, int64_t rows, int64_t kp, const int8_t* packed, int64_t n, int32_t* acc,
+                int64_t acc_stride) {
+  if (kp % 4 != 0 || rows < 0 || n < 0 || !has_isa(isa)) return -1;
+#ifdef I8_X86
+  if (isa == I8_ISA_VNNI) {
+    std::vector<int32_t> comp(static_cast<size_t>(rows));
+    for (int64_t m = 0; m < rows; ++m) comp[m] = 128 * row_sum(q + m * kp, kp);
+    const VnniCall call{q,       rows,    kp,      reinterpret_cast<const uint8_t*>(packed), n, comp.data(), nullptr,
+                        nullptr, nullptr, nullptr, acc, acc_stride};
+    gemm_vnni(call, 1);
+    return 0;
+  }
+#endif
+  const std::vector<int16_t> wide(q, q + rows * kp);
+  gemm(isa, wide.data(), rows, kp, packed, n, nullptr, nullptr, nullptr, nullptr, acc, acc_stride, 1);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,137 @@
+"""`asyncrl bench e2e` in its --quick form: both sides saw the same prompts, scored by the same reward, and every
+ratio is written. No timing assertions (the figures are whatever this machine gives)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.bench import write_json
+from asyncrl.bench.e2e_fairness import FairnessError, asyncrl_samples, check_run, trl_samples
+from asyncrl.bench.e2e_metrics import RATIO_NAMES, rolling_accuracy, run_figures
+from asyncrl.bench.e2e_runs import Run, StepRow
+from asyncrl.bench.e2e_workloads import data_config
+from common.tasks import make_source
+
+GROUPS, GROUP_SIZE = 16, 8
+"""configs/dapo_int8.yaml's shape, which the built-in workload copies."""
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory):
+    from asyncrl.bench.e2e_bench import run
+
+    work = tmp_path_factory.mktemp("e2e")
+    return run(True, work_dir=str(work)), work
+
+
+def _run(result, key: str) -> dict:
+    return result.details["runs"][key][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # 6 asyncrl start-ups and 2 TRL ones on a shared 2-core machine
+def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) -> None:
+    result, _ = quick
+    assert set(result.ratios) == set(RATIO_NAMES)
+    throughput = [name for name in RATIO_NAMES if name != "e2e_vs_trl_time_to_acc"]  # the target needs > 4 steps
+    assert all(math.isfinite(result.ratios[name]) and result.ratios[name] > 0 for name in throughput)
+    write_json(result, str(tmp_path / "e2e.json"))
+    written = json.loads((tmp_path / "e2e.json").read_text())
+    assert set(written["ratios"]) == set(RATIO_NAMES)
+    trl = written["details"]["trl_settings"]["builtin_trl"]
+    resolved = trl["resolved"]
+    assert trl["set"]["num_generations"] == GROUP_SIZE and resolved["num_generations"] == GROUP_SIZE
+    assert resolved["per_device_train_batch_size"] == GROUPS * GROUP_SIZE
+    assert resolved["max_completion_length"] == 8 and resolved["temperature"] == 1.0
+    assert resolved["learning_rate"] == 1e-4 and resolved["loss_type"] == "dapo" and resolved["beta"] == 0.0
+    assert (resolved["epsilon"], resolved["epsilon_high"]) == (0.2, 0.28)
+    assert resolved["bf16"] is False and resolved["use_vllm"] is False and resolved["shuffle_dataset"] is False
+    assert trl["torch_threads"] == written["metrics"]["cores"]
+    async_argv = written["details"]["asyncrl_argv"]
+    assert "staleness.max_lag=0" in async_argv["decode_sync"] and "quant.scheme=none" in async_argv["decode_fp32"]
+    assert all("algo.filter_groups=false" in argv for argv in async_argv.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_quick_both_sides_trained_the_same_prompts_with_our_reward(quick) -> None:
+    result, _ = quick
+    source = make_source(data_config())
+    steps = result.details["workloads"][0]["steps"]
+    trl = trl_samples(_run(result, "builtin_trl")["out_dir"])
+    assert len(trl) == steps * GROUPS * GROUP_SIZE
+    for k, sample in enumerate(trl):  # TRL's step s: problems s*16 .. s*16+15 of our stream, 8 samples each
+        problem = source.train(k // GROUP_SIZE)
+        assert (sample.step, sample.prompt, sample.answer) == (k // (GROUPS * GROUP_SIZE), problem.prompt,
+                                                                problem.answer)  # fmt: skip
+        assert sample.reward == source.reward(sample.response, problem.answer)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(result.details["workloads"][0]["model_dir"])
+    answers = {i: source.train(i).answer for i in range(4 * steps * GROUPS)}
+    ours = asyncrl_samples(_run(result, "builtin_async")["out_dir"], tokenizer, answers)
+    assert len(ours) == len(trl)
+    assert {s.step for s in ours} == {s.step for s in trl}
+    for sample in ours:
+        assert sample.prompt == source.train(sample.prompt_index).prompt
+        assert sample.reward == source.reward(sample.response, sample.answer)
+    assert {s.reward for s in ours} == {0.0, 1.0} and {s.reward for s in trl} == {0.0, 1.0}
+    checked = result.metrics
+    assert checked["builtin_trl_samples_checked"] == checked["builtin_async_samples_checked"] == len(trl)
+    sync = asyncrl_samples(_run(result, "decode_sync")["out_dir"], tokenizer, answers)
+    decode_groups = result.details["workloads"][1]["groups_per_step"]
+    for sample in sync:  # synchronous: step s trains exactly problems s*G .. s*G+G-1
+        assert sample.prompt_index // decode_groups == sample.step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_fairness_check_fails_on_another_reward_or_prompt(quick, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from asyncrl.bench.e2e_workloads import Workload
+
+    result, work = quick
+    workload = Workload(**result.details["workloads"][0])
+    rows = [json.loads(line) for line in (work / "builtin_prompts.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(workload.model_dir)
+    trl_run = Run(**{**_run(result, "builtin_trl"), "rows": [], "out_dir": str(tmp_path / "trl")})
+    shutil.copytree(_run(result, "builtin_trl")["out_dir"], tmp_path / "trl", ignore=shutil.ignore_patterns("final"))
+    log = tmp_path / "trl" / "rewards.jsonl"
+    batches = [json.loads(line) for line in log.read_text().splitlines()]
+    assert check_run(trl_run, workload, rows, data_config(), tokenizer) == len(batches) * GROUPS * GROUP_SIZE
+    batches[-1]["rewards"][0] = 1.0 - batches[-1]["rewards"][0]
+    log.write_text("".join(json.dumps(batch) + "\n" for batch in batches))
+    with pytest.raises(FairnessError, match="reward"):
+        check_run(trl_run, workload, rows, data_config(), tokenizer)
+    async_run = Run(**{**_run(result, "builtin_async"), "rows": []})
+    shifted = [{**row, "prompt": "1+1="} if row["index"] == 3 else row for row in rows]
+    with pytest.raises(FairnessError, match="problem 3"):
+        check_run(async_run, workload, shifted, data_config(), tokenizer)
+
+
+def test_time_to_accuracy_uses_a_rolling_mean_fixed_before_the_run() -> None:
+    accuracies = [0.5, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    rolling = rolling_accuracy(accuracies)
+    assert all(math.isnan(value) for value in rolling[:4]) and rolling[4:] == pytest.approx([0.82, 0.9, 0.9])
+    rows = [StepRow(step=k, end_s=10.0 + k, accuracy=a, trained_samples=128, generated_samples=128,
+                    generated_tokens=512) for k, a in enumerate(accuracies)]  # fmt: skip
+    run = Run(workload="builtin", contender="trl", seed=0, out_dir="", rows=rows, total_generated_samples=896,
+              gen_core_s_per_sample=0.01)  # fmt: skip
+    figures = run_figures(run)
+    assert figures["steps_to_acc"] == 6 and figures["time_to_acc_s"] == 15.0  # (0.5 + 4 * 0.9) / 5 = 0.82 < 0.85
+    assert figures["launch_s"] == 10.0 and figures["steady_step_s"] == 1.0 and figures["gen_per_trained"] == 1.0
+
+
+def test_bench_refuses_without_trl_and_names_the_extra() -> None:
+    code = "import sys; sys.modules['trl'] = None; from asyncrl.cli import main; sys.exit(main(['bench', 'e2e']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "needs trl" in done.stderr and "pip install 'asyncrl[bench]'" in done.stderr
