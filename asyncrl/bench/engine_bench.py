@@ -27,10 +27,11 @@ over min(bandwidth x B / weight bytes per step, GEMM peak / FLOPs per token). By
 step reads once in the scheme's published format (decoder linears quantized, norms and the LM head in fp32; the
 embedding is gathered, not read). FLOPs per token: 2 per multiply-accumulate of the linears and the LM head
 (attention, a few percent at these lengths, is not counted). Bandwidth: a large single-thread copy, counting its
-read and its write (`bandwidth_gb_per_s`); peaks: a 1024^3 fp32 `torch.mm` (`fp32_gemm_gflop_per_s`) and the
-exact int8 `torch._int_mm` (`int8_gemm_gop_per_s`, the int8 scheme's peak), measured in this run. `cpu_<flag>`
-is 1 where /proc/cpuinfo lists avx2 / avx512f / avx512_vnni / avx512_bf16 / amx_int8. The JSON's `details` name
-the kernel each scheme's linears ran (`kernels`) and the CPU's ISA (`cpu_isa`).
+read and its write (`bandwidth_gb_per_s`); peaks at 1024^3, measured in this run: fp32 (`fp32_gemm_gflop_per_s`,
+the better of MKL's `torch.mm` and oneDNN's prepacked linear), the exact int8 `torch._int_mm`
+(`int8_gemm_gop_per_s`, the int8 scheme's peak) and bf16 `torch.mm` (fp8's where faster: e4m3 is exact in bf16).
+`cpu_<flag>` is 1 where /proc/cpuinfo lists avx2 / avx512f / avx512_vnni / avx512_bf16 / amx_int8. The JSON's
+`details` name the kernel each scheme's linears ran (`kernels`) and the CPU's ISA (`cpu_isa`).
 
 Everything runs on one torch thread, as a rollout worker does by default (`rollout.threads`): on these shared
 2-core machines two OpenMP threads contend with the neighbours. Times are the calling thread's CPU time (every
@@ -259,27 +260,31 @@ def int8_kernel() -> str:
 
 def kernel_of(engine) -> str:
     """What the engine's decoder linears run on (its first layer's gate/up projection, as built)."""
+    from rollout_workers.embedded import fused_decode
     from rollout_workers.embedded import model as engine_model
     from rollout_workers.embedded.weight_only import PackedWeightOnly
 
     weight = engine._weights.layers[0].gate_up
     if isinstance(weight, PackedWeightOnly):
-        return f"weight_only:{weight.kernel}"
+        return f"weight_only:{weight.kernel}" if weight.scheme != "fp32" else f"fp32 row-major:{weight.kernel}"
+    if isinstance(weight, fused_decode.PackedLinear):
+        return "fp32 fused_decode.linear (batch-invariant)"
     if isinstance(weight, engine_model.UpcastQuantized):
         return f"fp32 GEMM on the exact upcast ({weight.scheme})"
     if isinstance(weight, engine_model.PackedFp32):
         return "fp32 oneDNN prepacked (MKL at one row)"
     if isinstance(weight, torch.Tensor):
         return f"{weight.dtype} torch.nn.functional.linear"
+    kind = "fp8" if type(weight).__name__ == "PackedFp8" else "int8"
     kernel = getattr(weight, "kernel", None)
-    return f"int8:{kernel}" if kernel else type(weight).__name__
+    return f"{kind}:{kernel}" if kernel else type(weight).__name__
 
 
 def machine_peaks(quick: bool) -> dict[str, float]:
-    """Bandwidth (a large copy: read + written bytes per second) and GEMM peaks (fp32 FLOP/s, int8 op/s)."""
+    """Bandwidth (a large copy: read + written bytes per second) and GEMM peaks per second: fp32 FLOPs (the better of
+    MKL's `torch.mm` and oneDNN's prepacked linear, the two fp32 paths the engine runs), exact int8 ops
+    (`torch._int_mm`) and bf16 FLOPs (`torch.mm` in bf16: the FP8 kernel's products on AVX512-BF16 CPUs)."""
     device, reps = _device(), 3 if quick else 8
-    source = torch.empty(1 << 25, dtype=torch.float32, device=device).fill_(1.0)  # 128 MiB
-    target = torch.empty_like(source)
 
     def best(fn: Callable[[], object]) -> float:
         fn()
@@ -292,16 +297,24 @@ def machine_peaks(quick: bool) -> dict[str, float]:
             times.append(_clock() - start)
         return min(times)
 
+    source = torch.empty(1 << 25, dtype=torch.float32, device=device).fill_(1.0)  # 128 MiB
+    target = torch.empty_like(source)
     copy_s = best(lambda: target.copy_(source))
     size = 1024
     a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     gemm_s = best(lambda: torch.mm(a, b))
+    if device.type == "cpu" and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, 64)
+        gemm_s = min(gemm_s, best(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")))
     a8 = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
     int8_s = best(lambda: torch._int_mm(a8, a8))
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    bf16_s = best(lambda: torch.mm(a16, b16))
     return {
         "bandwidth_gb_per_s": 2 * source.nbytes / copy_s / 1e9,
         "fp32_gemm_gflop_per_s": 2 * size**3 / gemm_s / 1e9,
         "int8_gemm_gop_per_s": 2 * size**3 / int8_s / 1e9,
+        "bf16_gemm_gflop_per_s": 2 * size**3 / bf16_s / 1e9,
     }
 
 
@@ -325,6 +338,8 @@ def roofline_fraction(
     """Measured tok/s over min(bandwidth x B / bytes per step, GEMM peak / FLOPs per token)."""
     bytes_per_step, flops_per_token = traffic
     peak = peaks["int8_gemm_gop_per_s"] if scheme == "int8" else peaks["fp32_gemm_gflop_per_s"]
+    if scheme in ("fp8", "fp8_trunc"):  # e4m3 values are exact in bf16: the FP8 kernel may run bf16 products
+        peak = max(peak, peaks["bf16_gemm_gflop_per_s"])
     memory_bound = peaks["bandwidth_gb_per_s"] * 1e9 * batch / bytes_per_step
     compute_bound = peak * 1e9 / flops_per_token
     return tok_per_s / min(memory_bound, compute_bound)

@@ -34,13 +34,15 @@ def test_weight_traffic_counts_what_a_decode_step_reads(tied):
 
 
 def test_roofline_fraction_is_the_lower_bound_of_memory_and_compute():
-    peaks = {"bandwidth_gb_per_s": 10.0, "fp32_gemm_gflop_per_s": 100.0, "int8_gemm_gop_per_s": 400.0}
+    peaks = {"bandwidth_gb_per_s": 10.0, "fp32_gemm_gflop_per_s": 100.0, "int8_gemm_gop_per_s": 400.0,
+             "bf16_gemm_gflop_per_s": 200.0}  # fmt: skip
     traffic = (1e9, 1e9)  # 1 GB per step, 1 GFLOP per token
     # batch 1: memory allows 10 tok/s, compute 100: the bound is 10
     assert engine_bench.roofline_fraction(5.0, 1, traffic, peaks, "none") == pytest.approx(0.5)
     # batch 64: memory allows 640 tok/s, fp32 compute 100 (int8: 400)
     assert engine_bench.roofline_fraction(50.0, 64, traffic, peaks, "none") == pytest.approx(0.5)
     assert engine_bench.roofline_fraction(200.0, 64, traffic, peaks, "int8") == pytest.approx(0.5)
+    assert engine_bench.roofline_fraction(100.0, 64, traffic, peaks, "fp8") == pytest.approx(0.5)  # bf16 products
 
 
 def test_the_decode_rate_takes_each_call_time_at_its_least_disturbed_round():
@@ -68,4 +70,6 @@ def test_the_kernel_each_scheme_runs_is_named():
         f"weight_only:{weight_only.kernel_name()}"
     )
     assert engine_bench.kernel_of(engine_bench._engine(model, model_dir, "int8")).startswith("int8:")
+    assert engine_bench.kernel_of(engine_bench._engine(model, model_dir, "fp8")).startswith("fp8:")
+    assert "batch-invariant" in engine_bench.kernel_of(engine_bench._engine(model, model_dir, "none"))
     assert engine_bench.int8_kernel() != "unknown"
