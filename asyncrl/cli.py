@@ -8,8 +8,10 @@ asyncrl set key=value ... [--run RUN] change live keys (common.config.LIVE_KEYS)
 asyncrl down [RUN]                    stop gracefully: workers stop, final checkpoint, journal flushed
 asyncrl bench NAME [--json PATH]      run a benchmark, print its table, write {"name", "metrics", "ratios"}
 asyncrl config CONFIG [key=value ...] print the fully merged, validated config as YAML
+asyncrl probe MODEL [key=value ...]   per quant scheme: sampled mismatch, worst layers, recommended loss.cap
 asyncrl keys DIR                      write CurveZMQ keys for a buffer bound beyond loopback (common/curve.py)
 asyncrl serve MODEL [--port N ...]    the embedded engine behind SGLang's HTTP API (rollout_workers/sglang_api)
+asyncrl study STUDY.yaml [--quick]    cells x seeds of `up` runs compared: results.json, table.md, PNGs
 """
 
 from __future__ import annotations
@@ -50,11 +52,22 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("dir", help="new directory for the keys; then run with buffer.curve_keys_dir=DIR")
     serve = sub.add_parser("serve", help="a model behind SGLang's HTTP API (`asyncrl serve --help`)", add_help=False)
     serve.add_argument("args", nargs=argparse.REMAINDER)
+    study = sub.add_parser("study", help="run a study: cells x seeds of `asyncrl up`, compared in a table (resumable)")
+    study.add_argument("study_file", help="study YAML (configs/studies/*.yaml; format in asyncrl/study_spec.py)")
+    study.add_argument("--quick", action="store_true", help="two cells, one seed, a few steps (the machinery, CI)")
+    study.add_argument("--parallel", type=int, default=1, help="runs side by side (local processes; default 1)")
+    study.add_argument("--root", default="runs/studies", help="parent of the study's directory (runs/studies)")
+    study.add_argument("--plan", action="store_true", help="validate every run's config and list the runs; run none")
+    study.add_argument("--report", action="store_true", help="only rewrite results.json, table.md and the PNGs")
     bench = sub.add_parser("bench", help="run a benchmark")
     bench.add_argument("name", help="benchmark name (`asyncrl bench list` lists them)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
     bench.add_argument("--quick", action="store_true", help="a short run (smoke test), same metrics")
     bench.add_argument("--seeds", type=int, default=None, help="seeds of the accuracy comparisons (bench e2e only)")
+    probe = sub.add_parser("probe", help="measure each quant scheme's rollout mismatch on a model, before training")
+    from asyncrl.probe import add_arguments as probe_arguments  # torch-free: argparse only
+
+    probe_arguments(probe)
     return parser
 
 
@@ -80,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(OmegaConf.to_yaml(OmegaConf.structured(_load(args.config, args.overrides))), end="")
         return 0
+    if args.command == "probe":
+        from asyncrl.probe import main as probe_main
+
+        return probe_main(args)
     if args.command == "up":
         return _up(args)
     if args.command in ("status", "scale", "set", "down"):
@@ -95,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         for path in written:
             print(path)
         return 0
+    if args.command == "study":
+        from asyncrl.study import study_main
+
+        return study_main(args.study_file, quick=args.quick, parallel=args.parallel, root=args.root, plan=args.plan,
+                          report_only=args.report)  # fmt: skip
     if args.command == "keys":
         from common.curve import create_keys
 

@@ -16,11 +16,13 @@ Two facts of Ray 2.60 this rests on (docs/security.md):
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,27 +83,120 @@ def _gcs_address(address: str) -> str:
 
 
 def connect(ray_cfg: RayConfig, warn: Callable[[str], object] = print) -> None:
-    """`ray.init` for a run (see the module docstring); call it before anything else of this process imports ray."""
+    """`ray.init` for a run (see the module docstring) on this thread; call it before anything else of this process
+    imports ray."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray_cfg.address:
         _join(ray_cfg, warn)
     else:
-        _start_local(ray_cfg.num_cpus)
+        _init_local(ray_cfg.num_cpus, _prepare_local())
 
 
-def _start_local(num_cpus: int) -> None:
+class RayStart:
+    """A `connect` under way: a local cluster starts on a thread while the caller goes on (`wait` joins the start).
+
+    The thread lives until `close`: Ray ties its GCS and raylet to the thread that started them (PR_SET_PDEATHSIG,
+    the kernel signals them when that thread exits), so it must outlive the run; call `close` after `ray.shutdown`.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._release = threading.Event()
+        self._error: BaseException | None = None
+
+    def _start(self, start: Callable[[], None]) -> None:
+        self._thread = threading.Thread(target=self._run, args=(start,), name="ray-init", daemon=True)
+        self._thread.start()
+
+    def _run(self, start: Callable[[], None]) -> None:
+        try:
+            start()
+        except BaseException as err:  # handed to `wait`, in the caller's thread
+            self._error = err
+        finally:
+            self._started.set()
+        self._release.wait()  # the cluster's processes live while this thread does
+
+    def wait(self) -> None:
+        """Until Ray is up; raises what the start raised."""
+        if self._thread is not None:
+            self._started.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def settle(self) -> None:
+        """Until the start is over, whatever its outcome (an error stays for `wait` to raise)."""
+        if self._thread is not None:
+            self._started.wait()
+
+    def close(self) -> None:
+        """Once the start is over (whatever its outcome), let the thread end: after `ray.shutdown`, or the cluster's
+        processes are signalled by the kernel."""
+        if self._thread is not None:
+            self._started.wait()
+            self._release.set()
+            self._thread.join()
+            self._thread = None
+
+
+def connect_in_background(ray_cfg: RayConfig, warn: Callable[[str], object] = print) -> RayStart:
+    """`connect`, with a local cluster's `import ray` and `ray.init` (2-3 s on 2 cores) on a thread, so that the caller
+    starts its other services meanwhile; joining a cluster is done here, before returning. The environment (loopback
+    address, token mode, token file) is set here, in the calling thread, before the thread starts: processes the
+    caller starts meanwhile inherit it, the same as those it starts after."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray_cfg.address:
+        _join(ray_cfg, warn)
+        return RayStart()
+    temp_dir = _prepare_local()
+    start = RayStart()
+    start._start(lambda: _init_local(ray_cfg.num_cpus, temp_dir))
+    return start
+
+
+def _prepare_local() -> Path:
+    """The environment of a private local cluster, set before the first `import ray` (module docstring)."""
+    if "ray" in sys.modules:
+        from ray._private import ray_constants
+
+        if ray_constants.ENABLE_RAY_CLUSTER:  # read by Ray at import: ray was imported before this function set it
+            raise RuntimeError(
+                "ray was imported before asyncrl.raycluster.connect: the local cluster would not be private"
+            )
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep the loopback node address (module docstring)
+    # Ray runs its workers at nice 15 by default: on a machine shared with other work at nice 0 the learner and the
+    # rollout workers would get a fraction of the CPU that a single-process trainer gets; the user's value wins.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # mode 0700
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(local_token_file(temp_dir))
     os.environ.pop("RAY_AUTH_TOKEN", None)  # the file is the one token of this cluster
+    return temp_dir
+
+
+class _NotMainThreadNote(logging.Filter):
+    """Drops Ray's note that `ray.init` off the main thread sets no SIGTERM handler: the driver sets its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def _init_local(num_cpus: int, temp_dir: Path) -> None:
     import ray
     from ray._private import ray_constants
 
     if ray_constants.ENABLE_RAY_CLUSTER:  # read by Ray at import: ray was imported before this function set it
         raise RuntimeError("ray was imported before asyncrl.raycluster.connect: the local cluster would not be private")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, _node_ip_address=LOCAL_HOST,
-             _temp_dir=str(temp_dir))  # fmt: skip
+    note = _NotMainThreadNote()
+    ray_logger = logging.getLogger("ray._private.worker")
+    ray_logger.addFilter(note)
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, _node_ip_address=LOCAL_HOST,
+                 _temp_dir=str(temp_dir))  # fmt: skip
+    finally:
+        ray_logger.removeFilter(note)
 
 
 def _join(ray_cfg: RayConfig, warn: Callable[[str], object]) -> None:

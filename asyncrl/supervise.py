@@ -29,7 +29,7 @@ from rollout_workers.sections import WorkerSections
 
 MAX_BACKOFF_S = 60.0
 STATS_EVERY_S = 0.5
-COUNTERS = ("tokens", "samples", "correct", "reward_sum", "groups_pushed", "errors")
+COUNTERS = ("tokens", "samples", "correct", "reward_sum", "groups_pushed", "errors", "reward_errors", "reward_timeouts")
 
 
 class SupervisionError(RuntimeError):

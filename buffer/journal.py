@@ -8,17 +8,20 @@ field):
 
 | k | fields | meaning |
 |---|---|---|
-| `lease` | `i`: list of problem indices | new problems handed out (restores the dataset cursor) |
+| `lease` | `i`: problem indices, `x`: skipped ones | new problems handed out, and skipped (restores the cursor) |
 | `admit` | `m`: encoded `PushGroup` bytes | a group queued for training |
 | `done` | `g`: group ids, `why`: "filtered" or "stale" | groups resolved without training |
 | `consume` | `g`: group ids, `s`: train step | groups handed to the learner |
 | `requeue` | `g`: group ids | a batch whose reply could not be delivered: back in the queue |
 | `max_lag` | `v`: int | staleness.max_lag changed live (SetMaxLag) |
+| `streak` | `p`: prompt key (u64), `n`: int | a prompt's zero-variance streak is now `n` (buffer/selective.py) |
 | `rewind` | `s`: step, `g`, `d`: group ids, `c`: count | resume at s: `g` (consumed at >= s) requeued, `d` dropped |
-| `state` | `cursor`, `step`, `consumed`, `max_lag`, `pending`: indices | the head of a compacted journal |
+| `state` | `cursor`, `step`, `consumed`, `max_lag`, `pending`: indices, `streaks` | the head of a compacted journal |
 
 A `rewind` record's `c` is the consumed count after it. A `state` record's `max_lag` is null unless set live
-(SetMaxLag): a null one leaves the config's value in force after a restart.
+(SetMaxLag): a null one leaves the config's value in force after a restart. A `lease` record's `x` (problems that
+selective rollout passed over), `streak` records and a `state` record's `streaks` (`[[prompt key, streak], ...]`)
+appear only with `algo.skip_zero_variance` on.
 
 A crash can leave a torn last record; `read_records` stops at the first record that is short or fails its checksum
 and truncates the file there.

@@ -20,8 +20,9 @@ from buffer.state import BufferState, Lease, Queued, group_id, group_index
 def snapshot(state: BufferState) -> list[dict[str, Any]]:
     """The journal records of the current state alone: what a compacted journal holds (see buffer/journal.py).
 
-    A `state` record (cursor, step, consumed count, max_lag, the indices still leased or returned), then one
-    `admit` record per queued group in queue order. Everything resolved is implied by the cursor.
+    A `state` record (cursor, step, consumed count, max_lag, the indices still leased or returned, and with selective
+    rollout the prompts' zero-variance streaks), then one `admit` record per queued group in queue order. Everything
+    resolved is implied by the cursor.
     """
     pending = sorted(lease.index for lease in [*state.leased.values(), *state.returned.values()])
     head = {
@@ -33,12 +34,15 @@ def snapshot(state: BufferState) -> list[dict[str, Any]]:
         "max_lag": state.max_lag if state.max_lag_set_live else None,  # else the config's value applies
         "pending": pending,
     }
+    if state.history is not None:
+        head["streaks"] = state.history.snapshot()
     return [head, *({"k": "admit", "m": q.payload} for q in state.queue)]
 
 
 def replay(state: BufferState, records: list[dict[str, Any]], now: float | None = None) -> None:
-    """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step and
-    max_lag restored, and leases that were never resolved returned to the pool (a live worker may push them)."""
+    """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step, max_lag
+    and the prompts' zero-variance streaks restored, and leases that were never resolved returned to the pool (a live
+    worker may push them). Streaks are restored only when selective rollout is on (`state.history`)."""
     now = time.time() if now is None else now
     admitted: dict[str, Queued] = {}
     pending: dict[str, Queued] = {}  # admitted, not consumed nor dropped, in admission order
@@ -55,9 +59,14 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
             unresolved = set(record["pending"])
             state.compacted_step = state.step
             admitted_count = int(record.get("admitted", 0))  # admits compacted away (older journals: unknown)
+            if state.history is not None:
+                state.history.restore(record.get("streaks", []))
         elif kind == "lease":
-            unresolved.update(record["i"])
-            state.cursor = max(state.cursor, max(record["i"], default=-1) + 1)
+            unresolved.update(record["i"])  # the skipped indices ("x") are resolved: only the cursor passes them
+            state.cursor = max(state.cursor, max([*record["i"], *record.get("x", [])], default=-1) + 1)
+        elif kind == "streak":
+            if state.history is not None:
+                state.history.set(int(record["p"]), int(record["n"]))
         elif kind == "admit":
             msg = ingest.decode_request(ingest.upgrade_push(record["m"]))
             assert isinstance(msg, CheckedPush)

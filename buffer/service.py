@@ -53,9 +53,11 @@ from buffer import ingest, recovery
 from buffer.ingest import CheckedPush
 from buffer.journal import Journal, read_records
 from buffer.memory import configure_malloc, reserve
+from buffer.selective import PromptHistory, SkipRule
 from buffer.state import BufferState, Queued, batch_reply
 from common import config as cfgmod
 from common import wire
+from common.config_rules import skip_zero_variance_on
 from common.curve import CurveKeyError, ServerKeys, server_keys
 from common.netaddr import bind
 from common.tasks import make_source
@@ -484,6 +486,13 @@ def _serve(
     return 0
 
 
+def _prompt_history(algo: cfgmod.AlgoConfig, seed: int) -> PromptHistory | None:
+    """Selective rollout's state when `algo.skip_zero_variance` is on (null: with `algo.filter_groups`), else None."""
+    if not skip_zero_variance_on(algo):
+        return None
+    return PromptHistory(SkipRule(base=algo.skip_base, min_prob=algo.skip_min_prob), seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     try:
@@ -515,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queued_groups=cfg.buffer.max_queued_groups,
         worker_timeout_s=cfg.buffer.worker_timeout_s,
         seed=cfg.data.seed,
+        history=_prompt_history(cfg.algo, cfg.data.seed),
     )
     journal: Journal | None = None
     if cfg.buffer.journal:

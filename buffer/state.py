@@ -4,16 +4,23 @@
 Life of a group (its id is `g<index>` of the problem it was leased for, the same id if the lease is reissued):
 
     cursor ──lease──▶ leased ──push ok──▶ queued ──fetch──▶ consumed
-                        │  ▲                 └──too stale at fetch──▶ dropped (counted)
-             deadline   ▼  │ reissued first
-                      returned            push: filtered (all rewards equal) or already stale ──▶ resolved, counted
+      │                 │  ▲                 └──too stale at fetch──▶ dropped (counted)
+      │      deadline   ▼  │ reissued first
+      │               returned            push: filtered (all rewards equal) or already stale ──▶ resolved, counted
+      └──zero-variance streak, not drawn (algo.skip_zero_variance, buffer/selective.py)──▶ skipped, counted
 
 A push of a returned (expired) lease is still accepted; whichever push of a group id comes first is admitted and
 any later one is answered `duplicate`, so a group is trained at most once. Live groups for the throttle
 (`staleness.may_lease`) are leased + queued + consumed.
 
 Resolved groups need no set: group ids are `g<index>` and indices are handed out in order, so a group below the
-cursor that is neither leased, returned nor queued has been resolved (admitted, consumed, filtered or dropped).
+cursor that is neither leased, returned nor queued has been resolved (admitted, consumed, filtered, dropped or
+skipped).
+
+Selective rollout (`history`, buffer/selective.py): every group a push resolves updates its prompt's zero-variance
+streak (journaled as a `streak` record when it changes), and a new problem whose prompt has a streak is leased only
+with a probability that falls with it; a skipped problem is passed over by the cursor (journaled in the `lease`
+record's `x`) and never generated.
 That keeps the state (and a compacted journal, see `buffer.recovery.snapshot`) proportional to what is in flight,
 not to the run.
 
@@ -36,8 +43,9 @@ from typing import Any
 from buffer import ingest, staleness
 from buffer.ingest import CheckedPush
 from buffer.journal import Journal
+from buffer.selective import MAX_SKIPS_PER_LEASE, PromptHistory, history_key, is_zero_variance
 from common import wire
-from common.tasks import PromptSource
+from common.tasks import Problem, PromptSource
 from common.wire import LeaseReply, PromptLease, PushReply
 
 RETRY_AFTER_S = 0.1
@@ -102,6 +110,7 @@ class BufferState:
         journal: Journal | None = None,
         worker_timeout_s: float = 0.0,
         seed: int = 0,
+        history: PromptHistory | None = None,
     ) -> None:
         self.source = source
         self.group_size = group_size
@@ -113,6 +122,7 @@ class BufferState:
         self.journal = journal
         self.worker_timeout_s = worker_timeout_s
         self.seed = seed  # of the prompt source: with the cursor, it fixes the dataset order (epoch shuffles too)
+        self.history = history  # zero-variance streaks by prompt (selective rollout); None: every problem is leased
         self.last_seen: dict[str, float] = {}  # worker id -> time.time() of its last request
         self.step = 0  # the learner's current train step (last FetchBatch.step)
         self.cursor = 0  # next problem index of the training stream
@@ -139,7 +149,8 @@ class BufferState:
     # -- requests -----------------------------------------------------------------------------------------------
 
     def lease(self, worker: str, max_groups: int, now: float | None = None) -> LeaseReply:
-        """Up to `max_groups` leases: expired ones first, then new problems from the cursor."""
+        """Up to `max_groups` leases: expired ones first, then new problems from the cursor (passing over those that
+        selective rollout skips, at most MAX_SKIPS_PER_LEASE of them a request)."""
         now = time.time() if now is None else now
         self.heartbeat(worker, now)
         budget = min(max_groups, self.may_lease(), wire.MAX_GROUP)
@@ -149,15 +160,25 @@ class BufferState:
             granted.append(lease)
             self.counters["reissued_leases"] += 1
         new_indices: list[int] = []
-        while len(granted) < budget:
+        skipped: list[int] = []
+        while len(granted) < budget and len(skipped) < MAX_SKIPS_PER_LEASE:
             try:
                 problem = self.source.train(self.cursor)
             except IndexError:  # a finite stream is exhausted
                 break
+            if self.history is not None and not self.history.should_lease(
+                history_key(self.source, problem), self.cursor
+            ):
+                skipped.append(self.cursor)
+                self.cursor += 1
+                continue
             granted.append(Lease(group_id(self.cursor), self.cursor, problem.prompt, problem.answer, worker, 0.0))
             new_indices.append(self.cursor)
             self.cursor += 1
-        if new_indices:
+        if skipped:
+            self.log_record({"k": "lease", "i": new_indices, "x": skipped})
+            self.counters["skipped_prompts"] += len(skipped)
+        elif new_indices:
             self.log_record({"k": "lease", "i": new_indices})
         for lease in granted:
             lease.worker, lease.deadline = worker, now + self.lease_timeout_s
@@ -190,7 +211,7 @@ class BufferState:
         outcome = ""
         if not staleness.is_admissible(self.step, msg.oldest_version, self.max_lag):
             outcome = "stale"
-        elif self.filter_groups and len(set(msg.rewards)) == 1:
+        elif self.filter_groups and is_zero_variance(msg.rewards):
             outcome = "filtered"
         elif len(self.queue) >= self.max_queued_groups:
             if group in self.leased:  # the worker holds the group and will retry: keep its lease alive
@@ -198,6 +219,8 @@ class BufferState:
             return self._reject("backpressure")
         self.leased.pop(group, None)
         self.returned.pop(group, None)
+        self.counters["completed_groups"] += 1
+        self._record_outcome(lease, msg.rewards)
         if outcome:
             self.counters["dropped_stale" if outcome == "stale" else "filtered_groups"] += 1
             self.log_record({"k": "done", "g": [group], "why": outcome})
@@ -306,6 +329,8 @@ class BufferState:
             "consumed_groups",
             "dropped_stale",
             "filtered_groups",
+            "completed_groups",
+            "skipped_prompts",
             "expired_leases",
             "dead_workers",
             "dead_worker_leases",
@@ -326,6 +351,8 @@ class BufferState:
             cursor_epoch=cursor["epoch"] or 0,
             cursor_position=cursor["position"] or 0,
             live_workers=len(self.last_seen),
+            skip_tracked_prompts=len(self.history.streaks) if self.history is not None else 0,
+            skip_forgotten_prompts=self.history.forgotten if self.history is not None else 0,
         )
         if self.journal is not None:
             out["journal_bytes"] = self.journal.size_bytes()
@@ -346,6 +373,15 @@ class BufferState:
         if msg.newest_version > self.step + 1:
             return "future_version"
         return ""
+
+    def _record_outcome(self, lease: Lease, rewards: tuple[float, ...]) -> None:
+        """Update the prompt's zero-variance streak with a resolved group's rewards; journal it if it changed."""
+        if self.history is None:
+            return
+        key = history_key(self.source, Problem(lease.index, lease.prompt, lease.answer))
+        streak = self.history.record(key, is_zero_variance(rewards))
+        if streak is not None:
+            self.log_record({"k": "streak", "p": key, "n": streak})
 
     def _reject(self, reason: str) -> PushReply:
         self.counters[f"rejected_{reason}"] += 1

@@ -13,10 +13,21 @@ import re
 from pathlib import Path
 
 from common.config_checks import ConfigError, check_section, is_loopback
-from common.config_schema import Config
+from common.config_schema import AlgoConfig, Config, QuantConfig, RolloutConfig
 
 SIMULATED_SCHEMES = ("fp8_trunc", "w4a16", "w8a16")
 """Quantization schemes only the embedded engine simulates; SGLang serves int8 or fp8."""
+W8A8_SCHEMES = ("int8", "fp8", "fp8_trunc")
+
+
+def head_quantized(quant: QuantConfig, rollout: RolloutConfig) -> bool:
+    """Whether the rollout's LM head is quantized (`quant.lm_head`, `auto` resolved): the learner that publishes the
+    weights and the rollout-aligned forward both ask this."""
+    if quant.scheme == "none" or quant.lm_head == "fp32":
+        return False
+    if quant.lm_head == "quantized":
+        return True
+    return rollout.backend == "embedded" and quant.scheme in W8A8_SCHEMES
 
 
 def validate(cfg: Config) -> Config:
@@ -24,12 +35,17 @@ def validate(cfg: Config) -> Config:
     check_section(cfg)
     _check_compute(cfg)  # the rules run in this order: a config breaking several is told of the first
     _check_data(cfg)
+    _check_selective_rollout(cfg.algo)
     if cfg.loss.dual_clip and cfg.loss.dual_clip <= 1.0:
         raise ConfigError(f"`loss.dual_clip` must be 0 (off) or > 1, got {cfg.loss.dual_clip}")
     # `learner.prox=behav` with a mismatch weighting is allowed (the QuRL eq. 3 baseline): every weight is then 1.
+    if cfg.learner.prox == "loglinear" and cfg.loss.weighting == "acrl":
+        raise ConfigError("`learner.prox=loglinear` cannot serve `loss.weighting=acrl`: its Y_g needs lp of whole "
+                          "groups before the first forward; use `learner.prox=recompute`")  # fmt: skip
     _check_rollout(cfg)
     _check_optim_and_resources(cfg)
     _check_model(cfg)
+    _check_reward(cfg)
     return cfg
 
 
@@ -61,6 +77,11 @@ def _check_rollout(cfg: Config) -> None:
         )
     if cfg.rollout.backend == "sglang":
         _check_sglang(cfg)
+    if cfg.quant.lm_head == "quantized" and cfg.rollout.backend != "embedded":
+        raise ConfigError("`quant.lm_head=quantized` is the embedded engine's: SGLang serves the LM head unquantized; "
+                          "use `quant.lm_head=auto` or `fp32` with `rollout.backend=sglang`")  # fmt: skip
+    if cfg.quant.lm_head == "quantized" and cfg.quant.scheme == "none":
+        raise ConfigError("`quant.lm_head=quantized` needs a quantized `quant.scheme` (int8, fp8, ...), got none")
     if cfg.algo.overlong.len >= cfg.rollout.max_new_tokens and cfg.algo.overlong.len > 0:
         raise ConfigError(
             f"`algo.overlong.len` ({cfg.algo.overlong.len}) must be below `rollout.max_new_tokens` "
@@ -96,9 +117,31 @@ def _check_sglang(cfg: Config) -> None:
                           "beyond this machine; keep it on a loopback address")  # fmt: skip
 
 
+def skip_zero_variance_on(algo: AlgoConfig) -> bool:
+    """Whether selective rollout is on (`algo.skip_zero_variance`, null resolved: it follows `algo.filter_groups`)."""
+    return algo.filter_groups if algo.skip_zero_variance is None else algo.skip_zero_variance
+
+
+def _check_selective_rollout(algo: AlgoConfig) -> None:
+    """Skipping a prompt for its zero-variance streak saves only what dynamic sampling would throw away: without
+    `algo.filter_groups` such groups are trained on (at advantage 0, or a length-shaping signal), and skipping them
+    would change what is trained rather than save generation."""
+    if algo.skip_zero_variance and not algo.filter_groups:
+        raise ConfigError(
+            "`algo.skip_zero_variance=true` needs `algo.filter_groups=true`: it skips prompts whose groups dynamic "
+            "sampling would drop; set `algo.filter_groups=true` or leave `algo.skip_zero_variance` null (auto)"
+        )
+
+
 def _check_data(cfg: Config) -> None:
     if cfg.data.task == "jsonl" and not cfg.data.path:
         raise ConfigError("data.task=jsonl needs `data.path` (a JSONL file with prompt and answer fields)")
+    if cfg.data.task == "dataset" and not cfg.data.path:
+        raise ConfigError(
+            "data.task=dataset needs `data.path` (a .jsonl, .json or .parquet file or a `datasets` save_to_disk dir)"
+        )
+    if cfg.data.task != "dataset" and (cfg.data.eval_path or cfg.data.max_prompt_tokens):
+        raise ConfigError("`data.eval_path` and `data.max_prompt_tokens` need data.task=dataset")
     if cfg.data.task == "arith" and (not cfg.data.ops or set(cfg.data.ops) - {"+", "-"}):
         raise ConfigError(f"`data.ops` must be made of '+' and '-', got {cfg.data.ops!r}")
 
@@ -125,3 +168,16 @@ def _check_model(cfg: Config) -> None:
             )
     elif not Path(cfg.model.path).expanduser().is_dir():
         raise ConfigError(f"`model.path` {cfg.model.path!r} is not a directory (nor builtin:<name>)")
+
+
+def _check_reward(cfg: Config) -> None:
+    """Every reward function spec names a file or module that exists and holds that function (common/reward_fns.py:
+    a file is parsed, not run; a module is imported)."""
+    from common.reward_fns import RewardFnError, check_spec
+
+    key = "reward.fns" if cfg.reward.fns else "reward.fn"
+    for i, spec in enumerate(cfg.reward.specs()):
+        try:
+            check_spec(spec, f"{key}[{i}]" if cfg.reward.fns else key)
+        except RewardFnError as err:
+            raise ConfigError(str(err)) from err

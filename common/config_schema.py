@@ -10,6 +10,7 @@ This module must stay importable without torch, ray or zmq: the CLI parses confi
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -32,12 +33,13 @@ WEIGHTINGS = (
 )
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
-PROX_MODES = ("recompute", "behav")
+PROX_MODES = ("recompute", "behav", "loglinear")
 QUANT_SCHEMES = ("none", "int8", "fp8", "fp8_trunc", "w8a16", "w4a16")
+HEAD_MODES = ("auto", "quantized", "fp32")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "length_decay")
 BACKENDS = ("embedded", "sglang")
-TASKS = ("arith", "jsonl")
+TASKS = ("arith", "jsonl", "dataset")
 SWAP_MODES = ("in_place", "retract")
 ACRL_X_MODES = ("first_batch", "ema")
 
@@ -56,13 +58,31 @@ class ModelConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     task: str = one_of(TASKS, default="arith")
-    """Prompt source: `arith` (built-in procedurally generated arithmetic) or `jsonl` (a dataset file)."""
+    """Prompt source: `arith` (built-in procedurally generated arithmetic), `jsonl` (a JSONL file) or `dataset` (a
+    .jsonl/.json/.parquet file or a `datasets` save_to_disk directory, read with the `datasets` library)."""
     path: str = ""
-    """JSONL dataset file for task=jsonl: one object per line with a prompt and an answer field."""
+    """Dataset for task=jsonl (a JSONL file) or task=dataset (a .jsonl/.json/.parquet file or a saved directory)."""
     prompt_key: str = "prompt"
-    """Field of a JSONL row holding the prompt text."""
+    """Field of a row holding the prompt: text, or (task=dataset) a list of {role, content} messages; task=dataset
+    takes dotted paths into nested fields (`extra_info.question`)."""
     answer_key: str = "answer"
-    """Field of a JSONL row holding the reference answer (scored with math-verify)."""
+    """Field of a row holding the reference answer (scored with math-verify); task=dataset takes dotted paths
+    (`reward_model.ground_truth`)."""
+    eval_path: str = ""
+    """task=dataset: a separate held-out file (same formats and keys) for evaluation; empty: `data.eval_size` rows of
+    `data.path`."""
+    max_prompt_tokens: int = in_range(0, default=0)
+    """task=dataset: drop rows whose prompt (chat template applied) has more tokens than this; 0: keep all. The count
+    dropped is printed at start."""
+    chat_template: str = one_of(("auto", "true", "false"), default="auto")
+    """Render prompts with the tokenizer's chat template (`apply_chat_template(..., add_generation_prompt=True)`):
+    `auto` when the prompt is a message list, or when the tokenizer has a template and `data.system_prompt` is set;
+    `true` always; `false` never (messages are joined with blank lines)."""
+    system_prompt: str = ""
+    """System message put before each prompt (unless its messages already start with one); empty: none."""
+    tokenizer: str = ""
+    """Tokenizer directory used to count prompt tokens for `data.max_prompt_tokens`; empty: the model's (the driver
+    fills it in)."""
     digits: int = in_range(1, 18, default=2)
     """Built-in arithmetic difficulty: the maximum number of digits of each operand."""
     ops: str = "+-"
@@ -257,6 +277,14 @@ class AlgoConfig:
     """Advantage estimator: grpo, drgrpo or rloo."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    skip_zero_variance: bool | None = None
+    """Selective rollout (GRESO): lease a prompt whose latest z groups all had equal rewards only with probability
+    max(skip_min_prob, skip_base ** z), so groups that would be filtered are not generated; null (default): on iff
+    `algo.filter_groups`; true needs `algo.filter_groups`."""
+    skip_base: float = in_range(0.0, 1.0, default=0.25)
+    """Selective rollout: lease probability of a prompt after one zero-variance group (GRESO's p_e); z in a row: ^z."""
+    skip_min_prob: float = in_range(0.01, 1.0, default=0.05)
+    """Selective rollout: the floor of the lease probability, so no prompt is skipped for ever."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
@@ -264,17 +292,31 @@ class AlgoConfig:
 class LearnerConfig:
     prox: str = one_of(PROX_MODES, default="recompute")
     """Proximal log-probs: `recompute` (the policy at the start of the step: one no-grad forward, or with one minibatch
-    and any weighting but acrl that minibatch's own forward, same values) or `behav` (use behavior log-probs)."""
+    and any weighting but acrl that minibatch's own forward, same values), `behav` (use behavior log-probs) or
+    `loglinear` (AReaL: lb and each forward's detached lc interpolated in log space by token version; no extra forward;
+    not with `loss.weighting=acrl`)."""
     minibatches: int = in_range(1, default=1)
     """PPO minibatches (optimizer steps) per learner step."""
-    micro_batch_tokens: int = in_range(1, default=16384)
-    """Token budget of one forward/backward micro-batch: its rows x their longest prompt + response, in tokens."""
+    micro_batch_tokens: int = in_range(1, default=512)
+    """Token budget of one forward/backward micro-batch: its rows x their longest prompt + response, in tokens. 512:
+    on CPU the step's time is within a few percent from 512 to 16384 and its peak memory lowest at 512 (issue 26)."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)
     """torch intra-op threads of each learner rank."""
+    threads_max: int = in_range(0, default=0)
+    """0: off. Else the torch threads (at most the machine's cores) of a step after rollout was throttled (the buffer
+    refused a lease since the previous step: the workers wait on the learner and their cores idle); `learner.threads`
+    after an unthrottled one. One learner rank only."""
     world_size: int = in_range(1, default=1)
     """Learner ranks (FSDP2, gloo on CPU), each a Ray actor requesting `ray.learner_cpus / world_size` CPUs."""
+
+    def __post_init__(self) -> None:
+        if self.threads_max and self.threads_max < self.threads:
+            raise ConfigError(f"`learner.threads_max` ({self.threads_max}) must be 0 (off) or >= `learner.threads` "
+                              f"({self.threads})")  # fmt: skip
+        if self.threads_max and self.world_size > 1:
+            raise ConfigError("`learner.threads_max` needs `learner.world_size=1` (only rank 0 hears the buffer)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -287,6 +329,10 @@ class UaqConfig:
 class QuantConfig:
     scheme: str = one_of(QUANT_SCHEMES, default="int8")
     """Rollout weight quantization: none, int8 (W8A8), fp8 (e4m3), fp8_trunc, w8a16, w4a16."""
+    lm_head: str = one_of(HEAD_MODES, default="auto")
+    """The LM head in rollout: `quantized` with `quant.scheme` like the decoder's linears (the embedded engine only),
+    `fp32`, or `auto`: quantized for the W8A8 schemes (int8, fp8, fp8_trunc) on the embedded engine, else fp32
+    (`common.config_rules.head_quantized`). The rollout-aligned learner quantizes its head alike."""
     uaq: UaqConfig = field(default_factory=UaqConfig)
 
 
@@ -373,6 +419,45 @@ class RayConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """User reward functions (common/reward_fns.py), run in each rollout worker's reward process under a timeout."""
+
+    fn: str = ""
+    """One reward function: `path/to/file.py:name` (made absolute at load), `package.module:name`, `asyncrl:arith` or
+    `asyncrl:math`, called as `fn(response, answer, row) -> float | dict` (a dict: `score` plus extra metrics, logged
+    as `reward/<key>`). Empty, with `reward.fns` empty: the task's own reward (exact match for arith, math-verify for
+    datasets)."""
+    fns: list[str] = field(default_factory=list)
+    """Several reward functions (specs as `reward.fn`), summed with `reward.weights` (TRL's `reward_funcs`)."""
+    weights: list[float] = field(default_factory=list)
+    """Weight of each of `reward.fns` (same length); empty: 1.0 each. reward = sum_i weights[i] * score_i."""
+    timeout_s: float = in_range(0.001, 3600.0, default=10.0)
+    """Seconds one call may run; a call that runs longer scores 0, is counted in `reward/timeouts`, and its reward
+    process is replaced."""
+
+    def __post_init__(self) -> None:
+        from common.reward_fns import absolute_spec
+
+        if self.fn and self.fns:
+            raise ConfigError("set one of `reward.fn` (one function) and `reward.fns` (several), not both")
+        self.fn = absolute_spec(self.fn) if self.fn else ""  # workers may run in another directory
+        self.fns = [absolute_spec(spec) for spec in self.fns]
+        if self.weights and len(self.weights) != len(self.specs()):
+            raise ConfigError(f"`reward.weights` has {len(self.weights)} weights for {len(self.specs())} reward "
+                              f"functions (`reward.fns`): give one per function, or none (1.0 each)")  # fmt: skip
+        if not all(math.isfinite(float(w)) for w in self.weights):
+            raise ConfigError(f"`reward.weights` must be finite numbers, got {list(self.weights)}")
+
+    def specs(self) -> list[str]:
+        """The reward functions to run: `reward.fns`, or `[reward.fn]`; [] means the task's own reward."""
+        return list(self.fns) if self.fns else ([self.fn] if self.fn else [])
+
+    def weight_list(self) -> list[float]:
+        """One weight per spec (`reward.weights`, or 1.0 each)."""
+        return [float(w) for w in self.weights] if self.weights else [1.0] * len(self.specs())
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -389,6 +474,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 
 LIVE_KEYS: tuple[str, ...] = (

@@ -118,15 +118,18 @@ class AlignedLinear(torch.nn.Linear):
         return _AlignedLinearFn.apply(x, self.weight, self.bias, self.operand())
 
 
-def make_rollout_aligned(model: torch.nn.Module, scheme: str, cache: bool = True) -> int:
-    """Turn the quantized linears of `model` into AlignedLinear in place (parameters kept); returns how many."""
+def make_rollout_aligned(model: torch.nn.Module, scheme: str, cache: bool = True, head: bool = False) -> int:
+    """Turn the quantized linears of `model` into AlignedLinear in place (parameters kept); returns how many.
+
+    `head`: the LM head is quantized in rollout too (`quant.lm_head`), so it runs aligned as well (a tied head keeps
+    sharing its weight with the embedding: the lookup stays full precision, the head's product is quantized)."""
     if scheme not in ALIGNED_SCHEMES:
         raise ValueError(
             f"learner.rollout_aligned needs a quantized quant.scheme ({', '.join(ALIGNED_SCHEMES)}), got {scheme!r}"
         )
     count = 0
     for name, module in model.named_modules():
-        if type(module) is torch.nn.Linear and is_quantized_linear(name + ".weight"):
+        if type(module) is torch.nn.Linear and is_quantized_linear(name + ".weight", head):
             module.__class__ = AlignedLinear
             module.enable(scheme, cache)
             count += 1

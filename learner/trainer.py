@@ -17,6 +17,7 @@ reference, skipped-step count and RNG states (plain tensors and numbers: loaded 
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import time
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from common.config import set_key
+from common.config_rules import head_quantized
 from common.wire import Trajectory
 from learner import aligned, distributed
 from learner.acrl import AcrlReference
@@ -34,7 +36,7 @@ from learner.losses import mismatch_metrics
 from learner.precision import LossScaler
 from learner.schedules import LrSchedule
 from learner.sections import LearnerSections
-from learner.update import train_on_batch
+from learner.update import timed, train_on_batch
 from quant_sync.export import export_rollout_tensors
 from quant_sync.uaq import apply_uaq, quant_error_by_type
 
@@ -61,6 +63,7 @@ class Learner:
         torch.manual_seed(sections.train.seed)
         self.ranks = distributed.init_distributed(rank, sections.learner.world_size, rendezvous)
         self.model_dir = model_dir
+        self.quantized_head = head_quantized(sections.quant, sections.rollout)  # quant.lm_head, `auto` resolved
         self.trust_remote_code = sections.model.trust_remote_code
         source = str(Path(resume_dir) / "model") if resume_dir else model_dir
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -69,7 +72,9 @@ class Learner:
         if not resume_dir:  # a checkpoint holds the reparametrized weights already
             apply_uaq(self.model, sections.quant.uaq.scale)  # before the optimizer sees the parameters
         if sections.learner.rollout_aligned:
-            aligned.make_rollout_aligned(self.model, sections.quant.scheme, cache=self.ranks.world == 1)
+            aligned.make_rollout_aligned(
+                self.model, sections.quant.scheme, cache=self.ranks.world == 1, head=self.quantized_head
+            )
         if self.ranks.world > 1:
             distributed.shard_model(self.model)
         self.model.train()
@@ -89,6 +94,7 @@ class Learner:
         self.schedule = LrSchedule(optim, total_steps=sections.train.steps)
         self.acrl_reference = AcrlReference(sections.loss.acrl)
         self.skipped_steps = 0
+        self.lease_throttled = 0  # the buffer's count of refused leases at the previous step (learner.threads_max)
         self.client = self.publisher = None
         if self.ranks.is_main:
             from buffer.client import BufferClient
@@ -119,7 +125,7 @@ class Learner:
         if not self.ranks.is_main:
             return {}
         scheme = self.sections.quant.scheme
-        tensors = export_rollout_tensors(state, scheme)
+        tensors = export_rollout_tensors(state, scheme, quantize_head=self.quantized_head)
         if self.sections.learner.rollout_aligned:  # the next forwards run on exactly these tensors (QaRL)
             aligned.install_operands(self.model, tensors, scheme)
         assert self.publisher is not None
@@ -144,25 +150,29 @@ class Learner:
         if self.ranks.is_main:
             groups, dropped_stale, wait_s = self.fetch(step)
             batch = collate(groups, self.pad_id)
+            torch.set_num_threads(self.step_threads())
         batch = distributed.broadcast_batch(batch, self.ranks)
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         sections = self.sections
         lengths = batch.mask.sum(-1)
         lr = self.schedule.lr(step, float(lengths.mean()))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         result = train_on_batch(
-            self.model, self.optimizer, self.scaler, batch, sections, self.acrl_reference, self.ranks
-        )
+            self.model, self.optimizer, self.scaler, batch, sections, self.acrl_reference, self.ranks, self.version
+        )  # self.version: the weights this step starts from (the latest published)
         if result.skipped:
             self.skipped_steps += 1
-        quant_err = self._publish(step + 1) if not result.skipped else {"norm_quant_err": float("nan")}
+        seconds = dict(result.seconds)
+        with timed(seconds, "publish"):
+            quant_err = self._publish(step + 1) if not result.skipped else {"norm_quant_err": float("nan")}
         if not self.ranks.is_main:
             return {}
         oldest = (batch.versions + (1 - batch.mask.long()) * 10**9).min(-1).values  # (B,) oldest token version
         staleness = (step - oldest).float()
         metrics = dict(result.metrics)
-        metrics.update(mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.cap))
+        with timed(seconds, "metrics"):
+            metrics.update(mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.cap))
         metrics.update(
             {
                 "step": step,
@@ -179,12 +189,27 @@ class Learner:
                 **self.schedule.metrics(),
                 **quant_err,
                 "skipped_steps": float(self.skipped_steps),
+                **{f"perf/{phase}_s": value for phase, value in seconds.items()},
+                "learner/threads": float(torch.get_num_threads()),
                 "perf/train_s": time.monotonic() - started,
                 "perf/fetch_wait_s": wait_s,
                 "perf/batch_tokens": float(batch.mask.sum()),
             }
         )
+        # CPU seconds of every thread of this process over the step's wall seconds: 1.0 = one core busy throughout
+        metrics["perf/learner_cpu_util"] = (time.process_time() - cpu_started) / max(time.monotonic() - started, 1e-9)
         return metrics
+
+    def step_threads(self) -> int:
+        """The torch threads of this step: `learner.threads_max` (at most the machine's cores) when the buffer refused
+        a lease since the previous step (rollout throttled: the workers wait on the learner), else `learner.threads`.
+        """
+        learner = self.sections.learner
+        if not learner.threads_max or self.client is None:
+            return learner.threads
+        throttled = int(self.client.stats().get("lease_throttled", 0))
+        grew, self.lease_throttled = throttled > self.lease_throttled, throttled
+        return max(learner.threads, min(learner.threads_max, os.cpu_count() or 1)) if grew else learner.threads
 
     def _full_precision_copy(self) -> torch.nn.Module | None:
         """Rank 0: an unsharded fp32 model with the current weights (a collective with FSDP2); None elsewhere."""
@@ -266,17 +291,20 @@ class Learner:
     def evaluate(self, prompts: list[str], answers: list[str], max_new_tokens: int) -> float:
         """Greedy accuracy of the current full-precision policy on held-out problems; every rank calls it."""
         from common.tasks import make_source
+        from common.tasks.chat import PromptEncoder
 
         model = self._full_precision_copy()
         if model is None:
             return float("nan")
         source = make_source(self.sections.data)
+        encode = PromptEncoder.for_source(self.tokenizer, self.sections.data, source)  # the worker's ids
         model.eval()
         correct = 0
         with aligned.full_precision(model):
             for lo in range(0, len(prompts), 64):
                 chunk = prompts[lo : lo + 64]
-                enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
+                ids = {"input_ids": [encode(prompt) for prompt in chunk]}
+                enc = self.tokenizer.pad(ids, return_tensors="pt", padding=True, padding_side="left")
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id)
                 texts = self.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 correct += sum(source.reward(t, a) for t, a in zip(texts, answers[lo : lo + 64]))

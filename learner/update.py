@@ -2,7 +2,9 @@
 
     batch (every rank holds all rows)
       -> advantages (DAPO overlong shaping first)       -> proximal log-probs: no-grad forward (or lb; or, with
-                                                           one minibatch, that minibatch's forward: same values)
+                                                           one minibatch, that minibatch's forward: same values;
+                                                           or `loglinear`: AReaL's interpolation between lb and
+                                                           each micro-batch's own detached lc, by token version)
       -> for each PPO minibatch: this rank's rows, in micro-batches of at most `learner.micro_batch_tokens`
            loss of a micro-batch = policy_loss(micro) * its share of the minibatch's normalizer
            backward(loss * loss_scale * world_size)   (FSDP2 averages over ranks; the factor makes it a sum)
@@ -45,6 +47,7 @@ class StepInputs:
     acrl_x: float | None = None  # ACRL reference X; acrl only
     acrl_y: torch.Tensor | None = None  # (n_groups,) ACRL Y_g over whole groups; acrl only
     prox_entropy: torch.Tensor | None = None  # (B, T): set when lp comes from the minibatch's forward (see below)
+    prox_version: int | None = None  # the step's weight version when lp is `loglinear_prox` of that forward
 
 
 @dataclass(slots=True)
@@ -112,6 +115,24 @@ def prox_from_training_forward(learner: LearnerConfig, loss: LossConfig) -> bool
     lp of whole groups before the first micro-batch.
     """
     return learner.prox == "recompute" and learner.minibatches == 1 and loss.weighting != "acrl"
+
+
+def loglinear_alpha(versions: torch.Tensor, version: int) -> torch.Tensor:
+    """AReaL's interpolation weight (B, T) of each token for `learner.prox = loglinear` (ALGORITHMS.md).
+
+    `alpha = clamp((v_prox - v_behav) / (v_cur - v_behav), 0, 1)` with `v_cur = version` (the weights the step starts
+    from) and `v_prox = v_cur - 1`; a token generated at `v_cur` (or later) gets 1: its lp is the current log-prob.
+    """
+    v_behav = versions.to(torch.float64)
+    v_cur = float(version)
+    gap = v_cur - v_behav
+    alpha = torch.where(gap > 0, (v_cur - 1.0 - v_behav) / gap.clamp_min(1.0), torch.ones_like(v_behav))
+    return alpha.clamp(0.0, 1.0).to(torch.float32)
+
+
+def loglinear_prox(behav_logp: torch.Tensor, cur_logp: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """lp = lb + alpha * (lc - lb), in log space, with lc detached (AReaL's `loglinear` proximal approximation)."""
+    return behav_logp + alpha * (cur_logp.detach() - behav_logp)
 
 
 def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -217,8 +238,13 @@ def minibatch_backward(
             with timed(seconds, "backward"):
                 (scaler.scale_loss(cur_logp.nan_to_num(0.0, 0.0, 0.0).sum()) * 0.0).backward()
             continue
-        if inputs.prox_entropy is not None:  # lp is this forward's (prox_from_training_forward)
-            inputs.prox_logp[lo:hi], inputs.prox_entropy[lo:hi] = cur_logp.detach(), entropy
+        if inputs.prox_entropy is not None:  # lp is this forward's (prox_from_training_forward), or AReaL's loglinear
+            if inputs.prox_version is None:
+                inputs.prox_logp[lo:hi] = cur_logp.detach()
+            else:
+                alpha = loglinear_alpha(micro.versions, inputs.prox_version)
+                inputs.prox_logp[lo:hi] = loglinear_prox(micro.behav_logp, cur_logp, alpha)
+            inputs.prox_entropy[lo:hi] = entropy
         with timed(seconds, "forward"):
             out = micro_loss(micro, (lo, hi), cur_logp, inputs, sections.rollout, loss_cfg)
         share = loss_normalizer(micro.mask, loss_cfg) / normalizer  # this micro-batch's part of the mean
@@ -260,11 +286,22 @@ def train_on_batch(
     sections: UpdateSections,
     acrl_reference: AcrlReference,
     ranks: Dist = SINGLE,
+    version: int | None = None,
 ) -> UpdateResult:
-    """One train step on `batch` (every rank passes the same batch). Returns metrics; on skip, nothing changed."""
+    """One train step on `batch` (every rank passes the same batch). Returns metrics; on skip, nothing changed.
+
+    `version`: the weight version the step starts from (the latest published); `learner.prox = loglinear` needs it.
+    """
     learner, optim = sections.learner, sections.optim
     seconds = dict.fromkeys(PHASES, 0.0)
-    from_forward = prox_from_training_forward(learner, sections.loss)
+    loglinear = learner.prox == "loglinear"
+    if loglinear and version is None:
+        raise ValueError("`learner.prox=loglinear` needs the step's weight version: pass train_on_batch(version=...)")
+    if loglinear and sections.loss.weighting == "acrl":
+        raise ValueError(
+            "`learner.prox=loglinear` cannot serve `loss.weighting=acrl` (Y_g needs lp before any forward)"
+        )
+    from_forward = prox_from_training_forward(learner, sections.loss) or loglinear
     if from_forward:  # filled in, micro-batch by micro-batch, by the minibatch's own forward
         prox_logp, entropy = torch.zeros_like(batch.behav_logp), torch.zeros_like(batch.behav_logp)
     elif learner.prox == "recompute":
@@ -274,6 +311,7 @@ def train_on_batch(
         prox_logp, entropy = batch.behav_logp.clone(), torch.zeros_like(batch.behav_logp)
     inputs = step_inputs(batch, prox_logp, sections.rollout, sections.algo, sections.loss, acrl_reference)
     inputs.prox_entropy = entropy if from_forward else None
+    inputs.prox_version = version if loglinear else None
     # The weights and AdamW state the step starts from (for norm_update and to undo a skipped step), taken before
     # the first optimizer step changes them: after the first backward, never alongside its activations.
     before: list[torch.Tensor] | None = None
@@ -281,6 +319,9 @@ def train_on_batch(
     params = [p for p in model.parameters() if p.requires_grad]
     clip = optim.grad_clip if optim.grad_clip > 0 else math.inf
     metrics: dict[str, float] = {"loss_scale": scaler.scale}
+    if loglinear:  # the mean interpolation weight over the batch's tokens (1: every lp is the current log-prob)
+        alpha = loglinear_alpha(batch.versions, version)  # type: ignore[arg-type] - checked above
+        metrics["prox/loglinear_alpha"] = float((alpha * batch.mask).sum() / batch.mask.sum().clamp_min(1.0))
     bounds = torch.linspace(0, batch.rows, learner.minibatches + 1).long().tolist()
     skipped = False
     for lo, hi in zip(bounds[:-1], bounds[1:]):

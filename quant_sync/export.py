@@ -2,8 +2,11 @@
 
 Linear layers of the decoder blocks are quantized with `quant.scheme` and travel as `<name>` (int8 or
 float8_e4m3fn) plus `<name>_scale` (float32: one per output channel for the W8A8 schemes, one per output channel
-and group of 128 input columns for the weight-only `w8a16` / `w4a16`). Embeddings, norms and
-the LM head stay in float32 (as SGLang serves them). With `scheme == "none"` everything is float32.
+and group of 128 input columns for the weight-only `w8a16` / `w4a16`). Embeddings and norms stay in float32. The
+LM head stays in float32 too (as SGLang serves it) unless `quantize_head` (`quant.lm_head`, resolved by
+`common.config_rules.head_quantized`): then `lm_head.weight` travels quantized like a decoder linear, made from the
+embedding matrix when the two are tied (the embedding itself still travels in float32, for the lookup). With
+`scheme == "none"` everything is float32.
 """
 
 from __future__ import annotations
@@ -18,22 +21,33 @@ QUANTIZED_LINEARS = (
 )  # fmt: skip
 
 
-def is_quantized_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith(QUANTIZED_LINEARS)
+HEAD_WEIGHT = "lm_head.weight"
+EMBED_WEIGHT = "model.embed_tokens.weight"
 
 
-def export_rollout_tensors(state_dict: dict[str, torch.Tensor], scheme: str) -> dict[str, torch.Tensor]:
+def is_quantized_linear(name: str, head: bool = False) -> bool:
+    """Whether the weight `name` travels quantized: the decoder blocks' linears, and the LM head when `head`."""
+    return (name.startswith("model.layers.") and name.endswith(QUANTIZED_LINEARS)) or (head and name == HEAD_WEIGHT)
+
+
+def export_rollout_tensors(
+    state_dict: dict[str, torch.Tensor], scheme: str, quantize_head: bool = False
+) -> dict[str, torch.Tensor]:
     """Quantize (or copy) a full state dict into the published tensor set of one version."""
     tensors: dict[str, torch.Tensor] = {}
-    embed = state_dict.get("model.embed_tokens.weight")
+    embed = state_dict.get(EMBED_WEIGHT)
+    head = quantize_head and scheme != "none"
+    if head and HEAD_WEIGHT not in state_dict and embed is not None:
+        state_dict = {**state_dict, HEAD_WEIGHT: embed}  # tied weights listed once: the head is the embedding
     for name, value in state_dict.items():
         value = value.detach()
-        if name == "lm_head.weight" and embed is not None and value.data_ptr() == embed.data_ptr():
+        tied = name == HEAD_WEIGHT and embed is not None and value.data_ptr() == embed.data_ptr()
+        if tied and not head:
             continue  # tied: the engine falls back to the embedding
-        if scheme in WEIGHT_ONLY_BITS and is_quantized_linear(name):
+        if scheme in WEIGHT_ONLY_BITS and is_quantized_linear(name, head):
             q, scale = quantize_weight_only(value, scheme)
             tensors[name], tensors[name + "_scale"] = q, scale.contiguous()
-        elif scheme != "none" and is_quantized_linear(name):
+        elif scheme != "none" and is_quantized_linear(name, head):
             quantized = quantize_weight(value, scheme)
             tensors[name] = quantized.q.contiguous()
             tensors[name + "_scale"] = quantized.scale.contiguous()

@@ -21,6 +21,7 @@ from common.config import (
     ModelConfig,
     PrecisionConfig,
     QuantConfig,
+    RewardConfig,
     RolloutConfig,
     TrainConfig,
 )
@@ -50,3 +51,5 @@ class WorkerSections(EngineSections):
     """CurveZMQ keys and `worker_timeout_s` (the heartbeat interval is a sixth of it)."""
     model: ModelConfig
     """Whether the model directory's own code may run (`model.trust_remote_code`), for its tokenizer."""
+    reward: RewardConfig
+    """User reward functions and their timeout (rollout_workers/reward_pool.py); none: the task's own reward."""

@@ -49,8 +49,10 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from common.tasks import make_source
+        from common.tasks.chat import PromptEncoder
         from rollout_workers.embedded.engine import EmbeddedEngine
         from rollout_workers.engine import SamplingParams
+        from rollout_workers.reward_pool import RewardScorer
 
         self.sections = WorkerSections.load(section_values)
         rollout = self.sections.rollout
@@ -60,6 +62,9 @@ class RolloutWorker:
             model_dir, trust_remote_code=self.sections.model.trust_remote_code
         )
         self.source = make_source(self.sections.data)
+        # user reward functions run in a process of their own (rollout_workers/reward_pool.py); none: the task reward
+        self.rewards = RewardScorer(self.sections.reward, self.source.reward)
+        self.encode_prompt = PromptEncoder.for_source(self.tokenizer, self.sections.data, self.source)
         seed = self.sections.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
         self.engine: Engine
         if rollout.backend == "sglang":  # an SGLang server per worker (rollout_workers/sglang_api/backend.py)
@@ -88,8 +93,10 @@ class RolloutWorker:
         self.counters = {
             "tokens": 0, "samples": 0, "correct": 0, "reward_sum": 0.0,
             "groups_pushed": 0, "groups_refused": 0, "errors": 0, "gen_seconds": 0.0, "prompts_skipped": 0,
+            "reward_errors": 0, "reward_timeouts": 0,
         }  # fmt: skip
         self.last_error = ""
+        self._reward_error_shown = False
 
     def start(self, weights_endpoint: str = "") -> bool:
         """Subscribe to the learner's publisher, wait for version 0, then run the rollout loop and the heartbeat."""
@@ -136,6 +143,7 @@ class RolloutWorker:
             self.subscriber.close()
         stats = self.stats()
         self.engine.close()  # the SGLang backend stops its server
+        self.rewards.close()
         return stats
 
     def stats(self) -> dict[str, Any]:
@@ -151,6 +159,8 @@ class RolloutWorker:
             "weights_rejected": subscriber.rejected if subscriber is not None else 0,
             "weights_error": subscriber.last_error if subscriber is not None else "",
             "build_errors": self.engine.build_errors,
+            "reward_metrics": {key: list(total) for key, total in list(self.rewards.metric_sums.items())},
+            "reward_first_error": self.rewards.first_error,  # the driver logs the run's first one
             **self.engine.stats(),
         }
 
@@ -223,7 +233,7 @@ class RolloutWorker:
     def rollout(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
         """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch)."""
         group_size = self.sections.train.group_size
-        prompt_ids = [self.tokenizer(lease.prompt)["input_ids"] for lease in leases]
+        prompt_ids = [self.encode_prompt(lease.prompt) for lease in leases]  # chat template: common.tasks.chat
         fits = [self._prompt_fits(lease, ids) for lease, ids in zip(leases, prompt_ids)]
         if not all(fits):  # generate the others; a prompt that cannot be generated is left to its lease's expiry
             leases = [lease for lease, ok in zip(leases, fits) if ok]
@@ -235,13 +245,13 @@ class RolloutWorker:
         completions = self.engine.generate(batch, self.params)
         ended = time.time()
         self.counters["gen_seconds"] += ended - started
+        rewards = self._score(leases, completions, group_size)
         out = []
         for g, lease in enumerate(leases):
             trajectories = []
             for i in range(group_size):
                 completion = completions[g * group_size + i]
-                text = self.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
-                reward = float(self.source.reward(text, lease.answer))
+                reward = rewards[g * group_size + i]
                 self.counters["tokens"] += len(completion.response_ids)
                 self.counters["samples"] += 1
                 self.counters["correct"] += int(reward >= 1.0)
@@ -265,3 +275,23 @@ class RolloutWorker:
                 )
             out.append((lease, trajectories))
         return out
+
+    def _score(self, leases: list[PromptLease], completions: list[Any], group_size: int) -> list[float]:
+        """The reward of every response of the batch (`group_size` per lease, in order), in one call to the reward
+        step (rollout_workers/reward_pool.py). `row`: the lease's index, prompt and answer, plus the source's own row
+        fields where it has them (`source.row(index)`)."""
+        source_row = getattr(self.source, "row", None)
+        items = []
+        for g, lease in enumerate(leases):
+            row = {**(source_row(lease.index) if source_row else {}), "index": lease.index, "prompt": lease.prompt,
+                   "answer": lease.answer}  # fmt: skip
+            for i in range(group_size):
+                response_ids = completions[g * group_size + i].response_ids
+                items.append((self.tokenizer.decode(response_ids, skip_special_tokens=True), lease.answer, row))
+        rewards = self.rewards.score(items)
+        self.counters["reward_errors"] = self.rewards.errors
+        self.counters["reward_timeouts"] = self.rewards.timeouts
+        if self.rewards.first_error and not self._reward_error_shown:
+            self._reward_error_shown = True
+            self.last_error = self.rewards.first_error
+        return rewards

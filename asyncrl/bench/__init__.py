@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,20 @@ def print_table(result: BenchResult) -> None:
     Console().print(table)
 
 
+def strict_json_value(value: object) -> object:
+    """`value` with every non-finite float (nan, inf: a figure never reached, a ratio of a missing one) as None, so
+    that it encodes as strict JSON (`null`), which every JSON reader accepts (`NaN` is not JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json_value(item) for item in value]
+    return value
+
+
 def write_json(result: BenchResult, path: str) -> None:
+    """The result as strict JSON: non-finite figures are written as `null`."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    target.write_text(json.dumps(strict_json_value(result.to_json()), indent=2, allow_nan=False) + "\n")

@@ -24,8 +24,9 @@ the time of a call generating n tokens for each of the B prompts.
 Metrics: `<model>_b<B>_<scheme>_tok_per_s` for every scheme (fp32, int8, fp8, w8a16, w4a16) at batches 1, 32, 64
 on every model (`--quick`: only the pairs the ratios need), and each one's `_roofline_fraction`: measured tok/s
 over min(bandwidth x B / weight bytes per step, GEMM peak / FLOPs per token). Bytes per step: every weight a decode
-step reads once in the scheme's published format (decoder linears quantized, norms and the LM head in fp32; the
-embedding is gathered, not read). FLOPs per token: 2 per multiply-accumulate of the linears and the LM head
+step reads once in the scheme's published format (decoder linears quantized, norms in fp32, the LM head quantized
+for the W8A8 schemes and fp32 otherwise, as `quant.lm_head=auto` publishes it; the embedding is gathered, not
+read). FLOPs per token: 2 per multiply-accumulate of the linears and the LM head
 (attention, a few percent at these lengths, is not counted). Bandwidth: a large single-thread copy, counting its
 read and its write (`bandwidth_gb_per_s`); peaks at 1024^3, measured in this run: fp32 (`fp32_gemm_gflop_per_s`,
 the better of MKL's `torch.mm` and oneDNN's prepacked linear), the exact int8 `torch._int_mm`
@@ -114,6 +115,13 @@ def _tiny_model():
     return model.to(_device()), model_dir
 
 
+def _head_quantized(scheme: str) -> bool:
+    """The LM head as the main job publishes it (`quant.lm_head=auto` on the embedded engine)."""
+    from common.config_rules import W8A8_SCHEMES
+
+    return scheme in W8A8_SCHEMES
+
+
 def _engine(model, model_dir: str, scheme: str, **kwargs):
     from quant_sync.export import export_rollout_tensors
     from quant_sync.update import WeightUpdate
@@ -121,7 +129,8 @@ def _engine(model, model_dir: str, scheme: str, **kwargs):
 
     engine = EmbeddedEngine(model_dir, max_seq_len=128, device=str(_device()), **kwargs)
     state = {name: value.cpu() for name, value in model.state_dict().items()}
-    engine.stage_weights(WeightUpdate(0, export_rollout_tensors(state, scheme), scheme))
+    published = export_rollout_tensors(state, scheme, quantize_head=_head_quantized(scheme))
+    engine.stage_weights(WeightUpdate(0, published, scheme))
     engine.apply_staged()
     return engine
 
@@ -202,7 +211,8 @@ def _swap_gaps(model, model_dir: str, batch: int, new_tokens: int, swaps: int) -
     from rollout_workers.engine import SamplingParams
 
     engine = _engine(model, model_dir, "int8", max_batch=batch)
-    tensors = export_rollout_tensors({name: value.cpu() for name, value in model.state_dict().items()}, "int8")
+    state = {name: value.cpu() for name, value in model.state_dict().items()}
+    tensors = export_rollout_tensors(state, "int8", quantize_head=_head_quantized("int8"))
     prompts = _prompts(model, batch).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=(-1,))
     engine.generate(prompts, SamplingParams(max_new_tokens=2))  # warm-up
@@ -322,7 +332,7 @@ def weight_traffic(state: dict[str, torch.Tensor], scheme: str) -> tuple[float, 
     """(bytes a decode step reads, FLOPs per token) of a model in `scheme`'s published format (see the docstring)."""
     from quant_sync.export import export_rollout_tensors
 
-    published = export_rollout_tensors(state, scheme)
+    published = export_rollout_tensors(state, scheme, quantize_head=_head_quantized(scheme))
     tied = "lm_head.weight" not in published
     embed = published["model.embed_tokens.weight"]
     read = sum(t.nbytes for name, t in published.items() if name != "model.embed_tokens.weight")
@@ -454,5 +464,6 @@ def _run(quick: bool) -> BenchResult:
             "w4a16": weight_only.kernel_name(),
         },
         "device": str(_device()),
+        "lm_head": {scheme: "quantized" if _head_quantized(scheme) else "fp32" for scheme in SCHEMES},
     }
     return BenchResult(name="engine", metrics=metrics, ratios=ratios, details=details)

@@ -50,10 +50,10 @@ FSDP_WORLD = 2
 SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "intermediate_size": 1536, "vocab_size": 49152}  # fmt: skip
 SMOL_GROUPS, SMOL_GROUP_SIZE, SMOL_PROMPT_LEN, SMOL_RESPONSE_LEN = 8, 8, 47, 16
-SMOL_OVERRIDES = ("learner.micro_batch_tokens=512",)
-"""The learner settings of the SmolLM row that differ from the defaults: micro-batches of 8 sequences. Measured here
-(busy-second MFU, first-step / steady RSS in GB): 16384 (the default, one micro-batch) 0.77, 7.7 / 9.8; 1024 0.79,
-3.9 / 5.7; 512 0.77, 3.4 / 4.6; 256 0.70, 3.4 / 4.0."""
+SMOL_OVERRIDES: tuple[str, ...] = ()
+"""The learner settings of the SmolLM row that differ from the defaults: none. The default `learner.micro_batch_tokens`
+(512: micro-batches of 8 sequences) was chosen on this row. Measured here (busy-second MFU, first-step / steady RSS
+in GB): 16384 (one micro-batch) 0.77, 7.7 / 9.8; 1024 0.79, 3.9 / 5.7; 512 0.77, 3.4 / 4.6; 256 0.70, 3.4 / 4.0."""
 PHASES_SMOL = ("proximal", "forward", "backward", "optimizer", "metrics", "publish")
 GEMM_SIZE = 2048  # the peak: a (GEMM_SIZE x GEMM_SIZE) @ (GEMM_SIZE x GEMM_SIZE) fp32 torch.mm
 
@@ -351,6 +351,7 @@ def _gemm_peak_flops(repeats: int) -> tuple[float, float]:
 
 def _smol_step(model, optimizer, batch, sections, scheme: str, publisher, version: int) -> dict[str, float]:  # noqa: ANN001
     """One learner step as `Learner.train_step` runs it; its phases' seconds and `total`."""
+    from common.config_rules import W8A8_SCHEMES
     from learner.acrl import AcrlReference
     from learner.losses import mismatch_metrics
     from learner.precision import LossScaler
@@ -360,11 +361,11 @@ def _smol_step(model, optimizer, batch, sections, scheme: str, publisher, versio
 
     started, cpu = time.perf_counter(), time.process_time()
     scaler, reference = LossScaler(enabled=False), AcrlReference(sections.loss.acrl)
-    result = train_on_batch(model, optimizer, scaler, batch, sections, reference)
+    result = train_on_batch(model, optimizer, scaler, batch, sections, reference, version=version)
     seconds = dict(result.seconds)
     with timed(seconds, "publish"):
         state = model.state_dict()
-        tensors = export_rollout_tensors(state, scheme)
+        tensors = export_rollout_tensors(state, scheme, quantize_head=scheme in W8A8_SCHEMES)  # as quant.lm_head=auto
         publisher.publish(version, tensors, scheme)
     with timed(seconds, "metrics"):
         quant_error_by_type(state, tensors, scheme)

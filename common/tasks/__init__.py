@@ -7,8 +7,10 @@ on what problem `i` is without sharing state:
     eval_set()    `data.eval_size` held-out problems, always the same ones
     reward(r, a)  1.0 if the response text `r` answers reference `a`, else 0.0
 
-Sources: `arith` (built-in procedurally generated arithmetic, exact-match reward; `common.tasks.arith`) and
-`jsonl` (a dataset file scored with math-verify; `common.tasks.jsonl`). This package must stay cheap to import
+Sources: `arith` (built-in procedurally generated arithmetic, exact-match reward; `common.tasks.arith`),
+`jsonl` (a dataset file scored with math-verify; `common.tasks.jsonl`) and `dataset` (jsonl/json/parquet files or
+`datasets` directories, chat-message prompts, nested keys; `common.tasks.dataset`). Prompts become token ids through
+`common.tasks.chat.PromptEncoder` (chat templates) in every process. This package must stay cheap to import
 (no torch; numpy and math-verify are imported only by the sources that need them).
 """
 
@@ -54,7 +56,7 @@ class PromptSource(Protocol):
 
 
 def make_source(data_cfg: DataConfig) -> PromptSource:
-    """The prompt source for `data.task` (`arith` or `jsonl`); a jsonl dataset is loaded and validated here."""
+    """The prompt source for `data.task` (`arith`, `jsonl` or `dataset`); a dataset is loaded and validated here."""
     if data_cfg.task == "arith":
         from common.tasks.arith import ArithSource
 
@@ -69,7 +71,11 @@ def make_source(data_cfg: DataConfig) -> PromptSource:
             seed=data_cfg.seed,
             eval_size=data_cfg.eval_size,
         )
-    raise ValueError(f"unknown `data.task` {data_cfg.task!r}; valid values: arith, jsonl")
+    if data_cfg.task == "dataset":
+        from common.tasks.dataset import DatasetSource
+
+        return DatasetSource(data_cfg)
+    raise ValueError(f"unknown `data.task` {data_cfg.task!r}; valid values: arith, jsonl, dataset")
 
 
 # Re-exported for the model warm-up recipe; imported last because arith needs `Problem` defined above.

@@ -65,23 +65,40 @@ def _row_problem(line: bytes, prompt_key: str, answer_key: str) -> tuple[str, st
     prompt, raw_answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str):
         return f"field {prompt_field} must be a string, got {type(prompt).__name__}"
-    if not prompt.strip():
-        return f"field {prompt_field} is empty"
+    problem = check_text(prompt, prompt_field)
+    if problem is not None:
+        return problem
+    answer, problem = answer_problem(raw_answer, answer_field)
+    return (prompt, answer) if problem is None else problem
+
+
+def check_text(text: str, field: str) -> str | None:
+    """What is wrong with a prompt text (empty, unpaired surrogates), or None."""
+    if not text.strip():
+        return f"field {field} is empty"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"field {field} holds an unpaired surrogate escape (\\ud800-\\udfff): not text"
+    return None
+
+
+def answer_problem(raw_answer: object, answer_field: str) -> tuple[str, str | None]:
+    """(reference answer, None) of a row's raw answer value, or ("", a description of what is wrong with it)."""
     if isinstance(raw_answer, bool) or not isinstance(raw_answer, (str, int, float)):
-        return f"field {answer_field} must be a string or a number, got {type(raw_answer).__name__}"
+        return "", f"field {answer_field} must be a string or a number, got {type(raw_answer).__name__}"
     if isinstance(raw_answer, float) and not math.isfinite(raw_answer):
-        return f"field {answer_field} must be a finite number, got {raw_answer}"
+        return "", f"field {answer_field} must be a finite number, got {raw_answer}"
     answer = reference_answer(raw_answer)
     if not answer:
-        return f"field {answer_field} has an empty reference answer"
-    for name, text in ((prompt_field, prompt), (answer_field, answer)):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return f"field {name} holds an unpaired surrogate escape (\\ud800-\\udfff): not text"
+        return "", f"field {answer_field} has an empty reference answer"
+    try:
+        answer.encode("utf-8")
+    except UnicodeEncodeError:
+        return "", f"field {answer_field} holds an unpaired surrogate escape (\\ud800-\\udfff): not text"
     if numeric_reference(answer) is None and math_verify_reward(answer, answer) != 1.0:  # ~2 ms a row: not for numbers
-        return f"the reference answer {answer[:60]!r} does not read as math: every reward of this row would be 0"
-    return prompt, answer
+        return "", f"the reference answer {answer[:60]!r} does not read as math: every reward of this row would be 0"
+    return answer, None
 
 
 def load_rows(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:

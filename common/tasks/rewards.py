@@ -1,5 +1,8 @@
 """Reward functions: exact match (built-in tasks) and the math reward (datasets). Both return 1.0 or 0.0.
 
+As `reward.fn` specs (common/reward_fns.py) they are `asyncrl:arith` (`arith_reward`) and `asyncrl:math`
+(`math_reward`), called as every reward function is: `fn(response, answer, row)`.
+
 `math_verify_reward(response, reference)` reads the response's FINAL ANSWER and never evaluates what the response
 (or the reference) writes as an expression: `13 + 13` is not an answer to "What is 13 + 13?" (reference 26).
 
@@ -270,3 +273,22 @@ def math_verify_reward(response_text: str, answer: str) -> float:
     if reference_value is not None:
         return numeric_reward(response_text, reference_value)
     return latex_equivalence_reward(response_text, answer)
+
+
+# --- as reward functions (`reward.fn`: `asyncrl:arith`, `asyncrl:math`; common/reward_fns.py) -----------------------
+
+
+def arith_reward(response: str, answer: str, row: dict[str, Any]) -> float:
+    """`asyncrl:arith`: the `arith` task's exact-match reward as a reward function (`row` is not read)."""
+    return exact_match_reward(response, answer)
+
+
+def math_reward(response: str, answer: str, row: dict[str, Any]) -> float:
+    """`asyncrl:math`: the datasets' math reward (`math_verify_reward`) as a reward function (`row` is not read)."""
+    return math_verify_reward(response, answer)
+
+
+def reward_warm_up() -> None:
+    """Import math-verify and sympy (about a second cold) by scoring one LaTeX answer: a reward process calls this
+    at load (common/reward_fns.py: `warm_up`), so no first call spends its timeout on imports."""
+    latex_equivalence_reward("$\\frac{\\sqrt{3}}{2}$", "\\frac{\\sqrt{3}}{2}")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.config import SWAP_MODES
@@ -100,6 +101,27 @@ def _splitmix64(x: int) -> int:
 def _uniform(key: int, step: int) -> float:
     """A uniform in (0, 1) from (sequence key, step): 53 random bits, never 0."""
     return ((_splitmix64(key ^ _splitmix64(step)) >> 11) + 0.5) / float(1 << 53)
+
+
+_SPLITMIX = tuple(np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 30, 27, 31, 11))
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` over a uint64 array (numpy's uint64 arithmetic wraps modulo 2^64 and shifts logically)."""
+    golden, mul1, mul2, s30, s27, s31, _ = _SPLITMIX
+    x = x + golden
+    x = (x ^ (x >> s30)) * mul1
+    x = (x ^ (x >> s27)) * mul2
+    return x ^ (x >> s31)
+
+
+def uniforms(keys: list[int], steps: list[int]) -> torch.Tensor:
+    """float32 tensor of `_uniform(key, step)` per pair, the same values, in a few array ops instead of a Python
+    loop (64 rows: about 100 us of a decode step)."""
+    with np.errstate(over="ignore"):
+        mixed = _splitmix64_array(np.array(keys, dtype=np.uint64) ^ _splitmix64_array(np.array(steps, dtype=np.uint64)))
+    bits = (mixed >> _SPLITMIX[-1]).astype(np.float64)
+    return torch.from_numpy((bits + 0.5) / float(1 << 53)).to(torch.float32)
 
 
 @dataclass(slots=True, eq=False)
@@ -457,8 +479,8 @@ class EmbeddedEngine:
             logp = torch.log_softmax(part / params.temperature if params.temperature != 1.0 else part, dim=-1)
             filtered = filter_logits(logp, params.top_k, params.top_p)
             cdf = filtered.exp().cumsum(-1)
-            uniforms = torch.tensor([_uniform(active[row].key, len(active[row].logp)) for row in rows])
-            picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp_max(cdf.shape[-1] - 1)
+            draws = uniforms([active[row].key for row in rows], [len(active[row].logp) for row in rows])
+            picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None]).clamp_max(cdf.shape[-1] - 1)
             chosen_logp = logp.gather(1, picked).squeeze(1)
             if index is None:
                 tokens, token_logp = picked.squeeze(1), chosen_logp

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from quant_sync.quantizers import QuantizedWeight, quantize_activation
-from rollout_workers.embedded.native import load_library
+from rollout_workers.embedded.native import NativeLibrary, chosen_kernel
 
 ENV_KERNEL = "ASYNCRL_FP8_KERNEL"
 KERNELS = ("bf16", "fp32", "reference")
@@ -54,28 +52,6 @@ class PackedFp8:
     out_features: int
 
 
-class _Library:
-    """The compiled kernels (ctypes), built or loaded once per process; None where no compiler could build them."""
-
-    _lock = threading.Lock()
-    lib: ctypes.CDLL | None = None
-    tried = False
-    error = ""
-
-    @classmethod
-    def get(cls) -> ctypes.CDLL | None:
-        if cls.tried:
-            return cls.lib
-        with cls._lock:
-            if not cls.tried:
-                try:
-                    cls.lib = _declare(load_library("fp8_gemm.cpp"))
-                except (OSError, RuntimeError, ValueError) as err:
-                    cls.error = f"{type(err).__name__}: {err}"[:500]
-                cls.tried = True
-        return cls.lib
-
-
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     if lib.f8_abi_version() != 2:
@@ -92,6 +68,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+_Library = NativeLibrary("fp8_gemm.cpp", _declare)
+"""The compiled kernels (ctypes); `_Library.get()` is None where no compiler could build them."""
+
+
 @functools.cache
 def available_kernels() -> tuple[str, ...]:
     """The FP8 kernels this process runs, best first (`reference` always); `bf16` needs cpuid's AVX512-BF16 and
@@ -106,16 +86,7 @@ def available_kernels() -> tuple[str, ...]:
 def fp8_kernel_name() -> str:
     """The kernel new FP8 weights are laid out for: `ASYNCRL_FP8_KERNEL` if set (it must be available), else the
     best available one."""
-    forced = os.environ.get(ENV_KERNEL, "")
-    available = available_kernels()
-    if not forced:
-        return available[0]
-    if forced not in KERNELS:
-        raise ValueError(f"{ENV_KERNEL}={forced!r} is not one of {', '.join(KERNELS)}")
-    if forced not in available:
-        detail = f" (C++ library: {_Library.error})" if _Library.error else ""
-        raise ValueError(f"{ENV_KERNEL}={forced}: this machine runs only {', '.join(available)}{detail}")
-    return forced
+    return chosen_kernel(ENV_KERNEL, KERNELS, available_kernels(), _Library)
 
 
 def prepare_fp8(weight: QuantizedWeight, kernel: str | None = None) -> PackedFp8:

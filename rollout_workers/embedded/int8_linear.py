@@ -17,6 +17,9 @@ that expose saturation, rounded fp32 sums and layout tails):
   beyond 2^24); elsewhere its AVX2 kernel saturates int16 pairs of full-range products, so activations go in as
   two 7-bit halves relu(q), relu(-q), exact while in_features <= HALVES_MAX_IN_FEATURES (wider: `reference`).
   With AMX (untested: no such machine here) it comes first, as oneDNN's AMX GEMM outruns VNNI.
+- `dotprod` (ARM Armv8.2 dotprod, by HWCAP): the same library with `sdot` on the VNNI layout without the offset.
+  Untested: compile-checked for aarch64 (clang via `python -m ziglang c++ -target aarch64-linux-gnu`), never run;
+  no ARM machine here. (`i8mm`'s `smmla` would be the next step on Armv8.6: not written.)
 - `portable`: the C++ library's plain loops (any CPU its compiler targets: ARM, x86 without AVX2; untested on ARM,
   no such machine here), after `onednn`.
 - `reference`: `quantized_linear` itself (`torch._int_mm`, or int32 matmuls): anywhere torch runs.
@@ -28,8 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +38,10 @@ from pathlib import Path
 import torch
 
 from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantized_linear
-from rollout_workers.embedded.native import load_library
+from rollout_workers.embedded.native import NativeLibrary, chosen_kernel
 
 ENV_KERNEL = "ASYNCRL_INT8_KERNEL"
-KERNELS = ("vnni", "avx2", "onednn", "portable", "reference")
+KERNELS = ("vnni", "avx2", "dotprod", "onednn", "portable", "reference")
 EXACT_U8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 """CPU flags under which oneDNN's u8 x s8 GEMM accumulates without saturating (VNNI or AMX instructions)."""
 HALVES_MAX_IN_FEATURES = 1040
@@ -50,7 +51,9 @@ TORCH_CAPABILITY_KERNELS = {"AVX512": ("vnni", "avx2"), "AVX2": ("avx2",)}
 """The vectorised C++ kernels allowed under each torch CPU capability (cpuid must have them too)."""
 PANEL = 16
 """Output columns per panel of the C++ kernels' packed layouts (csrc/int8_gemm.cpp)."""
-_ISA = {"portable": 0, "avx2": 1, "vnni": 2}
+_ISA = {"portable": 0, "avx2": 1, "vnni": 2, "dotprod": 3}
+_X86_KERNELS = ("vnni", "avx2")
+_COMPILED_KERNELS = ("vnni", "avx2", "dotprod", "portable")
 _ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
@@ -70,31 +73,9 @@ class PackedInt8:
         return self.q.shape[0]
 
 
-class _Library:
-    """The compiled kernels (ctypes), built or loaded once per process; None where no compiler could build them."""
-
-    _lock = threading.Lock()
-    lib: ctypes.CDLL | None = None
-    tried = False
-    error = ""
-
-    @classmethod
-    def get(cls) -> ctypes.CDLL | None:
-        if cls.tried:
-            return cls.lib
-        with cls._lock:
-            if not cls.tried:
-                try:
-                    cls.lib = _declare(load_library("int8_gemm.cpp"))
-                except (OSError, RuntimeError, ValueError) as err:
-                    cls.error = f"{type(err).__name__}: {err}"[:500]
-                cls.tried = True
-        return cls.lib
-
-
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    if lib.i8_abi_version() != 4:
+    if lib.i8_abi_version() != 5:
         raise ValueError("int8_gemm library: unexpected ABI version")
     lib.i8_has_isa.argtypes, lib.i8_has_isa.restype = [cint], cint
     lib.i8_quantize_rows.argtypes = [cint, ptr, i64, i64, i64, cint, ptr, i64, ptr]
@@ -107,6 +88,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.i8_gemm_s32.restype = cint
     lib.i8_pack.argtypes, lib.i8_pack.restype = [cint, ptr, i64, i64, i64, ptr], cint
     return lib
+
+
+_Library = NativeLibrary("int8_gemm.cpp", _declare)
+"""The compiled kernels (ctypes); `_Library.get()` is None where no compiler could build them."""
 
 
 def _cpu_flags() -> set[str]:
@@ -135,8 +120,9 @@ def _onednn_u8_is_exact() -> bool:
 def available_kernels() -> tuple[str, ...]:
     """The kernels this process runs exactly, best first (`reference` always). Probed once per process."""
     lib = _Library.get()
-    candidates = [name for name in ("vnni", "avx2") if lib is not None and lib.i8_has_isa(_ISA[name])]
-    candidates = [name for name in candidates if name in TORCH_CAPABILITY_KERNELS.get(_torch_capability(), ())]
+    candidates = [name for name in ("vnni", "avx2", "dotprod") if lib is not None and lib.i8_has_isa(_ISA[name])]
+    allowed = TORCH_CAPABILITY_KERNELS.get(_torch_capability(), ())
+    candidates = [name for name in candidates if name not in _X86_KERNELS or name in allowed]
     if _ONEDNN:
         candidates.insert(0 if "amx_int8" in _cpu_flags() else len(candidates), "onednn")
     if lib is not None:
@@ -147,16 +133,7 @@ def available_kernels() -> tuple[str, ...]:
 def int8_kernel_name() -> str:
     """The kernel new int8 weights are packed for: `ASYNCRL_INT8_KERNEL` if set (it must be available), else the
     best available one. Benchmarks record it."""
-    forced = os.environ.get(ENV_KERNEL, "")
-    available = available_kernels()
-    if not forced:
-        return available[0]
-    if forced not in KERNELS:
-        raise ValueError(f"{ENV_KERNEL}={forced!r} is not one of {', '.join(KERNELS)}")
-    if forced not in available:
-        detail = f" (C++ library: {_Library.error})" if _Library.error else ""
-        raise ValueError(f"{ENV_KERNEL}={forced}: this machine runs only {', '.join(available)}{detail}")
-    return forced
+    return chosen_kernel(ENV_KERNEL, KERNELS, available_kernels(), _Library)
 
 
 def prepare_int8(weight: QuantizedWeight, kernel: str | None = None) -> PackedInt8:
@@ -164,7 +141,7 @@ def prepare_int8(weight: QuantizedWeight, kernel: str | None = None) -> PackedIn
     kernel = kernel or int8_kernel_name()
     q = weight.q.contiguous()
     scale = weight.scale.to(torch.float32).contiguous()
-    if kernel in ("vnni", "avx2", "portable"):
+    if kernel in _COMPILED_KERNELS:
         packed, padded_in = _pack(q, kernel)
         return PackedInt8(kernel, q, scale, packed, padded_in)
     if kernel == "onednn":
@@ -179,7 +156,8 @@ def prepare_int8(weight: QuantizedWeight, kernel: str | None = None) -> PackedIn
 
 def _pack(q: torch.Tensor, kernel: str) -> tuple[torch.Tensor, int]:
     """(out, in) int8 -> the C++ `kernel`'s layout (csrc/int8_gemm.cpp: pairs of inputs per column for avx2 and
-    portable, w + 128 in groups of 4 for vnni; zero-weight padding to PANEL columns and a multiple of 4 inputs)."""
+    portable, w + 128 in groups of 4 for vnni, w in groups of 4 for dotprod; zero-weight padding to PANEL columns
+    and a multiple of 4 inputs)."""
     out_features, in_features = q.shape
     padded_in = -(-in_features // 4) * 4
     packed = torch.empty(-(-out_features // PANEL) * PANEL * padded_in, dtype=torch.uint8)
@@ -275,6 +253,7 @@ def _reference_linear(flat: torch.Tensor, weight: PackedInt8, bias: torch.Tensor
 _KERNEL_FNS: dict[str, Callable[[torch.Tensor, PackedInt8, torch.Tensor | None], torch.Tensor]] = {
     "vnni": _compiled_linear,
     "avx2": _compiled_linear,
+    "dotprod": _compiled_linear,
     "onednn": _onednn_linear,
     "portable": _compiled_linear,
     "reference": _reference_linear,
@@ -284,7 +263,7 @@ _KERNEL_FNS: dict[str, Callable[[torch.Tensor, PackedInt8, torch.Tensor | None],
 def integer_product(q_x: torch.Tensor, weight: PackedInt8) -> torch.Tensor:
     """The int32 accumulator alone of a C++ kernel (vnni, avx2, portable): q_x (rows, in) any int8 -> (rows, out)."""
     lib = _Library.get()
-    assert lib is not None and weight.kernel in ("vnni", "avx2", "portable"), "needs a C++ kernel's weight"
+    assert lib is not None and weight.kernel in _COMPILED_KERNELS, "needs a C++ kernel's weight"
     rows, in_features = q_x.shape
     padded = torch.zeros((rows, weight.padded_in), dtype=torch.int8)
     padded[:, :in_features] = q_x

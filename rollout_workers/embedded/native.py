@@ -15,7 +15,10 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from common.builtin_model import cache_root
@@ -65,3 +68,44 @@ def build_library(source_name: str) -> Path:
 def load_library(source_name: str) -> ctypes.CDLL:
     """Build (or find in the cache) and load `csrc/<source_name>`."""
     return ctypes.CDLL(str(build_library(source_name)))
+
+
+class NativeLibrary:
+    """One `csrc/` library of a kernel module, built or loaded on first `get()` (once per process, thread-safe) and
+    declared by `declare` (argument types, ABI check); `lib` stays None where it could not be (no compiler, a
+    failed build, a wrong ABI), and `error` says why (printed once to stderr with `note`, where given)."""
+
+    def __init__(self, source_name: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], note: str = "") -> None:
+        self.source_name, self.declare, self.note = source_name, declare, note
+        self.lib: ctypes.CDLL | None = None
+        self.tried = False
+        self.error = ""
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        if self.tried:
+            return self.lib
+        with self._lock:
+            if not self.tried:
+                try:
+                    self.lib = self.declare(load_library(self.source_name))
+                except (OSError, RuntimeError, ValueError) as err:
+                    self.error = f"{type(err).__name__}: {err}"[:500]
+                    if self.note:
+                        print(f"{self.note}: {self.error}", file=sys.stderr)
+                self.tried = True
+        return self.lib
+
+
+def chosen_kernel(env_var: str, kernels: Sequence[str], available: Sequence[str], library: NativeLibrary) -> str:
+    """The kernel a module packs new weights for: `$env_var` if set (one of `kernels`, and available here: else a
+    ValueError naming what runs), else the best available one (`available`, best first)."""
+    forced = os.environ.get(env_var, "")
+    if not forced:
+        return available[0]
+    if forced not in kernels:
+        raise ValueError(f"{env_var}={forced!r} is not one of {', '.join(kernels)}")
+    if forced not in available:
+        detail = f" (C++ library: {library.error})" if library.error else ""
+        raise ValueError(f"{env_var}={forced}: this machine runs only {', '.join(available)}{detail}")
+    return forced

@@ -25,15 +25,13 @@ torch C++ extension took 75 s to build here) and cached (`native.build_library`)
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
-import threading
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, WEIGHT_ONLY_GROUP, dequantize_published
-from rollout_workers.embedded.native import load_library
+from rollout_workers.embedded.native import NativeLibrary, chosen_kernel
 
 ENV_KERNEL = "ASYNCRL_WO_KERNEL"
 BITS = {**WEIGHT_ONLY_BITS, "fp32": 32}
@@ -83,36 +81,6 @@ class PackedWeightOnly:
     group: int = WEIGHT_ONLY_GROUP  # inputs per scale
 
 
-class _Library:
-    """The compiled kernels (ctypes), built or loaded once per process; None where no compiler could build them
-    (then only the `torch` path runs, and `error` says why: printed once to stderr)."""
-
-    _lock = threading.Lock()
-    _lib: ctypes.CDLL | None = None
-    _kernels: list[str] | None = None
-    error = ""
-
-    @classmethod
-    def get(cls) -> ctypes.CDLL | None:
-        if cls._kernels is None:
-            cls.kernels()
-        return cls._lib
-
-    @classmethod
-    def kernels(cls) -> list[str]:
-        with cls._lock:
-            if cls._kernels is None:
-                try:
-                    cls._lib = _declare(load_library("weight_only.cpp"))
-                except (OSError, RuntimeError, ValueError) as err:
-                    cls.error = f"{type(err).__name__}: {err}"[:500]
-                    print(f"weight-only kernels unavailable, using the slow torch path: {cls.error}", file=sys.stderr)
-                lib = cls._lib
-                compiled = [name for name in KERNELS[:3] if lib is not None and lib.wo_has_isa(_ISA_CODES[name])]
-                cls._kernels = [*compiled, "torch"]
-        return cls._kernels
-
-
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if lib.wo_abi_version() != 1:
         raise ValueError("weight_only library: unexpected ABI version")
@@ -124,23 +92,25 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+_Library = NativeLibrary("weight_only.cpp", _declare, note="weight-only kernels unavailable, using the slow torch path")
+"""The compiled kernels (ctypes); `_Library.get()` is None where no compiler could build them (then only the `torch`
+path runs, and `_Library.error` says why)."""
+
+
+@functools.cache
+def _compiled_kernels() -> tuple[str, ...]:
+    lib = _Library.get()
+    return tuple(name for name in KERNELS[:3] if lib is not None and lib.wo_has_isa(_ISA_CODES[name]))
+
+
 def available_kernels() -> list[str]:
     """The paths this machine runs, best first (`torch` always)."""
-    return list(_Library.kernels())
+    return [*_compiled_kernels(), "torch"]
 
 
 def kernel_name() -> str:
     """The kernel weights are packed for here: `ASYNCRL_WO_KERNEL` if set (it must be available), else the best."""
-    forced = os.environ.get(ENV_KERNEL, "")
-    available = available_kernels()
-    if not forced:
-        return available[0]
-    if forced not in KERNELS:
-        raise ValueError(f"{ENV_KERNEL}={forced!r} is not one of {', '.join(KERNELS)}")
-    if forced not in available:
-        detail = f" ({_Library.error})" if _Library.error else ""
-        raise ValueError(f"{ENV_KERNEL}={forced}: this machine runs only {', '.join(available)}{detail}")
-    return forced
+    return chosen_kernel(ENV_KERNEL, KERNELS, available_kernels(), _Library)
 
 
 def pack_weight_only(weight: GroupQuantized, kernel: str | None = None) -> PackedWeightOnly:

@@ -45,9 +45,10 @@ def test_up_runs_async_steps_with_versions_and_publication(tmp_path):
         assert row["staleness/max"] <= 2
         assert row["version"] == row["step"] + 1  # the learner stepped and published k + 1
     summary = json.loads((run_dir / "summary.json").read_text())
-    for worker in summary["workers"]:
-        assert worker["version"] >= 1, worker  # workers received newer weight versions
-        assert worker["swaps"] >= 2, worker
+    # The workers received newer weight versions. Not necessarily each of them: on a loaded machine a worker that
+    # starts late may serve a single batch of version 0 before the 4 steps are over.
+    workers = summary["workers"]
+    assert max(worker["version"] for worker in workers) >= 1 and max(worker["swaps"] for worker in workers) >= 2
     assert summary["buffer"]["consumed_groups"] == steps * 4
     # Every admitted trajectory carried per-token versions and behavior log-probs.
     admitted = [wire.decode(r["m"]) for r in read_records(run_dir / "buffer.journal") if r.get("k") == "admit"]

@@ -164,6 +164,224 @@ FD_CLONES void attend_row(const Attention& a, int64_t i, float* scratch) {
   }
 }
 
+
+// Row i's new key and value into the cache, and its group of queries (norm, RoPE, scaled by 1/sqrt(D)) into q
+// (group x D), for KV head h: the part of attend_row every variant shares.
+inline void prepare_head(const Attention& a, int64_t i, int64_t h, float* q, float* tmp) {
+  const int64_t D = a.head_dim, p = a.positions[i], group = a.heads / a.kv_heads;
+  const float* row = a.qkv + i * a.qkv_stride;
+  const float *cos = a.cos + p * D, *sin_rotate = a.sin_rotate + p * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  float* keys = a.keys + (i * a.kv_heads + h) * a.max_len * D;
+  float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
+  const float *k_in = row + (a.heads + h) * D, *v_in = row + (a.heads + a.kv_heads + h) * D;
+  for (int64_t d = 0; d < D; ++d) keys[p * D + d] = k_in[d], values[p * D + d] = v_in[d];
+  if (a.k_norm != nullptr) norm_into(keys + p * D, a.k_norm, a.norm_eps, keys + p * D, D);
+  rope(keys + p * D, cos, sin_rotate, D, tmp);
+  for (int64_t j = 0; j < group; ++j) {
+    float* qj = q + j * D;
+    for (int64_t d = 0; d < D; ++d) qj[d] = row[(h * group + j) * D + d];
+    if (a.q_norm != nullptr) norm_into(qj, a.q_norm, a.norm_eps, qj, D);
+    rope(qj, cos, sin_rotate, D, tmp);
+    for (int64_t d = 0; d < D; ++d) qj[d] = qj[d] * scale;
+  }
+}
+
+// s[0..span) -> softmax(s) in place (exp of s - max, over the sum).
+inline void softmax_in_place(float* s, int64_t span) {
+  float total = 0.0f, lanes[8] = {s[0], s[0], s[0], s[0], s[0], s[0], s[0], s[0]};
+  int64_t t0 = 0;
+  for (; t0 + 8 <= span; t0 += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] = __builtin_fmaxf(lanes[l], s[t0 + l]);
+  for (; t0 < span; ++t0) lanes[0] = __builtin_fmaxf(lanes[0], s[t0]);
+  float top = lanes[0];
+  for (int l = 1; l < 8; ++l) top = __builtin_fmaxf(top, lanes[l]);
+  for (int64_t t = 0; t < span; ++t) s[t] = exp_nonpositive(s[t] - top);
+  for (int64_t t = 0; t < span; ++t) total += s[t];
+  const float inv_total = 1.0f / total;
+  for (int64_t t = 0; t < span; ++t) s[t] = s[t] * inv_total;
+}
+
+#if defined(__x86_64__)
+// The vector variants (head_dim a multiple of the vector width; fd_decode_attention picks them): the scores of a
+// position are one vector of products reduced once, the weighted sum of values runs over two interleaved partial
+// sums per column block (even and odd positions), so neither waits on a chain of dependent adds. Every row is still
+// computed alone: results do not depend on the batch (they differ from the portable form's in summation order only).
+// exp_nonpositive on 16 lanes: the same operations in the same order (no fused multiply-adds), so each lane
+// equals the scalar function's result.
+__attribute__((target("avx512f"))) inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// softmax_in_place on 16 lanes at a time (the tail masked): max, exp, a vector of partial sums, scale.
+__attribute__((target("avx512f"))) void softmax_avx512(float* s, int64_t span) {
+  __m512 top = _mm512_set1_ps(s[0]);
+  for (int64_t t0 = 0; t0 < span; t0 += 16) {
+    const __mmask16 mask = span - t0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (span - t0)) - 1u);
+    top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, s + t0));
+  }
+  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < span; t0 += 16) {
+    const __mmask16 mask = span - t0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (span - t0)) - 1u);
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t0), peak));
+    _mm512_mask_storeu_ps(s + t0, mask, e);
+    total = _mm512_mask_add_ps(total, mask, total, e);
+  }
+  const __m512 inv_total = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  for (int64_t t0 = 0; t0 < span; t0 += 16) {
+    const __mmask16 mask = span - t0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (span - t0)) - 1u);
+    _mm512_mask_storeu_ps(s + t0, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + t0), inv_total));
+  }
+}
+
+__attribute__((target("avx512f,fma"))) void attend_row_avx512(const Attention& a, int64_t i, float* scratch) {
+  const int64_t D = a.head_dim, group = a.heads / a.kv_heads, span = a.positions[i] + 1;
+  float* tmp = scratch;
+  float* q = scratch + D;
+  float* scores = scratch + D + group * D;
+  for (int64_t h = 0; h < a.kv_heads; ++h) {
+    prepare_head(a, i, h, q, tmp);
+    const float* keys = a.keys + (i * a.kv_heads + h) * a.max_len * D;
+    const float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
+    for (int64_t t = 0; t < span; ++t)
+      for (int64_t j = 0; j < group; ++j) {
+        const float *qj = q + j * D, *k = keys + t * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
+        for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k + d), acc);
+        scores[j * a.max_len + t] = _mm512_reduce_add_ps(acc);
+      }
+    for (int64_t j = 0; j < group; ++j) {
+      const float* w = scores + j * a.max_len;
+      softmax_avx512(scores + j * a.max_len, span);
+      float* out = a.out + (i * a.heads + h * group + j) * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int blocks = static_cast<int>((D - d0) / 16 < 4 ? (D - d0) / 16 : 4);
+        __m512 even[4], odd[4];
+        for (int c = 0; c < 4; ++c) even[c] = _mm512_setzero_ps(), odd[c] = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 2 <= span; t += 2) {
+          const __m512 w0 = _mm512_set1_ps(w[t]), w1 = _mm512_set1_ps(w[t + 1]);
+          for (int c = 0; c < blocks; ++c) {
+            even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(values + t * D + d0 + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(values + (t + 1) * D + d0 + 16 * c), odd[c]);
+          }
+        }
+        if (t < span) {
+          const __m512 w0 = _mm512_set1_ps(w[t]);
+          for (int c = 0; c < blocks; ++c)
+            even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(values + t * D + d0 + 16 * c), even[c]);
+        }
+        for (int c = 0; c < blocks; ++c) _mm512_storeu_ps(out + d0 + 16 * c, _mm512_add_ps(even[c], odd[c]));
+      }
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline float reduce_add256(__m256 v) {
+  const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+  return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2)));
+}
+
+// exp_nonpositive on 8 lanes (AVX2): the scalar function's operations in its order, lane by lane.
+__attribute__((target("avx2"))) inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// softmax_in_place with 8 lanes for whole groups of 8 positions, the tail (< 8) scalar.
+__attribute__((target("avx2,fma"))) void softmax_avx2(float* s, int64_t span) {
+  const int64_t whole = span / 8 * 8;
+  __m256 top8 = _mm256_set1_ps(s[0]);
+  for (int64_t t0 = 0; t0 < whole; t0 += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + t0));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = lanes[0];
+  for (int l = 1; l < 8; ++l) top = __builtin_fmaxf(top, lanes[l]);
+  for (int64_t t = whole; t < span; ++t) top = __builtin_fmaxf(top, s[t]);
+  const __m256 peak = _mm256_set1_ps(top);
+  __m256 total8 = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < whole; t0 += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t0), peak));
+    _mm256_storeu_ps(s + t0, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  float total = reduce_add256(total8);
+  for (int64_t t = whole; t < span; ++t) total += (s[t] = exp_nonpositive(s[t] - top));
+  const float inv_total = 1.0f / total;
+  for (int64_t t = 0; t < span; ++t) s[t] = s[t] * inv_total;
+}
+
+__attribute__((target("avx2,fma"))) void attend_row_avx2(const Attention& a, int64_t i, float* scratch) {
+  const int64_t D = a.head_dim, group = a.heads / a.kv_heads, span = a.positions[i] + 1;
+  float* tmp = scratch;
+  float* q = scratch + D;
+  float* scores = scratch + D + group * D;
+  for (int64_t h = 0; h < a.kv_heads; ++h) {
+    prepare_head(a, i, h, q, tmp);
+    const float* keys = a.keys + (i * a.kv_heads + h) * a.max_len * D;
+    const float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
+    for (int64_t t = 0; t < span; ++t)
+      for (int64_t j = 0; j < group; ++j) {
+        const float *qj = q + j * D, *k = keys + t * D;
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(k));
+        for (int64_t d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), acc);
+        scores[j * a.max_len + t] = reduce_add256(acc);
+      }
+    for (int64_t j = 0; j < group; ++j) {
+      const float* w = scores + j * a.max_len;
+      softmax_avx2(scores + j * a.max_len, span);
+      float* out = a.out + (i * a.heads + h * group + j) * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {  // 16 registers: 4 column blocks x 2 partial sums, 2 weights
+        const int blocks = static_cast<int>((D - d0) / 8 < 4 ? (D - d0) / 8 : 4);
+        __m256 even[4], odd[4];
+        for (int c = 0; c < 4; ++c) even[c] = _mm256_setzero_ps(), odd[c] = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 2 <= span; t += 2) {
+          const __m256 w0 = _mm256_set1_ps(w[t]), w1 = _mm256_set1_ps(w[t + 1]);
+          for (int c = 0; c < blocks; ++c) {
+            even[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(values + t * D + d0 + 8 * c), even[c]);
+            odd[c] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(values + (t + 1) * D + d0 + 8 * c), odd[c]);
+          }
+        }
+        if (t < span) {
+          const __m256 w0 = _mm256_set1_ps(w[t]);
+          for (int c = 0; c < blocks; ++c)
+            even[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(values + t * D + d0 + 8 * c), even[c]);
+        }
+        for (int c = 0; c < blocks; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_add_ps(even[c], odd[c]));
+      }
+    }
+  }
+}
+#endif
+
 FD_CLONES void norm_rows(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) norm_into(x + r * dim, weight, eps, out + r * dim, dim);
 }
@@ -273,7 +491,7 @@ void lin_columns(const LinearT& p, int isa, int64_t n0) {
 
 extern "C" {
 
-int fd_abi_version(void) { return 1; }
+int fd_abi_version(void) { return 2; }
 
 // Which path fd_linear_t runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the scalar loop (all give the same bits).
 int fd_linear_isa(void) {
@@ -316,11 +534,13 @@ void fd_add_rms_norm(float* x, const float* delta, int64_t rows, int64_t dim, co
 // qkv row i = [q heads | k heads | v heads] (each head_dim wide; qkv_stride floats apart); q_norm / k_norm
 // (head_dim, or null) are Qwen3's per-head RMSNorms; cos / sin_rotate (max_len, head_dim) the RoPE tables; keys /
 // values one layer of the cache, (slots, kv_heads, max_len, head_dim); out (n, heads * head_dim).
-// `scratch` holds threads x fd_scratch_floats(...) floats. Returns 0, or -1 for a position out of range.
+// `scratch` holds threads x fd_scratch_floats(...) floats. `isa` (fd_linear_isa or lower) picks the AVX-512 (2) or
+// AVX2 (1) form where head_dim is a multiple of its vector width, else the portable one.
+// Returns 0, or -1 for a position out of range.
 int fd_decode_attention(const float* qkv, int64_t qkv_stride, int64_t n, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, const int64_t* positions, const float* cos, const float* sin_rotate,
                         const float* q_norm, const float* k_norm, float norm_eps, float* keys, float* values,
-                        int64_t max_len, float* out, float* scratch, int threads) {
+                        int64_t max_len, float* out, float* scratch, int threads, int isa) {
   for (int64_t i = 0; i < n; ++i)
     if (positions[i] < 0 || positions[i] >= max_len) return -1;
   if (heads % kv_heads != 0) return -1;
@@ -334,7 +554,18 @@ int fd_decode_attention(const float* qkv, int64_t qkv_stride, int64_t n, int64_t
 #ifdef _OPENMP
     worker = omp_get_thread_num();
 #endif
-    attend_row(a, i, scratch + worker * per_thread);
+    float* mine = scratch + worker * per_thread;
+#if defined(__x86_64__)
+    if (isa >= 2 && head_dim % 16 == 0) {
+      attend_row_avx512(a, i, mine);
+      continue;
+    }
+    if (isa >= 1 && head_dim % 8 == 0) {
+      attend_row_avx2(a, i, mine);
+      continue;
+    }
+#endif
+    attend_row(a, i, mine);
   }
   return 0;
 }

@@ -135,3 +135,26 @@ def test_bench_refuses_without_trl_and_names_the_extra() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "needs trl" in done.stderr and "pip install 'asyncrl[bench]'" in done.stderr
+
+
+def test_bench_json_is_strict_with_null_for_a_figure_never_reached(tmp_path: Path) -> None:
+    from asyncrl.bench import BenchResult
+
+    result = BenchResult(
+        name="e2e",
+        metrics={"builtin_trl_time_to_acc_s_mean": math.nan, "launch_s": 4.0, "over": math.inf},
+        ratios={"e2e_vs_trl_time_to_acc": math.nan, "e2e_launch_vs_trl": 1.25},
+        details={"runs": {"builtin_trl": [{"heldout_acc": math.nan, "load_1m": (0.5, -math.inf)}]}},
+    )
+    path = tmp_path / "e2e.json"
+    write_json(result, str(path))
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+
+    def refuse(token: str) -> float:
+        raise ValueError(f"not strict JSON: {token}")
+
+    written = json.loads(text, parse_constant=refuse)  # a strict reader: NaN / Infinity would raise
+    assert written["ratios"] == {"e2e_vs_trl_time_to_acc": None, "e2e_launch_vs_trl": 1.25}
+    assert written["metrics"] == {"builtin_trl_time_to_acc_s_mean": None, "launch_s": 4.0, "over": None}
+    assert written["details"]["runs"]["builtin_trl"][0] == {"heldout_acc": None, "load_1m": [0.5, None]}

@@ -22,13 +22,15 @@ def _state(tied: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_weight_traffic_counts_what_a_decode_step_reads(tied):
-    """The LM head (the embedding when tied) and the decoder linears in the scheme's format; never the gathered
-    embedding rows; 2 FLOPs per multiply-accumulate of the linears and the head."""
+    """The LM head (the embedding when tied) and the decoder linears in the scheme's format (the head quantized for
+    the W8A8 schemes, as `quant.lm_head=auto` publishes it); never the gathered embedding rows; 2 FLOPs per
+    multiply-accumulate of the linears and the head."""
     head, norms = 50 * 128 * 4, 2 * 128 * 4
     read, flops = engine_bench.weight_traffic(_state(tied), "none")
     assert read == head + norms + 256 * 128 * 4 and flops == 2 * (50 * 128 + 256 * 128)
-    int8, _ = engine_bench.weight_traffic(_state(tied), "int8")
-    assert int8 == head + norms + 256 * 128 + 256 * 4  # int8 values and one fp32 scale per row
+    int8, int8_flops = engine_bench.weight_traffic(_state(tied), "int8")
+    assert int8 == 50 * 128 + 50 * 4 + norms + 256 * 128 + 256 * 4  # int8 values and one fp32 scale per row
+    assert int8_flops == flops
     int4, _ = engine_bench.weight_traffic(_state(tied), "w4a16")
     assert int4 == head + norms + 256 * 128 + 256 * 1 * 4  # published as int8 (one group of 128 per row)
 

@@ -67,6 +67,7 @@ def test_overrides_apply_in_order():
         ("buffer.reserve_mb=4096", "`buffer.reserve_mb` is out of range"),
         ("precision.loss_scale_init=3", "`precision.loss_scale_init` must be a power of two"),
         ("rollout.num_workers=3", "= 2.5 CPUs > `ray.num_cpus` (2)"),
+        ("quant.lm_head=int8", "`quant.lm_head`; valid values: auto, quantized, fp32"),
     ],
 )
 def test_bad_overrides_name_the_key(override, expected):
@@ -206,3 +207,20 @@ def test_an_aligned_learner_with_weight_only_rollout_needs_fp32_rollout():
     with pytest.raises(ConfigError, match=r"needs `precision.rollout=fp32` \(the engine would compute in bf16"):
         load_config(MAIN, [*aligned, "precision.rollout=bf16"])
     assert load_config(MAIN, [*aligned, "precision.rollout=fp32"]).quant.scheme == "w4a16"
+
+
+def test_the_lm_head_is_quantized_where_the_engine_runs_it():
+    from common.config_rules import head_quantized
+
+    def resolved(*overrides: str) -> bool:
+        cfg = load_config(MAIN, list(overrides))
+        return head_quantized(cfg.quant, cfg.rollout)
+
+    assert resolved() and resolved("quant.scheme=fp8")  # auto: W8A8 on the embedded engine
+    assert not resolved("quant.scheme=w4a16") and not resolved("quant.scheme=none")
+    assert resolved("quant.scheme=w4a16", "quant.lm_head=quantized") and not resolved("quant.lm_head=fp32")
+    assert not resolved("rollout.backend=sglang", "quant.scheme=fp8", "rollout.sglang.launcher=asyncrl")
+    with pytest.raises(ConfigError, match="SGLang serves the LM head unquantized"):
+        load_config(MAIN, ["rollout.backend=sglang", "quant.scheme=fp8", "quant.lm_head=quantized"])
+    with pytest.raises(ConfigError, match="`quant.lm_head=quantized` needs a quantized `quant.scheme`"):
+        load_config(MAIN, ["quant.scheme=none", "quant.lm_head=quantized"])

@@ -17,7 +17,9 @@ from learner.update import train_on_batch
 from quant_sync.export import export_rollout_tensors
 from quant_sync.quantizers import dequantize_published, quantize_weight, quantize_weight_only, quantized_linear
 from rollout_workers.embedded.fp8_linear import available_kernels as fp8_kernels
+from rollout_workers.embedded.fused_decode import PackedLinear
 from rollout_workers.embedded.int8_linear import available_kernels as int8_kernels
+from rollout_workers.embedded.model import PackedFp32
 
 W8A8 = ("int8", "fp8", "fp8_trunc")
 
@@ -126,7 +128,7 @@ def test_rollout_aligned_needs_a_quantized_scheme():
         make_rollout_aligned(tiny_model(), "none")
 
 
-def _engine_and_learner_gaps(scheme: str):
+def _engine_and_learner_gaps(scheme: str, head: bool = False):
     """Sample from the embedded engine on builtin:micro's published `scheme` weights; return the largest |log-prob
     gap| between its behavior log-probs and the plain fp32 model's, then the rollout-aligned model's, and the
     engine."""
@@ -140,7 +142,8 @@ def _engine_and_learner_gaps(scheme: str):
     model_dir = resolve_model_path("builtin:micro", log=lambda *_: None)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     engine = EmbeddedEngine(str(model_dir), seed=0)
-    engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), scheme), scheme))
+    published = export_rollout_tensors(model.state_dict(), scheme, quantize_head=head)
+    engine.stage_weights(WeightUpdate(0, published, scheme))
     prompts = [[1, 4, 5, 13, 6, 7, 15], [1, 9, 14, 3, 15]]
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=10, seed=1))
 
@@ -153,18 +156,22 @@ def _engine_and_learner_gaps(scheme: str):
     for prompt, completion in zip(prompts, completions):
         behav = torch.tensor(completion.behav_logp)
         plain_gap = max(plain_gap, float((logp(model, prompt, completion.response_ids) - behav).abs().max()))
-    make_rollout_aligned(model, scheme)
+    make_rollout_aligned(model, scheme, head=head)
     for prompt, completion in zip(prompts, completions):
         behav = torch.tensor(completion.behav_logp)
         aligned_gap = max(aligned_gap, float((logp(model, prompt, completion.response_ids) - behav).abs().max()))
     return plain_gap, aligned_gap, engine
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["fp32_head", "quantized_head"])
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
-def test_aligned_learner_logp_matches_the_quantized_engine(scheme):
-    """The point of QaRL: the learner's pi_theta is the rollout engine's mu on the same published weights."""
-    plain_gap, aligned_gap, _ = _engine_and_learner_gaps(scheme)
+def test_aligned_learner_logp_matches_the_quantized_engine(scheme, head):
+    """The point of QaRL: the learner's pi_theta is the rollout engine's mu on the same published weights, with the
+    LM head quantized too (`quant.lm_head`) or not."""
+    plain_gap, aligned_gap, engine = _engine_and_learner_gaps(scheme, head)
     assert aligned_gap < 1e-5 and plain_gap > 100 * aligned_gap, (aligned_gap, plain_gap)
+    float_head = isinstance(engine._weights.head, (torch.Tensor, PackedLinear, PackedFp32))
+    assert float_head != head  # a quantized head runs the quantized kernel
 
 
 @pytest.mark.parametrize(
@@ -178,7 +185,7 @@ def test_aligned_learner_logp_matches_the_engine_on_every_kernel(scheme, kernel,
 
     module = int8_linear if scheme == "int8" else fp8_linear
     monkeypatch.setenv(module.ENV_KERNEL, kernel)
-    plain_gap, aligned_gap, engine = _engine_and_learner_gaps(scheme)
+    plain_gap, aligned_gap, engine = _engine_and_learner_gaps(scheme, head=True)
     if kernel != "onednn":  # oneDNN's small int8 weights run as exact fp32 GEMMs (model.UPCAST_INT8_MAX_ELEMENTS)
         assert engine._weights.layers[0].gate_up.kernel == kernel
     assert aligned_gap < 1e-5 and plain_gap > 100 * aligned_gap, (aligned_gap, plain_gap)

@@ -78,6 +78,26 @@ def test_export_quantizes_only_decoder_linears():
     assert all(t.dtype == torch.float32 for t in plain.values())
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_quantizes_the_lm_head_on_request_and_keeps_the_embedding_float(tied):
+    from quant_sync.quantizers import quantize_weight
+
+    embed = torch.randn(10, 8)
+    state = {"model.embed_tokens.weight": embed, "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8)}
+    state["lm_head.weight"] = embed if tied else torch.randn(10, 8)
+    out = export_rollout_tensors(state, "int8", quantize_head=True)
+    expected = quantize_weight(state["lm_head.weight"], "int8")
+    assert torch.equal(out["lm_head.weight"], expected.q) and torch.equal(out["lm_head.weight_scale"], expected.scale)
+    assert out["model.embed_tokens.weight"].dtype == torch.float32 and torch.equal(
+        out["model.embed_tokens.weight"], embed
+    )
+    del state["lm_head.weight"]  # a tied state dict that lists the matrix once: the head is the embedding
+    if tied:
+        assert torch.equal(export_rollout_tensors(state, "int8", quantize_head=True)["lm_head.weight"], expected.q)
+    assert "lm_head.weight_scale" not in export_rollout_tensors(state, "none", quantize_head=True)
+    assert is_quantized_linear("lm_head.weight", head=True) and not is_quantized_linear("lm_head.weight")
+
+
 def test_weight_only_groups_of_128():
     from quant_sync.quantizers import dequantize_published, quantize_weight_only
 

@@ -14,13 +14,12 @@ from quant_sync.quantizers import QuantizedWeight, quantize_weight, quantized_li
 from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.engine import EmbeddedEngine
 from rollout_workers.embedded.fp8_linear import PackedFp8
-from rollout_workers.embedded.int8_linear import int8_kernel_name
+from rollout_workers.embedded.int8_linear import PackedInt8, int8_kernel_name
 from rollout_workers.embedded.model import (
     EXACT_FP32_MAX_IN_FEATURES,
     PACK_FP32_MIN_FEATURES,
     ModelDirError,
     PackedFp32,
-    PackedInt8,
     UpcastQuantized,
     linear,
     prepare_linear,
@@ -494,3 +493,19 @@ def test_both_engines_have_every_member_of_the_engine_protocol():
         constructor = inspect.getsource(engine_cls.__init__)
         missing = [name for name in members if not hasattr(engine_cls, name) and f"self.{name} = " not in constructor]
         assert not missing, f"{engine_cls.__name__} lacks {missing}"
+
+
+def test_the_array_uniforms_are_the_scalar_ones_bit_for_bit():
+    """Sampling draws its uniforms in array ops (`uniforms`): the same float32 values as `_uniform` per row, so a
+    seeded run samples the same tokens as before, whatever the key (0, 2^64 - 1, ...)."""
+    import random
+
+    from rollout_workers.embedded.engine import _uniform, uniforms
+
+    rng = random.Random(0)
+    keys = [rng.getrandbits(64) for _ in range(2000)] + [0, (1 << 64) - 1, 1 << 63]
+    steps = [rng.randrange(0, 1 << 20) for _ in keys]
+    draws = uniforms(keys, steps)
+    assert draws.dtype == torch.float32
+    assert torch.equal(draws, torch.tensor([_uniform(key, step) for key, step in zip(keys, steps)]))
+    assert bool((draws > 0).all()) and bool((draws < 1).all())

@@ -37,27 +37,34 @@ def test_fused_norms_are_hf_rmsnorm_and_the_residual_add():
     torch.testing.assert_close(normed, norm(x + delta), rtol=1e-6, atol=1e-6)
 
 
-def _attention_case(qk_norms: bool, seed: int = 0):
+ATTENTION_ISAS = list(range(fused_decode.attention_isa() + 1))  # 0 portable, 1 AVX2, 2 AVX-512: those this CPU runs
+
+
+def _attention_case(qk_norms: bool, seed: int = 0, head_dim: int = 16):
     generator = torch.Generator().manual_seed(seed)
     arch = model.ArchConfig(model_type="qwen3" if qk_norms else "llama", vocab_size=11, hidden_size=96,
-                            num_layers=1, num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                            num_layers=1, num_heads=6, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-6,
                             rope_theta=10000.0, tie_word_embeddings=False, eos_token_ids=(1,),
                             max_positions=64)  # fmt: skip
     cache = model.KVCache(arch, slots=5, max_len=32)
     cache.keys.normal_(generator=generator)  # earlier positions: whatever they hold is attended to
     cache.values.normal_(generator=generator)
-    norms = [torch.randn(16, generator=generator) if qk_norms else None for _ in range(2)]
+    norms = [torch.randn(head_dim, generator=generator) if qk_norms else None for _ in range(2)]
     layer = model.LayerWeights(input_norm=None, qkv=None, qkv_bias=None, q_norm=norms[0], k_norm=norms[1],
                                o_proj=None, post_norm=None, gate_up=None, down=None)  # type: ignore[arg-type]  # fmt: skip
-    qkv = torch.randn(4, (6 + 2 * 2) * 16, generator=generator)
+    qkv = torch.randn(4, (6 + 2 * 2) * head_dim, generator=generator)
     positions = torch.tensor([3, 17, 0, 31])
     return arch, cache, layer, qkv, positions
 
 
-@pytest.mark.parametrize("qk_norms", [False, True])
-def test_fused_decode_attention_matches_the_torch_ops(monkeypatch, qk_norms):
-    """Same keys/values written (RoPE on k, Qwen3 norms), same attention output, against the engine's torch path."""
-    arch, cache, layer, qkv, positions = _attention_case(qk_norms)
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
+@pytest.mark.parametrize(("qk_norms", "head_dim"), [(False, 16), (True, 16), (False, 32), (True, 40), (False, 12)])
+def test_fused_decode_attention_matches_the_torch_ops(monkeypatch, qk_norms, head_dim, isa):
+    """Same keys/values written (RoPE on k, Qwen3 norms), same attention output, against the engine's torch path,
+    on each form the CPU runs (`ASYNCRL_ATTENTION_ISA`; a head_dim off the vector width takes a narrower form)."""
+    monkeypatch.setenv(fused_decode.ENV_ATTENTION_ISA, str(isa))
+    assert fused_decode.attention_isa() == isa
+    arch, cache, layer, qkv, positions = _attention_case(qk_norms, head_dim=head_dim)
     reference = model.KVCache(arch, slots=5, max_len=32)
     reference.keys.copy_(cache.keys)
     reference.values.copy_(cache.values)
@@ -70,8 +77,10 @@ def test_fused_decode_attention_matches_the_torch_ops(monkeypatch, qk_norms):
     assert torch.equal(cache.values, reference.values)
 
 
-def test_fused_decode_attention_is_batch_invariant_and_checks_positions():
-    arch, cache, layer, qkv, positions = _attention_case(qk_norms=True)
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
+def test_fused_decode_attention_is_batch_invariant_and_checks_positions(monkeypatch, isa):
+    monkeypatch.setenv(fused_decode.ENV_ATTENTION_ISA, str(isa))
+    arch, cache, layer, qkv, positions = _attention_case(qk_norms=True, head_dim=32)
     saved = cache.keys.clone(), cache.values.clone()
     batch = model._attend_decode(arch, layer, qkv, cache, 0, positions)
     for row in range(4):  # the row alone, in slot 0 holding what its slot held

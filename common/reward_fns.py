@@ -1,0 +1,312 @@
+"""User reward functions (`reward.fn`, `reward.fns`): what a spec names, how it is loaded, what a call may return.
+
+A spec names one function, called as `fn(response: str, answer: str, row: dict) -> float | dict`:
+
+    path/to/file.py:name      a Python file (relative to the working directory of the run), loaded by path
+    package.module:name       an importable module
+    asyncrl:arith             built-in: exact match, the `arith` task's reward (common.tasks.rewards:arith_reward)
+    asyncrl:math              built-in: the math reward of datasets (common.tasks.rewards:math_reward)
+
+A result is a number (the score) or a dict with a finite `score` and extra numeric metrics (logged as `reward/<key>`
+means); anything else, a non-finite number included, is an error and scores 0 (`validate_result`). Several
+functions combine as TRL's `reward_funcs` / `reward_weights`: reward = sum_i weights[i] * score_i (`combine`).
+
+`check_spec` is the start-up check (config validation): the spec's syntax, the file or module, and that the name is
+there. A file is parsed (`ast`), not run, so validating a config runs no user code; a module is imported. The
+functions are loaded and called in the rollout worker's reward processes (`serve`, run by
+rollout_workers/reward_pool.py), so a function that hangs or crashes cannot stall or kill the worker. A module (or
+file) may define `reward_warm_up()`: the reward process calls it once after loading, outside the timeout.
+
+This module is torch-free and cheap to import: it is what a reward process imports before the user's code.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_FNS = {
+    "asyncrl:arith": "common.tasks.rewards:arith_reward",
+    "asyncrl:math": "common.tasks.rewards:math_reward",
+}
+"""Built-in reward functions by name -> the module spec that implements them."""
+RESERVED_METRICS = ("mean", "errors", "timeouts")
+"""`reward/<key>` names the run logs itself; a function's extra metric of that name is logged as `reward/fn_<key>`."""
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+RewardFn = Callable[[str, str, dict[str, Any]], Any]
+
+
+class RewardFnError(ValueError):
+    """A reward spec that is malformed or names a file, module or function that does not exist."""
+
+
+@dataclass(frozen=True, slots=True)
+class RewardSpec:
+    spec: str
+    """The spec as written (`path/to/file.py:name`, `package.module:name` or `asyncrl:<builtin>`)."""
+    location: str
+    """The file path or the module name."""
+    name: str
+    """The function's name in that file or module."""
+    is_file: bool
+
+
+def parse_spec(spec: str, key: str = "reward.fn") -> RewardSpec:
+    """Split a spec into file-or-module and function name; raises RewardFnError naming `key` and the spec."""
+    resolved = BUILTIN_FNS.get(spec.strip(), spec.strip())
+    location, sep, name = resolved.rpartition(":")
+    if not sep or not location or not _NAME.fullmatch(name):
+        builtins = ", ".join(BUILTIN_FNS)
+        raise RewardFnError(
+            f"`{key}` {spec!r} is not a reward function spec: write `path/to/file.py:name`, `package.module:name` "
+            f"or a built-in ({builtins})"
+        )
+    if location == "asyncrl":
+        raise RewardFnError(f"`{key}` {spec!r}: no built-in reward function {name!r}; valid: {', '.join(BUILTIN_FNS)}")
+    is_file = location.endswith(".py") or "/" in location or "\\" in location
+    if not is_file and not _MODULE.fullmatch(location):
+        raise RewardFnError(f"`{key}` {spec!r}: {location!r} is neither a .py file nor a dotted module name")
+    return RewardSpec(spec=spec, location=location, name=name, is_file=is_file)
+
+
+def absolute_spec(spec: str) -> str:
+    """`spec` with a relative file made absolute (against the current directory), so that every process reads the
+    same file whatever its own working directory; module specs, built-ins and malformed specs come back unchanged."""
+    try:
+        parsed = parse_spec(spec)
+    except RewardFnError:
+        return spec  # the config check names what is wrong with it
+    if not parsed.is_file or Path(parsed.location).expanduser().is_absolute():
+        return spec
+    return f"{Path(parsed.location).expanduser().resolve()}:{parsed.name}"
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level (defs, classes, assignments, imports), without running it."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):  # conditional definitions count: checked at load
+            names.update(_top_level_names(ast.Module(body=list(ast.iter_child_nodes(node)), type_ignores=[])))
+    return names
+
+
+def check_spec(spec: str, key: str = "reward.fn") -> RewardSpec:
+    """The start-up check of one spec: a file must exist and bind `name` at its top level (parsed, not run); a module
+    must import and have a callable `name`. Raises RewardFnError naming `key`, the file or module, and the name."""
+    parsed = parse_spec(spec, key)
+    if parsed.is_file:
+        path = Path(parsed.location).expanduser()
+        if not path.is_file():
+            raise RewardFnError(f"`{key}` {spec!r}: reward file {str(path)!r} does not exist")
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except (SyntaxError, UnicodeDecodeError) as err:
+            raise RewardFnError(f"`{key}` {spec!r}: reward file {str(path)!r} does not parse: {err}") from err
+        if parsed.name not in _top_level_names(tree):
+            raise RewardFnError(f"`{key}` {spec!r}: reward file {str(path)!r} defines no function {parsed.name!r}")
+        return parsed
+    load_fn(parsed, key)
+    return parsed
+
+
+def load_fn(parsed: RewardSpec, key: str = "reward.fn") -> RewardFn:
+    """Import the spec's file or module and return its callable; raises RewardFnError naming what is missing.
+
+    A file runs as a module of its own (named after a digest of its resolved path), so it may import modules next
+    to it only if its directory is on `sys.path`; its directory is put there, as `python file.py` would."""
+    if parsed.is_file:
+        path = Path(parsed.location).expanduser().resolve()
+        if not path.is_file():
+            raise RewardFnError(f"`{key}` {parsed.spec!r}: reward file {str(path)!r} does not exist")
+        module_name = "asyncrl_reward_" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()
+        module = sys.modules.get(module_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise RewardFnError(f"`{key}` {parsed.spec!r}: cannot load {str(path)!r} as Python")
+            module = importlib.util.module_from_spec(module_spec)
+            if str(path.parent) not in sys.path:
+                sys.path.insert(0, str(path.parent))
+            sys.modules[module_name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException as err:
+                del sys.modules[module_name]
+                raise RewardFnError(f"`{key}` {parsed.spec!r}: loading {str(path)!r} failed: {err!r}") from err
+        where = f"reward file {str(path)!r}"
+    else:
+        try:
+            module = importlib.import_module(parsed.location)
+        except ImportError as err:
+            raise RewardFnError(f"`{key}` {parsed.spec!r}: cannot import module {parsed.location!r}: {err}") from err
+        where = f"module {parsed.location!r}"
+    fn = getattr(module, parsed.name, None)
+    if fn is None:
+        raise RewardFnError(f"`{key}` {parsed.spec!r}: {where} has no function {parsed.name!r}")
+    if not callable(fn):
+        raise RewardFnError(f"`{key}` {parsed.spec!r}: {parsed.name!r} in {where} is not callable")
+    return fn
+
+
+def spec_names(specs: Sequence[str]) -> list[str]:
+    """A short unique metric name per spec (its function name; `name_2`, ... when two share one)."""
+    names: list[str] = []
+    for spec in specs:
+        base = parse_spec(spec).name
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}_{n}"
+        names.append(name)
+    return names
+
+
+# --- results ------------------------------------------------------------------------------------------------------
+
+
+def plain_result(result: Any) -> float | dict[str, float] | str:
+    """A function's return value as plain data that crosses the process boundary: a float, a dict of str -> float,
+    or an error message (a str). Run in the reward process; the worker validates again (`validate_result`)."""
+    if isinstance(result, bool) or not isinstance(result, (numbers.Real, dict)):
+        return f"returned {type(result).__name__}, expected a float or a dict with a finite `score`"
+    if isinstance(result, numbers.Real):
+        return float(result)
+    plain: dict[str, float] = {}
+    for metric, value in result.items():
+        if not isinstance(metric, str) or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return f"returned a dict whose {metric!r} is {type(value).__name__}: keys must be str, values numbers"
+        plain[metric] = float(value)
+    return plain
+
+
+def validate_result(result: Any) -> tuple[float, dict[str, float]]:
+    """(score, extra metrics) of one call's plain result; raises ValueError saying what is wrong with it."""
+    if isinstance(result, float) and not isinstance(result, bool):
+        if not math.isfinite(result):
+            raise ValueError(f"returned a non-finite score {result}")
+        return result, {}
+    if not isinstance(result, dict):
+        raise ValueError(f"returned {type(result).__name__}, expected a float or a dict with a finite `score`")
+    if "score" not in result:
+        raise ValueError(f"returned a dict without `score` (keys: {sorted(result)[:8]})")
+    metrics: dict[str, float] = {}
+    for metric, value in result.items():
+        if not isinstance(metric, str) or not isinstance(value, float) or not math.isfinite(value):
+            raise ValueError(f"returned a dict whose {metric!r} is {value!r}: values must be finite numbers")
+        if metric != "score":
+            metrics[f"fn_{metric}" if metric in RESERVED_METRICS else metric] = value
+    return result["score"], metrics
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    """One function called on one response, as the worker sees it."""
+
+    score: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    """The traceback or what was wrong with the result; "" when the call succeeded."""
+    timed_out: bool = False
+
+
+def combine(outcomes: Sequence[CallOutcome], weights: Sequence[float], names: Sequence[str]) -> tuple[float, dict]:
+    """The reward of one response from its functions' outcomes: sum_i weights[i] * score_i (a failed call scores 0),
+    and its metrics: each function's extra metrics, plus each function's score under its name when there are
+    several."""
+    reward = sum(w * o.score for w, o in zip(weights, outcomes, strict=True))
+    metrics: dict[str, float] = {}
+    for outcome, name in zip(outcomes, names, strict=True):
+        metrics.update(outcome.metrics)
+        if len(outcomes) > 1:
+            metrics[name] = outcome.score
+    return reward, metrics
+
+
+# --- the reward process -------------------------------------------------------------------------------------------
+
+
+def _exit_with_parent(interval_s: float = 1.0) -> None:
+    """End this process when its parent (the worker) is gone, even while a user function hangs: a killed worker
+    (`ray kill`, OOM) leaves no reward process behind."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="asyncrl-reward-watchdog", daemon=True).start()
+
+
+def warm_up(fns: Sequence[RewardFn]) -> None:
+    """Call `reward_warm_up()` of each function's module that defines one, once, at load: imports and caches a
+    function needs on its first call happen there, outside the per-call timeout (a cold math-verify import takes
+    about a second, which would time out every first call of a fresh process under a short `reward.timeout_s`)."""
+    done: set[str] = set()
+    for fn in fns:
+        module = sys.modules.get(getattr(fn, "__module__", "") or "")
+        hook = getattr(module, "reward_warm_up", None)
+        if module is not None and callable(hook) and module.__name__ not in done:
+            done.add(module.__name__)
+            hook()
+
+
+def serve_fd(fd: int, specs: list[str]) -> None:
+    """The entry point of a reward process (`python -c`): serve on the socket `fd` inherited from the worker."""
+    from multiprocessing.connection import Connection
+
+    serve(Connection(fd), specs)
+
+
+def serve(conn: Any, specs: list[str]) -> None:
+    """A reward process's loop (rollout_workers/reward_pool.py): load the functions, say `ready` (or why not), then
+    for each batch of calls `[(call_id, fn_index, response, answer, row), ...]` send one reply per call, in order:
+    `(call_id, result)` with a plain result (`plain_result`) or `(call_id, "error", traceback)`."""
+    _exit_with_parent()
+    try:
+        fns = [load_fn(parse_spec(spec), f"reward.fns[{i}]") for i, spec in enumerate(specs)]
+        warm_up(fns)
+    except BaseException as err:  # noqa: BLE001 - said to the worker, which fails its start with it
+        conn.send(("load_error", str(err)))
+        return
+    conn.send(("ready", ""))
+    while True:
+        try:
+            calls = conn.recv()
+        except (EOFError, OSError):
+            return
+        if calls is None:
+            return
+        for call_id, fn_index, response, answer, row in calls:
+            try:
+                reply: tuple = (call_id, plain_result(fns[fn_index](response, answer, row)))
+                if isinstance(reply[1], str):
+                    reply = (call_id, "error", reply[1])
+            except BaseException:  # noqa: BLE001 - a process boundary: the user's function must not end the loop
+                reply = (call_id, "error", traceback.format_exc(limit=-8))
+            conn.send(reply)

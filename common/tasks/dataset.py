@@ -1,0 +1,205 @@
+"""Task `dataset`: a user dataset read with the `datasets` library, scored by the math reward.
+
+`data.path` is a `.jsonl`, `.json` or `.parquet` file, or a directory written by `Dataset.save_to_disk` (a
+`DatasetDict` directory must hold a `train` split). `data.prompt_key` names a string prompt or a list of
+`{role, content}` chat messages; `data.answer_key` a string or number answer. Both may be dotted paths into nested
+fields (`reward_model.ground_truth`, `extra_info.question`); a column whose own name holds the dot wins.
+
+Every row is checked when the source is built; bad rows fail in one `DatasetError` naming the file, the 1-based row
+and the key (answers follow `common.tasks.jsonl`'s rules: GSM8K `####` answers, numbers, LaTeX that math-verify
+reads). All rows of one file hold the same prompt kind (text or messages).
+
+A message-list prompt travels through the buffer as its JSON text (`json.dumps` of the list); `common.tasks.chat`
+turns it back into messages and renders it with the tokenizer's chat template, the same way in the rollout worker,
+the learner and the start-up checks.
+
+`data.max_prompt_tokens` > 0 drops rows whose encoded prompt is longer (the tokenizer is `data.tokenizer`, which the
+driver sets to the model's); `dropped` counts them. `data.eval_path` is a separate held-out file: the eval set is
+the first `data.eval_size` rows of a fixed permutation of it (else of `data.path`, as `jsonl` does). `datasets` and
+the tokenizer are imported on first use: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from common.tasks import DatasetError, Problem
+from common.tasks.jsonl import _EVAL_STREAM, JsonlSource, _permutation, answer_problem, check_text
+
+if TYPE_CHECKING:
+    from common.config import DataConfig
+
+_MAX_REPORTED = 10
+_ROLES = ("system", "user", "assistant", "tool")
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_table(path: str, key: str = "data.path") -> list[dict[str, Any]]:
+    """The rows of a dataset file or saved directory, read with `datasets`; DatasetError naming the path if not."""
+    target = Path(path).expanduser()
+    if not target.exists():
+        raise DatasetError(f"dataset {path!r} does not exist ({key})")
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        if target.is_dir():
+            table = datasets.load_from_disk(str(target))
+            if isinstance(table, datasets.DatasetDict):
+                if "train" not in table:
+                    raise DatasetError(
+                        f"{path}: a DatasetDict without a `train` split (it has: {', '.join(table)}); "
+                        f"save the split you want with `save_to_disk` and point {key} at it"
+                    )
+                table = table["train"]
+        else:
+            kind = _FILE_FORMATS.get(target.suffix.lower())
+            if kind is None:
+                raise DatasetError(
+                    f"{path}: unknown dataset format {target.suffix or '(no suffix)'!r} ({key}); valid: "
+                    ".jsonl, .json, .parquet, or a directory written by `datasets` save_to_disk"
+                )
+            table = datasets.load_dataset(kind, data_files=str(target), split="train")
+    except DatasetError:
+        raise
+    except Exception as err:  # noqa: BLE001  (pyarrow/datasets raise many types for unreadable files)
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        raise DatasetError(f"{path}: `datasets` cannot read it ({type(err).__name__}: {first})") from None
+    return table.to_list()
+
+
+def field_value(row: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """(True, value) of `key` in `row` (a column name, else a dotted path into nested dicts), or (False, None)."""
+    if key in row:
+        return True, row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+def _messages_problem(value: list, field: str) -> tuple[list[dict[str, str]], str | None]:
+    """Normalized {role, content} messages of a prompt list, or ([], what is wrong with it)."""
+    if not value:
+        return [], f"field {field} is an empty message list"
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return [], f"field {field}: message {i} must be an object with string `role` and `content`"
+        content = message.get("content")
+        if not isinstance(content, str):
+            return [], f"field {field}: message {i} has no string `content` (got {type(content).__name__})"
+        if message["role"] not in _ROLES:
+            return [], f"field {field}: message {i} has role {message['role']!r}; valid: {', '.join(_ROLES)}"
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            return [], f"field {field}: message {i} holds an unpaired surrogate escape: not text"
+        messages.append({"role": message["role"], "content": content})
+    if not any(m["content"].strip() for m in messages):
+        return [], f"field {field}: every message is empty"
+    return messages, None
+
+
+def load_dataset_rows(path: str, prompt_key: str, answer_key: str, key: str = "data.path") -> tuple[list, bool]:
+    """(rows of (prompt, reference answer), whether prompts are message lists) of a dataset; DatasetError listing the
+    bad rows (file, 1-based row, key) if any. A message-list prompt is kept as its JSON text."""
+    table = load_table(path, key)
+    prompt_field, answer_field = f"{prompt_key!r} (data.prompt_key)", f"{answer_key!r} (data.answer_key)"
+    rows: list[tuple[str, str]] = []
+    errors: list[str] = []
+    kind: str | None = None  # "text" or "messages": fixed by the first good row
+    for number, row in enumerate(table, start=1):
+        found, prompt = field_value(row, prompt_key)
+        problem: str | None = None
+        if not found:
+            problem = f"missing field {prompt_field}; the row has: {', '.join(map(str, row)) or 'no fields'}"
+        elif isinstance(prompt, str):
+            problem = check_text(prompt, prompt_field)
+            row_kind = "text"
+        elif isinstance(prompt, list):
+            messages, problem = _messages_problem(prompt, prompt_field)
+            prompt, row_kind = json.dumps(messages, ensure_ascii=False), "messages"
+        else:
+            problem = f"field {prompt_field} must be a string or a list of messages, got {type(prompt).__name__}"
+        if problem is None and kind is not None and row_kind != kind:
+            problem = f"field {prompt_field} holds {row_kind} but earlier rows hold {kind}: use one kind per file"
+        answer = ""
+        if problem is None:
+            found, raw_answer = field_value(row, answer_key)
+            if not found:
+                problem = f"missing field {answer_field}; the row has: {', '.join(map(str, row)) or 'no fields'}"
+            else:
+                answer, problem = answer_problem(raw_answer, answer_field)
+        if problem is not None:
+            errors.append(f"{path}: row {number}: {problem}")
+            continue
+        kind = row_kind
+        rows.append((prompt, answer))
+    if errors:
+        shown = "\n  ".join(errors[:_MAX_REPORTED])
+        more = f"\n  ... and {len(errors) - _MAX_REPORTED} more" if len(errors) > _MAX_REPORTED else ""
+        raise DatasetError(f"{path}: {len(errors)} invalid row(s):\n  {shown}{more}")
+    if not rows:
+        raise DatasetError(f"{path}: the dataset is empty (no rows)")
+    return rows, kind == "messages"
+
+
+class DatasetSource(JsonlSource):
+    """The `dataset` prompt source: `jsonl`'s shuffled epochs and math reward over rows read with `datasets`."""
+
+    def __init__(self, data_cfg: DataConfig) -> None:
+        self.path, self.seed, self.eval_size = data_cfg.path, data_cfg.seed, data_cfg.eval_size
+        self._rows, self.messages = load_dataset_rows(data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key)
+        self._eval_rows: list[tuple[str, str]] | None = None
+        if data_cfg.eval_path:
+            self._eval_rows, eval_messages = load_dataset_rows(
+                data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key, key="data.eval_path"
+            )
+            if eval_messages != self.messages:
+                raise DatasetError(
+                    f"{data_cfg.eval_path}: its prompts are {'messages' if eval_messages else 'text'} but those of "
+                    f"{data_cfg.path} are {'messages' if self.messages else 'text'} (data.eval_path, data.path)"
+                )
+        self.dropped = 0
+        """Rows of data.path dropped by data.max_prompt_tokens."""
+        self.eval_dropped = 0
+        if data_cfg.max_prompt_tokens > 0:
+            self._drop_long_prompts(data_cfg)
+
+    def _drop_long_prompts(self, data_cfg: DataConfig) -> None:
+        from common.tasks.chat import counting_encoder
+
+        if not data_cfg.tokenizer:
+            raise DatasetError("data.max_prompt_tokens needs a tokenizer to count tokens: set data.tokenizer")
+        encode = counting_encoder(data_cfg.tokenizer, data_cfg, messages=self.messages, trust_remote_code=False)
+        limit = data_cfg.max_prompt_tokens
+        kept = [row for row in self._rows if 0 < len(encode(row[0])) <= limit]
+        self.dropped = len(self._rows) - len(kept)
+        if not kept:
+            lengths = sorted(len(encode(row[0])) for row in self._rows[:1000])
+            raise DatasetError(
+                f"{data_cfg.path}: every one of its {len(self._rows)} prompts is longer than data.max_prompt_tokens="
+                f"{limit} tokens (the shortest of the first {len(lengths)} has {lengths[0]})"
+            )
+        self._rows = kept
+        if self._eval_rows is not None:
+            eval_kept = [row for row in self._eval_rows if 0 < len(encode(row[0])) <= limit]
+            self.eval_dropped = len(self._eval_rows) - len(eval_kept)
+            if not eval_kept:
+                raise DatasetError(
+                    f"{data_cfg.eval_path}: every prompt is longer than data.max_prompt_tokens={limit} tokens"
+                )
+            self._eval_rows = eval_kept
+
+    def eval_set(self) -> list[Problem]:
+        if self._eval_rows is None:
+            return super().eval_set()
+        rows = self._eval_rows
+        order = _permutation(len(rows), self.seed, _EVAL_STREAM, 0)[: self.eval_size]
+        return [Problem(index=i, prompt=rows[row][0], answer=rows[row][1]) for i, row in enumerate(order)]

@@ -1,0 +1,52 @@
+"""`asyncrl up` with a user reward function that raises on every third call and hangs on every 50th: the run
+completes, `reward/errors` and `reward/timeouts` reach metrics.jsonl, and the first traceback is logged once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+USER_REWARD = """
+import time
+
+calls = 0
+
+
+def fn(response, answer, row):
+    global calls
+    calls += 1
+    if calls % 50 == 0:
+        while True:
+            time.sleep(1)
+    if calls % 3 == 0:
+        raise ValueError(f"user reward bug at call {calls}, row {row['index']}")
+    return {"score": float(response.strip() == answer), "length": len(response)}
+"""
+
+
+@pytest.mark.slow
+def test_up_with_a_failing_and_hanging_user_reward_completes_and_counts(tmp_path):
+    reward_file = tmp_path / "user_reward.py"
+    reward_file.write_text(USER_REWARD)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"),
+         f"logging.dir={tmp_path}", "logging.name=reward", "train.steps=2", "data.eval_size=8",
+         f"reward.fn={reward_file}:fn", "reward.timeout_s=1"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "reward" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r and "event" not in r]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["reward/errors"] > 0 and "reward/timeouts" in row and row["reward/length"] > 0
+    assert steps[-1]["reward/timeouts"] > 0  # 128 calls a step: at least one 50th call per worker
+    failures = [r for r in rows if r.get("event") == "reward_error"]
+    assert len(failures) == 1 and "ValueError: user reward bug at call 3" in failures[0]["error"]
+    assert failures[0]["error"].count("Traceback") == 1

@@ -1,0 +1,138 @@
+"""data.task=dataset: jsonl/json/parquet files and save_to_disk directories read with `datasets`, message prompts,
+dotted keys, a separate eval file, and bad rows named by file, row and key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+
+from common.config import ConfigError, DataConfig, load_config
+from common.tasks import DatasetError, make_source
+
+GSM8K = Path(__file__).resolve().parents[4] / "shared" / "data" / "gsm8k" / "test.jsonl"
+ROWS = [
+    {"question": "What is 2 + 3?", "extra": {"id": 0}, "reward_model": {"ground_truth": "5", "style": "rule"}},
+    {"question": "What is 10 - 4?", "extra": {"id": 1}, "reward_model": {"ground_truth": "6", "style": "rule"}},
+    {"question": "Half of 3?", "extra": {"id": 2}, "reward_model": {"ground_truth": "1.5", "style": "rule"}},
+]
+
+
+def _chat_rows() -> list[dict]:
+    return [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": row["question"]}],
+            "reward_model": {"ground_truth": str(row["reward_model"]["ground_truth"])},
+        }
+        for row in ROWS
+    ]
+
+
+def _write(tmp_path: Path, name: str, rows: list[dict]) -> Path:
+    path = tmp_path / name
+    if name.endswith(".jsonl"):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif name.endswith(".json"):
+        path.write_text(json.dumps(rows))
+    elif name.endswith(".parquet"):
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def _source(path: Path, **keys):
+    return make_source(DataConfig(task="dataset", path=str(path), eval_size=2, **keys))
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.parquet", "saved_dir"])
+def test_every_format_loads_the_same_rows_with_a_nested_answer_key(tmp_path: Path, name: str) -> None:
+    source = _source(_write(tmp_path, name, ROWS), prompt_key="question", answer_key="reward_model.ground_truth")
+    assert source.epoch_size() == 3 and not source.messages
+    rows = sorted((source.train(i).prompt, source.train(i).answer) for i in range(3))
+    assert rows == sorted([("What is 2 + 3?", "5"), ("What is 10 - 4?", "6"), ("Half of 3?", "1.5")])
+    assert source.reward("so the answer is \\boxed{5}", "5") == 1.0
+
+
+def test_a_message_list_prompt_travels_as_json_messages(tmp_path: Path) -> None:
+    source = _source(_write(tmp_path, "chat.parquet", _chat_rows()), answer_key="reward_model.ground_truth")
+    assert source.messages
+    messages = json.loads(source.train(0).prompt)
+    assert [m["role"] for m in messages] == ["system", "user"] and messages[0]["content"] == "Be brief."
+    assert {json.loads(p.prompt)[1]["content"] for p in source.eval_set()} <= {row["question"] for row in ROWS}
+
+
+def test_the_dataset_task_reads_gsm8k_as_the_jsonl_task_does() -> None:
+    keys = {"path": str(GSM8K), "prompt_key": "question", "answer_key": "answer", "eval_size": 5}
+    jsonl, dataset = make_source(DataConfig(task="jsonl", **keys)), make_source(DataConfig(task="dataset", **keys))
+    assert dataset.epoch_size() == jsonl.epoch_size() == 1319
+    assert [dataset.train(i) for i in range(0, 3000, 97)] == [jsonl.train(i) for i in range(0, 3000, 97)]
+    assert dataset.eval_set() == jsonl.eval_set()
+
+
+def test_bad_rows_are_named_by_file_row_and_key(tmp_path: Path) -> None:
+    rows = [
+        {"q": "ok", "a": {"gt": "1"}},
+        {"q": "no answer", "a": {"other": "1"}},
+        {"q": "", "a": {"gt": "1"}},
+        {"q": "words", "a": {"gt": "eighteen dollars"}},
+    ]
+    path = _write(tmp_path, "bad.jsonl", rows)
+    with pytest.raises(DatasetError) as err:
+        _source(path, prompt_key="q", answer_key="a.gt")
+    text = str(err.value)
+    assert "3 invalid row(s)" in text
+    assert f"{path}: row 2: missing field 'a.gt' (data.answer_key)" in text
+    assert f"{path}: row 3: field 'q' (data.prompt_key) is empty" in text
+    assert f"{path}: row 4: the reference answer 'eighteen dollars' does not read as math" in text
+
+
+def test_bad_messages_and_mixed_prompt_kinds_are_refused(tmp_path: Path) -> None:
+    chat = _chat_rows()
+    chat[1]["prompt"] = [{"role": "narrator", "content": "hi"}]
+    chat[2]["prompt"] = [{"role": "user", "content": None}]
+    with pytest.raises(DatasetError) as err:
+        _source(_write(tmp_path, "bad_chat.jsonl", chat), answer_key="reward_model.ground_truth")
+    assert "row 2: field 'prompt' (data.prompt_key): message 0 has role 'narrator'" in str(err.value)
+    assert "row 3: field 'prompt' (data.prompt_key): message 0 has no string `content`" in str(err.value)
+    mixed = [{"p": "text", "a": "1"}, {"p": [{"role": "user", "content": "hi"}], "a": "2"}]
+    with pytest.raises(DatasetError, match="row 2: field 'p' .* holds messages but earlier rows hold text"):
+        _source(_write(tmp_path, "mixed.jsonl", mixed), prompt_key="p", answer_key="a")
+
+
+def test_missing_unknown_and_unreadable_paths_fail_with_their_name(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"does not exist \(data.path\)"):
+        _source(tmp_path / "nope.parquet")
+    (tmp_path / "rows.csv").write_text("prompt,answer\n1+1,2\n")
+    with pytest.raises(DatasetError, match=r"unknown dataset format '.csv'"):
+        _source(tmp_path / "rows.csv")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match=r"broken.parquet: `datasets` cannot read it"):
+        _source(tmp_path / "broken.parquet")
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DatasetError, match=r"a DatasetDict without a `train` split \(it has: test\)"):
+        _source(tmp_path / "dict", prompt_key="question")
+
+
+def test_a_separate_eval_file_gives_the_eval_set(tmp_path: Path) -> None:
+    train = _write(tmp_path, "train.jsonl", [{"prompt": f"{i} + 1 =", "answer": i + 1} for i in range(20)])
+    held_out = _write(tmp_path, "test.parquet", [{"prompt": f"{i} * 2 =", "answer": 2 * i} for i in range(6)])
+    source = make_source(DataConfig(task="dataset", path=str(train), eval_path=str(held_out), eval_size=4))
+    eval_set = source.eval_set()
+    assert len(eval_set) == 4 and all("*" in p.prompt for p in eval_set)
+    assert [p.index for p in eval_set] == [0, 1, 2, 3] and eval_set == source.eval_set()
+    assert source.epoch_size() == 20 and all("+" in source.train(i).prompt for i in range(40))
+    chat = _write(tmp_path, "chat.jsonl", [{"prompt": [{"role": "user", "content": "1+1"}], "answer": 2}])
+    with pytest.raises(DatasetError, match="its prompts are messages but those of .* are text"):
+        make_source(DataConfig(task="dataset", path=str(train), eval_path=str(chat)))
+
+
+def test_config_rules_for_the_dataset_keys() -> None:
+    with pytest.raises(ConfigError, match="data.task=dataset needs `data.path`"):
+        load_config(None, ["data.task=dataset"])
+    with pytest.raises(ConfigError, match="need data.task=dataset"):
+        load_config(None, ["data.max_prompt_tokens=10"])
+    with pytest.raises(ConfigError, match="chat_template"):
+        load_config(None, ["data.chat_template=maybe"])

@@ -1,0 +1,111 @@
+"""A whole `Learner.train_step` (the builtin micro model, batches handed in): proximal modes and perf metrics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from common.builtin_model import resolve_model_path
+from common.config import load_config, to_dict
+from common.wire import Trajectory
+from learner.sections import LearnerSections
+from learner.trainer import Learner
+from learner.update import PHASES
+
+
+def _groups(vocab: int, versions: list[int], n_groups: int = 2, size: int = 4) -> list[list[Trajectory]]:
+    """Groups of random responses; response i of a group was generated at `versions[i % len(versions)]`."""
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(n_groups):
+        group = []
+        for i in range(size):
+            r = int(rng.integers(2, 6))
+            group.append(
+                Trajectory(
+                    uid=f"g{g}/{i}",
+                    group=f"g{g}",
+                    prompt_index=g,
+                    prompt_ids=rng.integers(3, vocab, 4).astype(np.int32),
+                    response_ids=rng.integers(3, vocab, r).astype(np.int32),
+                    behav_logp=-rng.uniform(0.5, 3.0, r).astype(np.float32),
+                    versions=np.full(r, versions[i % len(versions)], dtype=np.int32),
+                    reward=float(i % 2),
+                    correct=bool(i % 2),
+                    finish="stop",
+                    worker="w",
+                    t_start=0.0,
+                    t_end=1.0,
+                )  # fmt: skip
+            )
+        groups.append(group)
+    return groups
+
+
+def _learner(*overrides: str) -> Learner:
+    model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
+    cfg = load_config(None, ["model.path=builtin:micro", *overrides])
+    return Learner(to_dict(LearnerSections.pick(cfg)), model_dir, "tcp://127.0.0.1:9")  # fetch is replaced below
+
+
+def _run(learner: Learner, steps: int) -> list[dict[str, float]]:
+    """`steps` train steps; each step's batch mixes the current version with one and two steps of staleness."""
+    out = []
+    for step in range(steps):
+        groups = _groups(learner.model.config.vocab_size, [step, max(step - 1, 0), max(step - 2, 0)])
+        learner.fetch = lambda _step, groups=groups: (groups, 0, 0.0)
+        out.append(learner.train_step(step))
+    return out
+
+
+def test_a_learner_step_reports_its_phases_threads_and_cpu_use():
+    learner = _learner("learner.threads=1")
+    try:
+        metrics = _run(learner, 1)[0]
+    finally:
+        learner.close()
+    for phase in (*PHASES, "publish"):
+        assert metrics[f"perf/{phase}_s"] >= 0.0, phase
+    assert metrics["perf/forward_s"] > 0 and metrics["perf/backward_s"] > 0 and metrics["perf/publish_s"] > 0
+    assert metrics["learner/threads"] == 1.0
+    assert 0.0 < metrics["perf/learner_cpu_util"] < 64.0  # CPU seconds per wall second, all threads
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_loglinear_runs_through_learner_steps(minibatches):
+    learner = _learner("learner.prox=loglinear", f"learner.minibatches={minibatches}", "loss.weighting=decoupled")
+    try:
+        history = _run(learner, 3)
+    finally:
+        learner.close()
+    assert [m["version"] for m in history] == [1, 2, 3]  # every step published
+    assert history[0]["prox/loglinear_alpha"] == 1.0  # step 0: every token at the current version
+    assert 0.0 < history[2]["prox/loglinear_alpha"] < 1.0  # versions 2, 1, 0 at v_cur = 2: alpha 1, 0, 1/2
+    assert history[2]["perf/proximal_s"] == 0.0  # no proximal forward
+    for metrics in history:
+        assert all(math.isfinite(v) for k, v in metrics.items() if k != "norm_quant_err"), metrics
+
+
+def test_threads_rise_to_threads_max_for_a_step_after_rollout_was_throttled():
+    learner = _learner("learner.threads=1", "learner.threads_max=2")
+    counts = iter([0, 3, 3, 5])  # the buffer's refused leases at each step: none, 3 new, none new, 2 new
+    learner.client.stats = lambda: {"lease_throttled": next(counts)}
+    try:
+        threads = [m["learner/threads"] for m in _run(learner, 4)]
+    finally:
+        learner.close()
+    assert threads == [1.0, 2.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [(["learner.threads=2", "learner.threads_max=1"], "learner.threads_max"),
+     (["learner.threads_max=2", "learner.world_size=2"], "learner.world_size=1")],
+)  # fmt: skip
+def test_a_bad_threads_max_is_refused_naming_the_key(overrides, message):
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

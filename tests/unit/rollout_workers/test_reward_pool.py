@@ -1,0 +1,248 @@
+"""User reward functions in a real reward process (rollout_workers/reward_pool.py): a function that raises, hangs,
+kills its process or returns garbage scores 0 and is counted, and the worker's next calls still work."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from common.config import RewardConfig
+from common.reward_fns import RewardFnError
+from rollout_workers.reward_pool import RewardMetrics, RewardPool, RewardScorer
+
+USER_FILE = """
+import os
+import time
+
+calls = 0
+
+def every_third_raises(response, answer, row):
+    global calls
+    calls += 1
+    if calls % 3 == 0:
+        raise RuntimeError(f"reward bug on call {calls}")
+    return 1.0
+
+def sleeps_forever(response, answer, row):
+    if response == "hang":
+        while True:
+            time.sleep(1)
+    return 0.5
+
+def dies(response, answer, row):
+    if response == "die":
+        os._exit(3)
+    return 1.0
+
+def with_metrics(response, answer, row):
+    return {"score": float(response == answer), "length": len(response), "index": row["index"]}
+
+def garbage(response, answer, row):
+    return {"length": 1} if response == "no score" else "1.0"
+
+def pid(response, answer, row):
+    return float(os.getpid())
+
+def matches(response, answer, row):
+    return float(response == answer)
+
+def long_response(response, answer, row):
+    return float(len(response) > 3)
+
+warmed = 0.0
+
+def reward_warm_up():
+    global warmed
+    warmed = 1.0
+
+def was_warmed(response, answer, row):
+    return warmed
+"""
+
+
+@pytest.fixture
+def user_file(tmp_path: Path) -> str:
+    path = tmp_path / "user_reward.py"
+    path.write_text(USER_FILE, encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def make_pool():
+    pools: list[RewardPool] = []
+
+    def make(specs: list[str], timeout_s: float = 5.0) -> RewardPool:
+        pools.append(RewardPool(specs, timeout_s))
+        return pools[-1]
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def _scorer(user_file: str, names: list[str], weights: list[float] | None = None, timeout_s: float = 5.0):
+    cfg = RewardConfig(fns=[f"{user_file}:{name}" for name in names], weights=weights or [], timeout_s=timeout_s)
+    return RewardScorer(cfg, task_reward=lambda response, answer: 0.0)
+
+
+def test_a_function_raising_on_every_third_call_scores_zero_is_counted_and_logged_once(user_file):
+    scorers = [_scorer(user_file, ["every_third_raises"]) for _ in range(2)]  # two workers, each its own process
+    try:
+        items = [(f"r{i}", "a", {"index": 100 + i}) for i in range(9)]
+        rewards = scorers[0].score(items[:4]) + scorers[0].score(items[4:])  # the count goes on across batches
+        scorers[1].score(items[:3])
+    finally:
+        for scorer in scorers:
+            scorer.close()
+    assert rewards == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert (scorers[0].errors, scorers[0].timeouts, scorers[0].pool.restarts) == (3, 0, 0)  # the process goes on
+    assert "'every_third_raises' failed on row 102" in scorers[0].first_error
+    assert "RuntimeError: reward bug on call 3" in scorers[0].first_error and "Traceback" in scorers[0].first_error
+    # the driver: the counts of every worker, and the run's first traceback logged once over steps and workers
+    logged: list[str] = []
+    metrics = RewardMetrics()
+    for _ in range(3):
+        stats = [
+            {"worker": f"w{i}", "reward_errors": s.errors, "reward_timeouts": s.timeouts,
+             "reward_first_error": s.first_error, "reward_metrics": s.metric_sums}
+            for i, s in enumerate(scorers)
+        ]  # fmt: skip
+        assert metrics.update(stats, log=logged.append) == {"reward/errors": 4.0, "reward/timeouts": 0.0}
+    assert len(logged) == 1 and logged[0].startswith("w0: reward function 'every_third_raises' failed on row 102")
+    assert logged[0].count("Traceback") == 1
+
+
+@pytest.mark.timeout(60)  # a hang guard: without the per-call timeout this test would never end
+def test_a_function_that_hangs_times_out_its_process_is_replaced_and_the_next_calls_work(user_file, make_pool):
+    pool = make_pool([f"{user_file}:sleeps_forever", f"{user_file}:pid"], timeout_s=0.5)
+    first_pid = pool.score([(1, "x", "a", {})])[0].score
+    outcomes = pool.score([(0, "ok", "a", {}), (0, "hang", "a", {}), (0, "ok", "a", {}), (1, "x", "a", {})])
+    assert [o.score for o in outcomes[:3]] == [0.5, 0.0, 0.5]
+    assert outcomes[1].timed_out and "timed out after 0.5 s" in outcomes[1].error
+    assert not outcomes[0].timed_out and not outcomes[2].timed_out and outcomes[2].error == ""
+    assert pool.restarts == 1 and outcomes[3].score != first_pid  # the calls after the hang ran in a new process
+    hung = pool.score([(0, "hang", "a", {}), (0, "hang", "a", {})])
+    assert all(o.timed_out for o in hung) and pool.restarts == 3
+    assert pool.score([(0, "ok", "a", {})])[0].score == 0.5
+
+
+def test_timeouts_are_counted_by_the_scorer(user_file):
+    scorer = _scorer(user_file, ["sleeps_forever"], timeout_s=0.3)
+    try:
+        rewards = scorer.score([("hang", "a", {"index": 7}), ("fine", "a", {"index": 8})])
+    finally:
+        scorer.close()
+    assert rewards == [0.0, 0.5] and (scorer.errors, scorer.timeouts) == (0, 1)
+    assert "'sleeps_forever' timed out on row 7" in scorer.first_error
+
+
+def test_a_function_that_kills_its_process_scores_zero_and_the_pool_recovers(user_file, make_pool):
+    pool = make_pool([f"{user_file}:dies"])
+    outcomes = pool.score([(0, "ok", "a", {}), (0, "die", "a", {}), (0, "ok", "a", {})])
+    assert [o.score for o in outcomes] == [1.0, 0.0, 1.0]
+    assert "the reward process died (exit code 3)" in outcomes[1].error and not outcomes[1].timed_out
+    assert pool.restarts == 1
+
+
+def test_invalid_results_are_errors(user_file, make_pool):
+    pool = make_pool([f"{user_file}:garbage"])
+    no_score, text = pool.score([(0, "no score", "a", {}), (0, "text", "a", {})])
+    assert no_score.score == 0.0 and "without `score`" in no_score.error
+    assert text.score == 0.0 and "returned str, expected a float or a dict" in text.error
+    assert pool.restarts == 0
+
+
+def test_a_dict_result_carries_extra_metrics_logged_as_means(user_file):
+    scorer = _scorer(user_file, ["with_metrics"])
+    try:
+        rewards = scorer.score([("ab", "ab", {"index": 1}), ("abcd", "x", {"index": 3})])
+    finally:
+        scorer.close()
+    assert rewards == [1.0, 0.0]
+    assert scorer.metric_sums == {"length": [6.0, 2.0], "index": [4.0, 2.0]}
+    stats = {"worker": "w0", "reward_errors": 0, "reward_timeouts": 0, "reward_metrics": scorer.metric_sums}
+    metrics = RewardMetrics()
+    assert metrics.update([stats]) == {
+        "reward/errors": 0.0, "reward/timeouts": 0.0, "reward/length": 3.0, "reward/index": 2.0,
+    }  # fmt: skip
+    later = {**stats, "reward_errors": 2, "reward_metrics": {"length": [16.0, 3.0], "index": [4.0, 2.0]}}
+    assert metrics.update([later], totals={"reward_errors": 5.0, "reward_timeouts": 1.0}) == {
+        "reward/errors": 5.0, "reward/timeouts": 1.0, "reward/length": 10.0,  # the interval's mean only
+    }  # fmt: skip
+
+
+def test_weights_combine_the_scores_of_several_functions(user_file):
+    scorer = _scorer(user_file, ["matches", "long_response"], weights=[1.0, -0.25])
+    try:
+        rewards = scorer.score([("26", "26", {"index": 0}), ("2626", "26", {"index": 1}), ("x", "26", {"index": 2})])
+    finally:
+        scorer.close()
+    assert rewards == [1.0, -0.25, 0.0]
+    assert scorer.metric_sums == {"matches": [1.0, 3.0], "long_response": [1.0, 3.0]}  # each function's own mean
+
+
+def test_without_reward_functions_the_task_reward_runs_in_process():
+    scorer = RewardScorer(RewardConfig(), task_reward=lambda response, answer: float(response == answer))
+    assert scorer.pool is None and scorer.score([("1", "1", {}), ("2", "1", {})]) == [1.0, 0.0]
+
+
+def test_warm_up_runs_at_load_outside_the_timeout(user_file, make_pool):
+    assert make_pool([f"{user_file}:was_warmed"]).score([(0, "x", "a", {})])[0].score == 1.0
+    # the built-in math reward imports math-verify (about a second cold) at load, not in a first call's timeout
+    math = make_pool(["asyncrl:math"], timeout_s=1.0)
+    latex = math.score([(0, "so $\\frac{\\sqrt{3}}{2}$", "\\frac{\\sqrt{3}}{2}", {}), (0, "\\boxed{26}", "26", {})])
+    assert [(o.score, o.timed_out) for o in latex] == [(1.0, False), (1.0, False)]
+
+
+def test_a_function_that_cannot_load_fails_the_start_naming_it(user_file, tmp_path):
+    with pytest.raises(RewardFnError, match="has no function 'missing'"):
+        RewardPool([f"{user_file}:missing"], 1.0)
+    crashing = tmp_path / "crashing.py"
+    crashing.write_text("raise ImportError('needs a package this machine lacks')\ndef fn(r, a, row):\n    return 1\n")
+    with pytest.raises(RewardFnError, match=r"loading .*crashing.py.*needs a package this machine lacks"):
+        RewardPool([f"{crashing}:fn"], 1.0)
+
+
+def test_the_reward_process_exits_when_the_pool_closes(user_file):
+    pool = RewardPool([f"{user_file}:pid"], 5.0)
+    child = int(pool.score([(0, "x", "a", {})])[0].score)
+    assert child != os.getpid()
+    proc = pool._proc
+    pool.close()
+    assert proc.poll() is not None
+
+
+def test_a_rollout_worker_scores_with_the_user_function_and_counts_its_failures(user_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from buffer.client import BufferClient
+    from buffer.launcher import start_service, stop_service
+    from common.builtin_model import resolve_model_path
+    from common.config import load_config, to_dict
+    from quant_sync.export import export_rollout_tensors
+    from quant_sync.update import WeightUpdate
+    from rollout_workers.sections import WorkerSections
+    from rollout_workers.worker import RolloutWorker
+
+    cfg = load_config(None, ["train.group_size=3", "staleness.max_lag=50", f"reward.fn={user_file}:every_third_raises"])
+    (tmp_path / "run").mkdir()
+    proc, endpoint = start_service(to_dict(cfg), tmp_path / "run")
+    model_dir = str(resolve_model_path(cfg.model.path))
+    worker = RolloutWorker(to_dict(WorkerSections.pick(cfg)), "w0", model_dir, endpoint)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    worker.engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    client = BufferClient(endpoint, "w0", timeout_s=5.0)
+    try:
+        leases, _ = client.lease(2)
+        groups = worker.rollout(leases)  # generated on random weights: only the rewards matter here
+        rewards = [t.reward for _, trajectories in groups for t in trajectories]
+        stats = worker.stats()
+    finally:
+        client.close()
+        worker.rewards.close()
+        stop_service(proc)
+    assert rewards == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert stats["reward_errors"] == 2 and stats["reward_timeouts"] == 0 and stats["reward_sum"] == 4.0
+    assert f"failed on row {leases[0].index}" in stats["last_error"] == stats["reward_first_error"]
