@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.tasks import DatasetError, Problem
-from common.tasks.jsonl import _EVAL_STREAM, JsonlSource, _permutation, answer_problem, check_text
+from common.tasks.jsonl import _EVAL_STREAM, JsonlSource, _permutation, answer_problem, check_rows, check_text
 
 if TYPE_CHECKING:
     from common.config import DataConfig
 
-_MAX_REPORTED = 10
 _ROLES = ("system", "user", "assistant", "tool")
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -141,12 +140,7 @@ def load_dataset_rows(path: str, prompt_key: str, answer_key: str, key: str = "d
             continue
         kind = row_kind
         rows.append((prompt, answer))
-    if errors:
-        shown = "\n  ".join(errors[:_MAX_REPORTED])
-        more = f"\n  ... and {len(errors) - _MAX_REPORTED} more" if len(errors) > _MAX_REPORTED else ""
-        raise DatasetError(f"{path}: {len(errors)} invalid row(s):\n  {shown}{more}")
-    if not rows:
-        raise DatasetError(f"{path}: the dataset is empty (no rows)")
+    check_rows(path, rows, errors)
     return rows, kind == "messages"
 
 

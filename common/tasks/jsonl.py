@@ -117,13 +117,18 @@ def load_rows(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple[
                 errors.append(f"{path}:{line_number}: {parsed}")
             else:
                 rows.append(parsed)
+    check_rows(path, rows, errors)
+    return rows
+
+
+def check_rows(path: object, rows: list, errors: list[str]) -> None:
+    """Raise DatasetError listing the first invalid rows of `path` (with a count of the rest), or for no rows."""
     if errors:
         shown = "\n  ".join(errors[:_MAX_REPORTED])
         more = f"\n  ... and {len(errors) - _MAX_REPORTED} more" if len(errors) > _MAX_REPORTED else ""
         raise DatasetError(f"{path}: {len(errors)} invalid row(s):\n  {shown}{more}")
     if not rows:
         raise DatasetError(f"{path}: the dataset is empty (no rows)")
-    return rows
 
 
 @lru_cache(maxsize=4)

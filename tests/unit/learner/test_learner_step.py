@@ -4,44 +4,14 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
+from tiny_learner import random_groups
 
 from common.builtin_model import resolve_model_path
 from common.config import load_config, to_dict
-from common.wire import Trajectory
 from learner.sections import LearnerSections
 from learner.trainer import Learner
 from learner.update import PHASES
-
-
-def _groups(vocab: int, versions: list[int], n_groups: int = 2, size: int = 4) -> list[list[Trajectory]]:
-    """Groups of random responses; response i of a group was generated at `versions[i % len(versions)]`."""
-    rng = np.random.default_rng(0)
-    groups = []
-    for g in range(n_groups):
-        group = []
-        for i in range(size):
-            r = int(rng.integers(2, 6))
-            group.append(
-                Trajectory(
-                    uid=f"g{g}/{i}",
-                    group=f"g{g}",
-                    prompt_index=g,
-                    prompt_ids=rng.integers(3, vocab, 4).astype(np.int32),
-                    response_ids=rng.integers(3, vocab, r).astype(np.int32),
-                    behav_logp=-rng.uniform(0.5, 3.0, r).astype(np.float32),
-                    versions=np.full(r, versions[i % len(versions)], dtype=np.int32),
-                    reward=float(i % 2),
-                    correct=bool(i % 2),
-                    finish="stop",
-                    worker="w",
-                    t_start=0.0,
-                    t_end=1.0,
-                )  # fmt: skip
-            )
-        groups.append(group)
-    return groups
 
 
 def _learner(*overrides: str) -> Learner:
@@ -54,7 +24,7 @@ def _run(learner: Learner, steps: int) -> list[dict[str, float]]:
     """`steps` train steps; each step's batch mixes the current version with one and two steps of staleness."""
     out = []
     for step in range(steps):
-        groups = _groups(learner.model.config.vocab_size, [step, max(step - 1, 0), max(step - 2, 0)])
+        groups = random_groups(learner.model.config.vocab_size, [step, max(step - 1, 0), max(step - 2, 0)])
         learner.fetch = lambda _step, groups=groups: (groups, 0, 0.0)
         out.append(learner.train_step(step))
     return out

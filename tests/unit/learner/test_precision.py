@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
+from tiny_learner import random_groups, tiny_batch, tiny_config, tiny_model, with_behavior
 
 from common.config import to_dict
-from common.wire import Trajectory
 from learner.acrl import AcrlReference
 from learner.precision import LossScaler, autocast
 from learner.sections import LearnerSections
@@ -112,34 +111,6 @@ def test_autocast_computes_matmuls_in_the_training_dtype():
     assert layer.weight.dtype == torch.float32  # master weights stay fp32
 
 
-def _groups(vocab: int, n_groups: int = 2, size: int = 4) -> list[list[Trajectory]]:
-    rng = np.random.default_rng(0)
-    groups = []
-    for g in range(n_groups):
-        group = []
-        for i in range(size):
-            r = int(rng.integers(2, 6))
-            group.append(
-                Trajectory(
-                    uid=f"g{g}/{i}",
-                    group=f"g{g}",
-                    prompt_index=g,
-                    prompt_ids=rng.integers(3, vocab, 4).astype(np.int32),
-                    response_ids=rng.integers(3, vocab, r).astype(np.int32),
-                    behav_logp=-rng.uniform(0.5, 3.0, r).astype(np.float32),
-                    versions=np.zeros(r, dtype=np.int32),
-                    reward=float(i % 2),
-                    correct=bool(i % 2),
-                    finish="stop",
-                    worker="w",
-                    t_start=0.0,
-                    t_end=1.0,
-                )  # fmt: skip
-            )
-        groups.append(group)
-    return groups
-
-
 def test_learner_never_publishes_a_skipped_fp16_step_and_publishes_a_clean_one(tmp_path):
     from common.builtin_model import resolve_model_path
     from common.config import load_config
@@ -150,7 +121,7 @@ def test_learner_never_publishes_a_skipped_fp16_step_and_publishes_a_clean_one(t
     sections = to_dict(LearnerSections.pick(cfg))
     learner = Learner(sections, model_dir, "tcp://127.0.0.1:9")  # the buffer is never contacted: fetch is ours
     try:
-        groups = _groups(learner.model.config.vocab_size)
+        groups = random_groups(learner.model.config.vocab_size)
         learner.fetch = lambda step: (groups, 0, 0.0)
         before = {k: v.clone() for k, v in learner.model.state_dict().items()}
         scales = []

@@ -6,10 +6,12 @@ depend only on the Llama forward and on our loss math.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.config import load_config
+from common.wire import Trajectory
 from learner.batch import Batch
 from learner.sections import UpdateSections
 
@@ -87,3 +89,34 @@ def tiny_config(*overrides: str) -> UpdateSections:
     """The sections an update reads, of a config validated with `overrides` (`key=value`) on a few test defaults."""
     base = ("rollout.max_new_tokens=8", "rollout.temperature=1.0", "algo.overlong.len=2", "optim.lr=1e-3")
     return UpdateSections.pick(load_config(None, [*base, *overrides]))
+
+
+def random_groups(
+    vocab: int, versions: list[int] | tuple[int, ...] = (0,), n_groups: int = 2, size: int = 4
+) -> list[list[Trajectory]]:
+    """Groups of random responses; response i of a group was generated at `versions[i % len(versions)]`."""
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(n_groups):
+        group = []
+        for i in range(size):
+            r = int(rng.integers(2, 6))
+            group.append(
+                Trajectory(
+                    uid=f"g{g}/{i}",
+                    group=f"g{g}",
+                    prompt_index=g,
+                    prompt_ids=rng.integers(3, vocab, 4).astype(np.int32),
+                    response_ids=rng.integers(3, vocab, r).astype(np.int32),
+                    behav_logp=-rng.uniform(0.5, 3.0, r).astype(np.float32),
+                    versions=np.full(r, versions[i % len(versions)], dtype=np.int32),
+                    reward=float(i % 2),
+                    correct=bool(i % 2),
+                    finish="stop",
+                    worker="w",
+                    t_start=0.0,
+                    t_end=1.0,
+                )  # fmt: skip
+            )
+        groups.append(group)
+    return groups
