@@ -207,7 +207,8 @@ def recommend(
     1.0, the lowest `loss.cap`), so that `clip_share` of the tokens are clipped; `tis` or `acr` by kl_k1
     (TIS_MAX_KL_K1); `decoupled` (no quantization correction) at fp32 rounding level (FP32_FLOOR_LOG_RATIO, or
     FLOOR_MARGIN x `floor_log_ratio`, the learner's own largest |dlogp| from `learner_floor`)."""
-    cap = max(1.0, float(torch.quantile(weights.double(), 1.0 - clip_share)))
+    # "higher": an observed w at or above the interpolated quantile, so at most clip_share of the tokens lie above it
+    cap = max(1.0, float(torch.quantile(weights.double(), 1.0 - clip_share, interpolation="higher")))
     cap = math.ceil(cap * 1000) / 1000  # rounded up: never clips more than the share asked for
     clipped = float((weights > cap).float().mean())
     if max_abs_log_ratio < max(FP32_FLOOR_LOG_RATIO, FLOOR_MARGIN * floor_log_ratio):
