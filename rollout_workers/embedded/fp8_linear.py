@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from quant_sync.quantizers import QuantizedWeight, quantize_activation
-from rollout_workers.embedded.native import NativeLibrary, chosen_kernel
+from rollout_workers.embedded.native import NativeLibrary, chosen_kernel, fp32_rows
 
 ENV_KERNEL = "ASYNCRL_FP8_KERNEL"
 KERNELS = ("bf16", "fp32", "reference")
@@ -127,19 +127,10 @@ def _upcast(q: torch.Tensor) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) float -> (..., out) float32: the FP8 W8A8 product of `quantized_linear` (fp32-rounding apart)."""
     shape = x.shape
-    flat = _rows(x)
+    flat = fp32_rows(x)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     out = (_bf16_linear if weight.kernel == "bf16" else _fp32_linear)(flat, weight, bias32)
     return out if len(shape) == 2 else out.reshape(*shape[:-1], weight.out_features)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x (..., in) as a contiguous fp32 (rows, in) matrix, without a copy (or an op) where it is one already."""
-    if x.dim() != 2:
-        x = x.reshape(-1, x.shape[-1])
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
-    return x if x.is_contiguous() else x.contiguous()
 
 
 def quantize_fp8_values(flat: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantized_linear
-from rollout_workers.embedded.native import NativeLibrary, chosen_kernel
+from rollout_workers.embedded.native import NativeLibrary, chosen_kernel, fp32_rows
 
 ENV_KERNEL = "ASYNCRL_INT8_KERNEL"
 KERNELS = ("vnni", "avx2", "dotprod", "onednn", "portable", "reference")
@@ -173,19 +173,10 @@ def _pack(q: torch.Tensor, kernel: str) -> tuple[torch.Tensor, int]:
 def int8_linear(x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) float -> (..., out) float32: the W8A8 product of `quantized_linear`, bit for bit."""
     shape = x.shape
-    flat = _rows(x)
+    flat = fp32_rows(x)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     out = _KERNEL_FNS[weight.kernel](flat, weight, bias32)
     return out if len(shape) == 2 else out.reshape(*shape[:-1], weight.out_features)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x (..., in) as a contiguous fp32 (rows, in) matrix, without a copy (or an op) where it is one already."""
-    if x.dim() != 2:
-        x = x.reshape(-1, x.shape[-1])
-    if x.dtype != torch.float32:
-        x = x.to(torch.float32)
-    return x if x.is_contiguous() else x.contiguous()
 
 
 def _compiled_linear(flat: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+
 from common.builtin_model import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
@@ -109,3 +111,13 @@ def chosen_kernel(env_var: str, kernels: Sequence[str], available: Sequence[str]
         detail = f" (C++ library: {library.error})" if library.error else ""
         raise ValueError(f"{env_var}={forced}: this machine runs only {', '.join(available)}{detail}")
     return forced
+
+
+def fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) as the contiguous fp32 (rows, in) matrix the kernels take, without a copy (or an op) where it is
+    one already."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    return x if x.is_contiguous() else x.contiguous()

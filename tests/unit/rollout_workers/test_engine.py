@@ -34,15 +34,6 @@ SMALL_INT8_FORM = UpcastQuantized if int8_kernel_name() == "onednn" else PackedI
 """Small int8 weights run as exact fp32 GEMMs only where oneDNN is the int8 kernel (the C++ ones are faster)."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one thread is faster, and two thrash on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_model(tmp_path, arch: str, tie: bool = False, **overrides):
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(0)

@@ -15,14 +15,6 @@ PATHS = fp8_linear.available_kernels()
 SCHEMES = ("fp8", "fp8_trunc")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_the_compiled_kernels_build_here():
     assert fp8_linear._Library.error == "" and PATHS[-2:] == ("fp32", "reference")
     if "avx512_bf16" in Path("/proc/cpuinfo").read_text() and torch.backends.cpu.get_cpu_capability() == "AVX512":

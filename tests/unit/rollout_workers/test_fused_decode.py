@@ -17,14 +17,6 @@ DECODE_OPS_MAX = 80
 """ATen ops per decode step of builtin:micro (2 layers) at batch 1: 171 before the fused ops, 71 with them."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_fused_norms_are_hf_rmsnorm_and_the_residual_add():
     torch.manual_seed(0)
     norm = LlamaRMSNorm(200, eps=1e-5).requires_grad_(False)

@@ -13,14 +13,6 @@ PATHS = int8_linear.available_kernels()
 COMPILED = [path for path in PATHS if path in ("vnni", "avx2", "portable")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_the_compiled_kernels_build_and_pass_their_self_test_here():
     """gcc is on every machine we run, and this CPU (AVX2 at least) runs the C++ paths: a failed build or self-test
     would silently fall back to a slow path."""

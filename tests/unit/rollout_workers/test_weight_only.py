@@ -32,14 +32,6 @@ def worst_case_tolerance(in_features: int) -> float:
     return 2 * (in_features + 1) * 2.0**-24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _assert_matches_dequantized_matmul(x, q, scale, scheme, bias, path, tolerance=RANDOM_TOLERANCE):
     weight = dequantize_published(q, scale, scheme)
     out = weight_only_linear(x, pack(GroupQuantized(q, scale, scheme), path), bias)
