@@ -43,6 +43,18 @@ def latest(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def newest_run(base: Path) -> Path | None:
+    """The newest run directory of a config whose runs are `base`, `base-2`, `base-3`, ... (`driver.new_run_dir`):
+    the one with the highest number that holds a config.json, or None."""
+    runs = [(1, base)] if (base / "config.json").is_file() else []
+    if base.parent.is_dir():
+        for path in base.parent.glob(f"{base.name}-*"):
+            suffix = path.name[len(base.name) + 1 :]
+            if suffix.isascii() and suffix.isdigit() and (path / "config.json").is_file():
+                runs.append((int(suffix), path))
+    return max(runs)[1] if runs else None
+
+
 def read_meta(checkpoint_dir: Path) -> dict[str, Any]:
     return json.loads((checkpoint_dir / META).read_text())
 

@@ -2,6 +2,7 @@
 
 asyncrl up CONFIG [key=value ...]     train (a local Ray cluster unless ray.address is set)
 asyncrl up --resume RUN [key=value]   continue runs/<name> from its latest checkpoint
+asyncrl up --resume auto CONFIG [...]  continue the newest run of CONFIG if it holds a checkpoint, else start afresh
 asyncrl status [RUN] [--json]         a running job: step, workers and their versions, buffer, staleness, errors
 asyncrl scale rollout=N [--run RUN]   add or remove rollout workers live
 asyncrl set key=value ... [--run RUN] change live keys (common.config.LIVE_KEYS) at the next step boundary
@@ -18,6 +19,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 MAX_SCALE = 10_000
 """Most rollout workers `asyncrl scale` accepts (each is a Ray actor: more would only wait for resources)."""
@@ -29,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a training run (or continue one: --resume runs/<name>)")
     up.add_argument("config", nargs="?", help="YAML file of overrides (see configs/); not with --resume")
     up.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=10 loss.weighting=acr")
-    up.add_argument("--resume", metavar="RUN", default=None, help="run directory to continue (latest checkpoint)")
+    up.add_argument("--resume", metavar="RUN", default=None,
+                    help="run directory to continue (latest checkpoint); `auto` with CONFIG: the newest run of "
+                         "CONFIG if it holds a checkpoint, else a fresh run (re-run the same command)")  # fmt: skip
     status = sub.add_parser("status", help="state of a running job (RUN: default the newest runs/* being served)")
     status.add_argument("run", nargs="?", default=None)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -152,6 +159,14 @@ def main(argv: list[str] | None = None) -> int:
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if args.resume == "auto":
+        if args.config is None or "=" in args.config:
+            print("asyncrl: --resume auto needs the CONFIG file of the run (asyncrl up --resume auto CONFIG)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        args.resume = _auto_resume(_load(args.config, args.overrides))
+        if args.resume is not None:
+            args.config = None  # the run's config.json, its live changes, then the overrides (as --resume RUN)
     resume = Path(args.resume) if args.resume else None
     if resume is not None:
         overrides = ([args.config] if args.config else []) + args.overrides
@@ -175,6 +190,7 @@ def _up(args: argparse.Namespace) -> int:
     from asyncrl.driver import StartupError, run
     from asyncrl.raycluster import RayAuthError
     from asyncrl.supervise import SupervisionError
+    from asyncrl.watchdog import RunFailed
     from common.config import ConfigError
 
     try:
@@ -182,7 +198,32 @@ def _up(args: argparse.Namespace) -> int:
     except (StartupError, ConfigError, SupervisionError, RayAuthError) as err:  # ConfigError: wandb missing
         print(f"asyncrl: {err}", file=sys.stderr)
         return 1 if isinstance(err, SupervisionError) else 2
+    except RunFailed as err:  # the run started and a process of ours ended it: one line, the process, step, resume
+        if err.detail:
+            print(err.detail.rstrip(), file=sys.stderr)
+        print(f"asyncrl: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:  # during start-up (later, the driver's RunFailed says where the run stopped)
+        print("asyncrl: interrupted during start-up", file=sys.stderr)
+        return 130
     return 0
+
+
+def _auto_resume(cfg: Config) -> str | None:
+    """`--resume auto`: the newest run directory of `cfg` if it holds a checkpoint, else None (a fresh run)."""
+    from pathlib import Path
+
+    from asyncrl import checkpoint
+
+    base = Path(cfg.logging.dir) / cfg.logging.name
+    newest = checkpoint.newest_run(base)
+    latest = checkpoint.latest(newest) if newest is not None else None
+    if newest is None or latest is None:
+        what = f"{newest} holds no checkpoint" if newest is not None else f"no run of it under {base.parent}"
+        print(f"asyncrl: --resume auto: {what}; starting a new run", file=sys.stderr)
+        return None
+    print(f"asyncrl: --resume auto: resuming {newest} from {latest.name}", file=sys.stderr)
+    return str(newest)
 
 
 def _control(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ status. Requests and replies are msgpack maps (never pickle), size-limited:
 | request | reply fields | effect |
 |---|---|---|
 | `{"cmd": "status"}` | run, step, steps, version, workers, buffer, staleness, throughput, live, errors | none |
-| `{"cmd": "scale", "rollout": N}` | added, removed | workers added now; removed ones finish their batch |
+| `{"cmd": "scale", "rollout": N}` | added, removed | workers added now (`pending` till placed); removed ones finish |
 | `{"cmd": "set", "items": ["k=v", ...]}` | changes, applies_at_step | validated now, applied at the next step |
 | `{"cmd": "down"}` | message | stop after the current step: workers stopped, checkpoint, journal flushed |
 

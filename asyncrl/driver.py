@@ -17,24 +17,30 @@ The driver starts step k + 1 as soon as step k returns and logs step k while it 
 learner idle (a checkpoint, an evaluation, live changes, a stop, the last step: `_boundary_work`). Ray starts on a
 thread while the driver starts the buffer (`raycluster.connect_in_background`); the start-up's milestones are the
 `startup` event in metrics.jsonl (`asyncrl/startup.py`).
+
+While a step runs (`_wait_step`) the driver serves the control socket, restarts dead workers and a dead buffer process
+(`asyncrl/supervise.py`) and runs the stall watchdog (`asyncrl/watchdog.py`); whatever ends the run early, its last
+line names the process, how it ended, the step and the command that resumes (`watchdog.failure`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import subprocess
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from asyncrl import checkpoint, raycluster
-from asyncrl.metrics import MetricsLogger
+from asyncrl.console import one_time_work
+from asyncrl.metrics import EnvMetrics, MetricsLogger
 from asyncrl.operations import Operations, OperationsSections
 from asyncrl.startup import StartupClock
-from asyncrl.supervise import WorkerPool
+from asyncrl.supervise import BufferSupervisor, WorkerPool
+from asyncrl.watchdog import RunFailed, Watchdog, actor_death, failure
 from common.config import Config, live_update, to_dict
 from learner.sections import LearnerSections
 from rollout_workers.reward_pool import RewardMetrics
@@ -122,7 +128,8 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     clock = StartupClock()
     clock.mark("driver_imports")
     quiet_libraries()
-    model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
+        model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
     check_inputs(cfg, model_dir)
     clock.mark("inputs_checked")
     run_dir = resume if resume is not None else new_run_dir(cfg)
@@ -133,24 +140,32 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     if resume is not None:
         logger.event("resume", step=start_step, checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
         logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
-    from buffer.launcher import start_service
-
     signals = StopSignals(logger)
-    buffer_proc, ray_start = None, raycluster.RayStart()
+    buffers = BufferSupervisor(
+        to_dict(cfg), run_dir, logger.event, logger.info, resume_step=start_step if resume is not None else None
+    )
+    ray_start = raycluster.RayStart()
     try:
         # Ray starts on a thread while this one starts the buffer and imports the actors' classes (both ~1 s)
         ray_start = raycluster.connect_in_background(cfg.ray, warn=logger.info)
-        buffer_proc, buffer_endpoint = start_service(
-            to_dict(cfg), run_dir, resume_step=start_step if resume is not None else None
-        )
+        buffers.start()
         clock.mark("buffer_ready")
-        import learner.trainer  # noqa: F401  (torch: the driver pickles the actor classes by reference)
+        import learner.group  # noqa: F401  (the actors' classes, pickled by reference; neither imports torch here)
         import rollout_workers.worker  # noqa: F401
 
         ray_start.wait()
         clock.mark("ray_ready")
         signals.install()  # again: ray.init on the main thread (a cluster joined) replaces the SIGTERM handler
-        return _train(cfg, run_dir, model_dir, buffer_endpoint, logger, checkpoint_dir, start_step, signals, clock)
+        watchdog = Watchdog(cfg.train.stall_timeout_s, start_step, logger.event, logger.info)
+        for restarts in range(cfg.learner.max_restarts + 1):
+            parts: dict[str, Any] = {}  # the learner and the worker pool of this attempt, for `_restart_learner`
+            try:
+                return _train(cfg, run_dir, model_dir, buffers, logger, checkpoint_dir, signals, clock, watchdog, parts)
+            except (Exception, KeyboardInterrupt) as err:  # the last line names the process, the step and the resume
+                if not _learner_died(err) or restarts == cfg.learner.max_restarts or signals.requested:
+                    raise failure(err, watchdog.step, run_dir) from err
+                checkpoint_dir, watchdog = _restart_learner(cfg, run_dir, buffers, logger, watchdog, parts, err)
+        raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
         signals.restore()
         import ray
@@ -159,8 +174,7 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         if ray.is_initialized():
             ray.shutdown()
         ray_start.close()
-        if buffer_proc is not None:
-            _shutdown(buffer_proc)
+        buffers.stop()
         logger.close()
 
 
@@ -202,27 +216,34 @@ def _train(
     cfg: Config,
     run_dir: Path,
     model_dir: str,
-    buffer_endpoint: str,
+    buffers: BufferSupervisor,
     logger: MetricsLogger,
     checkpoint_dir: Path | None,
-    start_step: int,
     signals: StopSignals,
     clock: StartupClock,
+    watchdog: Watchdog,
+    parts: dict[str, Any],
 ) -> dict[str, Any]:
     import ray
 
+    from asyncrl.evaluate import Evaluator
     from learner.group import LearnerGroup
 
+    start_step = watchdog.step
     resume_dir = str(checkpoint_dir) if checkpoint_dir is not None else ""
+    buffer_endpoint = buffers.endpoint  # a restarted buffer listens on the same one
     # Each part is given its own config sections: the root's very objects, so a live change applied to one shows in cfg
     learner = LearnerGroup(LearnerSections.pick(cfg), cfg.ray, model_dir, buffer_endpoint, resume_dir, start_step)
     # Workers start up (imports, tokenizer, engine) while the learner does; they subscribe once it has published.
     worker_sections, weights_endpoint = WorkerSections.pick(cfg), learner.weights_endpoint_ref()
     pool = WorkerPool(worker_sections, cfg.ray, model_dir, buffer_endpoint, weights_endpoint, logger.event)
+    evaluator = Evaluator(cfg, learner, model_dir, buffer_endpoint, weights_endpoint)  # started at its first use
+    parts.update(learner=learner, pool=pool, evaluator=evaluator)
     check_live = partial(live_update, cfg)  # a live change is validated against the whole config
     ops = Operations(
         OperationsSections.pick(cfg), check_live, run_dir, pool, learner, buffer_endpoint, logger, start_step
     )
+    ops.buffer.while_waiting = buffers.poll  # a buffer that dies while the driver asks it something is restarted
     ops.buffer.set_max_lag(cfg.staleness.max_lag)  # the config wins over a max_lag the journal replayed
     clock.mark("actors_created")
     pool.start(cfg.rollout.num_workers, meanwhile=lambda: (learner.weights_endpoint(), clock.mark("learner_ready")))
@@ -232,17 +253,19 @@ def _train(
     last_time = time.monotonic()
     buffer_totals: dict[str, float] = {}  # the buffer's counters at the previous step (`_buffer_metrics`)
     reward_view = RewardMetrics()  # reward/errors, reward/timeouts, reward/<key>; logs the first reward failure
+    env_view = EnvMetrics()  # env/turns_mean, env/tool_calls, ... of multi-turn episodes (env.fn)
     reward_failed = lambda message: (logger.event("reward_error", error=message), logger.info(message))  # noqa: E731
     step = start_step
     refs: list[Any] = []  # the train step in flight (rank 0's result first), [] when none
-    with ops.control, logger.live_view():
+    abandoned = False  # a stop that could not wait for the step in flight (`Watchdog.stop_now`)
+    watchdog.last_step_at = time.monotonic()
+    with ops.control, logger.live_view(cfg.train.steps, start_step):
         while refs or (step < cfg.train.steps and not ops.stop_requested(signals.requested)):
             refs = refs or learner.train_step_async(step)
-            while True:  # serve the control socket and supervise while the step runs (at least once a step)
-                ops.control.poll(ops.handle)
-                pool.poll()
-                if ray.wait(refs[:1], timeout=WAIT_SLICE_S)[0]:  # returns as soon as the step is done
-                    break
+            if abandoned := not _wait_step(refs, ops, pool, buffers, watchdog, signals):
+                logger.info(f"stopping now, without finishing step {step} (no step for "
+                            f"{time.monotonic() - watchdog.last_step_at:.0f} s)")  # fmt: skip
+                break
             metrics, refs = ray.get(refs)[0], []
             step += 1
             if not _boundary_work(cfg, ops, signals, step):  # the learner trains the next step during the logging
@@ -251,6 +274,7 @@ def _train(
             metrics.update(_rollout_metrics(pool, ops.last_totals, time.monotonic() - last_time))
             metrics.update(_buffer_metrics(ops.buffer, buffer_totals))
             metrics.update(reward_view.update([w.stats for w in pool.workers.values()], pool.totals(), reward_failed))
+            metrics.update(env_view.update(pool.totals()))
             last_time = time.monotonic()
             logger.log_step(metrics)
             if step == start_step + 1:
@@ -258,25 +282,93 @@ def _train(
                 logger.event("startup", **clock.fields())
                 logger.info(f"start-up {clock.marks['first_step']:.1f} s: {clock.summary()}")
             ops.step_done(step, metrics)
+            watchdog.step_done(step, pool)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
                 ops.save_checkpoint(step)
             every = cfg.train.eval_every
             if cfg.data.eval_size and every and step % every == 0 and step < cfg.train.steps:
-                _evaluate(cfg, learner, logger, step)  # the rollout workers keep generating meanwhile
+                evaluator.run(step, logger)  # the rollout workers keep generating meanwhile
         summary: dict[str, Any] = {"steps": step, "run_dir": str(run_dir), "stopped_early": ops.stopping}
         summary["workers"] = pool.stop_all()  # each finishes and pushes its batch in progress
         if cfg.data.eval_size and not ops.stopping:
-            summary["eval/acc_greedy"] = _evaluate(cfg, learner, logger, step)
-        if cfg.checkpoint.every or ops.stopping:
+            summary.update(evaluator.run(step, logger))  # eval/*: asyncrl/evaluate.py
+        evaluator.close()
+        if (cfg.checkpoint.every or ops.stopping) and not abandoned:  # an abandoned step keeps the learner busy
             summary["checkpoint"] = str(ops.save_checkpoint(step))
-        if cfg.checkpoint.final:
+        if cfg.checkpoint.final and not abandoned:
             summary["final_checkpoint"] = learner.save(str(run_dir / "final"))
+            if cfg.checkpoint.merge_lora and summary["final_checkpoint"]:  # final-merged/: plain HF safetensors
+                from learner.lora import merge_adapters
+
+                trust = cfg.model.trust_remote_code
+                summary["final_merged"] = merge_adapters(model_dir, run_dir / "final", run_dir / "final-merged", trust)
         summary["buffer"] = ops.buffer.stats()
-        learner.close()
+        if not abandoned:
+            learner.close()
     ops.buffer.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if abandoned:
+        raise RunFailed(f"stopped on {signals.requested or 'down'} without waiting for the step in flight, which did "
+                        "not come (no checkpoint of it);", exit_code=130)  # fmt: skip
     logger.info(f"done: {step} steps; metrics in {run_dir / 'metrics.jsonl'}")
     return summary
+
+
+def _wait_step(refs: list[Any], ops: Operations, pool: WorkerPool, buffers: BufferSupervisor, watchdog: Watchdog,
+               signals: StopSignals) -> bool:  # fmt: skip
+    """Wait for the step in flight, serving the control socket and supervising the workers, the buffer and the
+    watchdog in slices (at least once a step); True once it is done, False if a stop cannot wait for it."""
+    import ray
+
+    while True:
+        ops.control.poll(ops.handle)
+        pool.poll()
+        buffers.poll()
+        watchdog.check(pool, ops.buffer.stats, buffers.alive)
+        if ray.wait(refs[:1], timeout=WAIT_SLICE_S)[0]:  # returns as soon as the step is done
+            return True
+        if len(refs) > 1:  # a rank that died leaves rank 0 waiting in a collective: its error is raised here
+            ray.get(ray.wait(refs[1:], num_returns=len(refs) - 1, timeout=0)[0])
+        if watchdog.stop_now(ops.stop_requested(signals.requested)):
+            return False
+
+
+def _learner_died(err: BaseException) -> bool:
+    import ray
+
+    return isinstance(err, ray.exceptions.RayActorError) and "Learner" in str(err)
+
+
+def _restart_learner(
+    cfg: Config,
+    run_dir: Path,
+    buffers: BufferSupervisor,
+    logger: MetricsLogger,
+    watchdog: Watchdog,
+    parts: dict[str, Any],
+    err: BaseException,
+) -> tuple[Path | None, Watchdog]:
+    """A learner rank died: kill the learner group and the workers, restart the buffer rewound to the latest checkpoint
+    (as `--resume` does); the next `_train` starts them again from it. Returns (checkpoint, a fresh watchdog)."""
+    import ray
+
+    failed_step = watchdog.step
+    learner, pool, evaluator = parts.get("learner"), parts.get("pool"), parts.get("evaluator")
+    workers = [w.handle for w in pool.workers.values()] if pool is not None else []
+    evaluators = [evaluator.actor] if evaluator is not None and evaluator.actor is not None else []
+    for actor in [*(learner.ranks if learner is not None else []), *workers, *evaluators]:
+        ray.kill(actor)  # the workers too: they subscribed to the dead learner's weight publisher
+    if learner is not None and learner.store_dir:
+        shutil.rmtree(learner.store_dir, ignore_errors=True)
+    checkpoint_dir = checkpoint.latest(run_dir)
+    start_step = checkpoint.read_meta(checkpoint_dir)["step"] if checkpoint_dir is not None else 0
+    rewound = buffers.restart(resume_step=start_step)
+    died = actor_death(str(err))
+    logger.event("learner_restarted", step=failed_step, from_step=start_step, steps_redone=failed_step - start_step,
+                 checkpoint=str(checkpoint_dir) if checkpoint_dir else None, error=died, **rewound)  # fmt: skip
+    logger.info(f"{died}: restarting the learner and the rollout workers from {checkpoint_dir or 'the initial model'} "
+                f"(step {start_step}; {failed_step - start_step} steps redone)")  # fmt: skip
+    return checkpoint_dir, Watchdog(cfg.train.stall_timeout_s, start_step, logger.event, logger.info)
 
 
 def _boundary_work(cfg: Config, ops: Operations, signals: StopSignals, step: int) -> bool:
@@ -291,18 +383,6 @@ def _boundary_work(cfg: Config, ops: Operations, signals: StopSignals, step: int
     return bool(
         (every_ckpt and step % every_ckpt == 0) or (cfg.data.eval_size and every_eval and step % every_eval == 0)
     )
-
-
-def _evaluate(cfg: Config, learner: Any, logger: MetricsLogger, step: int) -> float:
-    """Greedy accuracy of the learner's full-precision weights on the held-out prompts, logged as an `eval` event."""
-    from common.tasks import make_source
-
-    held_out = make_source(cfg.data).eval_set()
-    prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
-    accuracy = learner.evaluate(prompts, answers, cfg.rollout.max_new_tokens)
-    logger.event("eval", after_steps=step, acc_greedy=accuracy, problems=len(prompts))
-    logger.info(f"held-out greedy accuracy (full precision) after {step} steps: {accuracy:.3f} on {len(prompts)}")
-    return accuracy
 
 
 def _rollout_metrics(pool: WorkerPool, last: dict[str, float], seconds: float) -> dict[str, float]:
@@ -353,9 +433,3 @@ def _sglang_metrics(worker_stats: list[dict[str, Any]]) -> dict[str, float]:
         "rollout/weight_pause_s": max(float(s["sglang_pause_s_last"]) for s in worker_stats),
         "rollout/server_restarts": float(sum(s["sglang_server_restarts"] for s in worker_stats)),
     }
-
-
-def _shutdown(proc: subprocess.Popen) -> None:
-    from buffer.launcher import stop_service
-
-    stop_service(proc, timeout_s=10)

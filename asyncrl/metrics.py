@@ -1,7 +1,8 @@
 """Run logging: one JSON object per step in runs/<name>/metrics.jsonl, a console line per step, optional wandb.
 
-On a terminal (stdout is a TTY) the console shows a live table of the latest step instead (rich.live, see
-`live_view`), with the step lines scrolling above it; elsewhere (pipes, tests, CI) it prints the plain lines.
+On a terminal (stdout is a TTY) the console shows a live dashboard instead of the step lines (asyncrl/console.py: a
+progress bar with step i of N, elapsed and ETA, the few numbers that matter, recent events); elsewhere (pipes, tests,
+CI) it prints the plain lines.
 
 wandb runs offline unless `logging.wandb_mode=online` (with an API key and no network, online `init` hangs). It is an
 optional extra: `pip install 'asyncrl[wandb]'`; `logging.wandb=true` without it raises a ConfigError that says so.
@@ -12,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncrl.console import RunView, is_terminal, live_dashboard
 from common.config import ConfigError, LoggingConfig
 
 CONSOLE_FIELDS = (
@@ -32,12 +32,14 @@ CONSOLE_FIELDS = (
     ("perf/step_s", "step_s", "{:.2f}"),
 )
 
-LIVE_FIELDS = (
-    "step", "version", "reward/mean", "acc/mean", "loss", "response_len/mean", "staleness/mean", "staleness/max",
-    "mismatch/acrl_d", "lr", "perf/rollout_tok_s", "perf/step_s", "perf/fetch_wait_s", "rollout/workers",
-    "rollout/restarts",
-)  # fmt: skip
-"""Rows of the live console table."""
+
+def step_line(metrics: dict[str, Any]) -> str:
+    """The plain console line of a step (`CONSOLE_FIELDS` that were measured)."""
+    return "  ".join(
+        f"{label} {fmt.format(metrics[key])}"
+        for key, label, fmt in CONSOLE_FIELDS
+        if isinstance(metrics.get(key), int | float) and not isinstance(metrics.get(key), bool)
+    )
 
 
 def _jsonable(value: Any) -> Any:
@@ -68,6 +70,37 @@ def _import_wandb() -> Any:
     return wandb
 
 
+class EnvMetrics:
+    """The multi-turn episode metrics of a step (rollout_workers/episodes.py counters; none in single-turn runs):
+
+    - `env/episodes`, `env/turns_mean`, `env/tool_calls` (per episode), `env/masked_share` (observation tokens over
+      all response tokens of pushed trajectories): over the interval since the previous step;
+    - `env/errors`, `env/timeouts`, `env/groups_dropped`: run totals (retired workers' included, like reward/errors).
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def update(self, totals: dict[str, float]) -> dict[str, float]:
+        """The metrics from the supervisor's run totals (`WorkerPool.totals`); {} when no episode ran yet."""
+        if not totals.get("env_episodes"):
+            return {}
+        keys = ("env_episodes", "env_turns", "env_tool_calls", "env_masked_tokens", "tokens")
+        delta = {key: totals.get(key, 0.0) - self._last.get(key, 0.0) for key in keys}
+        self._last = {key: totals.get(key, 0.0) for key in keys}
+        episodes = delta["env_episodes"]
+        masked, all_tokens = delta["env_masked_tokens"], delta["env_masked_tokens"] + delta["tokens"]
+        return {
+            "env/episodes": episodes,
+            "env/turns_mean": delta["env_turns"] / episodes if episodes else float("nan"),
+            "env/tool_calls": delta["env_tool_calls"] / episodes if episodes else float("nan"),
+            "env/masked_share": masked / all_tokens if all_tokens else float("nan"),
+            "env/errors": totals.get("env_errors", 0.0),
+            "env/timeouts": totals.get("env_timeouts", 0.0),
+            "env/groups_dropped": totals.get("env_groups_dropped", 0.0),
+        }
+
+
 class MetricsLogger:
     def __init__(self, cfg: LoggingConfig, run_dir: Path):
         wandb = None
@@ -79,70 +112,50 @@ class MetricsLogger:
         self.cfg = cfg
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
-        self._started = time.time()
         self._wandb = None
         if wandb is not None:
             self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.name, dir=str(run_dir), mode=cfg.wandb_mode)
         from rich.console import Console
 
         self.console = Console(highlight=False, soft_wrap=True)
-        self._live: Any = None
-        self._events: deque[str] = deque(maxlen=3)
+        self._view: RunView | None = None  # the live dashboard's state while `live_view` is open on a terminal
 
     @contextlib.contextmanager
-    def live_view(self) -> Iterator[None]:
-        """While open, and only on a TTY with `logging.console`: a live table of the latest step and events."""
-        if not (self.cfg.console and sys.stdout.isatty()):
+    def live_view(self, total_steps: int, start_step: int = 0) -> Iterator[None]:
+        """While open, and only on a TTY with `logging.console`: the live dashboard (asyncrl/console.py) of a run of
+        `total_steps` steps, `start_step` of them done before (a resumed run), in place of the step lines."""
+        if not is_terminal(self.cfg.console):
             yield
             return
-        from rich.live import Live
-
-        with Live(self._table({}), console=self.console, refresh_per_second=2, transient=False) as live:
-            self._live = live
-            try:
+        self._view = RunView(name=self.cfg.name, total_steps=total_steps, start_step=start_step)
+        try:
+            with live_dashboard(self._view, self.console):
                 yield
-            finally:
-                self._live = None
-
-    def _table(self, metrics: dict[str, Any]) -> Any:
-        from rich.table import Table
-
-        table = Table(title=f"asyncrl {self.cfg.name}", show_header=False, expand=False)
-        table.add_column("metric", style="bold")
-        table.add_column("value", justify="right")
-        for key in LIVE_FIELDS:
-            value = metrics.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                table.add_row(key, f"{value:.4g}")
-        table.add_row("elapsed", f"{time.time() - self._started:.0f} s")
-        for line in self._events:
-            table.add_row("event", line)
-        return table
+        finally:
+            self._view = None
 
     def info(self, message: str) -> None:
         if self.cfg.console:
             self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}")
 
     def event(self, kind: str, **fields: Any) -> None:
-        """A non-step record (config change, restart, ...) in metrics.jsonl."""
+        """A non-step record (config change, restart, ...) in metrics.jsonl, and a line of the live dashboard's recent
+        events (its scalar fields)."""
         record = {"event": kind, "time": time.time(), **_jsonable(fields)}
         self._file.write(json.dumps(record, default=str) + "\n")
-        self._events.append(f"{kind} " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)[:100])
+        if self._view is not None:
+            line = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and not isinstance(v, dict))
+            self._view.record_event(f"{kind} {line}"[:160], record["time"])
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         record = {"time": time.time(), **_jsonable(metrics)}
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=int(metrics["step"]))
-        if self.cfg.console:
-            parts = [
-                f"{label} {fmt.format(metrics[key])}"
-                for key, label, fmt in CONSOLE_FIELDS
-                if isinstance(metrics.get(key), int | float)
-            ]
-            self.console.print("  ".join(parts))
-            if self._live is not None:
-                self._live.update(self._table(metrics))
+        if self._view is not None:
+            self._view.record_step(metrics, time.monotonic())
+        elif self.cfg.console:
+            self.console.print(step_line(metrics))
 
     def close(self) -> None:
         self._file.close()

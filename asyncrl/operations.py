@@ -4,7 +4,7 @@ step boundaries, and resumable checkpoints (asyncrl/checkpoint.py).
 | request | answered | takes effect |
 |---|---|---|
 | status | at once (also while the learner trains) | - |
-| scale rollout=N | at once: workers added or told to stop | new workers generate once they have weights |
+| scale rollout=N | at once: workers added or told to stop | new workers generate once placed and given weights |
 | set key=value | at once (validated like the config) | at the next step boundary, logged as a `set` event |
 | down | at once | after the step in progress: workers stop, checkpoint, exit 0 |
 
@@ -123,7 +123,7 @@ class Operations:
             "steps": self.sections.train.steps,
             "version": metrics.get("version", self.step),
             "stopping": self.stopping,
-            "workers": self.pool.describe(),
+            "workers": self.describe_workers(),
             "buffer": self.buffer.stats(),
             "staleness": {
                 "mean": metrics.get("staleness/mean"),
@@ -139,31 +139,70 @@ class Operations:
             "errors": self.recent_errors(),
         }
 
+    def describe_workers(self) -> list[dict[str, Any]]:
+        """`WorkerPool.describe`, with state `pending` for a starting worker that Ray has not placed yet (no node has
+        the CPUs or resources it asks for)."""
+        rows = self.pool.describe()
+        for row in rows:
+            worker = self.pool.workers.get(row["worker"])
+            if row.get("state") == "starting" and worker is not None and actor_pending(worker.handle):
+                row["state"] = "pending"
+        return rows
+
     def recent_errors(self) -> list[str]:
         """Worker crashes (supervision) and the last error each live worker reported, newest last."""
         worker_errors = [f"{w['worker']}: {w['last_error']}" for w in self.pool.describe() if w.get("last_error")]
         return [*self.pool.recent_errors, *worker_errors][-10:]
 
     def scale(self, count: Any) -> dict[str, Any]:
-        import ray
+        """Add or remove rollout workers until `count` are active.
 
+        A local cluster (`ray.address` empty) refuses a count past its logical CPUs (`RayConfig.local_cpus`: no node can
+        join it, the workers would wait forever) and names the key to raise. A cluster started elsewhere refuses
+        nothing: workers that do not fit its free resources are created and wait for them, shown as `pending` by
+        `status`, and start when a node joins or resources free up.
+        """
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ControlError(f"rollout=N needs a whole number N >= 1, got {count!r}")
-        total = ray.cluster_resources()
+        if not self.sections.ray.address:
+            self._check_local_capacity(count)
+        added, removed = self.pool.scale(count)
+        self._kill_pending(removed)
+        self.logger.event("scale", rollout=count, added=added, removed=removed, step=self.step)
+        return {"added": added, "removed": removed}
+
+    def _check_local_capacity(self, count: int) -> None:
+        import ray
+
         ray_cfg = self.sections.ray
         need = {"CPU": ray_cfg.learner_cpus + count * ray_cfg.worker_cpus}
         for name, amount in ray_cfg.worker_resources.items():
             need[name] = need.get(name, 0.0) + count * amount
+        total = ray.cluster_resources()
         for name, amount in need.items():
-            if amount > total.get(name, 0.0) + 1e-9:
-                raise ControlError(
-                    f"{count} rollout workers need {amount:g} {name} but the Ray cluster has {total.get(name, 0.0):g}"
-                    f" (learner {ray_cfg.learner_cpus:g} CPU + `ray.worker_cpus`={ray_cfg.worker_cpus:g}"
-                    " per worker; lower it with `asyncrl up ... ray.worker_cpus=...`)"
-                )
-        added, removed = self.pool.scale(count)
-        self.logger.event("scale", rollout=count, added=added, removed=removed, step=self.step)
-        return {"added": added, "removed": removed}
+            have = total.get(name, 0.0)
+            if amount <= have + 1e-9:
+                continue
+            if name != "CPU":
+                raise ControlError(f"{count} rollout workers need {amount:g} {name} (`ray.worker_resources`) but the "
+                                   f"local Ray cluster has {have:g}")  # fmt: skip
+            most = int((have - ray_cfg.learner_cpus) / ray_cfg.worker_cpus + 1e-9) if ray_cfg.worker_cpus else 0
+            raise ControlError(
+                f"{count} rollout workers need {amount:g} logical CPUs but the local Ray cluster declares {have:g} "
+                f"(`ray.num_cpus` {ray_cfg.num_cpus} x `ray.local_oversubscribe` {ray_cfg.local_oversubscribe:g}): at "
+                f"most {most} workers of `ray.worker_cpus`={ray_cfg.worker_cpus:g} fit. For more, restart with "
+                f"`asyncrl down`, then `asyncrl up --resume RUN ray.local_oversubscribe=...` (or a smaller "
+                f"`ray.worker_cpus`)"
+            )
+
+    def _kill_pending(self, removed: list[str]) -> None:
+        """A removed worker that Ray never placed is killed: its `stop` would wait for resources that may never come."""
+        import ray
+
+        for worker_id in removed:
+            worker = self.pool.workers.get(worker_id)
+            if worker is not None and worker.started is not None and actor_pending(worker.handle):
+                ray.kill(worker.handle)
 
     def set(self, items: Any) -> dict[str, Any]:
         if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
@@ -212,3 +251,16 @@ class Operations:
         )
         self.logger.event("checkpoint", step=step, path=str(path))
         return path
+
+
+def actor_pending(handle: Any) -> bool:
+    """Whether Ray has not yet placed the actor `handle`: it waits for a node with the resources it asks for. Read
+    from the GCS actor table (`ray._private.state`: the public state API needs the dashboard, which a local cluster
+    does not start); False when the table cannot be read."""
+    try:
+        from ray._private import state
+
+        record = state.actors(handle._actor_id.hex())
+    except Exception:  # a Ray without this table, or a GCS that does not answer: `status` still answers, `starting`
+        return False
+    return isinstance(record, dict) and record.get("State") in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")

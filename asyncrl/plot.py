@@ -4,7 +4,8 @@ Reads each run's metrics.jsonl (step records only; events are skipped; after `as
 twice, once by the killed run and once after the resume, is drawn from its last record) and draws every run on the
 same axes:
 reward and accuracy, response length, every `mismatch/*` metric, staleness, learning rate, throughput, losses
-and norms. A metric a run never logged is simply absent from its figure.
+and norms, and the held-out evaluations (`eval` events, asyncrl/evaluate.py: every `eval/*` metric against the steps
+done when it ran). A metric a run never logged is simply absent from its figure.
 """
 
 from __future__ import annotations
@@ -20,14 +21,30 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "lr": ("lr",),
     "throughput": ("perf/rollout_tok_s", "perf/step_s", "perf/train_s"),
     "optimization": ("loss", "grad_norm", "entropy", "norm_update", "norm_quant_err"),
+    "eval": ("eval/",),
 }
 
 
+def read_evals(run_dir: Path) -> list[dict[str, float]]:
+    """The `eval` events of a run as rows {step: steps done when it ran, eval/*: value}; the last one per step."""
+    by_step = {int(r["after_steps"]): {"step": r["after_steps"], **r} for r in _records(run_dir)
+               if r.get("event") == "eval" and isinstance(r.get("after_steps"), int)}  # fmt: skip
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def read_steps(run_dir: Path) -> list[dict[str, float]]:
+    by_step: dict[int, dict[str, float]] = {}
+    for record in _records(run_dir):
+        if "event" not in record and "step" in record:
+            by_step[int(record["step"])] = record  # the last record of a step wins (resumed runs)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
-    by_step: dict[int, dict[str, float]] = {}
+    records = []
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -38,9 +55,9 @@ def read_steps(run_dir: Path) -> list[dict[str, float]]:
             if number == len(lines):  # torn by a run killed while writing it: the steps before it stand
                 break
             raise ValueError(f"{path}, line {number}: not a JSON record ({err})") from None
-        if isinstance(record, dict) and "event" not in record and "step" in record:
-            by_step[int(record["step"])] = record  # the last record of a step wins (resumed runs)
-    return [by_step[step] for step in sorted(by_step)]
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def _keys(prefixes: tuple[str, ...], runs: dict[str, list[dict[str, float]]]) -> list[str]:
@@ -64,16 +81,18 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[Path]:
     names = [Path(d).name for d in run_dirs]
     labels = [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]  # same name: full path
     runs = {label: read_steps(Path(d)) for label, d in zip(labels, run_dirs)}
+    evals = {label: read_evals(Path(d)) for label, d in zip(labels, run_dirs)}
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
     written = []
     for family, prefixes in FAMILIES.items():
-        keys = _keys(prefixes, runs)
+        family_runs = evals if family == "eval" else runs
+        keys = _keys(prefixes, family_runs)
         if not keys:
             continue
         fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.6 * len(keys)), squeeze=False)
         for ax, key in zip(axes[:, 0], keys):
-            for name, rows in runs.items():
+            for name, rows in family_runs.items():
                 points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
                 if points:
                     ax.plot(*zip(*points), label=name)

@@ -1,7 +1,10 @@
 """The Ray cluster of a run: token authentication always on, and a local cluster that listens on loopback only.
 
 - `ray.address` empty (the default): a local cluster whose every server (GCS, raylet, object manager, core
-  workers, runtime-env agent) listens on 127.0.0.1, guarded by a fresh per-run token in a private file (0600).
+  workers, runtime-env agent) listens on 127.0.0.1, guarded by a fresh per-run token in a private file (0600). It
+  declares `ray.num_cpus * ray.local_oversubscribe` logical CPUs (`RayConfig.local_cpus`): Ray's CPUs only decide
+  where an actor may start, and on one machine of asyncrl's own, actors past the cores share them as processes do,
+  so `asyncrl scale` can add rollout workers past the core count.
 - `ray.address` = `host:port` or `auto`: a cluster started elsewhere, joined with the user's token
   (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, or Ray's `~/.ray/auth_token`). A cluster that admits clients without
   a token is refused unless `ray.allow_unauthenticated` is set, which warns on every run.
@@ -89,7 +92,7 @@ def connect(ray_cfg: RayConfig, warn: Callable[[str], object] = print) -> None:
     if ray_cfg.address:
         _join(ray_cfg, warn)
     else:
-        _init_local(ray_cfg.num_cpus, _prepare_local())
+        _init_local(ray_cfg.local_cpus(), _prepare_local())
 
 
 class RayStart:
@@ -152,7 +155,7 @@ def connect_in_background(ray_cfg: RayConfig, warn: Callable[[str], object] = pr
         return RayStart()
     temp_dir = _prepare_local()
     start = RayStart()
-    start._start(lambda: _init_local(ray_cfg.num_cpus, temp_dir))
+    start._start(lambda: _init_local(ray_cfg.local_cpus(), temp_dir))
     return start
 
 
@@ -183,7 +186,7 @@ class _NotMainThreadNote(logging.Filter):
         return "SIGTERM handler is not set" not in record.getMessage()
 
 
-def _init_local(num_cpus: int, temp_dir: Path) -> None:
+def _init_local(logical_cpus: int, temp_dir: Path) -> None:
     import ray
     from ray._private import ray_constants
 
@@ -193,7 +196,7 @@ def _init_local(num_cpus: int, temp_dir: Path) -> None:
     ray_logger = logging.getLogger("ray._private.worker")
     ray_logger.addFilter(note)
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, _node_ip_address=LOCAL_HOST,
+        ray.init(num_cpus=logical_cpus, include_dashboard=False, log_to_driver=True, _node_ip_address=LOCAL_HOST,
                  _temp_dir=str(temp_dir))  # fmt: skip
     finally:
         ray_logger.removeFilter(note)

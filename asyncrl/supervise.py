@@ -1,4 +1,5 @@
-"""Rollout worker actors under supervision: start, scale live, restart the dead with backoff.
+"""Supervision of the run's processes: rollout worker actors (`WorkerPool`: start, scale live, restart the dead with
+backoff) and the buffer process (`BufferSupervisor`: restart it on the same run directory and port).
 
 The driver calls `WorkerPool.poll()` every few hundred milliseconds, also while the learner trains a step. The
 backoff before the n-th restart of the run is `rollout.restart_backoff_s * 2 ** (n - 1)`, capped at 60 s.
@@ -14,14 +15,26 @@ backoff before the n-th restart of the run is `rollout.restart_backoff_s * 2 ** 
 A fresh identity matters: the buffer returns the leases of a silent identity after `buffer.worker_timeout_s`
 (buffer/state.py), so the prompts a dead worker held are generated again and every group is still trained once.
 Counters of retired workers are kept (`totals`) so that rollout throughput never goes backwards.
+
+The buffer (`BufferSupervisor.poll`, called by the driver with `WorkerPool.poll` and by the driver's own buffer client
+while it waits): a buffer process that exited while the run goes on is started again at once, on the same run
+directory and port, without a rewind. It replays its journal: queued groups are queued again, leases never resolved
+return to the pool, and the batch of the last consumed step is kept for a learner that never received it
+(buffer/service.py). Clients send their request in flight again when their connection drops (buffer/client.py), so
+the learner waiting in FetchBatch and the workers carry on. A `buffer_restarted` event records the exit, the
+downtime and what was replayed; more than `buffer.max_restarts` deaths raise SupervisionError.
 """
 
 from __future__ import annotations
 
+import copy
+import signal
+import subprocess
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from common.config import RayConfig, to_dict
@@ -29,11 +42,16 @@ from rollout_workers.sections import WorkerSections
 
 MAX_BACKOFF_S = 60.0
 STATS_EVERY_S = 0.5
-COUNTERS = ("tokens", "samples", "correct", "reward_sum", "groups_pushed", "errors", "reward_errors", "reward_timeouts")
+COUNTERS = (
+    "tokens", "samples", "correct", "reward_sum", "groups_pushed", "errors", "reward_errors", "reward_timeouts",
+    "prompts_skipped", "env_episodes", "env_turns", "env_tool_calls", "env_errors", "env_timeouts", "env_masked_tokens",
+    "env_groups_dropped",
+)  # fmt: skip
 
 
 class SupervisionError(RuntimeError):
-    """Rollout workers crashed more often than `rollout.max_restarts` allows."""
+    """A process of the run died more often than its `max_restarts` allows, or could not be restarted; the message is
+    one line naming the process and how it ended."""
 
 
 @dataclass(slots=True)
@@ -263,3 +281,152 @@ def _ready(ref: Any) -> bool:
 
     ready, _ = ray.wait([ref], timeout=0)
     return bool(ready)
+
+
+def describe_exit(returncode: int) -> str:
+    """`killed by SIGKILL` for a negative return code (a signal), else `exit code N`."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class BufferSupervisor:
+    """The buffer process of a run: started, restarted when it dies, stopped (see the module docstring)."""
+
+    def __init__(
+        self,
+        config_values: dict[str, Any],
+        run_dir: Path,
+        event: Callable[..., None],
+        info: Callable[[str], None],
+        resume_step: int | None = None,
+    ) -> None:
+        self.config_values = config_values
+        self.run_dir = run_dir
+        self.max_restarts = int(config_values["buffer"]["max_restarts"])
+        self.event = event
+        self.info = info
+        self.resume_step = resume_step
+        self.proc: subprocess.Popen | None = None
+        self.endpoint = ""
+        self.crashes = 0
+        self.last_exit = ""  # how the last dead buffer ended, for diagnoses ("killed by SIGKILL")
+        self.stopping = False
+        self._restarting = False
+        self._alive_at = 0.0  # time.monotonic() of the last poll that found it running
+
+    def start(self) -> str:
+        """Start the buffer (rewound to `resume_step` when resuming); returns its endpoint."""
+        from buffer.launcher import start_service
+
+        try:
+            self.proc, self.endpoint = start_service(self.config_values, self.run_dir, resume_step=self.resume_step)
+        except RuntimeError as err:
+            raise SupervisionError(f"the buffer process did not start: {err}") from None
+        self._alive_at = time.monotonic()
+        self.event("buffer_started", pid=self.proc.pid, endpoint=self.endpoint)
+        return self.endpoint
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def poll(self) -> None:
+        """Restart the buffer if it died (blocking for its start-up, about a second); raises SupervisionError past
+        `buffer.max_restarts` deaths or when it cannot be started again. Reentrant calls do nothing."""
+        if self.proc is None or self.stopping or self._restarting:
+            return
+        returncode = self.proc.poll()
+        if returncode is None:
+            self._alive_at = time.monotonic()
+            return
+        self._restarting = True
+        try:
+            self._restart(returncode)
+        finally:
+            self._restarting = False
+
+    def _restart(self, returncode: int) -> None:
+        from buffer.launcher import start_service, stop_service
+
+        assert self.proc is not None
+        dead_pid, how = self.proc.pid, describe_exit(returncode)
+        stop_service(self.proc)  # reaped already: closes its stdout
+        self.crashes += 1
+        self.last_exit = f"the buffer process (pid {dead_pid}) was {how}" if how.startswith("killed") else (
+            f"the buffer process (pid {dead_pid}) ended with {how}"
+        )  # fmt: skip
+        if self.crashes > self.max_restarts:
+            self.event("buffer_crashed", pid=dead_pid, exit=how, crashes=self.crashes, restart=False)
+            raise SupervisionError(
+                f"{self.last_exit}; it died {self.crashes} times, more than `buffer.max_restarts` "
+                f"({self.max_restarts}) allows"
+            )
+        self.info(f"{self.last_exit}: restarting it on {self.run_dir} (restart {self.crashes} of {self.max_restarts})")
+        values = copy.deepcopy(self.config_values)
+        values["buffer"]["port"] = int(self.endpoint.rsplit(":", 1)[1])  # clients reconnect to the same endpoint
+        try:
+            self.proc, endpoint = start_service(values, self.run_dir, redeliver=True)  # the learner goes on
+        except RuntimeError as err:
+            self.proc = None
+            raise SupervisionError(f"{self.last_exit} and could not be restarted: {err}") from None
+        if endpoint != self.endpoint:
+            raise SupervisionError(f"{self.last_exit}; restarted, it listens on {endpoint}, not {self.endpoint}")
+        downtime_s = time.monotonic() - self._alive_at  # from the last poll that saw it alive: an upper bound
+        self._alive_at = time.monotonic()
+        replayed = self._replayed()
+        self.event("buffer_restarted", pid=self.proc.pid, dead_pid=dead_pid, exit=how, restarts=self.crashes,
+                   downtime_s=round(downtime_s, 3), endpoint=endpoint, **replayed)  # fmt: skip
+        queued, returned = replayed.get("replayed_groups", "?"), replayed.get("replayed_leases", "?")
+        self.info(
+            f"buffer restarted in {downtime_s:.1f} s (pid {self.proc.pid}): replayed {queued} queued groups, "
+            f"{returned} leases returned to the pool, at step {replayed.get('step', '?')}"
+        )
+
+    def restart(self, resume_step: int) -> dict[str, Any]:
+        """Stop the buffer and start it again rewound to `resume_step` (a learner restarted from a checkpoint, as on
+        `--resume`); returns what the rewind did (`rewound_groups`, `rewind_dropped_groups`)."""
+        from buffer.client import BufferClient, BufferRequestError, BufferUnavailable
+        from common.curve import client_keys
+
+        self.stop()
+        self.stopping, self.resume_step = False, resume_step
+        self.start()
+        curve = client_keys(self.config_values["buffer"]["curve_keys_dir"])
+        try:
+            with BufferClient(self.endpoint, identity="supervisor", timeout_s=10, curve=curve) as client:
+                stats = client.stats()
+        except (BufferUnavailable, BufferRequestError) as err:
+            return {"stats_error": str(err)}
+        return {key: stats.get(key, 0) for key in ("rewound_groups", "rewind_dropped_groups", "rewind_lost_groups")}
+
+    def _replayed(self) -> dict[str, Any]:
+        """What the restarted buffer rebuilt from its journal (its counters), asked on a connection of its own."""
+        from buffer.client import BufferClient, BufferRequestError, BufferUnavailable
+        from common.curve import client_keys
+
+        curve = client_keys(self.config_values["buffer"]["curve_keys_dir"])
+        try:
+            with BufferClient(self.endpoint, identity="supervisor", timeout_s=10, curve=curve) as client:
+                stats = client.stats()
+        except (BufferUnavailable, BufferRequestError) as err:
+            return {"stats_error": str(err)}
+        keys = ("replayed_records", "replayed_groups", "replayed_leases", "consumed_groups", "cursor")
+        out: dict[str, Any] = {key: stats.get(key, 0) for key in keys}
+        out["step"] = stats.get("current_step", 0)
+        return out
+
+    def stop(self) -> None:
+        """Stop the buffer for good (SIGTERM: it commits its journal and exits)."""
+        from buffer.launcher import stop_service
+
+        self.stopping = True
+        if self.proc is not None:
+            stop_service(self.proc, timeout_s=10)

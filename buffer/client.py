@@ -6,6 +6,14 @@ the socket is then closed and recreated under a fresh routing id, so a late repl
 never be taken for the answer to the next one. Routing ids are `<identity>/<random>` so that two clients with the
 same identity never collide in the service's ROUTER.
 
+A restarted buffer (the driver restarts a dead one on the same endpoint, asyncrl/supervise.py): a request in flight
+when the connection drops (a socket monitor reports EVENT_DISCONNECTED; the reply, had it been sent, would already be
+queued) is sent again, at most `MAX_RESENDS` times, on a fresh socket; ZMQ queues it until the new service listens.
+Every request can be sent twice: a lease again leases (the lost one returns to the pool when the journal is
+replayed), a push of a group already admitted is answered `duplicate`, and a FetchBatch for the step whose batch the
+dead service consumed is answered with that same batch (`BufferService.redeliver`). `while_waiting`, if set, runs
+between the `WAIT_SLICE_S` slices of a wait (the driver restarts its buffer there).
+
 CurveZMQ: pass `curve=client_keys(cfg.buffer.curve_keys_dir)` (common/curve.py) when the buffer has keys. A client
 with no key, a wrong server key or a key the buffer does not allow is refused at the handshake: its requests raise
 `BufferUnavailable` after `timeout_s`, like a buffer that is down (ZMQ does not tell the client why).
@@ -16,6 +24,7 @@ with no key, a wrong server key or a key the buffer does not allow is refused at
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
@@ -40,6 +49,10 @@ from common.wire import (
 )
 
 HWM = 1000
+WAIT_SLICE_S = 0.1
+"""A request's wait for its reply is cut in slices this long, to notice a dropped connection between them."""
+MAX_RESENDS = 5
+"""Most times one request is sent again after its connection dropped (a peer that keeps dropping it times out)."""
 R = TypeVar("R")
 
 
@@ -64,8 +77,11 @@ class BufferClient:
         self.identity = identity
         self.timeout_s = timeout_s
         self.curve = curve
+        self.while_waiting: Callable[[], object] | None = None
+        self.resends = 0  # requests sent again after a dropped connection, over this client's life
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._connect()
 
     def lease(self, max_groups: int) -> tuple[list[PromptLease], float]:
@@ -103,6 +119,10 @@ class BufferClient:
 
     def close(self) -> None:
         if self._socket is not None:
+            if self._monitor is not None:
+                self._socket.disable_monitor()
+                self._monitor.close(0)
+                self._monitor = None
             self._socket.close(0)
             self._socket = None
 
@@ -123,22 +143,36 @@ class BufferClient:
             socket.curve_secretkey = self.curve.secret
             socket.curve_publickey = self.curve.public
             socket.curve_serverkey = self.curve.server_public
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(self.endpoint)
         self._socket = socket
 
+    def _disconnected(self) -> bool:
+        """Whether the connection dropped since the last look (the monitor's events are drained)."""
+        if self._monitor is None or not self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the common case, cheap
+            return False
+        dropped = False
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            dropped = True
+        return dropped
+
     def _request(self, msg: wire.Message, expected: type[R], extra_timeout_s: float = 0.0) -> R:
-        if self._socket is None:
+        if self._socket is None or self._disconnected():  # dropped while idle: start on a fresh connection
             self._connect()
         assert self._socket is not None
         timeout_s = self.timeout_s + extra_timeout_s
+        data = wire.encode(msg)
         try:
-            self._socket.send(wire.encode(msg), flags=zmq.NOBLOCK)
+            self._socket.send(data, flags=zmq.NOBLOCK)
         except zmq.Again:
             self._connect()
             raise BufferUnavailable(f"buffer at {self.endpoint}: cannot send {type(msg).__name__}") from None
         try:
-            answered = self._socket.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN)  # negative: forever
-            reply = wire.decode(self._socket.recv_multipart()[-1]) if answered else None
+            reply = self._wait_reply(data, timeout_s)
         except BaseException:  # interrupted (KeyboardInterrupt) or an undecodable reply: the request is abandoned,
             self._connect()  # and its late reply must never be taken for the answer to the next request
             raise
@@ -154,6 +188,27 @@ class BufferClient:
             self._connect()
             raise BufferRequestError("unexpected_reply", f"{type(reply).__name__} for {type(msg).__name__}")
         return reply
+
+    def _wait_reply(self, data: bytes, timeout_s: float) -> wire.Message | None:
+        """The reply to the request `data` just sent, or None after `timeout_s`; sent again on a fresh socket when
+        the connection drops meanwhile (at most MAX_RESENDS times, within the same deadline)."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        resends = 0
+        while True:
+            assert self._socket is not None
+            now = time.monotonic()
+            if self._socket.poll(max(0, int(min(deadline - now, WAIT_SLICE_S) * 1000)), zmq.POLLIN):
+                return wire.decode(self._socket.recv_multipart()[-1])
+            if self._disconnected() and resends < MAX_RESENDS and not self._socket.poll(0, zmq.POLLIN):
+                resends += 1
+                self.resends += 1
+                self._connect()  # queued by ZMQ until the (restarted) service accepts the connection
+                self._socket.send(data, flags=zmq.NOBLOCK)
+                continue
+            if time.monotonic() >= deadline:
+                return None
+            if self.while_waiting is not None:
+                self.while_waiting()
 
 
 class Heartbeat:

@@ -41,6 +41,8 @@ _WORKER_KEY = _PACK("worker")
 _GROUP_KEY = _PACK("group")
 _PUSH_HEAD = b"".join((b"\x85", _PACK("v"), _PACK(wire.SCHEMA_VERSION), _PACK("type"), _PACK("PushGroup")))
 """How every PushGroup of this schema that `encode` writes begins (a map of 5: v, type, worker, group, trajectories)."""
+_COLUMNS_HEAD = msgpack.Packer(use_bin_type=True).pack_map_header(len(wire.GROUP_COLUMNS))
+"""The map header of a group's trajectory columns (a map16 since schema 3's 17 columns)."""
 
 
 def _trajectories_at(data: bytes | memoryview, worker: str, group: str) -> int | None:
@@ -50,7 +52,8 @@ def _trajectories_at(data: bytes | memoryview, worker: str, group: str) -> int |
     prefix = b"".join((_PUSH_HEAD, _WORKER_KEY, _PACK(worker), _GROUP_KEY, _PACK(group), _TRAJECTORIES_KEY))
     view = memoryview(data).cast("B")
     at = len(prefix)
-    if at < view.nbytes and view[:at] == prefix and view[at] == 0x80 | len(wire.GROUP_COLUMNS):
+    end = at + len(_COLUMNS_HEAD)
+    if end <= view.nbytes and view[:at] == prefix and view[at:end] == _COLUMNS_HEAD:
         return at
     return None
 
@@ -115,16 +118,28 @@ def encode_batch_reply(step: int, groups: list[bytes | memoryview], dropped_stal
 
 
 def upgrade_push(data: bytes | memoryview) -> bytes | memoryview:
-    """A PushGroup in this schema: `data` itself, or a schema-1 PushGroup (a map per trajectory, as journals written
-    before the column layout hold) decoded with the per-trajectory checks and re-encoded. wire.WireError if invalid."""
+    """A PushGroup in this schema: `data` itself, or an older PushGroup from a journal written before, upgraded and
+    re-encoded with every check: schema 1 (a map per trajectory) and schema 2 (columns without the loss mask) carry
+    single-turn trajectories only, so they get no mask (every token a model token). wire.WireError if invalid."""
     if bytes(memoryview(data)[: len(_PUSH_HEAD)]) == _PUSH_HEAD:  # this schema, as encode writes it: nothing to do
         return data
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **wire.UNPACK_LIMITS)
     except Exception as err:
         raise wire.WireError("bad_msgpack", f"{type(err).__name__}: {err}"[:200]) from None
-    if type(obj) is not dict or obj.get("v") != 1 or obj.get("type") != "PushGroup":
+    if type(obj) is not dict or obj.get("v") not in (1, 2) or obj.get("type") != "PushGroup":
         return data
     worker, group, items = obj.get("worker"), obj.get("group"), obj.get("trajectories")
-    trajectories = wire.list_kind(wire.TRAJECTORY, "Trajectory").decode(items, "trajectories")
+    if obj["v"] == 1:
+        if type(items) is list:
+            for item in items:
+                if type(item) is dict:
+                    item.setdefault("loss_mask", None)
+        trajectories = wire.list_kind(wire.TRAJECTORY, "Trajectory").decode(items, "trajectories")
+    else:
+        if type(items) is dict and "mask_len" not in items and "loss_mask" not in items:
+            uids = items.get("uid")
+            count = len(uids) if type(uids) is list else 0  # check_group names anything wrong with the columns
+            items = {**items, "mask_len": bytes(4 * count), "loss_mask": b""}
+        trajectories = wire.TRAJECTORIES.decode(items, "trajectories")
     return wire.encode(wire.PushGroup(wire.STR.decode(worker, "worker"), wire.STR.decode(group, "group"), trajectories))

@@ -16,17 +16,25 @@ from typing import Any
 
 
 def start_service(
-    config_values: dict[str, Any], run_dir: Path, timeout_s: float = 60.0, resume_step: int | None = None
+    config_values: dict[str, Any],
+    run_dir: Path,
+    timeout_s: float = 60.0,
+    resume_step: int | None = None,
+    redeliver: bool = False,
 ) -> tuple[subprocess.Popen, str]:
     """Write the config as JSON into run_dir, launch the service, wait for READY; returns (process, endpoint).
 
     `resume_step`: the next train step of the learner checkpoint being resumed; the service rewinds its journal to it.
+    `redeliver`: a restart under a running learner (a dead buffer replaced, asyncrl/supervise.py): the batch of the
+    last consumed step is given again to a FetchBatch for that step (buffer/service.py).
     """
     config_file = run_dir / "buffer_config.json"
     config_file.write_text(json.dumps(config_values))
     cmd = [sys.executable, "-m", "buffer", "--config-json", str(config_file), "--run-dir", str(run_dir)]
     if resume_step is not None:
         cmd += ["--resume-step", str(resume_step)]
+    if redeliver:
+        cmd.append("--redeliver")
     # Its own session: a Ctrl-C at the terminal reaches the driver alone, which stops the run (checkpoint included,
     # which asks the buffer) and then the buffer. If the caller dies instead, the buffer gets SIGTERM (Linux).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)

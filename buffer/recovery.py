@@ -2,8 +2,9 @@
 rebuilt from a journal at start-up (`replay`), and the return to a learner checkpoint on resume (`rewind`).
 
 Functions of a `BufferState`, called by the service: `snapshot` when it compacts the journal, `replay` then `rewind`
-(with `--resume-step`) before it serves. The record kinds are listed in buffer/journal.py; `replay` leaves in
-`state.replayed` what `rewind` needs (the admitted groups and the train step that consumed each).
+(with `--resume-step`) or `redelivery` (a restart after a crash, the learner still running) before it serves. The
+record kinds are listed in buffer/journal.py; `replay` leaves in `state.replayed` what `rewind` and `redelivery`
+need (the admitted groups and the train step that consumed each).
 """
 
 from __future__ import annotations
@@ -138,3 +139,22 @@ def rewind(state: BufferState, next_step: int) -> dict[str, int]:
     state.counters["rewind_lost_groups"] += lost
     state.log_record({"k": "rewind", "s": next_step, "g": back, "d": dropped, "c": state.consumed_groups})
     return {"requeued": len(back), "dropped": len(dropped), "lost": lost}
+
+
+def redelivery(state: BufferState) -> tuple[int, list[Queued]] | None:
+    """After `replay` of a service restarted under a running learner (no rewind): the last train step the journal
+    shows a batch consumed for, and that batch, in order; None if there is none (or a compaction removed it).
+
+    The consume record is committed before the BatchReply is sent, so the dead service may have consumed a batch the
+    learner never received: the learner then asks for that step again and is given the same groups
+    (`BufferService`), which are trained once. A learner that did receive it asks for a later step instead.
+    """
+    admitted, consumed_at = state.replayed or ({}, {})
+    state.replayed = None  # the admitted groups are not needed any more (a resume's `rewind` runs instead of this)
+    if not consumed_at:
+        return None
+    last_step = max(consumed_at.values())
+    groups = [group for group, step in consumed_at.items() if step == last_step]
+    if any(group not in admitted for group in groups):
+        return None
+    return last_step, [admitted[group] for group in groups]

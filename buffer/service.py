@@ -24,6 +24,12 @@ writer thread) for all the requests it drained, goes on serving, and sends their
 counted as `rejected_<reason>`; nothing a peer sends stops the service.
 SIGTERM / SIGINT: commit the journal and exit 0.
 
+Restart after a crash (the driver restarts a dead buffer on the same run directory and port with `--redeliver`,
+asyncrl/supervise.py): the journal is replayed (leases never resolved return to the pool), and the batch of the last
+consumed step is kept as `redeliver`: a FetchBatch for that step (the learner never got the reply) is answered with
+the same groups, once; a FetchBatch for a later step forgets it. Clients send their request in flight again
+(buffer/client.py).
+
 Security: with `buffer.curve_keys_dir` the ROUTER is a CurveZMQ server and a ZAP handler thread admits only the
 allow-listed client keys (common/curve.py); a refused handshake never reaches the loop and is counted as
 `rejected_handshakes`. Without keys the socket is plain ZMQ, which BufferConfig allows only on loopback.
@@ -138,9 +144,15 @@ class BufferService:
     """The poll loop: decode, dispatch to BufferState, commit the journal, reply."""
 
     def __init__(
-        self, state: BufferState, socket: zmq.Socket, journal: Journal | None, compact_bytes: int = COMPACT_BYTES
+        self,
+        state: BufferState,
+        socket: zmq.Socket,
+        journal: Journal | None,
+        compact_bytes: int = COMPACT_BYTES,
+        redeliver: tuple[int, list[Queued]] | None = None,
     ) -> None:
         self.state = state
+        self.redeliver = redeliver  # (step, groups) consumed before a crash, maybe never received (module doc)
         self.socket = socket
         self.journal = journal
         self.compact_bytes = compact_bytes
@@ -267,6 +279,12 @@ class BufferService:
         if isinstance(msg, FetchBatch):
             if not 1 <= msg.num_groups <= wire.MAX_GROUP:  # a BatchReply holds at most MAX_GROUP groups
                 raise wire.WireError("bad_field", f"FetchBatch.num_groups must be in [1, {wire.MAX_GROUP}]")
+            if self.redeliver is not None and msg.step >= self.redeliver[0]:
+                (step, again), self.redeliver = self.redeliver, None
+                if msg.step == step and msg.num_groups == len(again):  # its reply was lost with the dead service
+                    state.counters["redelivered_groups"] += len(again)
+                    self._send_batch(envelope, step, again, 0)
+                    return None
             taken, dropped = state.take_batch(msg.step, msg.num_groups)
             if taken is not None or msg.wait_s <= 0:
                 self._send_batch(envelope, msg.step, taken, dropped)
@@ -427,6 +445,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume-step", type=int, default=None,
                         help="resuming a learner checkpoint whose next train step is this: rewind the replayed "
                              "journal to it (buffer.recovery.rewind)")  # fmt: skip
+    parser.add_argument("--redeliver", action="store_true",
+                        help="restarted under a running learner (asyncrl/supervise.py): answer a FetchBatch for the "
+                             "last consumed step with the batch it consumed (buffer.recovery.redelivery)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -434,6 +455,8 @@ def _open_journal(state: BufferState, path: Path, fsync: str, resume_step: int |
     """Replay the journal at `path` into `state`, attach it for appending, and rewind to `resume_step` if given."""
     records = read_records(path)
     recovery.replay(state, records)
+    state.counters["replayed_records"] = len(records)
+    state.counters["replayed_leases"] = len(state.returned)
     journal = state.journal = Journal(path, fsync)
     if records:
         print(
@@ -450,14 +473,18 @@ def _open_journal(state: BufferState, path: Path, fsync: str, resume_step: int |
 
 
 def _serve(
-    buffer_cfg: cfgmod.BufferConfig, curve: ServerKeys | None, state: BufferState, journal: Journal | None
+    buffer_cfg: cfgmod.BufferConfig,
+    curve: ServerKeys | None,
+    state: BufferState,
+    journal: Journal | None,
+    redeliver: tuple[int, list[Queued]] | None = None,
 ) -> int:
     """Bind, print READY, and serve until SIGTERM / SIGINT (0) or a journal write error (3); then close everything."""
     context = zmq.Context()
     auth = start_authenticator(context, curve) if curve is not None else None
     socket = make_socket(context, curve)
     monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES) if curve is not None else None
-    service = BufferService(state, socket, journal, buffer_cfg.compact_bytes)
+    service = BufferService(state, socket, journal, buffer_cfg.compact_bytes, redeliver)
 
     def stop(signum: int, frame: object) -> None:
         service.stopping = True
@@ -527,9 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         history=_prompt_history(cfg.algo, cfg.data.seed),
     )
     journal: Journal | None = None
+    redeliver = None
     if cfg.buffer.journal:
         journal = _open_journal(state, run_dir / JOURNAL_NAME, cfg.buffer.fsync, args.resume_step)
+        if args.redeliver and args.resume_step is None:
+            redeliver = recovery.redelivery(state)
     elif args.resume_step is not None:
         print("buffer: --resume-step needs buffer.journal=true", file=sys.stderr)
         return 2
-    return _serve(cfg.buffer, curve, state, journal)
+    return _serve(cfg.buffer, curve, state, journal, redeliver)

@@ -10,6 +10,13 @@ answer digits replaced by random digits; the model therefore learns a calibrated
 distribution (its greedy answer is mostly right, its temperature-1 samples solve 20-60% of problems). Only the
 verifier's reward tells RL which samples were right.
 
+`builtin:tiny-outliers` (OutlierRecipe) is tiny reparametrized to carry a few outlier activation channels, as real
+LLMs do: the same function in fp32, but per-token activation quantization (W8A8 rollout) bites (ALGORITHMS.md
+"Outlier channels"). It is built from the cached tiny in seconds.
+
+`builtin:tiny-tool` (common/builtin_tool.py) adds the characters `[]{}` to the vocabulary and is warmed up to call a
+calculator, for `data.task=arith_tool` (multi-turn episodes, issue 21).
+
 Built once per recipe version into `<cache>/builtin/<name>-<fingerprint>/`, atomically (a temporary directory
 renamed into place), so concurrent runs and tests never see a half-written model.
 """
@@ -26,7 +33,10 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+
+from common.builtin_tool import TOOL_RECIPES, ToolRecipe
 
 ARITH_ALPHABET = "0123456789+-="
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
@@ -59,6 +69,31 @@ RECIPES: dict[str, TinyRecipe] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class OutlierRecipe:
+    """A built-in model reparametrized to carry outlier activation channels, as real LLMs do (LLM.int8, SmoothQuant).
+
+    For the `channels` hidden channels whose RMSNorm outputs are largest on average (over every decoder layer's
+    input_layernorm and post_attention_layernorm, on `calib_prompts` prompts of the task), every layer's two norm
+    weights are multiplied by `alpha` on those channels and the matching input columns of the linears they feed
+    (q/k/v, gate/up) divided by `alpha`. The model computes the same function (bit for bit in fp32 for a
+    power-of-two `alpha`, the default); per-token activation quantization (W8A8) now sees channels `alpha` times
+    larger than the rest, whose precision they crush. The defaults, 3 channels x 64, give INT8 rollout the
+    mismatch of a real 135M instruct model (docs/probe.md).
+    """
+
+    base: str = "tiny"
+    channels: int = 3
+    alpha: float = 64.0
+    calib_prompts: int = 64
+    version: int = 1
+
+
+OUTLIER_RECIPES: dict[str, OutlierRecipe] = {
+    "tiny-outliers": OutlierRecipe(),
+}
+
+
 def cache_root(cache_dir: str = "") -> Path:
     """Where built-in models live: `model.cache_dir`, else $ASYNCRL_CACHE, else ~/.cache/asyncrl."""
     if cache_dir:
@@ -73,15 +108,36 @@ def recipe_fingerprint(recipe: TinyRecipe) -> str:
     return hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
 
 
+def outlier_fingerprint(recipe: OutlierRecipe) -> str:
+    """The variant's own settings and its base model's recipe: a new base is a new variant."""
+    payload = {"variant": asdict(recipe), "base": asdict(RECIPES[recipe.base])}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
     """A model directory for `model.path`: built (or reused from cache) for `builtin:<name>`, else as given."""
     if not path.startswith("builtin:"):
         return Path(path).expanduser()
     name = path.split(":", 1)[1]
-    if name not in RECIPES:
-        raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join('builtin:' + n for n in RECIPES)}")
-    recipe = RECIPES[name]
-    target = cache_root(cache_dir) / "builtin" / f"{name}-{recipe_fingerprint(recipe)}"
+    if name in RECIPES:
+        recipe: TinyRecipe | OutlierRecipe | ToolRecipe = RECIPES[name]
+        fingerprint = recipe_fingerprint(recipe)
+        build = partial(build_tiny, recipe)
+    elif name in TOOL_RECIPES:
+        from common.builtin_tool import build_tool, tool_fingerprint
+
+        recipe = TOOL_RECIPES[name]
+        fingerprint = tool_fingerprint(recipe)
+        build = partial(build_tool, recipe)
+    elif name in OUTLIER_RECIPES:
+        recipe = OUTLIER_RECIPES[name]
+        base_dir = resolve_model_path(f"builtin:{recipe.base}", cache_dir, log)
+        fingerprint = outlier_fingerprint(recipe)
+        build = partial(build_outliers, recipe, base_dir)
+    else:
+        valid = ", ".join("builtin:" + n for n in (*RECIPES, *OUTLIER_RECIPES, *TOOL_RECIPES))
+        raise ValueError(f"unknown built-in model {path!r}; valid: {valid}")
+    target = cache_root(cache_dir) / "builtin" / f"{name}-{fingerprint}"
     if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +146,7 @@ def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
     started = time.monotonic()
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        report = build_tiny(recipe, staging)
+        report = build(staging)
         (staging / "asyncrl_recipe.json").write_text(json.dumps({"recipe": asdict(recipe), **report}, indent=2))
         staging.chmod(0o755)  # mkdtemp makes it private: a shared cache must be readable by others
         if target.exists() and not _complete(target):  # a damaged copy (files deleted, a copy cut short)
@@ -124,12 +180,12 @@ def _remove_abandoned_builds(parent: Path, name: str, older_than_s: float = 3600
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def make_tokenizer():
-    """A character-level Hugging Face fast tokenizer over the arithmetic alphabet, BOS prepended."""
+def make_tokenizer(alphabet: str = ARITH_ALPHABET):
+    """A character-level Hugging Face fast tokenizer over `alphabet` (the arithmetic one by default), BOS prepended."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(ARITH_ALPHABET))}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(alphabet))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -228,3 +284,79 @@ def warm_start_accuracy(model, tokenizer, recipe: TinyRecipe, n: int = 512) -> d
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         report[name] = sum(t.strip() == p.answer for t, p in zip(texts, problems)) / n
     return report
+
+
+NORM_FEEDS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
+"""Each decoder layer's RMSNorms and the linears their output feeds (as quant_sync.uaq; common cannot import it)."""
+
+
+def outlier_channels(model, input_ids, attention_mask, count: int) -> list[int]:
+    """The `count` hidden channels with the largest RMS of the norm outputs, averaged over every decoder layer's
+    two RMSNorms on real tokens: the channels that already carry the most (real LLMs' massive activations sit in
+    a few fixed channels of the residual stream, across layers)."""
+    import torch
+
+    sums: list = []
+    hooks = []
+    real = attention_mask.bool()
+    for layer in model.model.layers:
+        for norm_name in NORM_FEEDS:
+            hooks.append(getattr(layer, norm_name).register_forward_hook(
+                lambda _m, _i, out: sums.append(out.detach()[real].pow(2).mean(0).sqrt())
+            ))  # fmt: skip
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sorted(int(c) for c in torch.stack(sums).mean(0).topk(count).indices)
+
+
+def reparametrize_outliers(model, channels: list[int], alpha: float) -> None:
+    """In every decoder layer, multiply both RMSNorm weights by alpha on `channels` and divide the input columns of
+    the linears they feed by alpha, in place. A power-of-two alpha scales exactly in fp32: the function is unchanged
+    bit for bit (products g*x*w are the same numbers); any other alpha changes it by fp32 rounding."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm_name, linear_names in NORM_FEEDS.items():
+                getattr(layer, norm_name).weight[channels] *= alpha
+                for dotted in linear_names:
+                    module = layer
+                    for part in dotted.split("."):
+                        module = getattr(module, part)
+                    module.weight[:, channels] /= alpha
+
+
+def build_outliers(recipe: OutlierRecipe, base_dir: Path, out_dir: Path) -> dict[str, float | list[int]]:
+    """Reparametrize the built-in model in base_dir per `recipe` (OutlierRecipe) and save it into out_dir."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from common.tasks.arith import arith_problem
+
+    if recipe.channels < 1 or recipe.alpha <= 0:
+        raise ValueError(f"outlier recipe needs channels >= 1 and alpha > 0, got {recipe.channels}, {recipe.alpha}")
+    base = RECIPES[recipe.base]
+    model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    problems = [arith_problem(base.data_seed + 2, i, base.digits, base.ops) for i in range(recipe.calib_prompts)]
+    enc = tokenizer([p.prompt + p.answer for p in problems], return_tensors="pt", padding=True)
+    channels = outlier_channels(model, enc["input_ids"], enc["attention_mask"], recipe.channels)
+    with torch.no_grad():
+        before = torch.log_softmax(model(**enc).logits, -1)
+        reparametrize_outliers(model, channels, recipe.alpha)
+        after = torch.log_softmax(model(**enc).logits, -1)
+    real = enc["attention_mask"].bool()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "channels": channels,
+        "alpha": recipe.alpha,
+        "fp32_max_abs_logp_change": float((after - before)[real].abs().max()),
+    }

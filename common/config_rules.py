@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from common.config_checks import ConfigError, check_section, is_loopback
-from common.config_schema import AlgoConfig, Config, QuantConfig, RolloutConfig
+from common.config_schema import AlgoConfig, Config, LearnerConfig, QuantConfig, RolloutConfig
 
 SIMULATED_SCHEMES = ("fp8_trunc", "w4a16", "w8a16")
 """Quantization schemes only the embedded engine simulates; SGLang serves int8 or fp8."""
@@ -28,6 +28,38 @@ def head_quantized(quant: QuantConfig, rollout: RolloutConfig) -> bool:
     if quant.lm_head == "quantized":
         return True
     return rollout.backend == "embedded" and quant.scheme in W8A8_SCHEMES
+
+
+def lora_base(learner: LearnerConfig, quant: QuantConfig) -> str:
+    """The frozen base under LoRA adapters (`learner.lora_base`, `auto` resolved): `rollout` (the published quantized
+    weights, the engine's numerics) when `quant.scheme` is not none, else `full`."""
+    if learner.lora_base != "auto":
+        return learner.lora_base
+    return "full" if quant.scheme == "none" else "rollout"
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA (`model.lora.rank > 0`): what this slice supports (one learner rank, the embedded engine)."""
+    if cfg.model.lora.rank == 0:
+        if cfg.checkpoint.merge_lora:
+            raise ConfigError("`checkpoint.merge_lora=true` needs `model.lora.rank > 0`: without LoRA, `final/` is "
+                              "already a full Hugging Face model")  # fmt: skip
+        return
+    if cfg.learner.world_size > 1:
+        raise ConfigError("`model.lora.rank > 0` needs `learner.world_size=1`: LoRA under FSDP2 is not supported yet")
+    if cfg.rollout.backend != "embedded":
+        raise ConfigError("`model.lora.rank > 0` needs `rollout.backend=embedded`: the SGLang backend does not load "
+                          "LoRA adapters yet")  # fmt: skip
+    base = lora_base(cfg.learner, cfg.quant)
+    if base == "rollout" and cfg.quant.scheme == "none":
+        raise ConfigError("`learner.lora_base=rollout` needs a quantized `quant.scheme` (int8, fp8, ...), got none; "
+                          "use `learner.lora_base=full`")  # fmt: skip
+    if cfg.learner.rollout_aligned and base == "full":
+        raise ConfigError("`learner.rollout_aligned=true` with LoRA runs the frozen base on the rollout's operands: "
+                          "it needs `learner.lora_base=rollout` (or auto), not full")  # fmt: skip
+    if base == "rollout" and cfg.quant.scheme in ("w8a16", "w4a16") and cfg.precision.rollout != "fp32":
+        raise ConfigError(f"`learner.lora_base=rollout` with weight-only `quant.scheme={cfg.quant.scheme}` needs "
+                          "`precision.rollout=fp32` (the engine and the learner's base would not align)")  # fmt: skip
 
 
 def validate(cfg: Config) -> Config:
@@ -45,7 +77,9 @@ def validate(cfg: Config) -> Config:
     _check_rollout(cfg)
     _check_optim_and_resources(cfg)
     _check_model(cfg)
+    _check_lora(cfg)
     _check_reward(cfg)
+    _check_env(cfg)
     return cfg
 
 
@@ -60,12 +94,14 @@ def _check_compute(cfg: Config) -> None:
     scale = cfg.precision.loss_scale_init
     if math.frexp(scale)[0] != 0.5:  # unscaling must be exact: a power of two
         raise ConfigError(f"`precision.loss_scale_init` must be a power of two, got {scale!r}")
-    if not cfg.ray.address:  # a local Ray of ray.num_cpus CPUs: every actor must fit, or some wait forever
+    if not cfg.ray.address:  # a local Ray of ray.local_cpus() logical CPUs: every actor must fit, or some wait forever
         need = cfg.ray.learner_cpus + cfg.rollout.num_workers * cfg.ray.worker_cpus
-        if need > cfg.ray.num_cpus + 1e-9:
+        if need > cfg.ray.local_cpus() + 1e-9:
             raise ConfigError(
                 f"`ray.learner_cpus` ({cfg.ray.learner_cpus:g}) + `rollout.num_workers` ({cfg.rollout.num_workers}) "
-                f"x `ray.worker_cpus` ({cfg.ray.worker_cpus:g}) = {need:g} CPUs > `ray.num_cpus` ({cfg.ray.num_cpus})"
+                f"x `ray.worker_cpus` ({cfg.ray.worker_cpus:g}) = {need:g} CPUs > the local cluster's "
+                f"{cfg.ray.local_cpus()} (`ray.num_cpus` {cfg.ray.num_cpus} x `ray.local_oversubscribe` "
+                f"{cfg.ray.local_oversubscribe:g}); raise `ray.local_oversubscribe` or lower `ray.worker_cpus`"
             )
 
 
@@ -142,7 +178,9 @@ def _check_data(cfg: Config) -> None:
         )
     if cfg.data.task != "dataset" and (cfg.data.eval_path or cfg.data.max_prompt_tokens):
         raise ConfigError("`data.eval_path` and `data.max_prompt_tokens` need data.task=dataset")
-    if cfg.data.task == "arith" and (not cfg.data.ops or set(cfg.data.ops) - {"+", "-"}):
+    if cfg.data.task == "arith_tool" and not cfg.env.fn:
+        raise ConfigError("data.task=arith_tool runs calculator episodes: set `env.fn=asyncrl:arith_tool`")
+    if cfg.data.task in ("arith", "arith_tool") and (not cfg.data.ops or set(cfg.data.ops) - {"+", "-"}):
         raise ConfigError(f"`data.ops` must be made of '+' and '-', got {cfg.data.ops!r}")
 
 
@@ -168,6 +206,18 @@ def _check_model(cfg: Config) -> None:
             )
     elif not Path(cfg.model.path).expanduser().is_dir():
         raise ConfigError(f"`model.path` {cfg.model.path!r} is not a directory (nor builtin:<name>)")
+
+
+def _check_env(cfg: Config) -> None:
+    """`env.fn` names a file or module holding the environment (common/envs.py; a file is parsed, not run)."""
+    if not cfg.env.fn:
+        return
+    from common.envs import EnvError, check_env_spec
+
+    try:
+        check_env_spec(cfg.env.fn)
+    except EnvError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _check_reward(cfg: Config) -> None:

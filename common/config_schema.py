@@ -34,14 +34,43 @@ WEIGHTINGS = (
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 PROX_MODES = ("recompute", "behav", "loglinear")
+THREADS_POLICIES = ("fixed", "throttled", "measured")
 QUANT_SCHEMES = ("none", "int8", "fp8", "fp8_trunc", "w8a16", "w4a16")
 HEAD_MODES = ("auto", "quantized", "fp32")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "length_decay")
 BACKENDS = ("embedded", "sglang")
-TASKS = ("arith", "jsonl", "dataset")
+TASKS = ("arith", "arith_tool", "jsonl", "dataset")
 SWAP_MODES = ("in_place", "retract")
 ACRL_X_MODES = ("first_batch", "ema")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder-block linears a LoRA adapter may sit on (`model.lora.targets`)."""
+LORA_BASES = ("auto", "full", "rollout")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    rank: int = in_range(0, 1024, default=0)
+    """LoRA rank r of every adapter (ALGORITHMS.md, "LoRA on a frozen quantized base"); 0: off, the whole model
+    trains. On: the base weights are frozen, only the adapters get gradients and optimizer state, and each new
+    weight version publishes only the adapters."""
+    alpha: float = in_range(1e-6, default=32.0)
+    """LoRA alpha: the adapter's output is scaled by alpha / rank."""
+    dropout: float = in_range(0.0, 0.99, default=0.0)
+    """Dropout on the adapters' input in the learner's forwards (the rollout has none: above 0 the learner's
+    log-probs no longer equal the engine's)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """The decoder-block linears that get an adapter, among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj (default: all of them)."""
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.targets if name not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ConfigError(f"`model.lora.targets` must be a non-empty list of {', '.join(LORA_TARGETS)}; "
+                              f"got {list(self.targets)}")  # fmt: skip
+        if len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"`model.lora.targets` names a linear twice: {list(self.targets)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,13 +82,15 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Let transformers run Python code shipped in the model directory (`auto_map` modeling files). Off: a model
     directory is data, and one that needs its own code is refused (docs/security.md)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     task: str = one_of(TASKS, default="arith")
-    """Prompt source: `arith` (built-in procedurally generated arithmetic), `jsonl` (a JSONL file) or `dataset` (a
-    .jsonl/.json/.parquet file or a `datasets` save_to_disk directory, read with the `datasets` library)."""
+    """Prompt source: `arith` (built-in procedurally generated arithmetic), `arith_tool` (the same problems, solved
+    in multi-turn episodes with a calculator: needs `env.fn=asyncrl:arith_tool`), `jsonl` (a JSONL file) or `dataset`
+    (a .jsonl/.json/.parquet file or a `datasets` save_to_disk directory, read with the `datasets` library)."""
     path: str = ""
     """Dataset for task=jsonl (a JSONL file) or task=dataset (a .jsonl/.json/.parquet file or a saved directory)."""
     prompt_key: str = "prompt"
@@ -105,6 +136,9 @@ class TrainConfig:
     """Seed of the learner (init, sampling of minibatches) and of the rollout samplers."""
     eval_every: int = in_range(0, default=0)
     """Evaluate greedy accuracy on the held-out prompts every this many steps (0: only at the end)."""
+    stall_timeout_s: float = in_range(0.0, default=0.0)
+    """Seconds without a finished train step after which the driver reports a stall (console and a `stall` event)
+    and fails the run if nothing can make progress (asyncrl/watchdog.py); 0: max(300 s, 30 x the median step time)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -204,6 +238,9 @@ class BufferConfig:
     curve_keys_dir: str = ""
     """Directory of CurveZMQ keys (`asyncrl keys DIR`; layout in common/curve.py): encrypts the buffer socket and
     admits only allow-listed clients. Required when `host` is not a loopback address; empty: plain ZMQ."""
+    max_restarts: int = in_range(0, default=3)
+    """Restarts of a dead buffer process over the whole run (same run directory and port, journal replayed) before
+    the run fails (asyncrl/supervise.py `BufferSupervisor`)."""
 
     def __post_init__(self) -> None:
         if not self.curve_keys_dir and not is_loopback(self.host):
@@ -248,6 +285,16 @@ class TbpoConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class KlConfig:
+    coef: float = in_range(0.0, default=0.0)
+    """Weight beta of the KL penalty against the frozen initial model (ALGORITHMS.md, "KL and entropy terms"):
+    loss += beta * agg(k); 0: off, and no reference model is built."""
+    estimator: str = one_of(KL_ESTIMATORS, default="k3")
+    """Per-token estimator of KL(pi_theta || pi_ref) (Schulman), with log r = lref - lc: `k1` = -log r, `k2` =
+    (log r)^2 / 2, `k3` = r - 1 - log r (low variance, never negative; GRPO's)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class LossConfig:
     weighting: str = one_of(WEIGHTINGS, default="tis")
     """Mismatch weighting (ALGORITHMS.md): none, decoupled, tis, mis_token, mis_seq, acr, acrl, tbpo, gspo, pg_*."""
@@ -263,6 +310,9 @@ class LossConfig:
     """Negative dual clip c (> 1) for A < 0; 0 disables."""
     acrl: AcrlConfig = field(default_factory=AcrlConfig)
     tbpo: TbpoConfig = field(default_factory=TbpoConfig)
+    kl: KlConfig = field(default_factory=KlConfig)
+    entropy_coef: float = in_range(0.0, default=0.0)
+    """Weight of the entropy bonus over response tokens: loss -= entropy_coef * agg(H) (ALGORITHMS.md); 0: off."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -303,18 +353,28 @@ class LearnerConfig:
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)
-    """torch intra-op threads of each learner rank."""
+    """torch intra-op threads of each learner rank (the low count of `learner.threads_policy`)."""
     threads_max: int = in_range(0, default=0)
-    """0: off. Else the torch threads (at most the machine's cores) of a step after rollout was throttled (the buffer
-    refused a lease since the previous step: the workers wait on the learner and their cores idle); `learner.threads`
-    after an unthrottled one. One learner rank only."""
+    """The high count of `learner.threads_policy` (at most the cores the learner may run on); 0: those cores."""
+    threads_policy: str = one_of(THREADS_POLICIES, default="measured")
+    """The learner's torch threads per step (ALGORITHMS.md, "Learner threads"; one rank only, with more every rank
+    keeps `learner.threads`): `fixed` (`learner.threads`); `throttled` (the high count for a step after the buffer
+    refused a lease, else `learner.threads`); `measured` (when the learner is the bound, a few steps at each count,
+    then the one with fewer loop seconds per trained sample, checked again every 50 steps)."""
     world_size: int = in_range(1, default=1)
     """Learner ranks (FSDP2, gloo on CPU), each a Ray actor requesting `ray.learner_cpus / world_size` CPUs."""
+    lora_base: str = one_of(LORA_BASES, default="auto")
+    """With `model.lora.rank > 0`, the frozen base under the adapters: `rollout` runs it on the published quantized
+    weights with the engine's numerics (zero base mismatch), `full` in fp32; `auto`: `rollout` when `quant.scheme`
+    is not none, else `full` (`common.config_rules.lora_base`)."""
+    max_restarts: int = in_range(0, default=2)
+    """Restarts of the learner group after a rank died, over the whole run: the driver restarts it (and the rollout
+    workers) from the latest checkpoint, or the initial model, with the buffer rewound as `--resume` does."""
 
     def __post_init__(self) -> None:
         if self.threads_max and self.threads_max < self.threads:
-            raise ConfigError(f"`learner.threads_max` ({self.threads_max}) must be 0 (off) or >= `learner.threads` "
-                              f"({self.threads})")  # fmt: skip
+            raise ConfigError(f"`learner.threads_max` ({self.threads_max}) must be 0 (the cores) or >= "
+                              f"`learner.threads` ({self.threads})")  # fmt: skip
         if self.threads_max and self.world_size > 1:
             raise ConfigError("`learner.threads_max` needs `learner.world_size=1` (only rank 0 hears the buffer)")
 
@@ -396,6 +456,9 @@ class CheckpointConfig:
     """Resumable checkpoints kept on disk (the oldest are deleted)."""
     final: bool = True
     """Save a final Hugging Face model directory when the run ends."""
+    merge_lora: bool = False
+    """With `model.lora.rank > 0` and `checkpoint.final`: also write `runs/<name>/final-merged/`, the adapters merged
+    into the original base (peft `merge_and_unload`, UAQ undone as in `final/`): plain Hugging Face safetensors."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -403,7 +466,12 @@ class RayConfig:
     address: str = ""
     """Ray cluster address (`auto` or host:port); empty starts a local cluster."""
     num_cpus: int = in_range(1, default=2)
-    """CPUs of the local cluster."""
+    """Cores of the local cluster; it declares `ray.num_cpus * ray.local_oversubscribe` logical CPUs to Ray."""
+    local_oversubscribe: float = in_range(1.0, 64.0, default=4.0)
+    """Logical CPUs a local cluster declares per core. Ray's CPUs are scheduling tokens, not pinned cores: actors past
+    the cores share them as processes do, so `rollout.num_workers` and `asyncrl scale` may go past the core count.
+    1: only what fits the cores. With `ray.address` the cluster's own CPUs count, and workers that do not fit wait as
+    `pending` in `asyncrl status`."""
     worker_cpus: float = in_range(0.0, default=0.5)
     """CPU request of each rollout worker actor."""
     learner_cpus: float = in_range(0.0, default=1.0)
@@ -416,6 +484,10 @@ class RayConfig:
     allow_unauthenticated: bool = False
     """With `ray.address`: accept a cluster that runs without token authentication (anyone who reaches its ports
     can run code as its user). Off: such a cluster is refused; on: a warning every run (docs/security.md)."""
+
+    def local_cpus(self) -> int:
+        """The logical CPUs a local cluster declares to Ray: `num_cpus * local_oversubscribe`, at least `num_cpus`."""
+        return max(self.num_cpus, int(self.num_cpus * self.local_oversubscribe + 1e-9))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -458,6 +530,42 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    """Multi-turn, tool-using episodes (common/envs.py, rollout_workers/episodes.py; issue 21). Empty `fn`:
+    single-turn rollouts (one response per prompt, scored by the reward function), as before."""
+
+    fn: str = ""
+    """The environment: `path/to/file.py:Class` (made absolute at load) or `package.module:Class`, instantiated
+    once per episode with `env.args`; it declares `stop_strings` and implements `reset(problem)` and
+    `step(model_text) -> StepResult`. Empty: single-turn."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = in_range(1, 256, default=4)
+    """Most model turns in one episode; the episode ends (finish "length" unless the environment said done) there."""
+    max_total_tokens: int = in_range(1, 65536, default=512)
+    """Most response tokens of one episode, model and observation tokens together."""
+    timeout_s: float = in_range(0.001, 3600.0, default=10.0)
+    """Seconds one `reset` or `step` call may run; past it the episode ends with reward 0 (`env/timeouts`)."""
+    threads: int = in_range(1, 256, default=8)
+    """Threads that run environment calls off the decode thread (per worker)."""
+
+    def __post_init__(self) -> None:
+        from common.reward_fns import absolute_spec
+
+        self.fn = absolute_spec(self.fn) if self.fn else ""  # workers may run in another directory
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Held-out evaluation (`train.eval_every`, and at the end of a run) through the rollout engine
+    (asyncrl/evaluate.py): greedy accuracy, and `samples` draws per prompt at the training temperature."""
+
+    samples: int = in_range(0, 64, default=4)
+    """Draws per held-out prompt at `rollout.temperature` on the rollout engine: `eval/mean@k` (mean share correct)
+    and `eval/pass@k` (share of prompts with a correct draw), k = samples; 0: greedy only."""
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -475,6 +583,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 LIVE_KEYS: tuple[str, ...] = (

@@ -7,8 +7,8 @@ as `{"dt": "i4" | "f4", "n": <length>, "b": <raw little-endian bytes>}`; `decode
 into them).
 
 A group of trajectories (`PushGroup.trajectories`, each of `BatchReply.groups`) travels as columns, one map of the
-15 GROUP_COLUMNS for the whole group, so that a receiver checks a group with a few numpy reductions instead of
-hundreds of small objects (schema version 2; version 1 sent a map per trajectory):
+17 GROUP_COLUMNS for the whole group, so that a receiver checks a group with a few numpy reductions instead of
+hundreds of small objects (schema version 3; version 2 had no loss mask, version 1 sent a map per trajectory):
 
 | column | msgpack type | content, for n trajectories |
 |---|---|---|
@@ -19,6 +19,15 @@ hundreds of small objects (schema version 2; version 1 sent a map per trajectory
 | `prompt_len`, `response_len` | bin, n x int32 LE | tokens of each trajectory's prompt / response |
 | `prompt_ids` | bin, int32 LE | the prompts, concatenated (sum of prompt_len) |
 | `response_ids`, `versions` / `behav_logp` | bin, int32 / float32 LE | the responses, concatenated |
+| `mask_len` | bin, n x int32 LE | 0 (no mask: every response token is a model token) or response_len |
+| `loss_mask` | bin, uint8 | the masks of the trajectories that have one, concatenated (sum of mask_len) |
+
+The loss mask (schema 3) marks which response tokens the model sampled (1: trained) and which an environment
+appended (0: observations and chat-template tokens of a multi-turn episode, context only). A masked token's
+`behav_logp` carries no behaviour log-prob (the worker writes 0.0) and its `versions` entry is the weight version
+current when it was appended, never older than the model tokens before it, so `min(versions)` (staleness) is the
+oldest model token's version. A single-turn trajectory has no mask (`loss_mask=None`, `mask_len` 0): its wire
+is 4 bytes per trajectory larger than schema 2's, and the single-turn path is unchanged.
 
 Decoded, a group is a list of Trajectory whose arrays are read-only views of those columns. A single `Trajectory`
 message keeps the per-field map with array maps.
@@ -63,6 +72,7 @@ from common.wire_kinds import (
     ID,
     INT,
     LOGP_TOLERANCE,
+    MASK,
     MAX_GROUP,
     MAX_ID_CHARS,
     MAX_MAP_LEN,
@@ -76,6 +86,7 @@ from common.wire_kinds import (
     STATS,
     STEP,
     STR,
+    U1,
     WAIT,
     WIRE_REASONS,
     Kind,
@@ -112,6 +123,7 @@ __all__ = [
     "STR",
     "TRAJECTORIES",
     "TRAJECTORY",
+    "U1",
     "UNPACK_LIMITS",
     "WAIT",
     "WIRE_REASONS",
@@ -134,10 +146,13 @@ __all__ = [
     "decode_fields",
     "encode",
     "list_kind",
+    "model_token_mask",
     "unpack_message",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+_SCHEMA_HISTORY = {1: "a map per trajectory", 2: "no per-token loss mask"}
+"""What each older schema lacked, for the refusal message (journals of both are upgraded: buffer.ingest)."""
 
 # ---------------------------------------------------------------------------------------------------------------
 # Message types. Field comments give dtype / shape; producer and consumer are in the class docstrings.
@@ -160,6 +175,7 @@ class Trajectory:
     worker: str  # id of the rollout worker
     t_start: float  # unix seconds, generation start
     t_end: float  # unix seconds, generation end
+    loss_mask: np.ndarray | None = None  # uint8 (T,) 1 on model tokens, 0 on observation tokens; None: all model
 
 
 @dataclass(slots=True)
@@ -310,6 +326,23 @@ def _check_trajectory(traj: Trajectory) -> None:
         raise WireError("negative_token", traj.uid[:100])
     if traj.finish not in FINISH_REASONS:
         raise WireError("bad_finish", f"{traj.finish[:40]!r} not in {FINISH_REASONS}")
+    if traj.loss_mask is not None:
+        check_mask(traj.loss_mask, length, traj.uid)
+
+
+def check_mask(mask: np.ndarray, length: int, uid: str) -> None:
+    """A loss mask of `length` response tokens: 0 / 1 values with at least one model token, else `bad_mask`."""
+    if mask.shape[0] != length:
+        raise WireError("bad_mask", f"{uid[:100]}: loss_mask of {mask.shape[0]} tokens for {length} response tokens")
+    if int(mask.max()) > 1 or int(mask.max()) == 0:
+        raise WireError("bad_mask", f"{uid[:100]}: loss_mask must hold 0 / 1 with at least one 1")
+
+
+def model_token_mask(traj: Trajectory) -> np.ndarray:
+    """The trajectory's loss mask as a bool array (all True when it has none)."""
+    if traj.loss_mask is None:
+        return np.ones(traj.response_ids.shape[0], dtype=bool)
+    return traj.loss_mask.astype(bool)
 
 
 _TRAJECTORY_FIELDS = (
@@ -326,6 +359,7 @@ _TRAJECTORY_FIELDS = (
     ("worker", ID),
     ("t_start", FINITE),
     ("t_end", FINITE),
+    ("loss_mask", MASK),
 )
 TRAJECTORY = struct_kind(Trajectory, _TRAJECTORY_FIELDS, _check_trajectory)
 _LEASE_FIELDS = (("group", ID), ("index", NAT), ("prompt", STR), ("answer", STR), ("deadline", FINITE))
@@ -404,7 +438,9 @@ def unpack_message(data: bytes | bytearray | memoryview) -> tuple[str, dict[str,
         raise WireError("bad_msgpack", f"top level must be a map, got {type(obj).__name__}")
     version = obj.pop("v", None)
     if type(version) is not int or version != SCHEMA_VERSION:
-        raise WireError("schema_version", f"got {version!r}, expected {SCHEMA_VERSION}"[:200])
+        old = _SCHEMA_HISTORY.get(version) if type(version) is int else None
+        lacks = f" (schema {version} has {old}; upgrade the peer)" if old else ""
+        raise WireError("schema_version", f"got {version!r}, expected {SCHEMA_VERSION}{lacks}"[:200])
     name = obj.pop("type", None)
     if type(name) is not str or name not in _BY_NAME:
         raise WireError("unknown_type", repr(name)[:100])

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 _I4 = np.dtype("<i4")
 _F4 = np.dtype("<f4")
+_U1 = np.dtype("u1")
 _MIN, _MAX, _OR = np.minimum.reduce, np.maximum.reduce, np.bitwise_or.reduce
 _FINISH_SET = frozenset(FINISH_REASONS)
 _TEXT_COLUMNS = ("uid", "group", "finish", "worker")
@@ -43,12 +44,14 @@ _SCALAR_COLUMNS = (  # one value per trajectory: (column, little-endian struct c
     ("t_end", "d", 8),
     ("prompt_len", "i", 4),
     ("response_len", "i", 4),
+    ("mask_len", "i", 4),
 )
 _TOKEN_COLUMNS = (  # concatenated arrays: (column, dtype, the length column giving each trajectory's share)
     ("prompt_ids", _I4, "prompt_len"),
     ("response_ids", _I4, "response_len"),
     ("behav_logp", _F4, "response_len"),
     ("versions", _I4, "response_len"),
+    ("loss_mask", _U1, "mask_len"),
 )
 GROUP_COLUMNS = (*_TEXT_COLUMNS, *(c for c, _, _ in _SCALAR_COLUMNS), *(c for c, _, _ in _TOKEN_COLUMNS))
 """The keys of a group of trajectories on the wire, in `encode`'s order (see `group_kind`)."""
@@ -71,20 +74,22 @@ class _Group:
     t_end: tuple[float, ...]
     prompt_len: tuple[int, ...]
     response_len: tuple[int, ...]
+    mask_len: tuple[int, ...]
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     behav_logp: np.ndarray
     versions: np.ndarray
+    loss_mask: np.ndarray  # uint8, the masks of the trajectories whose mask_len is not 0, concatenated
     oldest_version: int  # min over all tokens (0 for an empty group)
     newest_version: int  # max over all tokens (0 for an empty group)
 
     def trajectories(self, trajectory_type: type[Trajectory]) -> list[Trajectory]:
         """The group as `trajectory_type` objects (common.wire.Trajectory) whose arrays are views of the columns."""
         out = []
-        prompt_at = response_at = 0
-        for uid, group, finish, worker, index, reward, correct, t_start, t_end, plen, rlen in zip(
+        prompt_at = response_at = mask_at = 0
+        for uid, group, finish, worker, index, reward, correct, t_start, t_end, plen, rlen, mlen in zip(
             self.uid, self.group, self.finish, self.worker, self.prompt_index, self.reward, self.correct,
-            self.t_start, self.t_end, self.prompt_len, self.response_len, strict=True,
+            self.t_start, self.t_end, self.prompt_len, self.response_len, self.mask_len, strict=True,
         ):  # fmt: skip
             end = response_at + rlen
             out.append(
@@ -102,9 +107,10 @@ class _Group:
                     worker,
                     t_start,
                     t_end,
+                    self.loss_mask[mask_at : mask_at + mlen] if mlen else None,
                 )  # fmt: skip
             )
-            prompt_at, response_at = prompt_at + plen, end
+            prompt_at, response_at, mask_at = prompt_at + plen, end, mask_at + mlen
         return out
 
 
@@ -160,14 +166,14 @@ def check_group(value: Any, name: str) -> _Group:
             bad = next(f for f in texts[2] if f not in _FINISH_SET)
             raise WireError("bad_finish", f"{bad[:40]!r} not in {FINISH_REASONS}")
         lens = scalars["prompt_len"] + scalars["response_len"]
-        if min(lens) < 0:
-            raise WireError("bad_field", f"`{name}`: a negative prompt_len or response_len ({uid0})")
+        if min(lens) < 0 or min(scalars["mask_len"]) < 0:
+            raise WireError("bad_field", f"`{name}`: a negative prompt_len, response_len or mask_len ({uid0})")
         if max(lens) > MAX_TOKENS:
             raise WireError("oversized", f"`{name}`: a trajectory of more than {MAX_TOKENS} tokens ({uid0})")
         if min(scalars["response_len"]) == 0:
             raise WireError("empty_response", texts[0][scalars["response_len"].index(0)][:100])
     tokens = {
-        column: np.frombuffer(_bytes_column(value, column, 4, sum(scalars[length_column])), dtype)
+        column: np.frombuffer(_bytes_column(value, column, dtype.itemsize, sum(scalars[length_column])), dtype)
         for column, dtype, length_column in _TOKEN_COLUMNS
     }
     oldest = newest = 0
@@ -185,7 +191,22 @@ def check_group(value: Any, name: str) -> _Group:
         prompts = tokens["prompt_ids"]
         if int(_OR(tokens["response_ids"])) < 0 or (prompts.size and int(_OR(prompts)) < 0):
             raise WireError("negative_token", uid0)  # a negative int32 has the sign bit, so their OR is negative
+        if tokens["loss_mask"].size:  # multi-turn trajectories only: the single-turn path pays one size check
+            _check_masks(texts[0], scalars["response_len"], scalars["mask_len"], tokens["loss_mask"])
     return _Group(*texts, **scalars, **tokens, oldest_version=oldest, newest_version=newest)
+
+
+def _check_masks(uids: list[str], response_len: tuple[int, ...], mask_len: tuple[int, ...], masks: np.ndarray) -> None:
+    """Each mask is as long as its response, holds 0 / 1 only, and marks at least one model token (`bad_mask`)."""
+    if int(_MAX(masks)) > 1:
+        raise WireError("bad_mask", f"a loss_mask value above 1 ({uids[0][:100]})")
+    at = 0
+    for uid, rlen, mlen in zip(uids, response_len, mask_len, strict=True):
+        if mlen and mlen != rlen:
+            raise WireError("bad_mask", f"{uid[:100]}: mask_len {mlen} for {rlen} response tokens (0 or equal)")
+        if mlen and int(_MAX(masks[at : at + mlen])) == 0:
+            raise WireError("bad_mask", f"{uid[:100]}: a loss_mask with no model token")
+        at += mlen
 
 
 def group_kind(trajectory: Kind, trajectory_type: type[Trajectory]) -> Kind:
@@ -205,6 +226,7 @@ def group_kind(trajectory: Kind, trajectory_type: type[Trajectory]) -> Kind:
         lengths = {
             "prompt_len": [row["prompt_ids"]["n"] for row in rows],
             "response_len": [row["response_ids"]["n"] for row in rows],
+            "mask_len": [0 if row["loss_mask"] is None else row["loss_mask"]["n"] for row in rows],
         }
         for column, code, _ in _SCALAR_COLUMNS:
             values = lengths.get(column) or [row[column] for row in rows]
@@ -213,7 +235,7 @@ def group_kind(trajectory: Kind, trajectory_type: type[Trajectory]) -> Kind:
             except struct.error as err:  # an int beyond the column's width
                 raise WireError("bad_field", f"`{column}`: {err}") from None
         for column, _, _ in _TOKEN_COLUMNS:
-            out[column] = b"".join(row[column]["b"] for row in rows)
+            out[column] = b"".join(row[column]["b"] for row in rows if row[column] is not None)
         return out
 
     def decode(value: Any, name: str) -> list[Trajectory]:

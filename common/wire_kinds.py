@@ -51,6 +51,7 @@ WIRE_REASONS = (
     "negative_token",  # a token id below 0
     "bad_finish",  # finish not in FINISH_REASONS
     "nonfinite_reward",  # NaN or inf reward
+    "bad_mask",  # a loss mask not of 0/1 values, of another length than the response, or with no model token
 )
 
 
@@ -174,10 +175,10 @@ def _dec_bool(value: Any, name: str) -> bool:
 
 
 def _array_kind(code: str) -> Kind:
-    """An array field of fixed little-endian dtype `code` ("i4" or "f4")."""
+    """An array field of fixed little-endian dtype `code` ("i4", "f4" or "u1")."""
     dtype = np.dtype("<" + code)
     itemsize = dtype.itemsize
-    is_int = dtype.kind == "i"
+    is_int = dtype.kind in "iu"
     info = np.iinfo(dtype) if is_int else None
 
     def encode(value: Any, name: str) -> dict[str, Any]:
@@ -273,6 +274,23 @@ NONNEG = Kind(_enc_float, _dec_nonneg_finite)
 BOOL = Kind(_enc_bool, _dec_bool)
 I4 = _array_kind("i4")
 F4 = _array_kind("f4")
+U1 = _array_kind("u1")
+
+
+def _enc_mask(value: Any, name: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray) and value.dtype == np.bool_:
+        value = value.astype(np.uint8)
+    return U1.encode(value, name)
+
+
+def _dec_mask(value: Any, name: str) -> np.ndarray | None:
+    return None if value is None else U1.decode(value, name)
+
+
+MASK = Kind(_enc_mask, _dec_mask)
+"""A per-token loss mask: nil (every token is a model token) or a uint8 array of 0 / 1."""
 STATS = Kind(_enc_stats, _dec_stats)
 
 

@@ -18,6 +18,10 @@ a layer whose master weight changed since (an optimizer step without publication
 quantizes it again with the same quantizer. With FSDP2 the weight a layer sees in forward is re-gathered every
 time, so the cache is off there and each forward quantizes (the same function of the same values: the same bits).
 The aligned layers compute in fp32 under any autocast (`precision.train`), as the rollout does.
+
+Under LoRA (`learner.lora_base = rollout`, learner/lora.py) the frozen base linears are aligned layers and peft's
+adapters wrap them: the base's operands are installed once, from version 0, and never change (no gradient reaches
+the frozen weight; the straight-through backward still gives the adapters below their input gradient).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config import QUANT_SCHEMES
-from quant_sync.export import is_quantized_linear
+from quant_sync.export import base_weight_name, is_quantized_linear
 from quant_sync.quantizers import (
     WEIGHT_ONLY_BITS,
     QuantizedWeight,
@@ -129,7 +133,7 @@ def make_rollout_aligned(model: torch.nn.Module, scheme: str, cache: bool = True
         )
     count = 0
     for name, module in model.named_modules():
-        if type(module) is torch.nn.Linear and is_quantized_linear(name + ".weight", head):
+        if type(module) is torch.nn.Linear and is_quantized_linear(base_weight_name(name) + ".weight", head):
             module.__class__ = AlignedLinear
             module.enable(scheme, cache)
             count += 1
@@ -145,8 +149,10 @@ def aligned_layers(model: torch.nn.Module) -> Iterator[tuple[str, AlignedLinear]
 
 
 def install_operands(model: torch.nn.Module, published: dict[str, torch.Tensor], scheme: str) -> None:
-    """Make the tensors just published (export_rollout_tensors) the operands of the next aligned forwards."""
+    """Make the tensors just published (export_rollout_tensors) the operands of the next aligned forwards (a peft
+    model's layers by their base model's names: the frozen base under LoRA adapters, learner/lora.py)."""
     for name, module in aligned_layers(model):
+        name = base_weight_name(name)
         q, scale = published[name + ".weight"], published[name + ".weight_scale"]
         if scheme in WEIGHT_ONLY_BITS:
             module.install(dequantize_published(q, scale, scheme))

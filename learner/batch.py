@@ -1,9 +1,11 @@
 """Training batches: groups of trajectories -> padded tensors, token-budget micro-batches, response log-probs.
 
 A batch holds B responses (all groups of one train step, group-major) right-padded to S positions of prompt +
-response, and their T response tokens. Rows are independent under the causal mask, so any subset of rows, with
-the trailing padding trimmed, gives the same per-row log-probs: that is what micro-batching and the split over
-learner ranks rely on.
+response, and their T response tokens. `mask` is 1 on the tokens the model sampled: padding is 0, and so are the
+observation tokens of a multi-turn episode (the trajectory's `loss_mask`), so every loss, advantage normalisation
+by token and mismatch metric that weighs tokens by `mask` ignores them. Rows are independent under the causal
+mask, so any subset of rows, with the trailing padding trimmed, gives the same per-row log-probs: that is what
+micro-batching and the split over learner ranks rely on.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Batch:
     attention_mask: torch.Tensor  # (B, S)
     response_pos: torch.Tensor  # (B, T) position of each response token in input_ids (0 where padded)
     response_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T) float, 1 on response tokens
+    mask: torch.Tensor  # (B, T) float, 1 on model-sampled response tokens (0 on padding and observation tokens)
     behav_logp: torch.Tensor  # (B, T)
     versions: torch.Tensor  # (B, T) int
     rewards: torch.Tensor  # (B,)
@@ -63,7 +65,10 @@ def collate(groups: list[list[Trajectory]], pad_id: int) -> Batch:
         attention[i, : p + r] = 1
         response_pos[i, :r] = torch.arange(p, p + r)
         response_ids[i, :r] = input_ids[i, p : p + r]
-        mask[i, :r] = 1.0
+        if t.loss_mask is None:
+            mask[i, :r] = 1.0
+        else:  # a multi-turn episode: observation tokens are context only (ALGORITHMS.md "Loss mask")
+            mask[i, :r] = torch.from_numpy(t.loss_mask.astype("float32"))
         behav[i, :r] = torch.from_numpy(t.behav_logp.copy())
         versions[i, :r] = torch.from_numpy(t.versions.astype("int64"))
     return Batch(

@@ -39,6 +39,37 @@ def actor_options(ray_cfg: RayConfig, world: int) -> dict[str, Any]:
     return options
 
 
+class LearnerActor:
+    """The Ray actor of one learner rank: a `learner.trainer.Learner` built in the actor's own process. The driver,
+    which only creates and calls it, never imports torch or transformers (about 1 CPU-second of its start-up)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from learner.trainer import Learner
+
+        self.learner = Learner(*args, **kwargs)
+
+    def weights_endpoint(self) -> str:
+        return self.learner.weights_endpoint()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        return self.learner.train_step(step)
+
+    def save_checkpoint(self, out_dir: str) -> str:
+        return self.learner.save_checkpoint(out_dir)
+
+    def set_live(self, changes: dict[str, Any]) -> None:
+        self.learner.set_live(changes)
+
+    def evaluate(self, prompts: list[str], answers: list[str], max_new_tokens: int) -> float:
+        return self.learner.evaluate(prompts, answers, max_new_tokens)
+
+    def save(self, out_dir: str) -> str:
+        return self.learner.save(out_dir)
+
+    def close(self) -> None:
+        self.learner.close()
+
+
 class LearnerGroup:
     def __init__(
         self,
@@ -52,17 +83,17 @@ class LearnerGroup:
         """Start `sections.learner.world_size` ranks, each given `sections`; `ray_cfg` sizes their actors."""
         import ray
 
-        from learner.distributed import local_rendezvous, start_rendezvous
-        from learner.trainer import Learner
-
         world = sections.learner.world_size
         self.store, address, self.store_dir = None, "", ""
-        if world > 1 and ray_cfg.address:  # ranks may be on other nodes: a TCP store (alive while the ranks are)
-            self.store, address = start_rendezvous()
-        elif world > 1:  # one machine: a file store, no port
-            self.store_dir = tempfile.mkdtemp(prefix="asyncrl-rdzv-")
-            address = local_rendezvous(self.store_dir)
-        actor = ray.remote(**actor_options(ray_cfg, world))(Learner)
+        if world > 1:  # torch.distributed: imported only where there is more than one rank
+            from learner.distributed import local_rendezvous, start_rendezvous
+
+            if ray_cfg.address:  # ranks may be on other nodes: a TCP store (alive while the ranks are)
+                self.store, address = start_rendezvous()
+            else:  # one machine: a file store, no port
+                self.store_dir = tempfile.mkdtemp(prefix="asyncrl-rdzv-")
+                address = local_rendezvous(self.store_dir)
+        actor = ray.remote(**actor_options(ray_cfg, world))(LearnerActor)
         section_values = to_dict(sections)
         self.ranks = [
             actor.remote(section_values, model_dir, buffer_endpoint, rank=rank, rendezvous=address,

@@ -4,6 +4,9 @@
       --chunks of `chunk_rows(V)` rows: head --> fp32 logits / temperature --> log_softmax --> the sampled token's
         log-prob, and the entropy (no grad)--> logp (B, T), entropy (B, T); 0 where the mask is 0
 
+Inside `entropy_with_grad()` (`loss.entropy_coef > 0`) the entropy comes from the same chunk with its gradient: the
+chunk returns both, checkpointed alike, so no extra full-vocabulary tensor outlives the chunk.
+
 The logits of the whole batch, (B, S, V) in fp32 (49,152 x 63 x 64 floats for SmolLM2-135M and 64 sequences of
 63 tokens), are never held: a chunk's logits live while its log-probs are computed. With gradients and several
 chunks, each is checkpointed (`torch.utils.checkpoint`), so backward recomputes its logits instead of storing them
@@ -25,7 +28,10 @@ take the whole-sequence path, as does a batch without loss positions.
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +42,22 @@ LOGITS_CHUNK_ELEMENTS = 2**24
 PLAIN_HEAD_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 """Model types whose causal-LM forward is `lm_head(last hidden state)` (the embedded engine's families)."""
 _FSDP_METHOD = "asyncrl_response_logp"
+_ENTROPY_GRAD: ContextVar[bool] = ContextVar("asyncrl_entropy_grad", default=False)
+
+
+@contextlib.contextmanager
+def entropy_with_grad(enabled: bool = True) -> Iterator[None]:
+    """Inside this block (when `enabled`), `response_logp` under grad returns the entropies with their gradient, for
+    the entropy bonus (`loss.entropy_coef`); outside it they are detached and cost no backward."""
+    token = _ENTROPY_GRAD.set(enabled)
+    try:
+        yield
+    finally:
+        _ENTROPY_GRAD.reset(token)
+
+
+def _entropy_grad() -> bool:
+    return torch.is_grad_enabled() and _ENTROPY_GRAD.get()
 
 
 def chunk_rows(vocab: int) -> int:
@@ -53,7 +75,7 @@ def response_logp(
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, T) of `response_ids` at `response_pos` of `input_ids` under `model` at `temperature`, with
-    grad, and entropies (B, T) without; both 0 where `mask` is 0.
+    grad, and entropies (B, T) without (with, inside `entropy_with_grad`); both 0 where `mask` is 0.
 
     input_ids, attention_mask: (B, S); response_pos (position of each response token), response_ids, mask: (B, T).
     """
@@ -89,12 +111,23 @@ def head_logp(
     head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden) / temperature) at `targets` (N,), with grad to `hidden` (N, H) and the head, and the
-    entropies (N,) without; in chunks of `chunk_rows` rows. With gradients, the chunks are checkpointed when there
-    are several; a single chunk keeps its log-softmax (at most `LOGITS_CHUNK_ELEMENTS`) for backward instead."""
+    entropies (N,) without (with, inside `entropy_with_grad`); in chunks of `chunk_rows` rows. With gradients, the
+    chunks are checkpointed when there are several; a single chunk keeps its log-softmax (at most
+    `LOGITS_CHUNK_ELEMENTS`) for backward instead."""
     step = chunk_rows(head.weight.shape[0])
     recompute = torch.is_grad_enabled() and hidden.shape[0] > step
+    with_grad = _entropy_grad()  # read once: a checkpoint's recomputation in backward runs outside the block
     logps, entropies = [], []
     for lo in range(0, hidden.shape[0], step):
+        if with_grad:  # both from one chunk function, so a checkpoint recomputes the logits once for both
+            pair = (head, hidden[lo : lo + step], targets[lo : lo + step], temperature)
+            if recompute:
+                logp, entropy = checkpoint(_chunk_logp_entropy, *pair, use_reentrant=False, preserve_rng_state=False)
+            else:
+                logp, entropy = _chunk_logp_entropy(*pair)
+            logps.append(logp)
+            entropies.append(entropy)
+            continue
         sink: list[torch.Tensor] = []
         args = (head, hidden[lo : lo + step], targets[lo : lo + step], temperature, sink)
         if recompute:
@@ -118,6 +151,15 @@ def _chunk_logp(
     return logp_all.gather(-1, targets[:, None]).squeeze(-1)
 
 
+def _chunk_logp_entropy(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk, entropy with gradient: the sampled tokens' log-probs (C,) and the entropies -sum p log p (C,)."""
+    logits = head(hidden).float()  # (C, V)
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
 def full_logits_logp(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -134,7 +176,7 @@ def full_logits_logp(
     logp_all = torch.log_softmax(picked, dim=-1)
     logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp * mask, (entropy * mask).detach()
+    return logp * mask, entropy * mask if _entropy_grad() else (entropy * mask).detach()
 
 
 def _plain_head(model: torch.nn.Module) -> bool:

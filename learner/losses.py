@@ -11,6 +11,14 @@ table `learner.weightings.WEIGHTINGS`:
 
 Notation (ALGORITHMS.md): lb behavior (rollout) log-prob, lp proximal, lc current; r = exp(lc - lp) is the PPO
 ratio, w = exp(lp - lb) the mismatch weight.
+
+Two optional regularizers are added to either kind (ALGORITHMS.md, "KL and entropy terms"), aggregated like the
+policy loss (`regularizer_agg`):
+
+- KL penalty, `loss.kl.coef` = beta > 0: `+ beta * agg(k)` with k a per-token estimator of KL(pi_theta || pi_ref)
+  against the frozen initial model (`learner.reference`), log r = lref - lc (r = pi_ref / pi_theta):
+  k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (`loss.kl.estimator`);
+- entropy bonus, `loss.entropy_coef` = c > 0: `- c * agg(H)` with H = -sum_v pi_theta(v) log pi_theta(v) per token.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class LossInputs:
     group_index: torch.Tensor | None = None  # (B,) prompt group ids in 0..n_groups-1; acrl only
     acrl_x: float | None = None  # ACRL reference discrepancy X (learner.acrl.AcrlReference); acrl only
     acrl_y: torch.Tensor | None = None  # (n_groups,) Y_g of the whole batch; None: computed from these rows
+    ref_logp: torch.Tensor | None = None  # (B, T) lref, the frozen reference's log-probs, no grad; loss.kl.coef > 0
+    cur_entropy: torch.Tensor | None = None  # (B, T) entropy of pi_theta, with grad; loss.entropy_coef > 0
 
 
 @dataclass(slots=True)
@@ -74,7 +84,17 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, ep
 
 
 def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
-    """Decoupled PPO objective with the configured mismatch weighting; returns the loss and its metrics."""
+    """Decoupled PPO objective with the configured mismatch weighting, plus the KL and entropy terms when their
+    coefficients are set; returns the loss and its metrics."""
+    out = surrogate_loss(inputs, cfg)
+    if cfg.kl.coef > 0 or cfg.entropy_coef > 0:
+        term, metrics = regularizers(inputs, cfg)
+        out = LossOutputs(loss=out.loss + term, metrics={**out.metrics, **metrics})
+    return out
+
+
+def surrogate_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """The decoupled PPO objective with the configured mismatch weighting alone (no KL, no entropy)."""
     entry = weighting(cfg.weighting)
     if isinstance(entry, SequenceLevel):
         per_seq = entry.fn(inputs, cfg)  # (B,) loss per response
@@ -95,6 +115,53 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
         metrics["ppo_clip_high"] = float((((ratio > upper) & (adv > 0)).float() * mask).sum() / n_tokens)
         metrics["ppo_clip_low"] = float((((ratio < 1.0 - cfg.eps_low) & (adv < 0)).float() * mask).sum() / n_tokens)
     return LossOutputs(loss=loss, metrics=metrics)
+
+
+def regularizer_agg(cfg: LossConfig) -> str:
+    """How the KL and entropy terms are aggregated: as the policy loss, so `loss_normalizer` splits them alike.
+
+    `loss.agg` for token-level weightings; for sequence-level ones, whose loss is a mean over responses whatever
+    `loss.agg` says, the mean over responses of the per-response token mean (`seq_mean_token_mean`)."""
+    return cfg.agg if isinstance(weighting(cfg.weighting), TokenLevel) else "seq_mean_token_mean"
+
+
+def kl_estimate(cur_logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate (B, T) of KL(pi_theta || pi_ref) on the sampled tokens (Schulman, "Approximating KL
+    divergence"), with log r = lref - lc: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r.
+
+    Gradients flow through lc (`cur_logp`) only. k3 is computed as expm1(log r) - log r (exact near r = 1, where
+    exp(log r) - 1 would cancel), with log r clamped to [-20, 20] inside the expm1 (r stays finite).
+    """
+    log_r = ref_logp.detach() - cur_logp  # (B, T)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r.square()
+    if estimator == "k3":
+        return torch.expm1(log_r.clamp(-20.0, 20.0)) - log_r
+    raise ValueError(f"unknown loss.kl.estimator {estimator!r} (k1, k2 or k3)")
+
+
+def regularizers(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """beta * agg(k) - c * agg(H) for `loss.kl.coef` = beta and `loss.entropy_coef` = c, and their metrics
+    `loss/kl` = agg(k) and `loss/entropy` = agg(H) (each only when its coefficient is set)."""
+    agg = regularizer_agg(cfg)
+    term = torch.zeros(())
+    metrics: dict[str, float] = {}
+    if cfg.kl.coef > 0:
+        if inputs.ref_logp is None:
+            raise ValueError("loss.kl.coef > 0 needs LossInputs.ref_logp, the reference log-probs (learner.reference)")
+        per_token = kl_estimate(inputs.cur_logp, inputs.ref_logp, cfg.kl.estimator)  # (B, T)
+        kl = aggregate(per_token, inputs.mask, agg, inputs.max_len)
+        term = term + cfg.kl.coef * kl
+        metrics["loss/kl"] = float(kl.detach())
+    if cfg.entropy_coef > 0:
+        if inputs.cur_entropy is None:
+            raise ValueError("loss.entropy_coef > 0 needs LossInputs.cur_entropy (learner.logprobs.entropy_with_grad)")
+        entropy = aggregate(inputs.cur_entropy, inputs.mask, agg, inputs.max_len)
+        term = term - cfg.entropy_coef * entropy
+        metrics["loss/entropy"] = float(entropy.detach())
+    return term, metrics
 
 
 def advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -17,7 +17,6 @@ reference, skipped-step count and RNG states (plain tensors and numbers: loaded 
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import time
@@ -29,13 +28,14 @@ import torch
 from common.config import set_key
 from common.config_rules import head_quantized
 from common.wire import Trajectory
-from learner import aligned, distributed
+from learner import aligned, distributed, reference
 from learner.acrl import AcrlReference
 from learner.batch import Batch, collate, overlong_shaping, token_logp  # noqa: F401 - re-exported
 from learner.losses import mismatch_metrics
 from learner.precision import LossScaler
 from learner.schedules import LrSchedule
 from learner.sections import LearnerSections
+from learner.threads import BOUND_WAIT_SHARE, ThreadsPolicy, available_cores
 from learner.update import timed, train_on_batch
 from quant_sync.export import export_rollout_tensors
 from quant_sync.uaq import apply_uaq, quant_error_by_type
@@ -65,16 +65,26 @@ class Learner:
         self.model_dir = model_dir
         self.quantized_head = head_quantized(sections.quant, sections.rollout)  # quant.lm_head, `auto` resolved
         self.trust_remote_code = sections.model.trust_remote_code
-        source = str(Path(resume_dir) / "model") if resume_dir else model_dir
+        resume_model = "" if sections.model.lora.rank else resume_dir  # a LoRA checkpoint holds only the adapters
+        source = str(Path(resume_model) / "model") if resume_model else model_dir
         self.model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, trust_remote_code=self.trust_remote_code
         )  # fp32 master weights
-        if not resume_dir:  # a checkpoint holds the reparametrized weights already
+        if not resume_model:  # a checkpoint holds the reparametrized weights already
             apply_uaq(self.model, sections.quant.uaq.scale)  # before the optimizer sees the parameters
+        self.reference = reference.initial_reference(  # KL's frozen initial model (None: loss.kl.coef = 0); a resumed
+            sections.loss.kl, model_dir, sections.quant.uaq.scale, self.ranks,  # run rebuilds it from model_dir
+            policy=None if resume_model else self.model, trust_remote_code=self.trust_remote_code,
+        )  # fmt: skip
         if sections.learner.rollout_aligned:
             aligned.make_rollout_aligned(
                 self.model, sections.quant.scheme, cache=self.ranks.world == 1, head=self.quantized_head
             )
+        self.lora = None  # model.lora.rank > 0: a frozen base, only the adapters train and travel (learner/lora.py)
+        if sections.model.lora.rank:
+            from learner import lora
+
+            self.model, self.lora = lora.add_adapters(self.model, sections, self.quantized_head, resume_dir)
         if self.ranks.world > 1:
             distributed.shard_model(self.model)
         self.model.train()
@@ -94,7 +104,15 @@ class Learner:
         self.schedule = LrSchedule(optim, total_steps=sections.train.steps)
         self.acrl_reference = AcrlReference(sections.loss.acrl)
         self.skipped_steps = 0
-        self.lease_throttled = 0  # the buffer's count of refused leases at the previous step (learner.threads_max)
+        self.lease_throttled = 0  # the buffer's count of refused leases at the previous step (policy `throttled`)
+        learner = sections.learner
+        cores = available_cores()
+        self.threads_policy = ThreadsPolicy(  # one rank only: with FSDP2 every rank keeps learner.threads
+            learner.threads_policy if learner.world_size == 1 else "fixed", learner.threads,
+            min(learner.threads_max, cores) if learner.threads_max else cores,
+        )  # fmt: skip
+        self.loop_mark: tuple[float, int] | None = None  # the end of the last step's fetch and its trained samples
+        self.last_train_s = 0.0  # the last step's training seconds (perf/train_s)
         self.client = self.publisher = None
         if self.ranks.is_main:
             from buffer.client import BufferClient
@@ -124,6 +142,10 @@ class Learner:
         state = distributed.full_state_dict(self.model, self.ranks)
         if not self.ranks.is_main:
             return {}
+        if self.lora is not None:  # the quantized base once, then the adapters alone
+            assert self.publisher is not None
+            self.version = version
+            return self.lora.publish(self.model, self.publisher, version)
         scheme = self.sections.quant.scheme
         tensors = export_rollout_tensors(state, scheme, quantize_head=self.quantized_head)
         if self.sections.learner.rollout_aligned:  # the next forwards run on exactly these tensors (QaRL)
@@ -149,8 +171,9 @@ class Learner:
         dropped_stale, wait_s = 0, 0.0
         if self.ranks.is_main:
             groups, dropped_stale, wait_s = self.fetch(step)
+            loop_s = self.record_loop(time.monotonic(), sum(len(group) for group in groups))
             batch = collate(groups, self.pad_id)
-            torch.set_num_threads(self.step_threads())
+            torch.set_num_threads(self.step_threads(step, wait_s))
         batch = distributed.broadcast_batch(batch, self.ranks)
         started, cpu_started = time.monotonic(), time.process_time()
         sections = self.sections
@@ -159,8 +182,9 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         result = train_on_batch(
-            self.model, self.optimizer, self.scaler, batch, sections, self.acrl_reference, self.ranks, self.version
-        )  # self.version: the weights this step starts from (the latest published)
+            self.model, self.optimizer, self.scaler, batch, sections, self.acrl_reference, self.ranks, self.version,
+            reference=self.reference,  # the frozen initial model of the KL penalty (None: loss.kl.coef = 0)
+        )  # fmt: skip  # self.version: the weights this step starts from (the latest published)
         if result.skipped:
             self.skipped_steps += 1
         seconds = dict(result.seconds)
@@ -196,20 +220,32 @@ class Learner:
                 "perf/batch_tokens": float(batch.mask.sum()),
             }
         )
+        self.last_train_s = metrics["perf/train_s"]
+        if loop_s is not None:  # the previous step's loop: the end of its fetch to the end of this step's
+            metrics["perf/prev_loop_s"] = loop_s
         # CPU seconds of every thread of this process over the step's wall seconds: 1.0 = one core busy throughout
         metrics["perf/learner_cpu_util"] = (time.process_time() - cpu_started) / max(time.monotonic() - started, 1e-9)
         return metrics
 
-    def step_threads(self) -> int:
-        """The torch threads of this step: `learner.threads_max` (at most the machine's cores) when the buffer refused
-        a lease since the previous step (rollout throttled: the workers wait on the learner), else `learner.threads`.
-        """
-        learner = self.sections.learner
-        if not learner.threads_max or self.client is None:
-            return learner.threads
-        throttled = int(self.client.stats().get("lease_throttled", 0))
-        grew, self.lease_throttled = throttled > self.lease_throttled, throttled
-        return max(learner.threads, min(learner.threads_max, os.cpu_count() or 1)) if grew else learner.threads
+    def record_loop(self, fetched_at: float, samples: int) -> float | None:
+        """At the end of a step's fetch: the previous step's loop seconds (the end of its fetch to now), given to the
+        threads policy per trained sample; None at the first step."""
+        mark, self.loop_mark = self.loop_mark, (fetched_at, samples)
+        if mark is None:
+            return None
+        loop_s = fetched_at - mark[0]
+        self.threads_policy.record(loop_s / max(mark[1], 1))
+        return loop_s
+
+    def step_threads(self, step: int, wait_s: float) -> int:
+        """The torch threads of step `step` (`learner.threads_policy`, learner/threads.py). `wait_s`: how long this
+        step waited for its batch (at most a quarter of the previous step's training: the learner is the bound)."""
+        throttled = False
+        if self.threads_policy.needs_throttle_signal() and self.client is not None:
+            refused = int(self.client.stats().get("lease_throttled", 0))  # the buffer refused a lease since last step
+            throttled, self.lease_throttled = refused > self.lease_throttled, refused
+        learner_bound = wait_s <= BOUND_WAIT_SHARE * self.last_train_s
+        return self.threads_policy.threads(step, throttled=throttled, learner_bound=learner_bound)
 
     def _full_precision_copy(self) -> torch.nn.Module | None:
         """Rank 0: an unsharded fp32 model with the current weights (a collective with FSDP2); None elsewhere."""
@@ -235,7 +271,10 @@ class Learner:
         staging = target.with_name(target.name + ".tmp")
         if staging.exists():
             shutil.rmtree(staging)
-        model.save_pretrained(staging, safe_serialization=True)
+        if self.lora is not None:  # a peft adapter directory for the original base model
+            self.lora.save(model, staging)
+        else:
+            model.save_pretrained(staging, safe_serialization=True)
         self.tokenizer.save_pretrained(staging)
         if target.exists():
             shutil.rmtree(target)

@@ -33,7 +33,9 @@ from common.config import AlgoConfig, LearnerConfig, LossConfig, PrecisionConfig
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batches, overlong_shaping, rank_rows, token_logp
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
+from learner.logprobs import entropy_with_grad
 from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
+from learner.memory import trim_heap
 from learner.precision import LossScaler, autocast
 from learner.sections import UpdateSections
 
@@ -48,6 +50,7 @@ class StepInputs:
     acrl_y: torch.Tensor | None = None  # (n_groups,) ACRL Y_g over whole groups; acrl only
     prox_entropy: torch.Tensor | None = None  # (B, T): set when lp comes from the minibatch's forward (see below)
     prox_version: int | None = None  # the step's weight version when lp is `loglinear_prox` of that forward
+    ref_logp: torch.Tensor | None = None  # (B, T) lref of the frozen reference (learner.reference); loss.kl.coef > 0
 
 
 @dataclass(slots=True)
@@ -60,9 +63,11 @@ class UpdateResult:
     """Wall seconds of the step's phases (`PHASES`): kept apart from `metrics`, which equal steps reproduce."""
 
 
-PHASES = ("proximal", "forward", "backward", "optimizer", "metrics")
-"""proximal: the no-grad lp forward; forward: log-probs and loss of the micro-batches; backward; optimizer: unscale,
-clip and AdamW; metrics: norm_update (and the parameter snapshot it and a skip need)."""
+PHASES = ("proximal", "reference", "forward", "backward", "optimizer", "metrics")
+"""proximal: the no-grad lp forward; reference: the KL reference's no-grad forward (loss.kl.coef > 0); forward:
+log-probs and loss of the micro-batches; backward; optimizer: unscale, clip and AdamW (with one minibatch, and
+norm_update's sums, parameter by parameter); metrics: norm_update (and, with several minibatches, the parameter
+snapshot it and a skip need)."""
 
 
 @contextlib.contextmanager
@@ -144,18 +149,66 @@ NORM_CHUNK_ELEMENTS = 2**20
 
 
 @torch.no_grad()
+def _param_sums(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """(sum of (new - old)^2, sum of old^2) of one local tensor, in float64, a chunk at a time."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    new_flat, old_flat = new.reshape(-1), old.reshape(-1)
+    for lo in range(0, new_flat.numel(), NORM_CHUNK_ELEMENTS):
+        chunk = slice(lo, lo + NORM_CHUNK_ELEMENTS)
+        fresh, prior = new_flat[chunk].double(), old_flat[chunk].double()
+        sums[0] += (fresh - prior).pow(2).sum()
+        sums[1] += prior.pow(2).sum()
+    return sums
+
+
+@torch.no_grad()
 def _update_sums(model: torch.nn.Module, before: list[torch.Tensor]) -> torch.Tensor:
-    """(sum of (new - old)^2, sum of old^2) over this rank's parameters, in float64, a chunk at a time."""
+    """(sum of (new - old)^2, sum of old^2) over this rank's parameters, in float64, parameter by parameter."""
     sums = torch.zeros(2, dtype=torch.float64)
     for param, old in zip(model.parameters(), before):
-        new_flat, old_flat = local(param.detach()).reshape(-1), local(old).reshape(-1)
-        for lo in range(0, new_flat.numel(), NORM_CHUNK_ELEMENTS):
-            new, prior = (
-                new_flat[lo : lo + NORM_CHUNK_ELEMENTS].double(),
-                old_flat[lo : lo + NORM_CHUNK_ELEMENTS].double(),
-            )
-            sums[0] += (new - prior).pow(2).sum()
-            sums[1] += prior.pow(2).sum()
+        sums += _param_sums(local(param.detach()), local(old))
+    return sums
+
+
+PER_PARAMETER_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+"""Optimizers whose update of a parameter reads only that parameter's gradient and state, stepped one parameter at a
+time by `step_measuring_update` (exact types: a subclass may override `step`)."""
+
+
+def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step_measuring_update` may step `optimizer` (a per-parameter optimizer, not fused)."""
+    return type(optimizer) in PER_PARAMETER_OPTIMIZERS and not any(g.get("fused") for g in optimizer.param_groups)
+
+
+@torch.no_grad()
+def step_measuring_update(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.Tensor:
+    """`optimizer.step()`, one parameter at a time; returns `_update_sums` of that step without a model snapshot.
+
+    Each parameter with a gradient is copied just before its own update and compared right after it, so the largest
+    temporary is one parameter (a snapshot of the model costs as much as its weights: 0.54 GB for a 135M model). For
+    a per-parameter optimizer (AdamW, Adam, SGD: a parameter's update reads its own gradient and state only) the
+    updates are those of one `step()` over all parameters, bit for bit; the optimizer's step hooks run once per
+    parameter. A parameter without a gradient is not stepped (AdamW skips it too) and counts as unchanged. The
+    per-parameter sums are added in `model.parameters()` order, as `_update_sums` adds them: the same float64 values.
+    """
+    per_param: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        params = group["params"]
+        try:
+            for param in params:
+                if param.grad is None or id(param) in per_param:
+                    continue
+                old = local(param.detach()).clone()
+                group["params"] = [param]
+                optimizer.step()
+                per_param[id(param)] = _param_sums(local(param.detach()), old)
+                del old
+        finally:
+            group["params"] = params
+    sums = torch.zeros(2, dtype=torch.float64)
+    for param in model.parameters():
+        value = local(param.detach())
+        sums += per_param[id(param)] if id(param) in per_param else _param_sums(value, value)
     return sums
 
 
@@ -190,8 +243,10 @@ def micro_loss(
     inputs: StepInputs,
     rollout: RolloutConfig,
     loss: LossConfig,
+    cur_entropy: torch.Tensor | None = None,
 ) -> LossOutputs:
-    """`policy_loss` of micro-batch `micro` = rows lo..hi-1 of the step's batch, given its lc (B_micro, T)."""
+    """`policy_loss` of micro-batch `micro` = rows lo..hi-1 of the step's batch, given its lc (B_micro, T) (and its
+    entropies with grad, for `loss.entropy_coef`)."""
     lo, hi = rows
     return policy_loss(
         LossInputs(
@@ -204,6 +259,8 @@ def micro_loss(
             group_index=micro.group_index,
             acrl_x=inputs.acrl_x,
             acrl_y=inputs.acrl_y,
+            ref_logp=None if inputs.ref_logp is None else inputs.ref_logp[lo:hi],
+            cur_entropy=cur_entropy,
         ),
         loss,
     )
@@ -232,7 +289,8 @@ def minibatch_backward(
         real = i < len(plan)
         lo, hi = plan[i] if real else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
         micro = batch.select(lo, hi)
-        with timed(seconds, "forward"), autocast(sections.precision.train):
+        entropy_grad = entropy_with_grad(loss_cfg.entropy_coef > 0)  # the entropy bonus needs H's gradient
+        with timed(seconds, "forward"), autocast(sections.precision.train), entropy_grad:
             cur_logp, entropy = token_logp(model, micro, sections.rollout.temperature)
         if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
             with timed(seconds, "backward"):
@@ -244,9 +302,9 @@ def minibatch_backward(
             else:
                 alpha = loglinear_alpha(micro.versions, inputs.prox_version)
                 inputs.prox_logp[lo:hi] = loglinear_prox(micro.behav_logp, cur_logp, alpha)
-            inputs.prox_entropy[lo:hi] = entropy
+            inputs.prox_entropy[lo:hi] = entropy.detach()
         with timed(seconds, "forward"):
-            out = micro_loss(micro, (lo, hi), cur_logp, inputs, sections.rollout, loss_cfg)
+            out = micro_loss(micro, (lo, hi), cur_logp, inputs, sections.rollout, loss_cfg, entropy)
         share = loss_normalizer(micro.mask, loss_cfg) / normalizer  # this micro-batch's part of the mean
         with timed(seconds, "backward"):
             scaler.scale_loss(out.loss * (share * ranks.world)).backward()
@@ -259,23 +317,26 @@ def minibatch_backward(
     return float(packed[0]), dict(zip(keys, packed[1:].tolist()))
 
 
-_METRIC_NAMES: dict[str, list[str]] = {}
+_METRIC_NAMES: dict[tuple[str, bool, bool], list[str]] = {}
 
 
 def metric_names(loss: LossConfig) -> list[str]:
-    """The metric keys `policy_loss` reports for this weighting (from a one-token dummy call, cached)."""
-    if loss.weighting in _METRIC_NAMES:
-        return _METRIC_NAMES[loss.weighting]
+    """The metric keys `policy_loss` reports for this weighting and these regularizers (a one-token dummy call, cached):
+    `loss/kl` with `loss.kl.coef > 0`, `loss/entropy` with `loss.entropy_coef > 0`."""
+    cache_key = (loss.weighting, loss.kl.coef > 0, loss.entropy_coef > 0)
+    if cache_key in _METRIC_NAMES:
+        return _METRIC_NAMES[cache_key]
     one = torch.zeros((1, 1))
     out = policy_loss(
         LossInputs(
             behav_logp=one, prox_logp=one, cur_logp=one, advantages=torch.ones(1), mask=torch.ones((1, 1)),
             max_len=1, group_index=torch.zeros(1, dtype=torch.long), acrl_x=1.0, acrl_y=torch.zeros(1),
+            ref_logp=one, cur_entropy=one,
         ),
         loss,
     )  # fmt: skip
-    _METRIC_NAMES[loss.weighting] = sorted(out.metrics)
-    return _METRIC_NAMES[loss.weighting]
+    _METRIC_NAMES[cache_key] = sorted(out.metrics)
+    return _METRIC_NAMES[cache_key]
 
 
 def train_on_batch(
@@ -287,10 +348,12 @@ def train_on_batch(
     acrl_reference: AcrlReference,
     ranks: Dist = SINGLE,
     version: int | None = None,
+    reference: torch.nn.Module | None = None,
 ) -> UpdateResult:
     """One train step on `batch` (every rank passes the same batch). Returns metrics; on skip, nothing changed.
 
     `version`: the weight version the step starts from (the latest published); `learner.prox = loglinear` needs it.
+    `reference`: the frozen initial model (`learner.reference.initial_reference`); `loss.kl.coef > 0` needs it.
     """
     learner, optim = sections.learner, sections.optim
     seconds = dict.fromkeys(PHASES, 0.0)
@@ -312,10 +375,20 @@ def train_on_batch(
     inputs = step_inputs(batch, prox_logp, sections.rollout, sections.algo, sections.loss, acrl_reference)
     inputs.prox_entropy = entropy if from_forward else None
     inputs.prox_version = version if loglinear else None
-    # The weights and AdamW state the step starts from (for norm_update and to undo a skipped step), taken before
-    # the first optimizer step changes them: after the first backward, never alongside its activations.
+    if sections.loss.kl.coef > 0:  # lref: the proximal pass (same micro-batches, autocast, ranks) on the reference
+        if reference is None:
+            raise ValueError("`loss.kl.coef > 0` needs the frozen reference: pass train_on_batch(reference=...)")
+        with timed(seconds, "reference"):
+            inputs.ref_logp, _ = proximal_logp(reference, batch, learner, sections.precision, sections.rollout, ranks)
+    # With several minibatches, the weights and AdamW state the step starts from (to undo the step when a later
+    # minibatch is not finite, and for norm_update), taken before the first optimizer step changes them: after the
+    # first backward, never alongside its activations. With one, a skip comes before any change and norm_update's
+    # sums come from the optimizer step itself (`step_measuring_update`; other optimizers: the snapshot).
     before: list[torch.Tensor] | None = None
     optim_before: dict | None = None
+    update_sums: torch.Tensor | None = None  # (2,) this rank's sums of norm_update, from the one-minibatch step
+    # FSDP2 ranks keep the snapshot: it is of their shards only, and the per-parameter step is not tested on DTensors
+    measure_step = learner.minibatches == 1 and ranks.world == 1 and steps_per_parameter(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     clip = optim.grad_clip if optim.grad_clip > 0 else math.inf
     metrics: dict[str, float] = {"loss_scale": scaler.scale}
@@ -335,15 +408,19 @@ def train_on_batch(
             scaler.update(finite=False)
             skipped = True
             break
-        if before is None:
+        if before is None and not measure_step:  # norm_update's reference; what a later minibatch's skip restores
             with timed(seconds, "metrics"):
                 before = _snapshot(model)
                 optim_before = copy.deepcopy(optimizer.state_dict()) if learner.minibatches > 1 else None
         with timed(seconds, "optimizer"):
-            optimizer.step()
+            if measure_step:  # the only step: norm_update's sums come with it, no snapshot
+                update_sums = step_measuring_update(optimizer, model)
+            else:
+                optimizer.step()
         scaler.update(finite=True)
         metrics.update(loss_metrics)
     optimizer.zero_grad(set_to_none=True)
+    trim_heap()  # the activations', gradients' and AdamW temporaries' pages, before the caller publishes (memory.py)
     if from_forward:  # each rank filled its own rows
         prox_logp, entropy = all_reduce_(prox_logp, ranks), all_reduce_(entropy, ranks)
     if skipped:
@@ -353,7 +430,9 @@ def train_on_batch(
             optimizer.load_state_dict(optim_before)
         metrics["skipped_nonfinite"] = 1.0
     with timed(seconds, "metrics"):
-        olds = before if before is not None else [p.detach() for p in model.parameters()]  # no step: unchanged
-        delta, base = all_reduce_(_update_sums(model, olds), ranks).tolist()
+        if update_sums is None:  # several minibatches (against the snapshot), or no step at all (unchanged)
+            olds = before if before is not None else [p.detach() for p in model.parameters()]
+            update_sums = _update_sums(model, olds)
+        delta, base = all_reduce_(update_sums, ranks).tolist()
     metrics["norm_update"] = delta / max(base, 1e-30)
     return UpdateResult(skipped=skipped, prox_logp=prox_logp, entropy=entropy, metrics=metrics, seconds=seconds)

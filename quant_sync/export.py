@@ -6,7 +6,9 @@ and group of 128 input columns for the weight-only `w8a16` / `w4a16`). Embedding
 LM head stays in float32 too (as SGLang serves it) unless `quantize_head` (`quant.lm_head`, resolved by
 `common.config_rules.head_quantized`): then `lm_head.weight` travels quantized like a decoder linear, made from the
 embedding matrix when the two are tied (the embedding itself still travels in float32, for the lookup). With
-`scheme == "none"` everything is float32.
+`scheme == "none"` everything is float32. LoRA adapters (learner/lora.py) travel beside their linear as
+`<linear>.lora_A`, `.lora_B` and `.lora_scaling` in float32 (`LORA_A`, `LORA_B`, `LORA_SCALING`); a peft model's
+names are mapped to the base model's by `base_weight_name`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,20 @@ QUANTIZED_LINEARS = (
 
 HEAD_WEIGHT = "lm_head.weight"
 EMBED_WEIGHT = "model.embed_tokens.weight"
+LORA_A, LORA_B, LORA_SCALING = ".lora_A", ".lora_B", ".lora_scaling"
+"""Suffixes of a LoRA adapter's published tensors after its linear's module name (`model.layers.0.mlp.up_proj`):
+A (r, in) and B (out, r) in float32, and the scaling alpha / r as a (1,) float32 tensor (learner/lora.py)."""
+_PEFT_PREFIX = "base_model.model."
+
+
+def base_weight_name(name: str) -> str:
+    """A peft-wrapped model's parameter or module name -> the base model's (`base_model.model.` and `.base_layer`
+    dropped): `base_model.model.model.layers.0.mlp.up_proj.base_layer.weight` -> `model.layers.0.mlp.up_proj.weight`.
+    Other names come back unchanged."""
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX) :]
+    name = name.replace(".base_layer.", ".")
+    return name[: -len(".base_layer")] if name.endswith(".base_layer") else name
 
 
 def is_quantized_linear(name: str, head: bool = False) -> bool:

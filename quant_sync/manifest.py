@@ -71,6 +71,10 @@ class Manifest:
     chunks: list[tuple[int, int, int, int]]
     shm: str | None
     boot_id: str
+    base: int | None = None
+    """An adapter-only version (LoRA): the pinned version whose tensors complete it; None: a complete version."""
+    pinned: bool = False
+    """A complete version later ones name as their `base` (the publisher holds it until another is pinned)."""
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +93,7 @@ def parse_header(frame: bytes) -> Manifest | int:
     Raises PayloadError unless the header describes its tensors exactly: unique str names, known dtypes, shapes of
     non-negative ints, nbytes = numel x itemsize (at most MAX_VERSION_BYTES in all), file offsets that are
     non-negative multiples of 64 and do not overlap, and chunks of at most MAX_CHUNK_BYTES that cover each tensor's
-    bytes in order without gaps or overlaps.
+    bytes in order without gaps or overlaps; an optional `base` is an earlier version, `pinned` a bool (not both).
     """
     try:
         header = msgpack.unpackb(frame, max_bin_len=0, max_array_len=MAX_CHUNKS)
@@ -102,6 +106,11 @@ def parse_header(frame: bytes) -> Manifest | int:
         if any(len(chunk) != 4 for chunk in chunks):
             raise ValueError("a chunk entry is not [tensor, offset, length, digest]")
         scheme, shm, boot = str(header["scheme"]), header.get("shm"), str(header.get("boot_id", ""))
+        base, pinned = header.get("base"), header.get("pinned", False)
+        if base is not None and not (type(base) is int and 0 <= base < version):
+            raise ValueError(f"base {base!r} is not an earlier version")
+        if type(pinned) is not bool or (pinned and base is not None):
+            raise ValueError("a pinned version must be complete (bool `pinned`, no `base`)")
     except Exception as err:
         raise PayloadError(f"unreadable weight header: {err}") from err
     if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
@@ -129,7 +138,7 @@ def parse_header(frame: bytes) -> Manifest | int:
         total, file_end = total + nbytes, file_offset + nbytes
         if total > MAX_VERSION_BYTES:
             raise PayloadError(f"version {version}: more than {MAX_VERSION_BYTES} bytes of weights")
-    return Manifest(version, scheme, tensors, chunks, shm if isinstance(shm, str) else None, boot)
+    return Manifest(version, scheme, tensors, chunks, shm if isinstance(shm, str) else None, boot, base, pinned)
 
 
 def assemble(manifest: Manifest, buffers: list[torch.Tensor]) -> WeightUpdate:

@@ -1,6 +1,7 @@
 """The learner's side of weight publication (protocol in `quant_sync.transport`): `WeightPublisher` hashes each
 version into chunks, writes it once to /dev/shm when it can, and serves headers, chunks and long polls to every
-subscriber from a background thread.
+subscriber from a background thread. A pinned version (LoRA's quantized base) stays held while later versions (its
+adapters) name it as their base.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class WeightPublisher:
         self._boot_id = boot_id()
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._latest: _Version | None = None
+        self._pinned: int | None = None  # the version adapter-only versions build on: never evicted while pinned
         self._lock = threading.Lock()
         self._spare_path = os.path.join(shm_dir, f"{self._prefix}-spare") if shm_dir else ""
         self._spare_bytes = 0  # size of the preallocated spare file (0: none ready)
@@ -111,8 +113,18 @@ class WeightPublisher:
     def version(self) -> int:
         return -1 if self._latest is None else self._latest.version
 
-    def publish(self, version: int, tensors: dict[str, torch.Tensor], scheme: str) -> None:
-        """Make `tensors` the latest version (they must not be modified afterwards): hash, write /dev/shm, serve."""
+    def publish(
+        self, version: int, tensors: dict[str, torch.Tensor], scheme: str, pin: bool = False, base: int | None = None
+    ) -> None:
+        """Make `tensors` the latest version (they must not be modified afterwards): hash, write /dev/shm, serve.
+
+        `pin`: a complete version that later ones build on (LoRA's base): held until another is pinned. `base`: this
+        version holds only the tensors that change (LoRA's adapters) and completes the pinned version `base`.
+        """
+        if base is not None and pin:
+            raise ValueError(f"version {version}: a pinned version is complete, it has no base (got base {base})")
+        if base is not None and (base != self._pinned or base >= version):
+            raise ValueError(f"version {version}: base {base} is not the pinned version ({self._pinned}) before it")
         started = time.perf_counter()
         entries, chunks, table, views = [], [], [], []
         file_offset = 0
@@ -129,15 +141,22 @@ class WeightPublisher:
                 table.append([index, offset, chunk.nbytes, chunk_digest(chunk)])
             file_offset += -(-data.nbytes // ALIGN_BYTES) * ALIGN_BYTES
         shm_path = self._write_shm(version, views, entries) if self.shm_dir else None
-        header = msgpack.packb({"v": PROTOCOL_VERSION, "version": version, "scheme": scheme, "tensors": entries,
-                                "chunks": table, "shm": shm_path, "boot_id": self._boot_id})  # fmt: skip
-        published = _Version(version=version, header=header, chunks=chunks, shm_path=shm_path)
+        fields = {"v": PROTOCOL_VERSION, "version": version, "scheme": scheme, "tensors": entries, "chunks": table,
+                  "shm": shm_path, "boot_id": self._boot_id}  # fmt: skip
+        if pin:
+            fields["pinned"] = True
+        if base is not None:
+            fields["base"] = base
+        published = _Version(version=version, header=msgpack.packb(fields), chunks=chunks, shm_path=shm_path)
         with self._lock:
             self._versions[version] = published
             self._latest = published
+            if pin:
+                self._pinned = version
             evicted = []
-            while len(self._versions) > self.keep_versions:
-                evicted.append(self._versions.popitem(last=False)[1])
+            unpinned = [held for held in self._versions if held != self._pinned]
+            while len(unpinned) > self.keep_versions:
+                evicted.append(self._versions.pop(unpinned.pop(0)))
         self.last_publish_s = time.perf_counter() - started
         with self._lock, contextlib.suppress(zmq.Again):  # a wake already queued will do
             self._wake_out.send(b"", zmq.NOBLOCK)
@@ -227,7 +246,9 @@ class WeightPublisher:
                 request = msgpack.unpackb(payload, max_bin_len=0, max_str_len=64, max_map_len=8)
                 if request.get("v") != PROTOCOL_VERSION or request.get("type") not in ("get", "chunk"):
                     raise ValueError("bad request")
-                if request["type"] == "get":
+                if request["type"] == "get" and "version" in request:  # one held version (a pinned base)
+                    self._answer_held(identity, int(request["version"]))
+                elif request["type"] == "get":
                     wait_ms = min(max(int(request.get("wait_ms", 0)), 0), MAX_WAIT_MS)
                     self._answer_get(identity, int(request["have"]), wait_ms)
                 else:
@@ -247,6 +268,18 @@ class WeightPublisher:
         else:
             version = -1 if latest is None else latest.version
             self._socket.send_multipart([identity, msgpack.packb({"v": PROTOCOL_VERSION, "version": version})])
+
+    def _answer_held(self, identity: bytes, version: int) -> None:
+        """The header of held version `version`, or {"v", "version": latest, "gone": true} if it is not held."""
+        with self._lock:
+            held, latest = self._versions.get(version), self._latest
+        if held is not None:
+            self._socket.send_multipart([identity, held.header])
+            self.served += 1
+            return
+        latest_version = -1 if latest is None else latest.version
+        reply = {"v": PROTOCOL_VERSION, "version": latest_version, "gone": True}
+        self._socket.send_multipart([identity, msgpack.packb(reply)])
 
     def _answer_parked(self) -> None:
         """Answer the long polls that a newer version satisfies, and those whose wait is over."""
@@ -285,6 +318,7 @@ class WeightPublisher:
             self._context.term()
         with self._lock:
             versions, self._versions, self._latest = list(self._versions.values()), OrderedDict(), None
+            self._pinned = None
         for held in versions:
             _unlink(held.shm_path)
         with self._spare_lock:  # waits for an allocation in progress

@@ -1,6 +1,7 @@
 """The rollout worker's side of weight publication (protocol in `quant_sync.transport`): `WeightSubscriber` long-polls
 the publisher for each newer version, maps it from /dev/shm when it shares the machine (`read_shm`) or fetches its
-chunks over ZMQ, verifies every chunk, and hands the complete version to the engine.
+chunks over ZMQ, verifies every chunk, and hands the complete version to the engine. An adapter-only version (LoRA)
+is completed with the pinned base it names, fetched first if this subscriber does not hold it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class WeightSubscriber:
         self.via_shm = 0
         self.last_fetch_s = 0.0
         """Seconds from a new version's header to its verified tensors (the last one fetched)."""
+        self.base: WeightUpdate | None = None
+        """The last pinned version fetched (LoRA's quantized base), which adapter-only versions complete."""
         self._stop = threading.Event()
         self._socket: zmq.Socket | None = None
         self._thread = threading.Thread(target=self._run, name="weight-subscriber", daemon=True)
@@ -169,6 +172,44 @@ class WeightSubscriber:
             return None
         if isinstance(manifest, int) or manifest.version <= have:
             return None
+        lacks_base = manifest.base is not None and (self.base is None or self.base.version != manifest.base)
+        if lacks_base and not self._fetch_base(socket, manifest.base):  # type: ignore[arg-type]
+            return None
+        update = self._fetch_payload(socket, manifest)
+        if update is None:
+            return None
+        if manifest.pinned:
+            self.base = update
+        elif manifest.base is not None:  # adapters only: the base's tensors with these on top
+            assert self.base is not None
+            if self.base.scheme != manifest.scheme:
+                self._reject(PayloadError(f"version {manifest.version}: scheme {manifest.scheme!r}, its base's is "
+                                          f"{self.base.scheme!r}"))  # fmt: skip
+                return None
+            update = WeightUpdate(manifest.version, {**self.base.tensors, **update.tensors}, manifest.scheme)
+        self.last_fetch_s = time.perf_counter() - started
+        return update
+
+    def _fetch_base(self, socket: zmq.Socket, version: int) -> bool:
+        """Fetch the pinned version `version` into `self.base`; False if the publisher no longer holds it."""
+        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": -1, "version": version}))
+        try:
+            manifest = parse_header(self._recv(socket)[0].bytes)
+            if not isinstance(manifest, int) and (manifest.version != version or not manifest.pinned):
+                raise PayloadError(f"asked for pinned version {version}, got version {manifest.version}")
+        except PayloadError as err:
+            self._reject(err)
+            return False
+        if isinstance(manifest, int):  # gone: a newer base was pinned; the next get brings versions built on it
+            return False
+        update = self._fetch_payload(socket, manifest)
+        if update is None:
+            return False
+        self.base = update
+        return True
+
+    def _fetch_payload(self, socket: zmq.Socket, manifest: Manifest) -> WeightUpdate | None:
+        """The version's tensors: mapped from /dev/shm when it can, else fetched over ZMQ; None if they failed."""
         update = None
         if self._use_shm and manifest.shm:
             try:
@@ -184,8 +225,6 @@ class WeightSubscriber:
             except PayloadError as err:  # e.g. a version too large to hold: the ZMQ socket was drained
                 self._reject(err)
                 return None
-        if update is not None:
-            self.last_fetch_s = time.perf_counter() - started
         return update
 
     def _reject(self, err: Exception) -> None:

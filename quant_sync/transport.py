@@ -8,7 +8,10 @@ Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy
                          W ms, at most MAX_WAIT_MS, have passed)
     header = {"v": 2, "version", "scheme", "boot_id", "shm": path | None,
               "tensors": [{"name", "dtype", "shape", "nbytes", "file_offset"}],
-              "chunks": [[tensor index, byte offset in the tensor, length, xxh3-64 digest], ...]}
+              "chunks": [[tensor index, byte offset in the tensor, length, xxh3-64 digest], ...],
+              "pinned": true (optional), "base": B (optional)}
+    worker -> publisher  {"v": 2, "type": "get", "have": -1, "version": B}    (one held version: a pinned base)
+    publisher -> worker  its header, or {"v": 2, "version": <latest>, "gone": true}
     worker -> publisher  {"v": 2, "type": "chunk", "version": V, "index": i}      (a window of these in flight)
     publisher -> worker  [{"v": 2, "version": V, "index": i}, <chunk bytes>]  or {..., "gone": true}
 
@@ -25,6 +28,10 @@ Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy
 - The publisher keeps the last `keep_versions` versions, so a worker still fetching version k when k+1 is
   published completes it; a chunk of a dropped version answers `gone` and the worker starts over on the latest.
 - A late or restarted worker asks with have=-1 and receives the latest version.
+- LoRA (learner/lora.py): the quantized base is published once as a `pinned` complete version, which the publisher
+  holds (outside `keep_versions`) until another is pinned; each later version holds only the adapters and names the
+  pinned one as its `base`. A subscriber keeps the pinned version it has and hands the engine the base's tensors
+  with the adapters' on top, a complete version; one that lacks the base (late, restarted) fetches it first.
 
 Sockets: ROUTER (publisher, binds 127.0.0.1 unless configured) and DEALER (subscriber), linger 0. The publisher
 serves from a background thread, so `publish` returns once the version is hashed (and written to /dev/shm).

@@ -54,9 +54,13 @@ def quant_error_by_type(
         scale = published.get(name + "_scale")
         if scale is None:
             continue
-        deq = dequantize_published(published[name], scale, scheme)
-        err = float((deq.double() - value.double()).pow(2).sum())
-        norm = float(value.double().pow(2).sum())
+        rows = max(1, 2**20 // max(value[0].numel(), 1))  # float64 chunks of ~8 MiB, not whole-tensor copies
+        err = norm = 0.0
+        for lo in range(0, value.shape[0], rows):
+            part = value[lo : lo + rows].double()
+            deq = dequantize_published(published[name][lo : lo + rows], scale[lo : lo + rows], scheme).double()
+            err += float((deq - part).pow(2).sum())
+            norm += float(part.pow(2).sum())
         for key in ("all", layer_type(name)):
             acc = sums.setdefault(key, [0.0, 0.0])
             acc[0] += err

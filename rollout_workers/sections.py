@@ -26,6 +26,7 @@ from common.config import (
     TrainConfig,
 )
 from common.config_bundle import SectionBundle
+from common.config_schema import EnvConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,3 +54,5 @@ class WorkerSections(EngineSections):
     """Whether the model directory's own code may run (`model.trust_remote_code`), for its tokenizer."""
     reward: RewardConfig
     """User reward functions and their timeout (rollout_workers/reward_pool.py); none: the task's own reward."""
+    env: EnvConfig
+    """Multi-turn episodes (rollout_workers/episodes.py); `env.fn` empty: single-turn."""

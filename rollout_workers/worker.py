@@ -10,6 +10,9 @@ While the loop runs, a heartbeat thread (its own socket) tells the buffer every 
 seconds that the worker is alive, even in the middle of a long batch; if the process or its loop dies, the beats
 stop and the buffer returns the worker's leases after `buffer.worker_timeout_s`.
 
+With `env.fn` set, each sample is a multi-turn episode with an environment (rollout_workers/episodes.py): the
+environment makes the prompt and the reward, and the trajectories carry a loss mask (0 on observation tokens).
+
 A worker reads only its config sections (`rollout_workers.sections.WorkerSections`), never the root config, and
 uses its engine only through the `Engine` protocol (rollout_workers/engine.py).
 """
@@ -44,12 +47,13 @@ class RolloutWorker:
         weights_endpoint: str = "",
     ):
         """`section_values`: `common.config.to_dict` of a `WorkerSections`. `weights_endpoint` may instead be given
-        to `start`: the constructor (imports, tokenizer, engine) can then run while the learner is still starting."""
+        to `start`: the constructor (imports, tokenizer, engine) can then run while the learner is still starting.
+        The tokenizer is `common.tasks.chat.prompt_encoder`'s: without a chat template, `tokenizers` alone (the
+        learner's ids; transformers, two CPU-seconds of imports, is not loaded)."""
         import torch
-        from transformers import AutoTokenizer
 
         from common.tasks import make_source
-        from common.tasks.chat import PromptEncoder
+        from common.tasks.chat import prompt_encoder, source_has_messages
         from rollout_workers.embedded.engine import EmbeddedEngine
         from rollout_workers.engine import SamplingParams
         from rollout_workers.reward_pool import RewardScorer
@@ -58,13 +62,14 @@ class RolloutWorker:
         rollout = self.sections.rollout
         torch.set_num_threads(rollout.threads)
         self.worker_id = worker_id
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            model_dir, trust_remote_code=self.sections.model.trust_remote_code
-        )
         self.source = make_source(self.sections.data)
+        self.encode_prompt = prompt_encoder(
+            model_dir, self.sections.data, messages=source_has_messages(self.source),
+            trust_remote_code=self.sections.model.trust_remote_code,
+        )  # fmt: skip
+        self.tokenizer = self.encode_prompt.tokenizer  # decodes responses for the reward
         # user reward functions run in a process of their own (rollout_workers/reward_pool.py); none: the task reward
         self.rewards = RewardScorer(self.sections.reward, self.source.reward)
-        self.encode_prompt = PromptEncoder.for_source(self.tokenizer, self.sections.data, self.source)
         seed = self.sections.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
         self.engine: Engine
         if rollout.backend == "sglang":  # an SGLang server per worker (rollout_workers/sglang_api/backend.py)
@@ -97,6 +102,13 @@ class RolloutWorker:
         }  # fmt: skip
         self.last_error = ""
         self._reward_error_shown = False
+        self.episodes = None  # multi-turn episodes (rollout_workers/episodes.py) when `env.fn` names an environment
+        if self.sections.env.fn:
+            from rollout_workers.episodes import EpisodeRunner
+
+            self.episodes = EpisodeRunner(
+                self.sections.env, self.engine, self.tokenizer, self.encode_prompt, self.params, self.counters, seed
+            )
 
     def start(self, weights_endpoint: str = "") -> bool:
         """Subscribe to the learner's publisher, wait for version 0, then run the rollout loop and the heartbeat."""
@@ -144,6 +156,8 @@ class RolloutWorker:
         stats = self.stats()
         self.engine.close()  # the SGLang backend stops its server
         self.rewards.close()
+        if self.episodes is not None:
+            self.episodes.close()
         return stats
 
     def stats(self) -> dict[str, Any]:
@@ -232,6 +246,8 @@ class RolloutWorker:
 
     def rollout(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
         """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch)."""
+        if self.episodes is not None:  # multi-turn: the environment makes the prompt
+            return self._rollout_episodes(leases)
         group_size = self.sections.train.group_size
         prompt_ids = [self.encode_prompt(lease.prompt) for lease in leases]  # chat template: common.tasks.chat
         fits = [self._prompt_fits(lease, ids) for lease, ids in zip(leases, prompt_ids)]
@@ -272,6 +288,53 @@ class RolloutWorker:
                         t_start=started,
                         t_end=ended,
                     )
+                )
+            out.append((lease, trajectories))
+        return out
+
+    def _rollout_episodes(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
+        """Multi-turn: `group_size` episodes per leased prompt (rollout_workers/episodes.py), rewarded by their
+        environment; trajectories carry the loss mask (0 on observation tokens)."""
+        from rollout_workers.episodes import problem_rows
+
+        assert self.episodes is not None
+        group_size = self.sections.train.group_size
+        started = time.time()
+        grouped = self.episodes.run(leases, problem_rows(self.source, leases), group_size)
+        ended = time.time()
+        self.counters["gen_seconds"] += ended - started
+        if self.episodes.first_error and not self._reward_error_shown:
+            self._reward_error_shown = True
+            self.last_error = self.episodes.first_error
+        out = []
+        for lease, episodes in zip(leases, grouped, strict=True):
+            if any(sum(e.loss_mask) == 0 for e in episodes):  # an episode with no model token: nothing to train
+                self.counters["env_groups_dropped"] += 1
+                continue
+            trajectories = []
+            for i, e in enumerate(episodes):
+                self.counters["tokens"] += sum(e.loss_mask)
+                self.counters["samples"] += 1
+                self.counters["correct"] += int(e.reward >= 1.0)
+                self.counters["reward_sum"] += e.reward
+                mask = np.asarray(e.loss_mask, dtype=np.uint8)
+                trajectories.append(
+                    Trajectory(
+                        uid=f"{lease.group}/{i}",
+                        group=lease.group,
+                        prompt_index=lease.index,
+                        prompt_ids=np.asarray(e.prompt_ids, dtype=np.int32),
+                        response_ids=np.asarray(e.response_ids, dtype=np.int32),
+                        behav_logp=np.asarray(e.behav_logp, dtype=np.float32),
+                        versions=np.asarray(e.versions, dtype=np.int32),
+                        reward=e.reward,
+                        correct=e.reward >= 1.0,
+                        finish=e.finish,
+                        worker=self.worker_id,
+                        t_start=started,
+                        t_end=ended,
+                        loss_mask=None if mask.all() else mask,
+                    )  # fmt: skip
                 )
             out.append((lease, trajectories))
         return out

@@ -17,6 +17,9 @@ the time of a call generating n tokens for each of the B prompts.
   rolls out with), batch 64, the lower of `tiny` and `big`.
 - `int8_vs_fp32_b32` (`big`), `smol_int8_vs_fp32_b32` (`smol`): INT8 engine over the fp32 engine at batch 32.
 - `w8a16_vs_fp32_b1` (`big`): the weight-only INT8 engine over fp32 at batch 1 (memory-bound: weight bytes).
+- `lora_decode_overhead` (`big`, INT8, batch 32): decode seconds per token with rank-16 LoRA adapters on every
+  decoder linear (random, as the learner publishes them: `lora_adapter_tensors`) over the same engine without
+  adapters, minus 1; the two alternate over 3 rounds of 16 tokens even with `--quick` (a few seconds).
 - `swap_max_gap_over_median`: the largest gap between two scheduler steps over the median gap while 5 weight
   versions are staged from another thread mid-generation (in_place, `big` in INT8, batch 64; 16 with `quick`),
   gaps in the decode thread's CPU time (see below: what the engine's scheduling adds, not a neighbour's).
@@ -70,6 +73,9 @@ BIG_SHAPE = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816,
              "num_attention_heads": 16, "num_key_value_heads": 4}  # fmt: skip
 SMOL_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
               "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}  # fmt: skip
+LORA_RANK = 16
+"""Rank of the random adapters of the `lora_*` rows (here and in `asyncrl bench sync`)."""
+LORA_ROUNDS = 3
 QUICK_GRID = (("big", 32, ("none", "int8")), ("big", 1, ("none", "w8a16")), ("smol", 32, ("none", "int8")))
 """`--quick`: the (model, batch, schemes) the scheme ratios need; the full run measures every combination."""
 
@@ -122,14 +128,38 @@ def _head_quantized(scheme: str) -> bool:
     return scheme in W8A8_SCHEMES
 
 
-def _engine(model, model_dir: str, scheme: str, **kwargs):
+def lora_adapter_tensors(
+    state: dict[str, torch.Tensor], rank: int = LORA_RANK, alpha: float = 32.0, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random LoRA adapters on every decoder linear of `state` (`model.lora.targets`' default), named and typed as
+    learner/lora.py publishes them: `<linear>.lora_A` (rank, in) and `.lora_B` (out, rank), N(0, 0.02) float32 (a
+    trained B, not peft's zero start), `.lora_scaling` (1,) = alpha / rank."""
+    from common.config_schema import LORA_TARGETS
+    from quant_sync.export import LORA_A, LORA_B, LORA_SCALING
+
+    generator = torch.Generator().manual_seed(seed)
+    adapters: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
+        linear = name.removesuffix(".weight")
+        if weight.dim() != 2 or linear == name or linear.rsplit(".", 1)[-1] not in LORA_TARGETS:
+            continue
+        out_features, in_features = weight.shape
+        adapters[linear + LORA_A] = torch.randn(rank, in_features, generator=generator) * 0.02
+        adapters[linear + LORA_B] = torch.randn(out_features, rank, generator=generator) * 0.02
+        adapters[linear + LORA_SCALING] = torch.tensor([alpha / rank], dtype=torch.float32)
+    if not adapters:
+        raise ValueError(f"lora_adapter_tensors: no linear named like {', '.join(LORA_TARGETS)} in the state dict")
+    return adapters
+
+
+def _engine(model, model_dir: str, scheme: str, adapters: dict[str, torch.Tensor] | None = None, **kwargs):
     from quant_sync.export import export_rollout_tensors
     from quant_sync.update import WeightUpdate
     from rollout_workers.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model_dir, max_seq_len=128, device=str(_device()), **kwargs)
     state = {name: value.cpu() for name, value in model.state_dict().items()}
-    published = export_rollout_tensors(state, scheme, quantize_head=_head_quantized(scheme))
+    published = {**export_rollout_tensors(state, scheme, quantize_head=_head_quantized(scheme)), **(adapters or {})}
     engine.stage_weights(WeightUpdate(0, published, scheme))
     engine.apply_staged()
     return engine
@@ -415,6 +445,20 @@ def _engine_vs_hf(models: dict[str, tuple[object, str]], rounds: int, quick: boo
     return metrics
 
 
+def _lora_decode(model, model_dir: str) -> dict[str, float]:
+    """INT8 decode tok/s at batch 32 with and without rank-16 adapters on every decoder linear, alternating."""
+    batch, prompts = 32, _prompts(model, 32)
+    state = {name: value.cpu() for name, value in model.state_dict().items()}
+    engines = {
+        "base": _engine(model, model_dir, "int8", max_batch=batch),
+        "lora": _engine(model, model_dir, "int8", adapters=lora_adapter_tensors(state), max_batch=batch),
+    }
+    new_tokens = _new_tokens("big", batch, quick=False)  # --quick too: with 6 tokens the ratio was noise
+    rates = _best_alternating({k: _engine_rate(e, prompts, new_tokens) for k, e in engines.items()}, LORA_ROUNDS)
+    return {f"big_b{batch}_int8_lora_base_tok_per_s": rates["base"],
+            f"big_b{batch}_int8_lora{LORA_RANK}_tok_per_s": rates["lora"]}  # fmt: skip
+
+
 def run(quick: bool) -> BenchResult:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like a rollout worker (rollout.threads); 2 threads on a shared 2-core box thrash
@@ -440,6 +484,7 @@ def _run(quick: bool) -> BenchResult:
         scheme_metrics, kernels = _scheme_rows(models, grid, rounds, quick, peaks)
         metrics.update(scheme_metrics)
         big, _ = models["big"]
+        metrics.update(_lora_decode(big, big_dir))
         max_gap, median_gap, swaps = _swap_gaps(big, big_dir, 16 if quick else 64, 28 if quick else 48, 5)
     metrics.update(swap_max_gap_s=max_gap, swap_median_gap_s=median_gap, swaps_applied=float(swaps))
     ratios = {
@@ -455,6 +500,9 @@ def _run(quick: bool) -> BenchResult:
     ratios["smol_int8_vs_fp32_b32"] = metrics["smol_b32_int8_tok_per_s"] / metrics["smol_b32_fp32_tok_per_s"]
     ratios["w8a16_vs_fp32_b1"] = metrics["big_b1_w8a16_tok_per_s"] / metrics["big_b1_fp32_tok_per_s"]
     ratios["swap_max_gap_over_median"] = max_gap / median_gap
+    ratios["lora_decode_overhead"] = (
+        metrics["big_b32_int8_lora_base_tok_per_s"] / metrics[f"big_b32_int8_lora{LORA_RANK}_tok_per_s"] - 1.0
+    )
     details = {
         "cpu_isa": [flag for flag, present in isa.items() if present],
         "kernels": kernels,

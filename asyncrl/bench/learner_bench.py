@@ -28,7 +28,8 @@ model's plus noise, so every weighting has real work: truncations, masks, clippi
   split into proximal pass, forward, backward, optimizer, metrics and publish (`smol_<phase>_s`).
 
 Contenders alternate within every round and each reports its best round (machines here are noisy; the minimum
-is the least disturbed measurement of the same work).
+is the least disturbed measurement of the same work). `python -m asyncrl.bench.learner_bench --rows smol` runs the
+SmolLM row alone (`--smol-set precision.train=bf16` changes its config; `--help`).
 """
 
 from __future__ import annotations
@@ -454,18 +455,56 @@ def _smol(quick: bool, overrides: tuple[str, ...] = SMOL_OVERRIDES) -> tuple[dic
     return metrics, ratios
 
 
-def run(quick: bool) -> BenchResult:
+ROWS = ("weightings", "fsdp", "smol")
+"""The bench's parts: weighting overheads and precisions, FSDP2 against one process, the SmolLM row."""
+
+
+def run(quick: bool, rows: tuple[str, ...] = ROWS, smol_overrides: tuple[str, ...] = ()) -> BenchResult:
+    """The rows `rows` of the bench (all by default; `python -m asyncrl.bench.learner_bench --rows smol` runs one);
+    `smol_overrides`: config overrides of the SmolLM row on top of `SMOL_OVERRIDES` (e.g. `precision.train=bf16`)."""
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        raise ValueError(f"unknown learner bench rows {unknown}; available: {', '.join(ROWS)}")
     torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the weighting comparison: one thread, the least noisy
-    try:
-        metrics, ratios = _weightings_and_precision(quick)
-    finally:
-        torch.set_num_threads(threads)
-    fsdp_metrics, fsdp_ratios = _fsdp(rounds=2 if quick else 6)
-    metrics.update(fsdp_metrics)
-    ratios.update(fsdp_ratios)
-    smol_metrics, smol_ratios = _smol(quick)
-    metrics.update(smol_metrics)
-    ratios.update(smol_ratios)
+    metrics: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    if "weightings" in rows:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the weighting comparison: one thread, the least noisy
+        try:
+            part_metrics, part_ratios = _weightings_and_precision(quick)
+        finally:
+            torch.set_num_threads(threads)
+        metrics.update(part_metrics)
+        ratios.update(part_ratios)
+    for row, part in (
+        ("fsdp", lambda: _fsdp(rounds=2 if quick else 6)),
+        ("smol", lambda: _smol(quick, SMOL_OVERRIDES + smol_overrides)),
+    ):
+        if row in rows:
+            part_metrics, part_ratios = part()
+            metrics.update(part_metrics)
+            ratios.update(part_ratios)
     return BenchResult(name="learner", metrics=metrics, ratios=ratios)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m asyncrl.bench.learner_bench [--quick] [--rows smol ...] [--smol-set KEY=VALUE ...] [--json PATH]`."""
+    import argparse
+
+    from asyncrl.bench import print_table, write_json
+
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.bench.learner_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (smoke test), same metrics")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to run (default: all)")
+    parser.add_argument("--smol-set", nargs="*", default=[], metavar="KEY=VALUE", help="SmolLM row config overrides")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    result = run(args.quick, tuple(args.rows), tuple(args.smol_set))
+    print_table(result)
+    if args.json_path:
+        write_json(result, args.json_path)
+
+
+if __name__ == "__main__":
+    main()

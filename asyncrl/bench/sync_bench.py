@@ -12,6 +12,15 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
 - `tok_s_during_sync_vs_steady`: decode tokens/s during the sync phase over the steady phase (worst worker, worst
   model).
 - `max_gap_over_median`: largest gap between two decode steps during the sync phase over the median gap (worst).
+- `lora_sync_bytes_vs_full` (~100M config): the bytes of an adapter-only version (rank-16 LoRA on every decoder
+  linear, float32, as learner/lora.py publishes it: `engine_bench.lora_adapter_tensors`) over the full INT8 version
+  the main job publishes (LM head quantized), both built in this run.
+- `lora_publish_s`, `lora_tok_s_during_sync_vs_steady` (~100M config): the two phases again with LoRA, the workers
+  decoding with rank-16 adapters on every decoder linear: the INT8 base is pinned once, then only adapter versions
+  are published, two adapter sets alternating. `lora_publish_s` is the latency above (hand-off until every worker
+  runs the version, median), not less 0.05 s; the other as `tok_s_during_sync_vs_steady`. Metrics
+  `big_full_publish_call_s` and `big_lora16_publish_call_s`: the `WeightPublisher.publish` call alone (hashing,
+  /dev/shm write; median of 5, no workers) for a full INT8 version and for an adapter version on its pinned base.
 
 Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
 workers for the cores, which is part of what is measured.
@@ -35,6 +44,7 @@ from asyncrl.bench import BenchResult
 
 LATENCY_ALLOWANCE_S = 0.05
 SCHEME = "int8"
+LORA_PUBLISHES = 5
 
 
 def _memcpy_seconds(tensors: dict[str, torch.Tensor]) -> float:
@@ -59,10 +69,19 @@ def _versions(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
     return [export_rollout_tensors(state, SCHEME), export_rollout_tensors(nudged, SCHEME)]
 
 
-def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> dict[str, float]:
+def _measure(
+    name: str,
+    model: torch.nn.Module,
+    model_dir: str,
+    quick: bool,
+    adapters: list[dict[str, torch.Tensor]] | None = None,
+) -> dict[str, float]:
+    """The steady and sync phases; with `adapters` (two LoRA adapter sets), the model's INT8 export is the pinned
+    version 0, the workers start on version 1 (its first adapters) and every later version holds adapters only."""
+    from quant_sync.export import export_rollout_tensors
     from quant_sync.transport import WeightPublisher
 
-    versions = _versions(model)
+    versions = _versions(model) if adapters is None else adapters
     nbytes = sum(t.numel() * t.element_size() for t in versions[0].values())
     memcpy_s = _memcpy_seconds(versions[0])
     steady_s, sync_s = (3.0, 6.0) if quick else (8.0, 16.0)
@@ -71,10 +90,15 @@ def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> 
     inbox = context.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
     report = f"tcp://127.0.0.1:{inbox.bind_to_random_port('tcp://127.0.0.1')}"
-    publisher.publish(0, versions[0], SCHEME)
-    big = name == "big"
+    base = None if adapters is None else 0
+    if adapters is None:
+        publisher.publish(0, versions[0], SCHEME)
+    else:
+        publisher.publish(0, export_rollout_tensors(model.state_dict(), SCHEME), SCHEME, pin=True)
+        publisher.publish(1, versions[1], SCHEME, base=base)
+    big = name.startswith("big")
     spec = {"report": report, "weights": publisher.endpoint, "model_dir": model_dir, "batch": 8 if big else 32,
-            "max_new_tokens": 48, "seconds": 0.0}  # fmt: skip
+            "max_new_tokens": 48, "seconds": 0.0, "first_version": publisher.version}  # fmt: skip
     workers, events = [], []
     try:
         for worker in range(2):
@@ -88,11 +112,11 @@ def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> 
         steady_start = time.monotonic()
         time.sleep(steady_s)
         sync_start = time.monotonic()
-        latencies, fetch_s, build_s, version = [], [], [], 0
+        latencies, fetch_s, build_s, version = [], [], [], publisher.version
         while time.monotonic() - sync_start < sync_s:
             version += 1
             handed_off = time.monotonic()
-            publisher.publish(version, versions[version % 2], SCHEME)
+            publisher.publish(version, versions[version % 2], SCHEME, base=base)
             running = set()
             while len(running) < 2:
                 event = _next(inbox, events, workers)
@@ -139,6 +163,37 @@ def _measure(name: str, model: torch.nn.Module, model_dir: str, quick: bool) -> 
     }
 
 
+def _lora_sync(model: torch.nn.Module) -> dict[str, float]:
+    """Bytes and publish-call seconds of an adapter-only LoRA version against the full INT8 one (no workers)."""
+    from asyncrl.bench.engine_bench import LORA_RANK, lora_adapter_tensors
+    from quant_sync.export import export_rollout_tensors
+    from quant_sync.transport import WeightPublisher
+
+    state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
+    full = export_rollout_tensors(state, SCHEME, quantize_head=True)
+    adapters = lora_adapter_tensors(state)
+    full_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    publisher = WeightPublisher()
+    try:
+        full_s = []
+        for version in range(3):
+            publisher.publish(version, full, SCHEME, pin=version == 2)
+            full_s.append(publisher.last_publish_s)
+        lora_s = []
+        for version in range(3, 3 + LORA_PUBLISHES):
+            publisher.publish(version, adapters, SCHEME, base=2)
+            lora_s.append(publisher.last_publish_s)
+    finally:
+        publisher.close()
+    return {
+        "big_full_version_bytes": float(full_bytes),
+        f"big_lora{LORA_RANK}_version_bytes": float(adapter_bytes),
+        "big_full_publish_call_s": statistics.median(full_s),
+        f"big_lora{LORA_RANK}_publish_call_s": statistics.median(lora_s),
+    }
+
+
 def _next(inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]) -> dict:
     deadline = time.monotonic() + 180
     while not inbox.poll(500):
@@ -173,7 +228,7 @@ def _rate(stamps: list[float], tokens: list[int], start: float, end: float) -> f
 
 
 def run(quick: bool) -> BenchResult:
-    from asyncrl.bench.engine_bench import _big_model, _tiny_model
+    from asyncrl.bench.engine_bench import BIG_SHAPE, LORA_RANK, _random_llama, _tiny_model, lora_adapter_tensors
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -182,12 +237,21 @@ def run(quick: bool) -> BenchResult:
         tiny, tiny_dir = _tiny_model()
         metrics.update(_measure("tiny", tiny, str(tiny_dir), quick))
         with tempfile.TemporaryDirectory() as big_dir:
-            metrics.update(_measure("big", _big_model(big_dir), big_dir, quick))
+            big = _random_llama(big_dir, BIG_SHAPE)
+            metrics.update(_lora_sync(big))
+            metrics.update(_measure("big", big, big_dir, quick))
+            state = big.state_dict()
+            adapters = [lora_adapter_tensors(state, seed=seed) for seed in (0, 1)]
+            metrics.update(_measure(f"big_lora{LORA_RANK}", big, big_dir, quick, adapters=adapters))
     finally:
         torch.set_num_threads(threads)
+    lora = f"big_lora{LORA_RANK}"
     ratios = {
         "publish_vs_memcpy": metrics["big_publish_vs_memcpy"],
         "tok_s_during_sync_vs_steady": min(metrics[f"{m}_tok_s_ratio_worst_worker"] for m in ("tiny", "big")),
         "max_gap_over_median": max(metrics[f"{m}_max_gap_over_median"] for m in ("tiny", "big")),
+        "lora_sync_bytes_vs_full": metrics[f"{lora}_version_bytes"] / metrics["big_full_version_bytes"],
+        "lora_publish_s": metrics[f"{lora}_publish_latency_median_s"],
+        "lora_tok_s_during_sync_vs_steady": metrics[f"{lora}_tok_s_ratio_worst_worker"],
     }
     return BenchResult(name="sync", metrics=metrics, ratios=ratios)

@@ -4,7 +4,7 @@ Run as `python -m asyncrl.bench.sync_worker SPEC_JSON`. It subscribes to the pub
 requests (staggered lengths, so sequences finish and join one at a time, as in a rollout worker), and reports to
 the bench over a ZMQ PUSH socket with msgpack messages:
 
-    {"event": "ready", "worker"}                        once version 0 runs
+    {"event": "ready", "worker"}                        once version `first_version` (default 0) runs
     {"event": "swap", "worker", "version", "t",         when a new version runs (t: time.monotonic(), system-wide;
      "fetch_s", "build_s"}                               fetch: header to verified tensors, on the subscriber
                                                         thread; build: on the decode thread, over its slices)
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     report.connect(spec["report"])
     engine = EmbeddedEngine(spec["model_dir"], max_batch=spec["batch"], seed=worker)
     subscriber = WeightSubscriber(spec["weights"], engine.stage_weights, poll_s=0.005)
-    if not subscriber.wait_for(0, 120):
-        raise SystemExit(f"sync worker {worker}: no weights from {spec['weights']}")
+    first = spec.get("first_version", 0)  # LoRA: the first adapter version on the pinned base
+    if not subscriber.wait_for(first, 120):
+        raise SystemExit(f"sync worker {worker}: no version {first} from {spec['weights']}")
     engine.apply_staged()
     vocab = engine.arch.vocab_size
     generator = torch.Generator().manual_seed(worker)

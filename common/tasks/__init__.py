@@ -8,6 +8,7 @@ on what problem `i` is without sharing state:
     reward(r, a)  1.0 if the response text `r` answers reference `a`, else 0.0
 
 Sources: `arith` (built-in procedurally generated arithmetic, exact-match reward; `common.tasks.arith`),
+`arith_tool` (the same problems; the calculator environment `env.fn=asyncrl:arith_tool` scores the episodes),
 `jsonl` (a dataset file scored with math-verify; `common.tasks.jsonl`) and `dataset` (jsonl/json/parquet files or
 `datasets` directories, chat-message prompts, nested keys; `common.tasks.dataset`). Prompts become token ids through
 `common.tasks.chat.PromptEncoder` (chat templates) in every process. This package must stay cheap to import
@@ -57,7 +58,7 @@ class PromptSource(Protocol):
 
 def make_source(data_cfg: DataConfig) -> PromptSource:
     """The prompt source for `data.task` (`arith`, `jsonl` or `dataset`); a dataset is loaded and validated here."""
-    if data_cfg.task == "arith":
+    if data_cfg.task in ("arith", "arith_tool"):  # arith_tool: the same problems, episodes with a calculator
         from common.tasks.arith import ArithSource
 
         return ArithSource(seed=data_cfg.seed, digits=data_cfg.digits, ops=data_cfg.ops, eval_size=data_cfg.eval_size)
@@ -75,7 +76,7 @@ def make_source(data_cfg: DataConfig) -> PromptSource:
         from common.tasks.dataset import DatasetSource
 
         return DatasetSource(data_cfg)
-    raise ValueError(f"unknown `data.task` {data_cfg.task!r}; valid values: arith, jsonl, dataset")
+    raise ValueError(f"unknown `data.task` {data_cfg.task!r}; valid values: arith, arith_tool, jsonl, dataset")
 
 
 # Re-exported for the model warm-up recipe; imported last because arith needs `Problem` defined above.

@@ -17,8 +17,11 @@ as the tokenizer does), exactly what the worker did before templates existed.
 `check_prompt_lengths` tokenizes a sample of the training stream (up to `SAMPLE_PROMPTS` prompts) and the eval set
 at start. It refuses, with the numbers, a dataset none of whose prompts fit `max context - rollout.max_new_tokens`,
 or whose prompts the tokenizer cannot write (no tokens, or special and unknown tokens only); when only some do not
-fit it returns a warning with their share (the workers skip them). transformers is imported inside functions:
-`common` stays torch-free.
+fit it returns a warning with their share (the workers skip them).
+
+`prompt_encoder(model_dir, ...)` picks the tokenizer: `FastTokenizer` (the `tokenizers` library alone) when it gives
+the same ids as transformers and no chat template is applied, else `AutoTokenizer`. transformers is imported inside
+functions, only when needed: it costs about two CPU-seconds per process (`common` stays torch-free).
 """
 
 from __future__ import annotations
@@ -45,36 +48,93 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-class CountingTokenizer:
-    """A model's `tokenizer.json` read with `tokenizers` alone (milliseconds, no transformers import): the start-up
-    check counts untemplated prompts with it. The same ids as the Hugging Face fast tokenizer for plain text."""
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""`tokenizer_class` values with which transformers uses `tokenizer.json` as it is (a model-specific class may
+rebuild the backend from the vocabulary and merges with its own pre-tokenizer): only these take the fast path."""
+_REWRITING_KEYS = ("add_bos_token", "add_eos_token")
+"""tokenizer_config.json keys with which transformers rewrites the post-processor (even when false)."""
+_ADJUSTING_KEYS = ("add_prefix_space", "split_special_tokens", "clean_up_tokenization_spaces", "fix_mistral_regex")
+"""tokenizer_config.json keys with which transformers changes encoding or decoding when they are true."""
+_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class FastTokenizer:
+    """A model's `tokenizer.json` read with `tokenizers` alone, no transformers import (a fraction of a CPU-second
+    where `AutoTokenizer` costs two): the start-up check counts prompts with it and the rollout worker encodes and
+    decodes with it when no chat template is applied. For a directory `usable` accepts, `encode`/`decode` give
+    exactly what the Hugging Face tokenizer gives (`tokenizer(text)["input_ids"]`, `decode(ids,
+    skip_special_tokens=...)`); any other directory goes through `AutoTokenizer`."""
 
     def __init__(self, model_dir: str) -> None:
         from tokenizers import Tokenizer
 
         self.backend = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+        self.backend.no_truncation()  # as transformers encodes without `truncation=`/`padding=`
+        self.backend.no_padding()
+        config = _tokenizer_config(model_dir) or {}
         jinja, legacy = Path(model_dir) / "chat_template.jinja", Path(model_dir) / "chat_template.json"
         self.chat_template = config.get("chat_template") or (jinja.read_text() if jinja.is_file() else None)
         if not self.chat_template and legacy.is_file():
             self.chat_template = json.loads(legacy.read_text()).get("chat_template")
         added = self.backend.get_added_tokens_decoder()
         self.all_special_ids = [token_id for token_id, token in added.items() if token.special]
-        unk = config.get("unk_token")
-        unk = unk.get("content") if isinstance(unk, dict) else unk
-        self.unk_token_id = self.backend.token_to_id(unk) if isinstance(unk, str) else None
+        unk = _token_text(config.get("unk_token"))
+        self.unk_token_id = self.backend.token_to_id(unk) if unk is not None else None
 
     @staticmethod
     def usable(model_dir: str) -> bool:
-        """Whether the directory has a plain `tokenizer.json` tokenizer (no code of its own: `auto_map`)."""
+        """Whether transformers would load this directory's `tokenizer.json` unchanged: a generic tokenizer class
+        (`GENERIC_TOKENIZER_CLASSES`), no code of its own (`auto_map`), no option that changes encoding or
+        decoding (`_REWRITING_KEYS`, `_ADJUSTING_KEYS`), a post-processor (transformers writes one when there is
+        none), every special token the config names already in the vocabulary (transformers adds the others), and
+        no legacy `special_tokens_map.json` / `added_tokens.json`."""
+        root = Path(model_dir)
+        config = _tokenizer_config(model_dir)
+        if config is None or not (root / "tokenizer.json").is_file() or "auto_map" in config:
+            return False
+        if config.get("tokenizer_class") not in GENERIC_TOKENIZER_CLASSES:
+            return False
+        if any(key in config for key in _REWRITING_KEYS) or any(config.get(key) for key in _ADJUSTING_KEYS):
+            return False
+        if (root / "special_tokens_map.json").exists() or (root / "added_tokens.json").exists():
+            return False
         try:
-            config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+            backend = json.loads((root / "tokenizer.json").read_text())
         except (OSError, ValueError):
             return False
-        return (Path(model_dir) / "tokenizer.json").is_file() and isinstance(config, dict) and "auto_map" not in config
+        if not isinstance(backend, dict) or backend.get("post_processor") is None:
+            return False
+        present = {token.get("content") for token in backend.get("added_tokens") or [] if isinstance(token, dict)}
+        named = [_token_text(config.get(key)) for key in _NAMED_SPECIALS]
+        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+        named += [_token_text(token) for token in (extra.values() if isinstance(extra, dict) else extra)]
+        named += [_token_text(token) for token in (config.get("added_tokens_decoder") or {}).values()]
+        return all(token in present for token in named if token is not None)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+CountingTokenizer = FastTokenizer
+"""The name the start-up check used first."""
+
+
+def _tokenizer_config(model_dir: str) -> dict[str, Any] | None:
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token's text, whether tokenizer_config.json writes it as a string or an AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 def source_has_messages(source: PromptSource) -> bool:
@@ -123,11 +183,12 @@ class PromptEncoder:
         return list(self.tokenizer(text, add_special_tokens=not self.templated)["input_ids"])
 
 
-def counting_encoder(model_dir: str, data_cfg: DataConfig, *, messages: bool, trust_remote_code: bool) -> PromptEncoder:
-    """An encoder for counting prompt tokens in processes that need no model: `CountingTokenizer` (no transformers
-    import) unless a chat template is applied, then the Hugging Face tokenizer."""
-    if CountingTokenizer.usable(model_dir):
-        encode = PromptEncoder(CountingTokenizer(model_dir), data_cfg, messages=messages)
+def prompt_encoder(model_dir: str, data_cfg: DataConfig, *, messages: bool, trust_remote_code: bool) -> PromptEncoder:
+    """The prompt encoder of a model directory, cheapest first: `FastTokenizer` (no transformers import) when the
+    directory is `FastTokenizer.usable` and no chat template is applied, else the Hugging Face tokenizer. The
+    encoder's `tokenizer` also decodes responses (`decode(ids, skip_special_tokens=True)`)."""
+    if FastTokenizer.usable(model_dir):
+        encode = PromptEncoder(FastTokenizer(model_dir), data_cfg, messages=messages)
         if not encode.templated:
             return encode
     return PromptEncoder(load_tokenizer(model_dir, trust_remote_code), data_cfg, messages=messages)
@@ -186,7 +247,7 @@ def check_prompts_fit(source: PromptSource, cfg: Config, model_dir: str, max_pos
     engine's `min(rollout.max_seq_len, max_position_embeddings)`; SGLang's server: max_position_embeddings). The
     message it returns also counts the rows `data.max_prompt_tokens` dropped."""
     trust = cfg.model.trust_remote_code
-    encode = counting_encoder(model_dir, cfg.data, messages=source_has_messages(source), trust_remote_code=trust)
+    encode = prompt_encoder(model_dir, cfg.data, messages=source_has_messages(source), trust_remote_code=trust)
     if cfg.rollout.backend == "embedded" and cfg.rollout.max_seq_len < max_positions:
         max_context, note = cfg.rollout.max_seq_len, f" (rollout.max_seq_len; max_position_embeddings={max_positions})"
     else:

@@ -167,11 +167,11 @@ class DatasetSource(JsonlSource):
             self._drop_long_prompts(data_cfg)
 
     def _drop_long_prompts(self, data_cfg: DataConfig) -> None:
-        from common.tasks.chat import counting_encoder
+        from common.tasks.chat import prompt_encoder
 
         if not data_cfg.tokenizer:
             raise DatasetError("data.max_prompt_tokens needs a tokenizer to count tokens: set data.tokenizer")
-        encode = counting_encoder(data_cfg.tokenizer, data_cfg, messages=self.messages, trust_remote_code=False)
+        encode = prompt_encoder(data_cfg.tokenizer, data_cfg, messages=self.messages, trust_remote_code=False)
         limit = data_cfg.max_prompt_tokens
         kept = [row for row in self._rows if 0 < len(encode(row[0])) <= limit]
         self.dropped = len(self._rows) - len(kept)

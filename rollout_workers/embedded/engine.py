@@ -15,6 +15,8 @@ A scheduler runs one `step` at a time:
   layout is built (between steps, a layer at a time, within half a step). `in_place`: in-flight
   sequences keep the K/V computed with older weights. `retract`: their K/V is recomputed with the new weights
   before the next decode step.
+- `prompt_logprobs` scores every position of a prompt (SGLang's input log-probs); a sequence can record the top-k
+  of each distribution it draws from (`top_logprobs_num`) and keep its stop tokens out until `min_new_tokens`.
 - Sampling is by inverse CDF with one uniform per (sequence, step) from a counter-based hash of the call's seed
   and the sequence's index, so a sequence's samples do not depend on what else is in the batch.
 """
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from common.config import SWAP_MODES
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight
@@ -43,10 +46,16 @@ from rollout_workers.embedded.model import (
     KVCache,
     ModelWeights,
     Prompts,
+    _heads,
+    _mlp_block,
     check_weight_shapes,
     forward_step,
+    linear,
+    low_rank_linear,
     prefill,
     required_weight_names,
+    rms_norm,
+    rope_tables,
 )
 from rollout_workers.embedded.weight_only import GroupQuantized
 from rollout_workers.engine import Completion, SamplingParams
@@ -136,6 +145,11 @@ class Sequence:
     logp: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     completion: Completion | None = None
+    top_logprobs_num: int = 0
+    """With k > 0, `top_logprobs[i]` holds the k most likely (log-prob, token) of the distribution token i came from."""
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    min_new_tokens: int = 0
+    """Its stop tokens cannot be drawn (their logits are -inf) before it has this many tokens (SGLang's)."""
 
     @property
     def response(self) -> list[int]:
@@ -286,14 +300,53 @@ class EmbeddedEngine:
             if self._staged is staged:
                 self._staged = None
 
-    def submit(self, prompt: list[int], params: SamplingParams, keys: list[int]) -> list[Sequence]:
-        """Queue len(keys) samples of one prompt (one shared prefill); returns their sequences."""
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        keys: list[int],
+        top_logprobs_num: int = 0,
+        min_new_tokens: int = 0,
+    ) -> list[Sequence]:
+        """Queue len(keys) samples of one prompt (one shared prefill); returns their sequences. With
+        `top_logprobs_num` k > 0 each sampled token also records the k most likely tokens of its distribution; with
+        `min_new_tokens` m no stop token is drawn before the m-th token."""
         self._check(prompt, params)
         stop_ids = frozenset(params.stop_token_ids or self.arch.eos_token_ids)
-        samples = [Sequence(list(prompt), len(prompt), params, stop_ids, key) for key in keys]
+        extra = {"top_logprobs_num": top_logprobs_num, "min_new_tokens": min_new_tokens}
+        samples = [Sequence(list(prompt), len(prompt), params, stop_ids, key, **extra) for key in keys]
         for start in range(0, len(samples), self.max_batch):
             self._queue.append(_Group(list(prompt), samples[start : start + self.max_batch]))
         return samples
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs (S, V) fp32 of the next token at every position of `prompt` under the running weights:
+        row p is `log_softmax(logits_p / temperature)`, the distribution token p + 1 is scored by (the same
+        convention as the behavior log-probs). The prompt's rows of the prefill, kept for every position instead of
+        the last; its K/V goes nowhere (the samples' prefill writes theirs), so it can run between any two steps."""
+        if self._weights is None:
+            raise RuntimeError("the engine has no weights yet: stage a version before scoring")
+        if not prompt or max(prompt) >= self.arch.vocab_size or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must be non-empty and lie in [0, {self.arch.vocab_size}) (vocab_size)")
+        arch, weights, seq = self.arch, self._weights, len(prompt)
+        with self._device_scope():
+            tokens = torch.tensor(prompt, dtype=torch.long)
+            cos, sin = (table.to(self.dtype)[None, None] for table in rope_tables(arch, seq))
+            sin = torch.cat((-sin[..., : arch.head_dim // 2], sin[..., arch.head_dim // 2 :]), -1)
+            x = weights.embed[tokens]
+            h = rms_norm(x, weights.layers[0].input_norm, arch.rms_norm_eps)
+            for i, layer in enumerate(weights.layers):
+                qkv = low_rank_linear(h, layer.qkv, layer.qkv_bias, layer.qkv_lora)
+                q, k, v = _heads(arch, layer, qkv.view(1, seq, -1), cos, sin)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=arch.num_kv_heads != arch.num_heads
+                )
+                attn = out.transpose(1, 2).reshape(seq, arch.num_heads * arch.head_dim)
+                next_norm = weights.layers[i + 1].input_norm if i + 1 < len(weights.layers) else weights.norm
+                x, h = _mlp_block(arch, layer, x, attn, next_norm, False)
+            logits = linear(h, weights.head, None).to(torch.float32)
+            return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1).cpu()
 
     @torch.inference_mode()
     def abort(self, sequences: list[Sequence]) -> list[Sequence]:
@@ -476,12 +529,14 @@ class EmbeddedEngine:
             params = active[rows[0]].params
             index = torch.tensor(rows) if len(rows) < len(active) else None
             part = logits if index is None else logits[index]
+            part = self._mask_early_stops(part, [active[row] for row in rows])
             logp = torch.log_softmax(part / params.temperature if params.temperature != 1.0 else part, dim=-1)
             filtered = filter_logits(logp, params.top_k, params.top_p)
             cdf = filtered.exp().cumsum(-1)
             draws = uniforms([active[row].key for row in rows], [len(active[row].logp) for row in rows])
             picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None]).clamp_max(cdf.shape[-1] - 1)
             chosen_logp = logp.gather(1, picked).squeeze(1)
+            self._record_top(logp, [active[row] for row in rows])
             if index is None:
                 tokens, token_logp = picked.squeeze(1), chosen_logp
             else:
@@ -499,6 +554,31 @@ class EmbeddedEngine:
                 )  # fmt: skip
                 finished.append(seq)
         return finished
+
+    @staticmethod
+    def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`logits` with the stop tokens of sequences short of their `min_new_tokens` at -inf (a copy if any)."""
+        early = [(row, seq) for row, seq in enumerate(seqs) if len(seq.logp) < seq.min_new_tokens]
+        if not early:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for row, seq in early:
+            stops = [token for token in seq.stop_ids if 0 <= token < vocab]
+            if stops:
+                logits[row, stops] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _record_top(logp: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Append each sequence's top-k (log-prob, token) of its row of `logp` (rows in the order of `seqs`)."""
+        wanted = [(row, seq) for row, seq in enumerate(seqs) if seq.top_logprobs_num > 0]
+        if not wanted:
+            return
+        k = min(max(seq.top_logprobs_num for _, seq in wanted), logp.shape[-1])
+        values, indices = torch.topk(logp[torch.tensor([row for row, _ in wanted])], k, dim=-1)
+        for (_, seq), vals, ids in zip(wanted, values.tolist(), indices.tolist()):
+            seq.top_logprobs.append(list(zip(vals, ids))[: seq.top_logprobs_num])
 
     def _retire(self, finished: list[Sequence]) -> None:
         """Free the slots of finished sequences: the last active sequences move into the holes."""

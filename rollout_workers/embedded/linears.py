@@ -4,10 +4,17 @@
 into the fastest exact form this CPU runs, once per weight version: the C++ int8 / fp8 / weight-only kernels,
 oneDNN's prepacked fp32 GEMM, fused_decode's batch-invariant fp32 form. `linear(x, weight, bias)` dispatches on the
 form. `_fuse` stacks q/k/v and gate/up into one matrix each (exact for per-output-channel quantization).
+
+LoRA adapters (learner/lora.py) ride on top of any form: `low_rank_linear(x, weight, bias, adapter)` is
+`y = Q(W) x + s * B (A x)`, the low-rank product over all rows at once; `stack_low_rank` stacks the adapters of a
+fused group (q/k/v, gate/up) into one `LowRank`: their A matrices one above the other (one pass over x gives every
+member's `A x`), each member's `s * B` adding into its own output columns. In fp32 on an AVX-512 CPU this runs
+csrc/lora_gemm.cpp (both products in one call, register tiles, B in panels of 32 columns), else torch's GEMMs.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +24,7 @@ from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantize
 from rollout_workers.embedded import fused_decode
 from rollout_workers.embedded.fp8_linear import PackedFp8, fp8_linear, prepare_fp8
 from rollout_workers.embedded.int8_linear import PackedInt8, int8_kernel_name, int8_linear, prepare_int8
+from rollout_workers.embedded.native import NativeLibrary
 from rollout_workers.embedded.weight_only import GroupQuantized, PackedWeightOnly, pack_weight_only, weight_only_linear
 
 _MKLDNN_LINEAR = (
@@ -66,6 +74,126 @@ class PackedFp32:
     packed: torch.Tensor
     weight: torch.Tensor
     out_features: int
+
+
+@dataclass(slots=True)
+class LowRank:
+    """LoRA adapters in the engine's form: `s * B (A x)` = `(x A^T) b_t` with `b_t = (s * B)^T`. For a fused group
+    the members' A are stacked (sum of ranks, in), so one GEMM gives every member's `A x`; each member's `b_t` then
+    adds its own output columns in place. A member without an adapter has none: its columns get exactly nothing."""
+
+    a: torch.Tensor  # (R, in): the stacked A (`F.linear(x, a)`: peft's own first product, bit for bit)
+    b_t: tuple[torch.Tensor, ...]  # per member with an adapter: (r_i, out_i)
+    ranks: tuple[tuple[int, int], ...]  # per member: its columns of F.linear(x, a)
+    cols: tuple[tuple[int, int], ...]  # per member: its output columns
+    native: tuple[ctypes.Array, ctypes.Array, ctypes.Array] | None = None  # lr_apply's member arrays (fp32, CPU)
+    panels: tuple[torch.Tensor, ...] = ()  # per member: b_t in lr_apply's panels of 32 columns (_panels)
+
+
+def stack_low_rank(
+    adapters: list[tuple[torch.Tensor, torch.Tensor, float] | None],
+    out_features: list[int],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> LowRank | None:
+    """(A (r, in), B (out, r), scaling) per member of a fused group (None: no adapter) -> one LowRank, or None."""
+    if len(adapters) != len(out_features):
+        raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
+    device = device or torch.device("cpu")
+    a_parts, b_ts, ranks, cols = [], [], [], []
+    row = col = 0
+    for adapter, out in zip(adapters, out_features):
+        if adapter is not None:
+            a, b, scaling = adapter
+            if b.shape[0] != out or b.shape[1] != a.shape[0]:
+                raise ValueError(
+                    f"stack_low_rank: B {tuple(b.shape)} does not fit A {tuple(a.shape)} and {out} outputs"
+                )
+            a_parts.append(a.to(torch.float32))
+            b_t = (b.to(torch.float32) * scaling).t().contiguous()
+            b_ts.append(b_t.to(device=device, dtype=dtype))
+            ranks.append((row, row + a.shape[0]))
+            cols.append((col, col + out))
+            row += a.shape[0]
+        col += out
+    if not a_parts:
+        return None
+    a = torch.cat(a_parts).contiguous().to(device=device, dtype=dtype)
+    native = None
+    if device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None:
+        flat_ranks = (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair])
+        flat_cols = (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair])
+        panels = tuple(_panels(b_t) for b_t in b_ts)
+        pointers = (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels])
+        native = (flat_ranks, flat_cols, pointers)
+        return LowRank(a=a, b_t=tuple(b_ts), ranks=tuple(ranks), cols=tuple(cols), native=native, panels=panels)
+    return LowRank(a=a, b_t=tuple(b_ts), ranks=tuple(ranks), cols=tuple(cols))
+
+
+def _panels(b_t: torch.Tensor) -> torch.Tensor:
+    """b_t (rank, n) as csrc/lora_gemm.cpp streams it: (ceil(n / 32), rank, 32), panel t = columns 32t to 32t + 31
+    (zeros past n), so the kernel reads each panel in order."""
+    rank, n = b_t.shape
+    padded = F.pad(b_t, (0, -n % 32))
+    return padded.view(rank, -1, 32).transpose(0, 1).contiguous()
+
+
+def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    if lib.lr_abi_version() != 1:
+        raise ValueError("lora_gemm library: unexpected ABI version")
+    lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.lr_apply.restype = ctypes.c_int
+    return lib
+
+
+_LORA_LIBRARY = NativeLibrary("lora_gemm.cpp", _declare_lora)
+
+
+def _native_lora() -> ctypes.CDLL | None:
+    """csrc/lora_gemm.cpp where it builds and the CPU has AVX-512F (else None: torch's GEMMs run the adapters)."""
+    lib = _LORA_LIBRARY.get()
+    return lib if lib is not None and lib.lr_has_avx512f() else None
+
+
+def low_rank_linear(
+    x: torch.Tensor, weight: Linear, bias: torch.Tensor | None, adapter: LowRank | None
+) -> torch.Tensor:
+    """`linear(x, weight, bias)` plus the adapter's `s * B (A x)` (in x's dtype, on unquantized x) when it has one."""
+    out = linear(x, weight, bias)
+    return out if adapter is None else add_low_rank(x, out, adapter)
+
+
+def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.Tensor:
+    """`out + s * B (A x)`, added into `out` in place (a fresh linear output): every member's `A x` in one pass
+    over x, then each member's product accumulated into its own output columns (no block-diagonal zeros, no extra
+    pass over the output). fp32 on AVX-512: csrc/lora_gemm.cpp, one call; else torch's `F.linear` and `addmm_`.
+    Measured on Zen 4 (hidden 1024, rank 16 on all 7 linears, 32 rows, one thread, under load), per decoder layer:
+    542 us with a block-diagonal `addmm` per fused group, 356 us per member (torch), 220 us with the kernel,
+    against 2.0 ms of INT8 base linears."""
+    if not out.is_contiguous():
+        out = out.contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    if adapter.native is not None and rows.dtype == out.dtype == torch.float32 and rows.stride(-1) == 1:
+        lib = _native_lora()
+        low = torch.empty(rows.shape[0], adapter.a.shape[0], dtype=torch.float32)
+        ranks, cols, b_ts = adapter.native
+        done = lib.lr_apply(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
+                            adapter.a.shape[0], low.data_ptr(), len(adapter.b_t), ranks, cols, b_ts, out.data_ptr(),
+                            out.shape[-1])  # fmt: skip
+        if done != 0:
+            raise RuntimeError("lora_gemm: lr_apply refused (no AVX-512F on this CPU), yet its adapters were packed")
+        return out
+    low = F.linear(rows if rows.dtype == adapter.a.dtype else rows.to(adapter.a.dtype), adapter.a)
+    if low.dtype != out.dtype:
+        low = low.to(out.dtype)
+    flat = out.view(-1, out.shape[-1])
+    for (r0, r1), (c0, c1), b_t in zip(adapter.ranks, adapter.cols, adapter.b_t):
+        target = flat if c1 - c0 == flat.shape[1] else flat[:, c0:c1]
+        target.addmm_(
+            low if r1 - r0 == low.shape[1] else low[:, r0:r1], b_t if b_t.dtype == out.dtype else b_t.to(out.dtype)
+        )
+    return out
 
 
 Linear = (torch.Tensor | QuantizedWeight | PackedInt8 | PackedFp8 | UpcastQuantized | PackedFp32 | GroupQuantized

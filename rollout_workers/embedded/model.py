@@ -4,7 +4,9 @@ Reads a Hugging Face `config.json` (Llama incl. llama3 RoPE scaling, Qwen2 with 
 SmolLM). A published weight map (linear weights are float tensors or `QuantizedWeight`s, W8A8) is turned once per
 version into `ModelWeights`: q/k/v and gate/up fused into one matrix each (exact: the quantization is per output
 channel and the activation scale per token, so a fused W8A8 product equals the separate ones). The engine swaps a
-whole `ModelWeights` object between decode steps, so a step never mixes two versions.
+whole `ModelWeights` object between decode steps, so a step never mixes two versions. LoRA adapters published with
+a version (`<linear>.lora_A`, `.lora_B`, `.lora_scaling`, learner/lora.py) run on top of their (quantized) linear:
+`y = Q(W) x + s * B (A x)` (`linears.low_rank_linear`), a fused group's adapters stacked into one low-rank pair.
 
 The KV cache holds one row ("slot") per sequence, position p of a sequence at index p of its slot. `prefill` runs
 right-padded prompts from position 0 and writes their keys/values into any slots; `decode` runs one token for each
@@ -15,12 +17,14 @@ sharing every linear between them (the engine's step: prompts that join a runnin
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from quant_sync.export import LORA_A, LORA_B, LORA_SCALING
 from quant_sync.quantizers import QuantizedWeight
 from rollout_workers.embedded import fused_decode
 from rollout_workers.embedded.arch import (  # noqa: F401 - re-exported: the engine's model API
@@ -36,11 +40,14 @@ from rollout_workers.embedded.linears import (  # noqa: F401 - re-exported: the 
     PACK_FP32_MIN_FEATURES,
     UPCAST_INT8_MAX_ELEMENTS,
     Linear,
+    LowRank,
     PackedFp32,
     UpcastQuantized,
     _fuse,
+    add_low_rank,
     linear,
     prepare_linear,
+    stack_low_rank,
 )
 from rollout_workers.embedded.weight_only import GroupQuantized
 
@@ -104,6 +111,10 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear  # (2 * intermediate, hidden): gate_proj, up_proj stacked
     down: Linear
+    qkv_lora: LowRank | None = None  # LoRA adapters of each linear above (None: none)
+    o_lora: LowRank | None = None
+    gate_up_lora: LowRank | None = None
+    down_lora: LowRank | None = None
 
 
 @dataclass(slots=True)
@@ -135,25 +146,34 @@ class ModelWeights:
         if missing:
             raise KeyError(f"weights missing from the published version: {', '.join(missing[:5])}")
         target = torch.device(device)
+        used: set | None = set() if any(name.endswith(LORA_A) for name in weights) else None  # a LoRA version
 
         def tensor(name: str) -> torch.Tensor | None:
             value = weights.get(name)
             return None if value is None else value.to(device=target, dtype=dtype)  # type: ignore[union-attr]
 
-        def prepare(weight: Linear) -> Linear:
-            return prepare_linear(weight, dtype, target)
+        def prepare(*sources: Linear) -> Linear:  # several: a fused group
+            def build() -> Linear:
+                return prepare_linear(_fuse(list(sources)) if len(sources) > 1 else sources[0], dtype, target)
+
+            return prepared_once(list(sources), build, (dtype, target, len(sources)), used)
+
+        def adapters(prefix: str, names: tuple[str, ...]) -> LowRank | None:
+            members = [_adapter(weights, prefix + name) for name in names]
+            outs = [_matrix(weights[prefix + name + ".weight"]).shape[0] for name in names]
+            return stack_low_rank(members, outs, dtype, target)
 
         layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
             attn = [weights[p + f"self_attn.{name}_proj.weight"] for name in "qkv"]
             biases = [tensor(p + f"self_attn.{name}_proj.bias") for name in "qkv"]
-            gate_up = prepare(_fuse([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+            gate_up = prepare(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"])
             yield None  # the largest matrix, a part of its own: a step's build slice overruns by half a layer at most
             layers.append(
                 LayerWeights(
                     input_norm=tensor(p + "input_layernorm.weight"),  # type: ignore[arg-type]
-                    qkv=prepare(_fuse(attn)),
+                    qkv=prepare(*attn),
                     qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,  # type: ignore
                     q_norm=tensor(p + "self_attn.q_norm.weight"),
                     k_norm=tensor(p + "self_attn.k_norm.weight"),
@@ -161,16 +181,68 @@ class ModelWeights:
                     post_norm=tensor(p + "post_attention_layernorm.weight"),  # type: ignore[arg-type]
                     gate_up=gate_up,
                     down=prepare(weights[p + "mlp.down_proj.weight"]),
+                    qkv_lora=adapters(p + "self_attn.", ("q_proj", "k_proj", "v_proj")),
+                    o_lora=adapters(p + "self_attn.", ("o_proj",)),
+                    gate_up_lora=adapters(p + "mlp.", ("gate_proj", "up_proj")),
+                    down_lora=adapters(p + "mlp.", ("down_proj",)),
                 )
             )
             yield None
         embed = weights["model.embed_tokens.weight"]
-        yield cls(
+        head = weights.get("lm_head.weight", embed)
+        built = cls(
             embed=tensor("model.embed_tokens.weight"),  # type: ignore[arg-type]
             layers=layers,
             norm=tensor("model.norm.weight"),  # type: ignore[arg-type]
-            head=prepare_linear(weights.get("lm_head.weight", embed), dtype, target, pack=HEAD_PACKED),
+            head=prepared_once(
+                [head], lambda: prepare_linear(head, dtype, target, pack=HEAD_PACKED), (dtype, target, "head"), used
+            ),
         )
+        _end_build(used)
+        yield built
+
+
+_PREPARED: dict[tuple, tuple[list[tuple[weakref.ref, int]], Linear]] = {}
+"""LoRA versions: the base's execution forms by the identity (and in-place version counter) of the published tensors
+they were built from (`prepared_once`). Holds one base's forms at most: emptied by a version without adapters, and
+each LoRA build drops the entries it did not use."""
+
+
+def _source_tensors(weight: Linear) -> list[torch.Tensor]:
+    if isinstance(weight, (QuantizedWeight, GroupQuantized)):
+        return [weight.q, weight.scale]
+    return [weight] if isinstance(weight, torch.Tensor) else []
+
+
+def prepared_once(sources: list[Linear], build: Callable[[], Linear], key: tuple, used: set | None) -> Linear:
+    """`build()`, or, in a LoRA build (`used`: the keys it used so far), the form built before from these very
+    published tensors (same objects, unmodified): adapter-only versions hand the engine the base's tensors again,
+    whose fused and prepacked forms are then reused instead of rebuilt (an adapter version builds in milliseconds)."""
+    if used is None or any(not _source_tensors(weight) for weight in sources):  # nothing to key on
+        return build()
+    tensors = [t for weight in sources for t in _source_tensors(weight)]
+    full_key = (tuple(id(t) for t in tensors), *key)
+    used.add(full_key)
+    held = _PREPARED.get(full_key)
+    if held is not None and all(ref() is t and t._version == seen for (ref, seen), t in zip(held[0], tensors)):
+        return held[1]
+    built = build()
+    _PREPARED[full_key] = ([(weakref.ref(t), t._version) for t in tensors], built)
+    return built
+
+
+def _end_build(used: set | None) -> None:
+    """After a build: keep only the base forms this LoRA build used; none after a version without adapters."""
+    for key in [key for key in _PREPARED if used is None or key not in used]:
+        del _PREPARED[key]
+
+
+def _adapter(weights: dict[str, Linear], linear_name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the LoRA adapter on `linear_name` (e.g. `model.layers.0.mlp.up_proj`), None if it has none."""
+    a = weights.get(linear_name + LORA_A)
+    if a is None:
+        return None
+    return a, weights[linear_name + LORA_B], float(weights[linear_name + LORA_SCALING][0])  # type: ignore[index]
 
 
 def required_weight_names(arch: ArchConfig) -> list[str]:
@@ -212,6 +284,7 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
             kinds = {_kind(weights[p + f"{prefix}{name}_proj.weight"]) for name in group}
             if len(kinds) > 1:
                 raise ValueError(f"{p}{prefix}{'/'.join(group)}_proj: mixed kinds {sorted(kinds)} cannot be fused")
+    _check_adapter_shapes(weights, expected)
     for name, shape in expected.items():
         weight = weights.get(name)
         if weight is None:
@@ -223,6 +296,29 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
             raise ValueError(f"{name}: scale of shape {list(weight.scale.shape)}, the model needs {[shape[0]]}")
         if isinstance(weight, GroupQuantized):
             weight.check_scale(name)
+
+
+def _check_adapter_shapes(weights: dict[str, Linear], expected: dict[str, tuple[int, ...]]) -> None:
+    """Every LoRA tensor sits on a decoder linear, comes with its two partners, and fits it: A (r, in), B (out, r),
+    scaling (1,), all float."""
+    for name in weights:
+        suffix = next((s for s in (LORA_A, LORA_B, LORA_SCALING) if name.endswith(s)), None)
+        if suffix is None:
+            continue
+        linear_name = name[: -len(suffix)]
+        shape = expected.get(linear_name + ".weight")
+        if shape is None or len(shape) != 2:
+            raise ValueError(f"{name}: a LoRA tensor on {linear_name}, which is not a decoder linear of the model")
+        parts = [weights.get(linear_name + s) for s in (LORA_A, LORA_B, LORA_SCALING)]
+        if any(not isinstance(part, torch.Tensor) or not part.is_floating_point() for part in parts):
+            raise ValueError(f"{linear_name}: LoRA needs float {LORA_A}, {LORA_B} and {LORA_SCALING} tensors together")
+        a, b, scaling = parts
+        rank = a.shape[0]  # type: ignore[union-attr]
+        want = {LORA_A: (rank, shape[1]), LORA_B: (shape[0], rank), LORA_SCALING: (1,)}
+        for part, suffix in zip(parts, (LORA_A, LORA_B, LORA_SCALING)):
+            if tuple(part.shape) != want[suffix] or rank < 1:  # type: ignore[union-attr]
+                raise ValueError(f"{linear_name}{suffix} has shape {list(part.shape)}, the model needs "  # type: ignore
+                                 f"{list(want[suffix])}")  # fmt: skip
 
 
 def _kind(weight: Linear) -> str:
@@ -295,6 +391,14 @@ def _attend_decode(
     return out.transpose(1, 2).reshape(n, -1)
 
 
+def low_rank_linear(
+    x: torch.Tensor, weight: Linear, bias: torch.Tensor | None, adapter: LowRank | None
+) -> torch.Tensor:
+    """`linear` (this module's: tests count its calls) plus a LoRA adapter's `s * B (A x)` when there is one."""
+    out = linear(x, weight, bias)
+    return out if adapter is None else add_low_rank(x, out, adapter)
+
+
 def _mlp_block(
     arch: ArchConfig, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, next_norm: torch.Tensor, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,12 +406,13 @@ def _mlp_block(
     layer's input norm, or the final norm). Fused: the residual adds happen in place, each with its norm."""
     eps = arch.rms_norm_eps
     if fused:
-        h = fused_decode.add_rms_norm_(x, linear(attn, layer.o_proj, None), layer.post_norm, eps)
-        gate, up = linear(h, layer.gate_up, None).chunk(2, dim=-1)
-        return x, fused_decode.add_rms_norm_(x, linear(F.silu(gate) * up, layer.down, None), next_norm, eps)
-    x = x + linear(attn, layer.o_proj, None)
-    gate, up = linear(rms_norm(x, layer.post_norm, eps), layer.gate_up, None).chunk(2, dim=-1)
-    x = x + linear(F.silu(gate) * up, layer.down, None)
+        h = fused_decode.add_rms_norm_(x, low_rank_linear(attn, layer.o_proj, None, layer.o_lora), layer.post_norm, eps)
+        gate, up = low_rank_linear(h, layer.gate_up, None, layer.gate_up_lora).chunk(2, dim=-1)
+        down = low_rank_linear(F.silu(gate) * up, layer.down, None, layer.down_lora)
+        return x, fused_decode.add_rms_norm_(x, down, next_norm, eps)
+    x = x + low_rank_linear(attn, layer.o_proj, None, layer.o_lora)
+    gate, up = low_rank_linear(rms_norm(x, layer.post_norm, eps), layer.gate_up, None, layer.gate_up_lora).chunk(2, -1)
+    x = x + low_rank_linear(F.silu(gate) * up, layer.down, None, layer.down_lora)
     return x, rms_norm(x, next_norm, eps)
 
 
@@ -340,7 +445,7 @@ def forward_step(
         cos_p, sin_p = cache.cos[None, None, :seq], cache.sin_rotate[None, None, :seq]
     h = (fused_decode.rms_norm if fused else rms_norm)(x, weights.layers[0].input_norm, arch.rms_norm_eps)
     for i, layer in enumerate(weights.layers):
-        qkv = linear(h, layer.qkv, layer.qkv_bias)
+        qkv = low_rank_linear(h, layer.qkv, layer.qkv_bias, layer.qkv_lora)
         attn = [_attend_decode(arch, layer, qkv[:n], cache, i, decoding[1])] if decoding is not None else []
         if prompts is not None:
             q, k, v = _heads(arch, layer, qkv[n:].view(m, seq, -1), cos_p, sin_p)

@@ -23,7 +23,9 @@ Established from SGLang's source (paths are in sgl-project/sglang; details and c
   `{"type": "length", "length": n}`, `{"type": "abort", "message", "status_code", "err_type"}`.
 - `managers/tokenizer_manager.py`: `meta_info` has `id`, `finish_reason`, `prompt_tokens`, `weight_version` (a
   string, the server's version when the response is built), `completion_tokens`, `cached_tokens`, `e2e_latency`,
-  and with `return_logprob` `output_token_logprobs` as `[logprob, token_id, text or null]` triples.
+  and with `return_logprob` `output_token_logprobs` and `input_token_logprobs` (from `logprob_start_len`, the first
+  always null) as `[logprob, token_id, text or null]` triples, with `top_logprobs_num > 0` also
+  `input_top_logprobs` / `output_top_logprobs` (a list of triples per position).
 
 One extension of ours: `meta_info["weight_versions"]`, run-length spans `[[version, n_tokens], ...]` giving the
 weight version of every output token. SGLang does not send it; the client falls back to `weight_version`.

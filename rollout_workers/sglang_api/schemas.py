@@ -1,13 +1,14 @@
 """The request bodies of `asyncrl serve`, one pydantic model per route, with SGLang 0.5.x's field names and defaults.
 
 SGLang declares them in `managers/io_struct.py` (`GenerateReqInput`, `PauseGenerationReqInput`,
-`UpdateWeightFromDiskReqInput`, `UpdateWeightVersionReqInput`, `AbortReq`, `SlowDownReqInput`) and
+`UpdateWeightFromDiskReqInput`, `UpdateWeightVersionReqInput`, `AbortReq`, `SlowDownReqInput`, `TokenizeReqInput`,
+`DetokenizeReqInput`) and
 `sampling/sampling_params.py` (`SamplingParams`). Two kinds of bad request, two error shapes (protocol.error_body):
 
 - a field of the wrong type (a string for `top_k`, `["a"]` for `input_ids`, a 20-digit integer, `mode: "later"`) fails
   pydantic's validation here; FastAPI raises RequestValidationError and the app answers SGLang's validation shape.
-- a value of the right type that SGLang refuses (`top_p = 2`, an empty prompt, `stream: true`) fails `verify()` /
-  `normalize()` with `BadRequest`, answered with SGLang's ValueError shape `{"error": {"message": ...}}`.
+- a value of the right type that SGLang refuses (`top_p = 2`, an empty prompt, a `logprob_start_len` past it) fails
+  `verify()` / `normalize()` with `BadRequest`, answered with SGLang's ValueError shape `{"error": {"message": ...}}`.
 
 Integers are strict (no `true`, no `1.0`, no `"1"`) and bounded to int64 where torch takes them; numbers accept JSON
 integers and floats but not booleans or strings. Unknown top-level keys are ignored, as SGLang's dataclass does;
@@ -31,14 +32,13 @@ Number = Annotated[float, Strict()]
 
 UNSUPPORTED_NEUTRAL = {
     "min_p": 0.0,
-    "min_new_tokens": 0,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
 }
-"""Sampling keys `asyncrl serve` accepts only at their neutral value (issue 25 implements them)."""
-UNSUPPORTED_FEATURES = ("stop", "stop_regex", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag")
-"""Sampling keys `asyncrl serve` accepts only empty (stop strings, constrained decoding, logit bias)."""
+"""Sampling keys `asyncrl serve` accepts only at their neutral value (penalties are not implemented)."""
+UNSUPPORTED_FEATURES = ("stop_regex", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag")
+"""Sampling keys `asyncrl serve` accepts only empty (constrained decoding, logit bias)."""
 
 
 class SamplingParams(BaseModel):
@@ -82,6 +82,10 @@ class SamplingParams(BaseModel):
             return {key: value for key, value in values.items() if value is not None or key not in cls.model_fields}
         return values
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def verify(self) -> None:
         """SGLang's `SamplingParams.verify` for what `asyncrl serve` runs; what it does not run is refused by name."""
         if self.model_extra:
@@ -100,6 +104,12 @@ class SamplingParams(BaseModel):
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 1 and self.top_k != TOP_K_ALL:
             raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            raise BadRequest(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}."
+            )
+        if isinstance(self.stop, list) and any(not stop for stop in self.stop) or self.stop == "":
+            raise BadRequest("stop strings must not be empty.")
         if self.max_new_tokens < 0:
             raise BadRequest(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if self.n < 1:
@@ -118,6 +128,11 @@ class GenerateRequest:
     """Answer one object rather than a list (one prompt, n = 1)."""
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
+    logprob_start_len: list[int] | None = None
+    """Per prompt: the first prompt position whose token gets an input log-prob (-1: the last one only)."""
+    top_logprobs_num: list[int] | None = None
+    """Per prompt: the most likely tokens returned per position (0: none)."""
+    stream: bool = False
 
 
 class GenerateReqInput(BaseModel):
@@ -130,21 +145,15 @@ class GenerateReqInput(BaseModel):
     rid: str | list[str] | None = None
     """Request id(s); with `n > 1` a string becomes `rid_0, rid_1, ...` in the response order."""
     return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    """Only -1 (no prompt log-probs) until issue 25."""
-    top_logprobs_num: int | list[int] | None = None
-    """Only 0 until issue 25."""
+    logprob_start_len: StrictInt | list[StrictInt] | None = None
+    """With `return_logprob`, the first prompt position given an input log-prob (-1: the last prompt token only)."""
+    top_logprobs_num: StrictInt | list[StrictInt] | None = None
+    """With `return_logprob`, the most likely tokens returned for every input and output position."""
     return_text_in_logprobs: bool = False
     stream: bool = False
 
     def normalize(self) -> GenerateRequest:
         """SGLang's `GenerateReqInput.normalize_batch_and_arguments` for what `asyncrl serve` runs."""
-        if self.stream:
-            raise BadRequest("stream=true is not supported by asyncrl serve")
-        if self.logprob_start_len not in (None, -1) or self.top_logprobs_num not in (None, 0):
-            raise BadRequest(
-                "asyncrl serve returns output-token logprobs only (logprob_start_len=-1, top_logprobs_num=0)"
-            )
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("Either text, input_ids or input_embeds should be provided.")
         prompts: list[list[int] | str]
@@ -174,6 +183,9 @@ class GenerateReqInput(BaseModel):
             single=single and n == 1,
             return_logprob=any(logprob) if isinstance(logprob, list) else bool(logprob),
             return_text_in_logprobs=self.return_text_in_logprobs,
+            logprob_start_len=_per_prompt("logprob_start_len", self.logprob_start_len, len(prompts), -1, -1),
+            top_logprobs_num=_per_prompt("top_logprobs_num", self.top_logprobs_num, len(prompts), 0, 0),
+            stream=self.stream,
         )
 
     def _rids(self, single: bool, batch: int, n: int) -> list[str] | None:
@@ -184,6 +196,17 @@ class GenerateReqInput(BaseModel):
                 raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
             return list(self.rid) if n == 1 else None
         return None
+
+
+def _per_prompt(name: str, value: int | list[int] | None, batch: int, default: int, least: int) -> list[int]:
+    """One value per prompt (a single value for all of them), each at least `least`."""
+    values = [default if value is None else value] * batch if not isinstance(value, list) else list(value)
+    if len(values) != batch:
+        raise BadRequest(f"The length of {name} should be equal to the batch size.")
+    for item in values:
+        if item < least:
+            raise BadRequest(f"{name} must be at least {least}, got {item}.")
+    return values
 
 
 class PauseGenerationReqInput(BaseModel):
@@ -226,3 +249,17 @@ class SlowDownReqInput(BaseModel):
     """`GET|POST /slow_down`: SGLang's testing knob, seconds slept after every engine step (null: none)."""
 
     forward_sleep_time: Annotated[Number, Field(ge=0)] | None = None
+
+
+class TokenizeReqInput(BaseModel):
+    """`POST /tokenize`: one text or several."""
+
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeReqInput(BaseModel):
+    """`POST /detokenize`: one list of token ids or several."""
+
+    tokens: list[StrictInt] | list[list[StrictInt]]
+    skip_special_tokens: bool = True

@@ -1,5 +1,6 @@
 """The FastAPI app of `asyncrl serve` and its uvicorn listener: SGLang 0.5.x's native HTTP routes over the engine
-adapter (service.py), on the stack SGLang itself serves with.
+adapter (service.py), on the stack SGLang itself serves with, and the OpenAI-compatible `/v1` routes
+(openai_routes.py); `stream: true` answers server-sent events (streaming.py).
 
 `make_app(service)` is the one factory. Request bodies are the pydantic models of schemas.py, so FastAPI validates
 them; the exception handlers below answer every failure in the shape SGLang's own server gives (protocol.error_body;
@@ -39,16 +40,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from rollout_workers.sglang_api.openai_routes import openai_routes
 from rollout_workers.sglang_api.protocol import BadRequest, error_body
 from rollout_workers.sglang_api.schemas import (
     AbortReq,
+    DetokenizeReqInput,
     GenerateReqInput,
     PauseGenerationReqInput,
     SlowDownReqInput,
+    TokenizeReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
 from rollout_workers.sglang_api.service import ModelService
+from rollout_workers.sglang_api.streaming import event_stream, generate_stream
 
 MAX_BODY_BYTES = 64 << 20
 """Largest request body accepted (a batch of prompts as token ids fits many times over)."""
@@ -68,6 +73,7 @@ def make_app(service: ModelService) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.include_router(native_routes)
+    app.include_router(openai_routes)
     return app
 
 
@@ -194,7 +200,7 @@ def _service(request: Request) -> ModelService:
 
 Service = Annotated[ModelService, Depends(_service)]
 native_routes = APIRouter()
-"""SGLang's native routes (`entrypoints/http_server.py`); issue 25 adds the OpenAI `/v1/*` routes beside them."""
+"""SGLang's native routes (`entrypoints/http_server.py`); the OpenAI `/v1/*` routes are in openai_routes.py."""
 
 
 @native_routes.get("/health")
@@ -212,7 +218,7 @@ async def health_generate(service: Service) -> Response:
 async def model_info(service: Service) -> dict[str, Any]:
     return {
         "model_path": service.model_dir,
-        "tokenizer_path": service.model_dir,
+        "tokenizer_path": service.tokenizer_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": service.weight_version,
@@ -240,6 +246,8 @@ async def weight_version(service: Service) -> dict[str, Any]:
 async def generate(service: Service, obj: GenerateReqInput | None = None) -> Any:
     request = (obj or GenerateReqInput()).normalize()
     order = await run_in_threadpool(service.submit, request)
+    if request.stream:
+        return event_stream(generate_stream(service, request, order))
     await service.wait(order)
     return await run_in_threadpool(service.responses, request, order)
 
@@ -300,6 +308,48 @@ async def abort_request(service: Service, obj: AbortReq | None = None) -> Respon
 async def slow_down(service: Service, obj: SlowDownReqInput | None = None) -> Response:
     service.forward_sleep_s = float((obj or SlowDownReqInput()).forward_sleep_time or 0.0)
     return Response(status_code=200)
+
+
+@native_routes.api_route("/get_load", methods=["GET", "POST"])
+async def get_load(service: Service) -> list[dict[str, Any]]:
+    """SGLang's load report, one entry per data-parallel rank (we have one)."""
+    return [await run_in_threadpool(service.load)]
+
+
+@native_routes.post("/tokenize")
+async def tokenize(service: Service, obj: TokenizeReqInput) -> dict[str, Any]:
+    def encode(text: str) -> list[int]:
+        return service.tokenizer.encode(text, add_special_tokens=obj.add_special_tokens)
+
+    tokens = await run_in_threadpool(
+        lambda: encode(obj.prompt) if isinstance(obj.prompt, str) else [encode(text) for text in obj.prompt]
+    )
+    count = len(tokens) if isinstance(obj.prompt, str) else [len(ids) for ids in tokens]
+    return {"tokens": tokens, "count": count, "max_model_len": service.engine.max_seq_len}
+
+
+@native_routes.post("/detokenize")
+async def detokenize(service: Service, obj: DetokenizeReqInput) -> dict[str, Any]:
+    def decode(ids: list[int]) -> str:
+        return service.tokenizer.decode(ids, skip_special_tokens=obj.skip_special_tokens)
+
+    single = not obj.tokens or isinstance(obj.tokens[0], int)
+    text = await run_in_threadpool(lambda: decode(obj.tokens) if single else [decode(ids) for ids in obj.tokens])
+    return {"text": text}
+
+
+@native_routes.post("/load_lora_adapter")
+@native_routes.post("/unload_lora_adapter")
+async def lora_adapter(request: Request) -> JSONResponse:
+    """Answered as SGLang answers without `--enable-lora`."""
+    return JSONResponse(
+        {
+            "success": False,
+            "error_message": "LoRA is not enabled. Please set `--enable-lora` to True to use LoRA adapters "
+            f"({request.url.path}).",
+        },
+        status_code=400,
+    )
 
 
 @native_routes.post("/update_weights_from_distributed")

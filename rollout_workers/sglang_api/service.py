@@ -14,6 +14,10 @@
   recomputed with the new weights, `in_place`: kept), otherwise after the running requests finish (new ones wait),
   as SGLang does. Each update gets a new integer version; `weight_version` labels are kept as given.
 - Every output token carries the version that computed it: `meta_info.weight_versions` (our extension).
+- With `return_logprob`, prompt log-probs from `logprob_start_len` on are scored before the request joins
+  (`EmbeddedEngine.prompt_logprobs`, one forward over the prompt; none for the default -1), top-k ones with
+  `top_logprobs_num`. `stop` strings end a request once its decoded output holds one (checked after every step);
+  a stream's client going away aborts its requests (`abort_requests`, streaming.py).
 - A request with `sampling_params.sampling_seed = s` draws sample i exactly as `EmbeddedEngine.generate` with seed
   s draws the i-th copy of its prompt, so the two can be compared token for token.
 """
@@ -35,6 +39,7 @@ from queue import Empty, Queue
 from typing import TYPE_CHECKING, Any
 
 from rollout_workers.sglang_api import protocol
+from rollout_workers.sglang_api.logprobs import logprob_meta, score_prompt
 from rollout_workers.sglang_api.protocol import BadRequest
 from rollout_workers.sglang_api.schemas import GenerateRequest, SamplingParams
 
@@ -58,6 +63,13 @@ class _Request:
     """Resolved by the scheduler thread when the request finishes or is aborted."""
     finish: dict[str, Any] | None = None
     retractions: int = 0
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    """The first prompt position given an input log-prob (-1: the last one), with `return_logprob`."""
+    top_logprobs_num: int = 0
+    input_logprobs: list[float | None] = field(default_factory=list)
+    """Per prompt token from `logprob_start_len` on (SGLang's: the first one is always None)."""
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
 
     def settle(self) -> None:
         if not self.done.done():
@@ -93,6 +105,8 @@ class ModelService:
         if self.quant not in SERVED_SCHEMES:
             raise ValueError(f"--quant {self.quant!r} is not one of {', '.join(SERVED_SCHEMES)}")
         self.model_dir = str(model_dir)
+        """The weights' directory: the last one `/update_weights_from_disk` loaded (SGLang's `model_path`)."""
+        self.served_model_name = self.tokenizer_path = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)  # a model dir is data
         self.engine = EmbeddedEngine(
             model_dir, max_batch=max_batch, seed=seed, max_seq_len=max_seq_len, precision=precision, device=device
@@ -130,9 +144,23 @@ class ModelService:
         for b, (prompt, sampling) in enumerate(zip(request.prompts, request.sampling)):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self._check(ids, sampling)
+            start = request.logprob_start_len[b] if request.logprob_start_len else -1
+            if request.return_logprob and start >= len(ids):
+                raise BadRequest(
+                    f"logprob_start_len ({start}) is larger than the number of input tokens ({len(ids)}). "
+                    "Request with a lower logprob_start_len."
+                )
             keys = self._keys(sampling.sampling_seed, n)
             group = [
-                _Request(self._rid(request, b, i, len(request.prompts)), ids, sampling, key)
+                _Request(
+                    self._rid(request, b, i, len(request.prompts)),
+                    ids,
+                    sampling,
+                    key,
+                    return_logprob=request.return_logprob,
+                    logprob_start_len=start,
+                    top_logprobs_num=request.top_logprobs_num[b] if request.top_logprobs_num else 0,
+                )
                 for i, key in enumerate(keys)
             ]
             groups.append(group)
@@ -153,6 +181,36 @@ class ModelService:
         """The `/generate` answer for finished requests: one object, or a list in `order`."""
         outs = [self._response(req, request.return_logprob, request.return_text_in_logprobs) for req in order]
         return outs[0] if request.single else outs
+
+    def progress(self, req: _Request) -> int:
+        """Output tokens `req` has so far (read from the HTTP side while the scheduler appends)."""
+        seq = req.seq
+        return len(seq.versions) if seq is not None else 0
+
+    def response(self, request: GenerateRequest, req: _Request) -> dict[str, Any]:
+        """One request's `/generate` answer as it stands: the final one once it finished, else a partial one
+        (finish_reason None) for a stream."""
+        return self._response(req, request.return_logprob, request.return_text_in_logprobs)
+
+    def abort_requests(self, order: list[_Request]) -> None:
+        """Abort these requests (a stream whose client went away): their slots are freed between two steps. Returns
+        at once (the scheduler runs it), so a cancelled stream can call it without awaiting."""
+        targets = set(order)
+        self._call(lambda: self._abort(lambda req: req in targets, "Abort: the client disconnected"), wait=False)
+
+    def load(self) -> dict[str, Any]:
+        """SGLang's `/get_load` for our one scheduler: requests running and waiting, tokens in the KV cache."""
+
+        def count() -> dict[str, Any]:
+            running = list(self._by_seq.values())
+            return {
+                "dp_rank": 0,
+                "num_reqs": len(running) + sum(len(group) for group in self._waiting),
+                "num_waiting_reqs": sum(len(group) for group in self._waiting),
+                "num_tokens": sum(len(req.seq.tokens) for req in running if req.seq is not None),
+            }
+
+        return self._call(count)
 
     def pause(self, mode: str) -> dict[str, Any]:
         self._call(lambda: self._pause(mode))
@@ -175,6 +233,8 @@ class ModelService:
         future: Future = Future()
         self._call(lambda: self._update(tensors, label, abort_all, future), wait=False)
         ok, message, paused = future.result()
+        if ok:
+            self.model_dir = str(model_path)
         if ok and label is not None:
             message += f" Weight version updated to {label}."
         return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": paused}
@@ -274,13 +334,14 @@ class ModelService:
         return WeightUpdate(-1, rollout_tensors(read_tensors(model_dir), self.quant, block), self.quant)
 
     def _apply(self, update, label: str | None, recompute_kv: bool = False) -> int:
+        previous = self._labels.get(self.engine.version)  # SGLang keeps the served label when an update gives none
         version = self.engine.version + 1
         if label is not None and label.lstrip("-").isdigit() and int(label) > self.engine.version:
             version = int(label)
         update.version = version
         self.engine.stage_weights(update)
         self.engine.swap_now(recompute_kv=recompute_kv)
-        self._labels[version] = label if label is not None else str(version)
+        self._labels[version] = label if label is not None else (previous or str(version))
         self.updates += 1
         return version
 
@@ -290,7 +351,11 @@ class ModelService:
         logps = list(completion.behav_logp) if completion else []
         versions = list(completion.versions) if completion else []
         finish = req.finish
-        if finish is None:
+        if completion is None and req.seq is not None and finish is None:  # still running: what it has (a stream)
+            seq = req.seq
+            count = len(seq.versions)  # appended last of the three per token (engine._sample)
+            tokens, logps, versions = seq.response[:count], seq.logp[:count], seq.versions[:count]
+        elif finish is None and completion is not None:
             finish = (
                 protocol.finish_stop(tokens[-1]) if completion.finish == "stop" else protocol.finish_length(len(tokens))
             )
@@ -306,10 +371,12 @@ class ModelService:
             protocol.WEIGHT_VERSIONS_KEY: protocol.version_spans([self._labels.get(v, str(v)) for v in versions]),
         }
         if return_logprob:
-            texts = [self.tokenizer.decode([t]) for t in tokens] if text_in_logprobs else [None] * len(tokens)
-            meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(logps, tokens, texts)]
-            meta["input_token_logprobs"] = []
+            output_top = req.seq.top_logprobs if req.seq is not None else []
+            meta.update(logprob_meta(self.tokenizer, req, tokens, logps, output_top, text_in_logprobs))
         text = self.tokenizer.decode(tokens, skip_special_tokens=req.sampling.skip_special_tokens)
+        matched = finish.get("matched") if finish else None
+        if isinstance(matched, str) and not req.sampling.no_stop_trim and matched in text:
+            text = text[: text.find(matched)]  # SGLang trims the stop string and what follows it
         return {"text": text, "output_ids": tokens, "meta_info": meta}
 
     # ---- the scheduler thread -------------------------------------------------------------------------------------
@@ -336,6 +403,7 @@ class ModelService:
                 req = self._by_seq.pop(id(seq), None)
                 if req is not None:
                     req.settle()
+            self._stop_on_strings()
             if self.forward_sleep_s:
                 time.sleep(self.forward_sleep_s)
 
@@ -365,15 +433,48 @@ class ModelService:
         while self._waiting:
             group = self._waiting.pop(0)
             first = group[0]
+            try:
+                score_prompt(self.engine, group)
+            except Exception as err:  # a failed scoring fails its request, not the scheduler
+                traceback.print_exc()
+                for req in group:
+                    req.finish = protocol.finish_abort(f"prompt scoring failed: {err}", 500)
+                    req.settle()
+                continue
             if first.sampling.max_new_tokens == 0:
                 for req in group:
                     req.finish = protocol.finish_length(0)
                     req.settle()
                 continue
-            seqs = self.engine.submit(first.prompt, self._engine_params(first.sampling), [req.key for req in group])
+            seqs = self.engine.submit(
+                first.prompt,
+                self._engine_params(first.sampling),
+                [req.key for req in group],
+                top_logprobs_num=first.top_logprobs_num if first.return_logprob else 0,
+                min_new_tokens=first.sampling.min_new_tokens,
+            )
             for req, seq in zip(group, seqs):
                 req.seq = seq
                 self._by_seq[id(seq)] = req
+
+    def _stop_on_strings(self) -> None:
+        """End the running requests whose output text now holds one of their `stop` strings (SGLang's stop strings:
+        finish_reason `{"type": "stop", "matched": <the string>}`; the text is trimmed in `_response`)."""
+        ended = []
+        for req in self._by_seq.values():
+            stops = req.sampling.stop_strings
+            if not stops or req.seq is None or req.seq.completion is not None:
+                continue
+            text = self.tokenizer.decode(req.seq.response, skip_special_tokens=req.sampling.skip_special_tokens)
+            hits = [(text.find(stop), stop) for stop in stops if stop in text]
+            if hits:
+                req.finish = protocol.finish_stop(min(hits)[1])
+                ended.append(req)
+        if ended:
+            self.engine.abort([req.seq for req in ended])
+            for req in ended:
+                self._by_seq.pop(id(req.seq), None)
+                req.settle()
 
     def _abort(self, match: Callable[[_Request], bool], message: str, status: int | None = None) -> int:
         reason = protocol.finish_abort(message, status)

@@ -166,8 +166,9 @@ def test_live_control_scale_set_status_and_down(tmp_path):
         wait_for(lambda: running_workers() == 3, 120, "3 running workers", proc)
         assert cli(tmp_path, "scale", "rollout=1", "--run", str(run_dir)).returncode == 0
         wait_for(lambda: running_workers() == 1, 120, "1 running worker", proc)
-        too_many = cli(tmp_path, "scale", "rollout=9", "--run", str(run_dir))
-        assert too_many.returncode == 2 and "ray.worker_cpus" in too_many.stderr
+        too_many = cli(tmp_path, "scale", "rollout=30", "--run", str(run_dir))  # 1 + 30 x 0.3 CPUs > 2 x 4 logical
+        assert too_many.returncode == 2 and "at most 23 workers" in too_many.stderr, too_many.stderr
+        assert "ray.local_oversubscribe" in too_many.stderr
 
         for item, expected in [("loss.cpa=3", "did you mean `loss.cap`"), ("rollout.temperature=0.5", "live keys"),
                                ("staleness.max_lag=-1", "out of range"), ("loss.cap=high", "loss.cap")]:  # fmt: skip
@@ -198,6 +199,39 @@ def test_live_control_scale_set_status_and_down(tmp_path):
     assert events.count("worker_stopped") == 2 and "down" in events and "checkpoint" in events
     gone = cli(tmp_path, "status", str(run_dir))
     assert gone.returncode == 2 and "not running" in gone.stderr
+
+
+@pytest.mark.slow
+def test_scale_past_the_cores_on_the_default_config(tmp_path):
+    """The README's `asyncrl scale rollout=3`, then 4, on the default config (2 workers of `ray.worker_cpus`=0.5 and
+    a learner of 1 CPU on 2 cores): accepted, and `asyncrl status` shows every worker running and generating."""
+    run_dir = tmp_path / "runs" / "d"
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), "logging.dir=runs", "logging.name=d",
+                    "train.steps=100000", "logging.console=false", *SMALL)  # fmt: skip
+    try:
+        wait_for(lambda: any("loss" in r for r in records(run_dir)), 120, "the first step", proc)
+
+        def workers() -> list[dict]:
+            status = cli(tmp_path, "status", "--json")
+            assert status.returncode == 0, status.stderr
+            return json.loads(status.stdout)["workers"]
+
+        for count in (3, 4):
+            scaled = cli(tmp_path, "scale", f"rollout={count}")
+            assert scaled.returncode == 0, scaled.stderr
+            wait_for(lambda n=count: [w["state"] for w in workers()] == ["running"] * n, 120, f"{count} running", proc)
+        wait_for(lambda: all(w["samples"] > 0 for w in workers()), 120, "samples from all 4 workers", proc)
+        shown = cli(tmp_path, "status")
+        assert shown.returncode == 0 and "workers (4):" in shown.stdout and shown.stdout.count(" running ") == 4
+        down = cli(tmp_path, "down", str(run_dir))
+        assert down.returncode == 0, down.stderr
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    scales = [r for r in records(run_dir) if r.get("event") == "scale"]
+    assert [(r["rollout"], r["added"]) for r in scales] == [(3, ["worker-2"]), (4, ["worker-3"])]
 
 
 @pytest.mark.slow

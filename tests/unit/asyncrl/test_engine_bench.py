@@ -75,3 +75,31 @@ def test_the_kernel_each_scheme_runs_is_named():
     assert engine_bench.kernel_of(engine_bench._engine(model, model_dir, "fp8")).startswith("fp8:")
     assert "batch-invariant" in engine_bench.kernel_of(engine_bench._engine(model, model_dir, "none"))
     assert engine_bench.int8_kernel() != "unknown"
+
+
+def test_the_lora_rows_adapters_sit_on_every_decoder_linear_as_the_learner_publishes_them():
+    from common.config_schema import LORA_TARGETS
+    from quant_sync.export import LORA_A, LORA_B, LORA_SCALING
+
+    state = {**_state(tied=False), "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 128)}
+    adapters = engine_bench.lora_adapter_tensors(state, rank=4, alpha=8.0)
+    linears = {"model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj"}
+    assert set(adapters) == {name + suffix for name in linears for suffix in (LORA_A, LORA_B, LORA_SCALING)}
+    assert adapters["model.layers.0.mlp.up_proj" + LORA_A].shape == (4, 128)
+    assert adapters["model.layers.0.mlp.up_proj" + LORA_B].shape == (256, 4)
+    assert adapters["model.layers.0.self_attn.q_proj" + LORA_SCALING].tolist() == [2.0]
+    assert all(t.dtype == torch.float32 for t in adapters.values()) and "up_proj" in LORA_TARGETS
+    with pytest.raises(ValueError, match="no linear named like"):
+        engine_bench.lora_adapter_tensors({"model.norm.weight": torch.ones(8)})
+
+
+def test_the_lora_decode_row_runs_both_engines_on_the_same_prompts():
+    from transformers import AutoModelForCausalLM
+
+    from common.builtin_model import resolve_model_path
+
+    model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = engine_bench._lora_decode(model, model_dir)
+    assert set(rows) == {"big_b32_int8_lora_base_tok_per_s", f"big_b32_int8_lora{engine_bench.LORA_RANK}_tok_per_s"}
+    assert all(rate > 0 for rate in rows.values())

@@ -63,6 +63,7 @@ def test_quantized_rollout_is_the_full_grid():
     schemes, weightings = ("none", "int8", "fp8", "w4a16"), ("none", "tis", "mis_token", "acr", "acrl", "tbpo")
     assert pairs == {(s, w) for s in schemes for w in weightings}
     assert "staleness.max_lag=0" in study["overrides"]  # the mismatch is the quantization's alone
+    assert "model.path=builtin:tiny-outliers" in study["overrides"]  # where quantization bites (builtin:tiny barely)
 
 
 def test_base_is_found_relative_to_the_study_file(tmp_path):

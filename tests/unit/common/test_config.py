@@ -66,7 +66,8 @@ def test_overrides_apply_in_order():
         ("staleness.max_lag=4294967296", "`staleness.max_lag` is out of range"),
         ("buffer.reserve_mb=4096", "`buffer.reserve_mb` is out of range"),
         ("precision.loss_scale_init=3", "`precision.loss_scale_init` must be a power of two"),
-        ("rollout.num_workers=3", "= 2.5 CPUs > `ray.num_cpus` (2)"),
+        ("rollout.num_workers=15", "= 8.5 CPUs > the local cluster's 8 (`ray.num_cpus` 2 x `ray.local_oversubscribe`"),
+        ("ray.local_oversubscribe=0.5", "`ray.local_oversubscribe` is out of range"),
         ("quant.lm_head=int8", "`quant.lm_head`; valid values: auto, quantized, fp32"),
     ],
 )

@@ -59,7 +59,7 @@ def test_loglinear_runs_through_learner_steps(minibatches):
 
 
 def test_threads_rise_to_threads_max_for_a_step_after_rollout_was_throttled():
-    learner = _learner("learner.threads=1", "learner.threads_max=2")
+    learner = _learner("learner.threads=1", "learner.threads_max=2", "learner.threads_policy=throttled")
     counts = iter([0, 3, 3, 5])  # the buffer's refused leases at each step: none, 3 new, none new, 2 new
     learner.client.stats = lambda: {"lease_throttled": next(counts)}
     try:
@@ -67,6 +67,23 @@ def test_threads_rise_to_threads_max_for_a_step_after_rollout_was_throttled():
     finally:
         learner.close()
     assert threads == [1.0, 2.0, 1.0, 2.0]
+
+
+def test_the_default_threads_policy_measures_both_counts_when_the_learner_is_the_bound(monkeypatch):
+    from learner import threads as threads_module
+    from learner.threads import TRIAL_STEPS, WARMUP_STEPS
+
+    monkeypatch.setattr(threads_module, "CLEAR_RATIO", float("inf"))  # the whole trial, whatever this machine's load
+    learner = _learner("learner.threads=1", "learner.threads_max=2")  # threads_policy: measured by default
+    learner.client.stats = lambda: pytest.fail("the measured policy asks the buffer nothing")
+    try:
+        history = _run(learner, WARMUP_STEPS + 2 * TRIAL_STEPS + 1)  # batches ready at once: the learner is the bound
+    finally:
+        learner.close()
+    threads = [m["learner/threads"] for m in history]
+    assert threads[:-1] == [1.0] * WARMUP_STEPS + [1.0, 2.0] * TRIAL_STEPS
+    assert not learner.threads_policy.trial and threads[-1] == learner.threads_policy.decided  # the trial's choice
+    assert "perf/prev_loop_s" not in history[0] and all(m["perf/prev_loop_s"] > 0 for m in history[1:])
 
 
 @pytest.mark.parametrize(

@@ -67,3 +67,22 @@ def test_the_ground_package_imports_without_torch() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"common/ pulled in: {result.stdout}"
     assert len(modules) >= 10
+
+
+def test_the_driver_creates_its_actors_without_importing_torch() -> None:
+    """The driver imports what `asyncrl up` imports to create the learner and worker actors (their classes are
+    pickled by reference); torch and transformers load in the actors' processes only (start-up CPU, issue 27)."""
+    code = (
+        "import sys, ray\n"
+        "import asyncrl.cli, asyncrl.driver, asyncrl.evaluate, learner.group, rollout_workers.worker\n"
+        "from common.config import load_config\n"
+        "from learner.sections import LearnerSections\n"
+        "cfg = load_config('configs/dapo_int8.yaml', [])\n"
+        "ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)\n"
+        "group = learner.group.LearnerGroup(LearnerSections.pick(cfg), cfg.ray, '/nonexistent', 'tcp://127.0.0.1:9')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'datasets')))\n"
+        "ray.shutdown()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"the driver pulled in: {result.stdout}"

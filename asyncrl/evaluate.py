@@ -1,0 +1,146 @@
+"""Held-out evaluation through the rollout engine (`train.eval_every`, and once at the end of a run).
+
+    learner --version k (quant_sync, the workers' own stream)--> evaluator: a RolloutWorker that runs no rollout loop
+    driver, at a boundary where the learner idles: evaluator.evaluate(k, held-out prompts) -> eval/* (an `eval` event)
+
+The evaluator is a Ray actor of its own, built like a rollout worker (the same engine and quantization, tokenizer,
+chat template and reward functions), so the numbers are those of the policy that generates the training data. It
+asks Ray for no CPU: it works only at evaluation boundaries, while the learner waits.
+
+| metric | meaning |
+|---|---|
+| `eval/acc_greedy` | the learner's greedy decode in full precision (`learner.evaluate`), as before |
+| `eval/acc_greedy_rollout` | greedy decode (top-k 1) on the rollout engine |
+| `eval/mean@k` | mean over prompts of the share of k draws at `rollout.temperature` that are correct (`eval.samples`) |
+| `eval/pass@k` | share of prompts with at least one correct draw among the k |
+| `eval/reward_mean@k` | mean reward of the draws |
+| `eval/skipped` | held-out prompts that do not fit the engine (too long, or no tokens): scored 0 |
+
+A response is correct when its reward is at least 1, as in training (`acc/mean`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from rollout_workers.worker import RolloutWorker
+
+EVAL_WORKER_ID = "evaluator"
+WEIGHTS_TIMEOUT_S = 300.0
+
+
+def sample_metrics(correct: list[list[bool]], rewards: list[list[float]]) -> dict[str, float]:
+    """`eval/mean@k`, `eval/pass@k` and `eval/reward_mean@k` of k draws per prompt (`correct[prompt][draw]`)."""
+    if not correct or not correct[0]:
+        return {}
+    k = len(correct[0])
+    if any(len(row) != k for row in correct):
+        raise ValueError("every prompt needs the same number of draws")
+    return {
+        f"eval/mean@{k}": sum(sum(row) / k for row in correct) / len(correct),
+        f"eval/pass@{k}": sum(any(row) for row in correct) / len(correct),
+        f"eval/reward_mean@{k}": sum(sum(row) for row in rewards) / (k * len(rewards)),
+    }
+
+
+class EvalWorker(RolloutWorker):
+    """A rollout worker without a rollout loop: it follows the learner's weight versions and answers `evaluate`."""
+
+    def subscribe(self, weights_endpoint: str) -> bool:
+        from quant_sync.transport import WeightSubscriber
+
+        self.subscriber = WeightSubscriber(weights_endpoint, self.engine.stage_weights, curve=self.curve)
+        return True
+
+    def evaluate(self, version: int, prompts: list[str], answers: list[str], samples: int) -> dict[str, float]:
+        """Greedy and `samples` draws per prompt with weight version `version` (waits for it); the eval/* metrics."""
+        if self.subscriber is None:
+            raise RuntimeError("evaluator: `subscribe` to the learner's weights before `evaluate`")
+        if not self.subscriber.wait_for(version, timeout_s=WEIGHTS_TIMEOUT_S):
+            raise RuntimeError(f"evaluator: weight version {version} did not arrive within {WEIGHTS_TIMEOUT_S:.0f} s")
+        limit, max_new = self.engine.max_seq_len, self.params.max_new_tokens
+        prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
+        fits = [bool(ids) and (limit is None or len(ids) + max_new <= limit) for ids in prompt_ids]
+        kept = [i for i, ok in enumerate(fits) if ok]
+        greedy = self._scores([prompt_ids[i] for i in kept], [answers[i] for i in kept], 1, top_k=1) if kept else []
+        correct_greedy = sum(reward >= 1.0 for (reward,) in greedy)
+        metrics = {
+            "eval/acc_greedy_rollout": correct_greedy / max(len(prompts), 1),
+            "eval/skipped": float(len(prompts) - len(kept)),
+            "eval/version": float(self.engine.version),
+        }
+        if samples and kept:
+            draws = self._scores([prompt_ids[i] for i in kept], [answers[i] for i in kept], samples)
+            missing = [[0.0] * samples] * (len(prompts) - len(kept))  # a prompt that does not fit scores 0
+            rewards = [list(row) for row in draws] + missing
+            metrics.update(sample_metrics([[r >= 1.0 for r in row] for row in rewards], rewards))
+        return metrics
+
+    def _scores(self, prompt_ids: list[list[int]], answers: list[str], draws: int, top_k: int = 0) -> list[tuple]:
+        """The rewards of `draws` responses per prompt (top_k 1: greedy), one tuple per prompt."""
+        params = replace(self.params, top_k=top_k) if top_k else self.params
+        batch = [ids for ids in prompt_ids for _ in range(draws)]
+        completions = self.engine.generate(batch, params)
+        items = []
+        for g, answer in enumerate(answers):
+            row = {"index": g, "answer": answer, "eval": True}
+            for d in range(draws):
+                text = self.tokenizer.decode(completions[g * draws + d].response_ids, skip_special_tokens=True)
+                items.append((text, answer, row))
+        rewards = self.rewards.score(items)
+        return [tuple(rewards[g * draws : (g + 1) * draws]) for g in range(len(answers))]
+
+
+class Evaluator:
+    """The driver's end: the evaluator actor, created at the first evaluation (not at start-up, where it would take CPU
+    from the learner and the workers), and the `eval` event."""
+
+    def __init__(self, cfg: Any, learner: Any, model_dir: str, buffer_endpoint: str, weights_endpoint: Any) -> None:
+        """`cfg`: the root config (data, rollout, eval, ray and the rollout workers' sections are read)."""
+        self.cfg, self.learner = cfg, learner
+        self.args = (model_dir, buffer_endpoint, weights_endpoint)
+        self.actor: Any = None
+
+    def _start(self) -> None:
+        import ray
+
+        from common.config import to_dict
+        from rollout_workers.sections import WorkerSections
+
+        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
+        if self.cfg.ray.worker_resources:  # where the rollout workers run (an SGLang backend's GPU, say)
+            options["resources"] = dict(self.cfg.ray.worker_resources)
+        model_dir, buffer_endpoint, weights_endpoint = self.args
+        sections = to_dict(WorkerSections.pick(self.cfg))
+        self.actor = ray.remote(**options)(EvalWorker).remote(sections, EVAL_WORKER_ID, model_dir, buffer_endpoint)
+        ray.get(self.actor.subscribe.remote(weights_endpoint))
+
+    def run(self, step: int, logger: Any) -> dict[str, float]:
+        """Evaluate the weights after `step` train steps (version `step`); logged as an `eval` event and returned."""
+        import ray
+
+        from common.tasks import make_source
+
+        held_out = make_source(self.cfg.data).eval_set()
+        prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
+        metrics = {"eval/acc_greedy": self.learner.evaluate(prompts, answers, self.cfg.rollout.max_new_tokens)}
+        if self.actor is None:
+            self._start()
+        metrics.update(ray.get(self.actor.evaluate.remote(step, prompts, answers, self.cfg.eval.samples)))
+        logger.event("eval", after_steps=step, problems=len(prompts), **metrics)
+        shown = ", ".join(f"{key[5:]} {value:.3f}" for key, value in metrics.items() if "@" in key or "acc" in key)
+        logger.info(f"held-out eval after {step} steps on {len(prompts)} prompts: {shown}")
+        return metrics
+
+    def close(self) -> None:
+        """Stop the evaluator (its engine and reward process), then its actor; nothing if it never started."""
+        import ray
+
+        if self.actor is None:
+            return
+        try:
+            ray.get(self.actor.stop.remote(), timeout=60)
+        finally:
+            ray.kill(self.actor)
+            self.actor = None

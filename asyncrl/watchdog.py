@@ -1,0 +1,234 @@
+"""Run health: the stall watchdog of the driver, and the one line that says why a run ended early.
+
+The watchdog (`Watchdog.check`, called by the driver between the slices of its wait on a train step):
+
+- No step finished for `train.stall_timeout_s` (0: `max(STALL_MIN_S, STALL_STEPS x` the median step time)): a
+  `stall` event and a console report of each part: the buffer's queued / leased groups and the learner's parked
+  fetch, each worker's samples, skipped prompts, errors and last error, the crashes since the last step.
+- Still stalled: the report again every `REPORT_EVERY` x the timeout.
+- Stalled, and nothing can make progress: `RunFailed` with that diagnosis: every prompt leased since the last step
+  was skipped, every worker crash-looping (none running, crashes since the last step), or the buffer not answering.
+
+A stop asked for (the first Ctrl-C, SIGTERM, `asyncrl down`) normally lets the step in flight finish; on a stalled
+run, or once the step has run `STOP_WAIT_STEPS` median steps past the request (at least `STOP_WAIT_MIN_S`), the
+driver stops at once instead (`stop_now`), without waiting for a step that may never come.
+
+`failure(err, step, run_dir)`: what the CLI prints as the last line of a run that a process of ours ended: the
+process, its signal or exit code, the step, and the command that resumes.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+STALL_MIN_S = 300.0
+"""The automatic stall timeout is at least this long (a first step after start-up included)."""
+STALL_STEPS = 30
+"""... and at least this many median step times."""
+REPORT_EVERY = 0.5
+"""While stalled, the report repeats every this fraction of the timeout (at least every 10 s apart)."""
+STOP_WAIT_STEPS = 5
+STOP_WAIT_MIN_S = 10.0
+
+
+class RunFailed(RuntimeError):
+    """The run ended early; the message is one line. `detail`: a traceback worth printing before it, or ""."""
+
+    def __init__(self, message: str, detail: str = "", exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.detail = detail
+        self.exit_code = exit_code
+
+
+def resume_hint(run_dir: Path) -> str:
+    """`resume with: asyncrl up --resume RUN (from checkpoint step_k)`, or from the initial model if none yet."""
+    from asyncrl import checkpoint
+
+    latest = checkpoint.latest(run_dir)
+    source = f"checkpoint {latest.name}" if latest is not None else "the initial model: no checkpoint yet"
+    return f"resume with `asyncrl up --resume {run_dir}` (from {source})"
+
+
+def failure(err: BaseException, step: int, run_dir: Path) -> RunFailed:
+    """The one-line reason a run ended at train step `step` because of `err` (see the module docstring)."""
+    import traceback
+
+    from asyncrl.supervise import SupervisionError
+
+    where = f"at step {step}; {resume_hint(run_dir)}"
+    if isinstance(err, RunFailed):
+        return RunFailed(f"{err} {where}", err.detail, err.exit_code)
+    if isinstance(err, SupervisionError):
+        return RunFailed(f"{_one_line(str(err))}; the run stopped {where}")
+    if isinstance(err, KeyboardInterrupt):
+        return RunFailed(f"stopped at once ({_one_line(str(err)) or 'interrupted'}) {where}", exit_code=130)
+    import ray
+
+    if isinstance(err, ray.exceptions.RayActorError):
+        return RunFailed(f"{actor_death(str(err))}; the run stopped {where}")
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else None
+        what = f"{type(cause).__name__}: {_one_line(str(cause))}" if cause is not None else _one_line(str(err))
+        process = _process_name(getattr(err, "function_name", ""))
+        return RunFailed(f"{process} (pid {getattr(err, 'pid', '?')}) failed: {what}; the run stopped {where}",
+                         detail=str(err))  # fmt: skip
+    detail = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return RunFailed(f"the driver failed: {type(err).__name__}: {_one_line(str(err))}; the run stopped {where}", detail)
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return (lines[0] if lines else "")[:300]
+
+
+def _process_name(function_name: str) -> str:
+    if function_name.startswith("Learner"):
+        return "the learner"
+    if function_name.startswith("RolloutWorker"):
+        return "a rollout worker"
+    return f"a Ray task ({function_name or 'unknown'})"
+
+
+def actor_death(message: str) -> str:
+    """`the learner (pid 123) died: <Ray's exit detail>` from a RayActorError's text (its format is Ray's; Ray does not
+    say which signal ended the process: its parent is the raylet)."""
+    klass = re.search(r"class_name:\s*(\w+)", message)
+    pid = re.search(r"(?:pid[=:]|Worker PID:)\s*(\d+)", message, flags=re.IGNORECASE)
+    process = _process_name(klass.group(1) if klass else "Learner" if "Learner" in message else "")
+    if process.startswith("a Ray task"):
+        process = "a Ray actor of the run"
+    detail = re.search(r"exit detail:\s*([^.]+)", message, flags=re.IGNORECASE)
+    how = detail.group(1).strip() if detail else "it exited unexpectedly"
+    return f"{process} (pid {pid.group(1) if pid else '?'}) died ({how}: killed by a signal, out of memory or a crash)"
+
+
+class Watchdog:
+    """Notices a run where no step finishes, says what each part is doing, and fails one that cannot progress."""
+
+    def __init__(
+        self, stall_timeout_s: float, start_step: int, event: Callable[..., None], info: Callable[[str], None]
+    ) -> None:
+        self.stall_timeout_s = stall_timeout_s  # 0: automatic
+        self.step = start_step  # train steps completed
+        self.event = event
+        self.info = info
+        self.step_times: deque[float] = deque(maxlen=50)
+        self.last_step_at = time.monotonic()
+        self.stalled = False
+        self.reports = 0
+        self._next_report = 0.0
+        self._baseline: dict[str, float] = {}
+        self._crashes_at_step = 0
+        self._stop_asked_at: float | None = None
+
+    def timeout_s(self) -> float:
+        if self.stall_timeout_s > 0:
+            return self.stall_timeout_s
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        return max(STALL_MIN_S, STALL_STEPS * median)
+
+    def step_done(self, step: int, pool: Any) -> None:
+        now = time.monotonic()
+        self.step_times.append(now - self.last_step_at)
+        self.step, self.last_step_at = step, now
+        self.stalled, self.reports = False, 0
+        self._baseline, self._crashes_at_step = pool.totals(), pool.crashes
+
+    def stop_now(self, stop_requested: bool) -> bool:
+        """Whether a requested stop should abandon the step in flight (stalled, or it runs far past the request)."""
+        if not stop_requested:
+            return False
+        now = time.monotonic()
+        if self._stop_asked_at is None:
+            self._stop_asked_at = now
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        return self.stalled or now - self._stop_asked_at > max(STOP_WAIT_MIN_S, STOP_WAIT_STEPS * median)
+
+    def check(self, pool: Any, buffer_stats: Callable[[], dict[str, Any]], buffer_alive: bool) -> None:
+        """Report a stall when due; raise RunFailed when nothing can make progress (see the module docstring)."""
+        now = time.monotonic()
+        since = now - self.last_step_at
+        timeout = self.timeout_s()
+        if since < timeout or now < self._next_report:
+            return
+        self.stalled = True
+        self.reports += 1
+        self._next_report = now + max(10.0, REPORT_EVERY * timeout)
+        report = self.report(pool, buffer_stats, buffer_alive, since)
+        diagnosis = self.diagnose(report)
+        self.event("stall", step=self.step, since_s=round(since, 1), timeout_s=round(timeout, 1),
+                   diagnosis=diagnosis or None, **report)  # fmt: skip
+        self.info(self.format(report, since))
+        if diagnosis:
+            raise RunFailed(f"stalled: no step finished for {since:.0f} s: {diagnosis};")
+
+    def report(self, pool: Any, buffer_stats: Callable[[], dict[str, Any]], alive: bool, since: float) -> dict:
+        """What each part is doing: `buffer` (its counters, or the error), `workers` (one row each, with what they
+        did since the last step), `crashes` since the last step, `learner` (its wait)."""
+        from buffer.client import BufferRequestError, BufferUnavailable
+
+        buffer: dict[str, Any] = {"alive": alive}
+        try:
+            stats = buffer_stats()
+            keys = ("queued_groups", "leased_groups", "returned_groups", "parked_fetches", "consumed_groups",
+                    "cursor", "expired_leases", "lease_throttled", "skipped_prompts")  # fmt: skip
+            buffer.update({key: stats.get(key, 0) for key in keys})
+        except (BufferUnavailable, BufferRequestError) as err:
+            buffer["error"] = _one_line(str(err))
+        totals = pool.totals()
+        since_step = {key: totals.get(key, 0.0) - self._baseline.get(key, 0.0) for key in totals}
+        workers = [
+            {"worker": row["worker"], "state": row["state"], "samples": row.get("samples", 0),
+             "prompts_skipped": w.stats.get("prompts_skipped", 0) if (w := pool.workers.get(row["worker"])) else 0,
+             "errors": row.get("errors", 0), "last_error": _one_line(str(row.get("last_error") or ""))}
+            for row in pool.describe()
+        ]  # fmt: skip
+        parked = buffer.get("parked_fetches", 0)
+        learner = f"waiting in FetchBatch for step {self.step}" if parked else f"in step {self.step}"
+        return {
+            "buffer": buffer,
+            "workers": workers,
+            "since_step": {key: since_step.get(key, 0.0) for key in ("groups_pushed", "prompts_skipped", "errors")},
+            "crashes": pool.crashes - self._crashes_at_step,
+            "recent_errors": list(pool.recent_errors)[-3:],
+            "learner": learner,
+        }
+
+    def diagnose(self, report: dict[str, Any]) -> str:
+        """Why nothing can make progress, or "" if something still can."""
+        buffer, since_step = report["buffer"], report["since_step"]
+        if not buffer["alive"] or "error" in buffer:
+            return f"the buffer is gone ({buffer.get('error') or 'its process is not running'})"
+        if since_step["prompts_skipped"] > 0 and since_step["groups_pushed"] == 0:
+            reasons = [w["last_error"] for w in report["workers"] if "skipped" in w["last_error"]]
+            why = f" (last: {reasons[-1]})" if reasons else ""
+            return (f"the rollout workers skipped every prompt they leased since step {self.step} "
+                    f"({since_step['prompts_skipped']:.0f} prompts){why}")  # fmt: skip
+        running = [w for w in report["workers"] if w["state"] == "running"]
+        if report["workers"] and not running and report["crashes"] > 0:
+            last = report["recent_errors"][-1] if report["recent_errors"] else ""
+            return f"every rollout worker is crash-looping ({report['crashes']} crashes since step {self.step}; {last})"
+        return ""
+
+    def format(self, report: dict[str, Any], since: float) -> str:
+        buffer = report["buffer"]
+        parts = [f"stall: no step for {since:.0f} s (step {self.step}); learner {report['learner']}"]
+        if "error" in buffer:
+            parts.append(f"buffer: {buffer['error']}")
+        else:
+            parts.append(f"buffer: {buffer['queued_groups']} groups queued, {buffer['leased_groups']} leased, "
+                         f"{buffer['returned_groups']} returned to the pool, cursor {buffer['cursor']}")  # fmt: skip
+        for w in report["workers"]:
+            last = f", last: {w['last_error']}" if w["last_error"] else ""
+            parts.append(f"{w['worker']} {w['state']}: {w['samples']} samples, {w['prompts_skipped']} prompts "
+                         f"skipped, {w['errors']} errors{last}")  # fmt: skip
+        done = report["since_step"]
+        parts.append(f"since step {self.step}: {done['groups_pushed']:.0f} groups pushed, "
+                     f"{done['prompts_skipped']:.0f} prompts skipped, {report['crashes']} worker crashes")  # fmt: skip
+        return "\n  ".join(parts)

@@ -1,0 +1,118 @@
+"""The environment interface of multi-turn, tool-using rollouts (issue 21), and how an environment is loaded.
+
+An environment runs one episode at a time (the worker makes one instance per episode):
+
+    prompt = env.reset(problem)            # the first prompt: text, or chat messages [{role, content}, ...]
+    loop:  model text (generated until one of env.stop_strings, or EOS)
+           result = env.step(model_text)   # StepResult(observation, reward, done, info)
+           done -> the episode ends; else the observation's tokens are appended and the model continues
+
+`problem` is the leased row: `{"index", "prompt", "answer", ...}`. An observation is text (appended as it is), chat
+messages (formatted with the tokenizer's chat template, when it has one), or None (nothing appended). Per-turn
+rewards are summed into the episode's one reward. Observation tokens are context only: the trajectory's loss mask
+is 0 on them (common.wire).
+
+Environments are loaded like reward functions (common.reward_fns): `env.fn` is `path/to/file.py:Class` or
+`package.module:Class` (or a built-in: `asyncrl:arith_tool`, common/tasks/arith_tool.py), called with the keyword
+arguments `env.args` to make one instance per episode. `env.max_turns`, `env.max_total_tokens` and `env.timeout_s`
+bound an episode; an environment that raises or runs past its timeout ends the episode with reward 0, counted by the
+worker.
+
+This module is torch-free: the worker (rollout_workers/episodes.py) drives the episodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+from common.reward_fns import RewardFnError, check_spec, load_fn, parse_spec
+
+Messages: TypeAlias = list[dict[str, str]]
+Observation: TypeAlias = "str | Messages | None"
+
+BUILTIN_ENVS = {"asyncrl:arith_tool": "common.tasks.arith_tool:CalculatorEnv"}
+"""Built-in environments by name -> `module:Class` (`data.task=arith_tool` with builtin:tiny-tool, issue 21)."""
+
+
+class EnvError(ValueError):
+    """An environment spec that is malformed or names nothing loadable, or an environment's malformed answer."""
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What an environment answers to one model turn."""
+
+    observation: str | Messages | None
+    """Appended to the context before the next model turn (text, chat messages, or None for nothing)."""
+    reward: float
+    """This turn's reward; the episode's reward is the sum over its turns."""
+    done: bool
+    """Whether the episode is over (the worker also ends it at `env.max_turns` / `env.max_total_tokens`)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form; numeric `tool_calls` is summed into the worker's `env/tool_calls`."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    stop_strings: tuple[str, ...]
+    """Where a model turn ends (besides EOS): the text up to and including the first of them goes to `step`."""
+
+    def reset(self, problem: dict[str, Any]) -> str | Messages:
+        """Start an episode on `problem` (the leased row); returns the first prompt."""
+        ...
+
+    def step(self, model_text: str) -> StepResult:
+        """The model's turn (text up to and including a stop string, or to EOS / the token limit)."""
+        ...
+
+
+def env_spec(spec: str) -> str:
+    """A built-in name resolved to its `module:Class`; anything else unchanged."""
+    return BUILTIN_ENVS.get(spec.strip(), spec.strip())
+
+
+def check_env_spec(spec: str, key: str = "env.fn") -> None:
+    """The start-up check of `env.fn` (file parsed, not run; module imported). Raises EnvError naming the key."""
+    try:
+        check_spec(env_spec(spec), key)
+    except RewardFnError as err:
+        raise EnvError(str(err).replace("reward function", "environment").replace("reward file", "env file")) from err
+
+
+def load_env_factory(spec: str, args: dict[str, Any] | None = None, key: str = "env.fn") -> Callable[[], Any]:
+    """A function making one environment instance per episode: the spec's class (or factory) called with `args`."""
+    try:
+        cls = load_fn(parse_spec(env_spec(spec), key), key)
+    except RewardFnError as err:
+        raise EnvError(str(err).replace("reward function", "environment").replace("reward file", "env file")) from err
+    kwargs = dict(args or {})
+
+    def make() -> Any:
+        env = cls(**kwargs)
+        stops = getattr(env, "stop_strings", ())
+        if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+            raise EnvError(f"`{key}` {spec!r}: stop_strings must be a tuple of non-empty str, got {stops!r}"[:300])
+        return env
+
+    return make
+
+
+def check_step_result(result: Any) -> StepResult:
+    """The environment's answer, checked: a StepResult (or a 4-tuple) with a finite reward. EnvError otherwise."""
+    import math
+
+    if isinstance(result, tuple) and len(result) == 4:
+        result = StepResult(*result)
+    if not isinstance(result, StepResult):
+        raise EnvError(f"step must return a StepResult, got {type(result).__name__}")
+    reward = result.reward
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EnvError(f"step returned a reward that is not a finite number: {result.reward!r}"[:200])
+    obs = result.observation
+    if not (obs is None or isinstance(obs, str) or (isinstance(obs, list) and all(isinstance(m, dict) for m in obs))):
+        raise EnvError(f"step returned an observation that is not text, messages or None: {type(obs).__name__}")
+    if not isinstance(result.info, dict):
+        raise EnvError(f"step returned info that is not a dict: {type(result.info).__name__}")
+    return StepResult(obs, float(result.reward), bool(result.done), result.info)

@@ -1,0 +1,114 @@
+"""The learner's torch threads per train step (`learner.threads_policy`): the cores go where the loop's bound is.
+
+On one machine the learner and the rollout workers share the cores. When the learner is the bound (its next batch
+is ready when it asks: the staleness bound holds the workers back), a second learner thread uses a core that would
+idle; when generation is the bound, the workers need every core and a second learner thread only slows them. Which
+count is faster also depends on the model: on a tiny model a second thread costs more than it gives (its GEMMs are
+too small to split, and the workers lose a core), on a 135M one it nearly halves the step. So the default measures:
+
+| policy | threads of step k |
+|---|---|
+| `fixed` | `learner.threads` |
+| `throttled` | `high` when the buffer refused a lease since step k-1 (rollout throttled), else `learner.threads` |
+| `measured` | see below |
+
+`measured` (the default): at step `WARMUP_STEPS` and after each decision's `RECHECK_STEPS` steps, if the learner is
+the bound (step k's batch was ready within `BOUND_WAIT_SHARE` of the previous step's training seconds), a trial:
+`TRIAL_STEPS` steps at each count, interleaved (low, high, low, ...), then the count with the fewer loop seconds per
+trained sample (median over its trial steps) holds until the next check; a trial stops after one step at each
+count when one is `CLEAR_RATIO` times slower. If generation is the bound at a check, `learner.threads` holds and the
+next step checks again.
+
+`high` is `learner.threads_max`, or with 0 the cores this process may run on (at most those). The loop seconds of
+step k run from the end of its batch's fetch to the end of the next one's: training, publication, the driver, and
+the wait for the next batch, which grows when the learner's threads starve the workers. So the trial measures the
+loop's rate, not only the learner's step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+THREADS_POLICIES = ("fixed", "throttled", "measured")
+WARMUP_STEPS = 2
+"""Steps at the start of a run that no trial measures (the first step allocates AdamW's state, workers start)."""
+TRIAL_STEPS = 3
+"""Steps a trial runs at each of the two counts (interleaved, so that a drift of the machine's load hits both)."""
+RECHECK_STEPS = 50
+"""Steps a trial's decision holds before the policy checks again."""
+BOUND_WAIT_SHARE = 0.25
+"""The learner is the bound when it waited for its batch at most this share of the previous step's training time."""
+CLEAR_RATIO = 2.0
+"""A trial ends early once both counts have run and one's median loop time is this many times the other's: a clear
+case (oversubscribed threads on a loaded machine make a step 10x slower) costs one slow step, not `TRIAL_STEPS`."""
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's count where affinity is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class ThreadsPolicy:
+    """Each step's torch threads from the loop's recent behaviour (`learner.threads_policy`, module docstring).
+
+    A pure component: before each step the learner calls `threads(step, ...)` with what it saw, and once that step's
+    loop time is known (at the next step's fetch) `record(seconds_per_sample)`.
+    """
+
+    def __init__(self, policy: str, low: int, high: int):
+        if policy not in THREADS_POLICIES:
+            raise ValueError(f"learner.threads_policy must be one of {', '.join(THREADS_POLICIES)}, got {policy!r}")
+        if low < 1:
+            raise ValueError(f"learner.threads must be >= 1, got {low}")
+        self.policy, self.low, self.high = policy, low, max(low, high)
+        self.decided = low
+        """The count a finished trial chose (`measured`)."""
+        self.trial: list[int] = []  # the counts of the running trial's remaining steps
+        self.timings: dict[int, list[float]] = {}  # the running trial's loop seconds per sample, by count
+        self.next_check = WARMUP_STEPS
+        self.step = -1  # the step that last asked for its threads
+        self.current: int | None = None  # its count: the one whose loop time `record` is given
+
+    def threads(self, step: int, throttled: bool = False, learner_bound: bool = False) -> int:
+        """The torch threads of step `step`. `throttled`: the buffer refused a lease since the previous step (the
+        `throttled` policy); `learner_bound`: this step's batch was ready without waiting (`measured`)."""
+        self.step = step
+        if self.policy == "fixed" or self.high == self.low:
+            count = self.low
+        elif self.policy == "throttled":
+            count = self.high if throttled else self.low
+        else:
+            count = self._measured(step, learner_bound)
+        self.current = count
+        return count
+
+    def needs_throttle_signal(self) -> bool:
+        """Whether `threads` reads `throttled` (a request to the buffer): the `throttled` policy only."""
+        return self.policy == "throttled" and self.high > self.low
+
+    def _measured(self, step: int, learner_bound: bool) -> int:
+        if not self.trial and step >= self.next_check:
+            if learner_bound:  # compare the two counts on the loop's rate
+                self.trial = [self.low, self.high] * TRIAL_STEPS
+                self.timings = {self.low: [], self.high: []}
+            else:  # generation is the bound: the workers keep the cores; check again next step
+                self.decided = self.low
+                self.next_check = step + 1
+        return self.trial[0] if self.trial else self.decided
+
+    def record(self, seconds_per_sample: float) -> None:
+        """The loop seconds per trained sample of the step that last asked for its threads."""
+        if not self.trial or self.current != self.trial[0]:
+            return
+        self.timings[self.trial.pop(0)].append(seconds_per_sample)
+        if not (self.timings[self.low] and self.timings[self.high]):
+            return
+        low, high = (statistics.median(self.timings[count]) for count in (self.low, self.high))
+        if not self.trial or max(low, high) >= CLEAR_RATIO * min(low, high):
+            self.trial = []
+            self.decided = self.high if high < low else self.low
+            self.next_check = self.step + 1 + RECHECK_STEPS

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible routes of `asyncrl serve`, SGLang 0.5.x's `entrypoints/openai/serving_*.py` on our engine:
+each request becomes a native `/generate` request (schemas.GenerateReqInput, so the same checks and error shapes
+apply) and its answer is re-shaped into the pydantic models of openai_schemas.py.
+
+- `/v1/completions`: `prompt` as text, texts, token ids or lists of them; `echo` prepends the prompt (and its
+  log-probs, the first one null); `logprobs` k gives each token's log-prob and its k most likely alternatives.
+- `/v1/chat/completions`: the messages rendered by the tokenizer's chat template (`add_generation_prompt`);
+  `logprobs` / `top_logprobs` as OpenAI's `choices[i].logprobs.content`.
+- Choices are ordered prompt by prompt, each prompt's `n` samples together (`index` = prompt * n + sample).
+- Every response carries `metadata.weight_version`, the served weights' label when it was built.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from rollout_workers.sglang_api.openai_schemas import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    ResponseMetadata,
+    TopLogprob,
+    Usage,
+)
+from rollout_workers.sglang_api.protocol import BadRequest
+from rollout_workers.sglang_api.schemas import GenerateReqInput, GenerateRequest
+from rollout_workers.sglang_api.service import ModelService
+from rollout_workers.sglang_api.streaming import delta_stream, event_stream
+
+openai_routes = APIRouter()
+
+
+def _service(request: Request) -> ModelService:
+    return request.app.state.service
+
+
+Service = Annotated[ModelService, Depends(_service)]
+
+
+async def _submit(service: ModelService, body: dict[str, Any]) -> tuple[GenerateRequest, list]:
+    """Check and queue a native `/generate` body: the request and its samples in SGLang's order."""
+    try:
+        request = GenerateReqInput.model_validate(body).normalize()
+    except ValidationError as err:  # a sampling field of the wrong type: SGLang's validation shape
+        message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise BadRequest(message[:2000], validation=True) from None
+    return request, await run_in_threadpool(service.submit, request)
+
+
+def _prompt_major(request: GenerateRequest) -> Callable[[int], int]:
+    """Position in SGLang's order (the batch repeated n times) -> choice index (prompt by prompt)."""
+    batch, n = len(request.prompts), request.sampling[0].n
+    return lambda position: (position % batch) * n + position // batch
+
+
+async def _generate(service: ModelService, request: GenerateRequest, order: list) -> list[dict[str, Any]]:
+    """The finished answers in prompt-major order (prompt b's samples at b*n .. b*n+n-1)."""
+    await service.wait(order)
+    outs = await run_in_threadpool(service.responses, request, order)
+    outs = [outs] if isinstance(outs, dict) else outs
+    batch, n = len(request.prompts), request.sampling[0].n
+    return [outs[i * batch + b] for b in range(batch) for i in range(n)]
+
+
+def _finish(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    reason = out["meta_info"]["finish_reason"] or {}
+    return reason.get("type"), reason.get("matched")
+
+
+def _usage(outs: list[dict[str, Any]], n: int) -> Usage:
+    prompt = sum(out["meta_info"]["prompt_tokens"] for out in outs[::n])  # a prompt counted once per its n samples
+    completion = sum(out["meta_info"]["completion_tokens"] for out in outs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _card(service: ModelService) -> ModelCard:
+    limit = service.engine.max_seq_len
+    return ModelCard(id=service.served_model_name, root=service.tokenizer_path, max_model_len=limit)
+
+
+@openai_routes.get("/v1/models")
+async def models(service: Service) -> ModelList:
+    return ModelList(data=[_card(service)])
+
+
+@openai_routes.get("/v1/models/{model:path}")
+async def model(service: Service, model: str) -> ModelCard:
+    return _card(service)
+
+
+@openai_routes.post("/v1/completions")
+async def completions(service: Service, obj: CompletionRequest) -> Any:
+    prompt = obj.prompt
+    if isinstance(prompt, list) and not prompt:
+        raise BadRequest("prompt cannot be empty", validation=True)
+    key = "text" if isinstance(prompt, str) or isinstance(prompt[0], str) else "input_ids"
+    want_logprobs = obj.logprobs is not None
+    body = {
+        key: prompt,
+        "sampling_params": obj.sampling_params(obj.max_tokens),
+        "return_logprob": want_logprobs,
+        "logprob_start_len": 0 if obj.echo else -1,  # echo with log-probs: the prompt's too
+        "top_logprobs_num": obj.logprobs or 0,
+        "return_text_in_logprobs": True,
+    }
+    request, order = await _submit(service, body)
+    if obj.stream:
+        return event_stream(_completion_stream(service, obj, request, order))
+    outs = await _generate(service, request, order)
+    n = obj.n
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+    choices = []
+    for index, out in enumerate(outs):
+        meta = out["meta_info"]
+        text = out["text"]
+        entries = list(meta.get("output_token_logprobs", []))
+        tops = list(meta.get("output_top_logprobs", [None] * len(entries)))
+        if obj.echo:
+            source = prompts[index // n]
+            text = (source if isinstance(source, str) else service.tokenizer.decode(source)) + text
+            if want_logprobs:
+                entries = list(meta["input_token_logprobs"]) + entries
+                tops = list(meta.get("input_top_logprobs", [None] * len(meta["input_token_logprobs"]))) + tops
+        logprobs = _completion_logprobs(entries, tops) if want_logprobs else None
+        reason, matched = _finish(out)
+        choices.append(
+            CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
+        )
+    return CompletionResponse(
+        model=obj.model or service.served_model_name,
+        choices=choices,
+        usage=_usage(outs, n),
+        metadata=ResponseMetadata(weight_version=service.weight_version),
+    )
+
+
+def _completion_stream(service: ModelService, obj: CompletionRequest, request: GenerateRequest, order: list):
+    """OpenAI's completion chunks: each the text (and log-probs) a choice added; `finish_reason` on its last."""
+    model_name, created = obj.model or service.served_model_name, int(time.time())
+    stream_id = uuid.uuid4().hex
+
+    def chunk(index: int, answer: dict[str, Any], new_text: str, first_token: int) -> dict[str, Any]:
+        meta = answer["meta_info"]
+        logprobs = None
+        if obj.logprobs is not None:
+            entries = meta["output_token_logprobs"][first_token:]
+            tops = (meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"]))[first_token:]
+            logprobs = _completion_logprobs(entries, tops)
+        reason = (meta["finish_reason"] or {}).get("type")
+        choice = CompletionChoice(index=index, text=new_text, logprobs=logprobs, finish_reason=reason)
+        return {
+            "id": stream_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": [choice.model_dump()],
+            "metadata": {"weight_version": meta["weight_version"]},
+        }
+
+    return delta_stream(service, request, order, chunk, _prompt_major(request))
+
+
+def _completion_logprobs(entries: list[list[Any]], tops: list[list[list[Any]] | None]) -> CompletionLogprobs:
+    """`[logprob, token_id, text]` triples -> OpenAI's completion log-probs (tokens, offsets, top alternatives)."""
+    result = CompletionLogprobs()
+    offset = 0
+    for (logp, _, text), top in zip(entries, tops):
+        result.tokens.append(text or "")
+        result.token_logprobs.append(logp)
+        result.text_offset.append(offset)
+        offset += len(text or "")
+        result.top_logprobs.append(None if top is None else {entry[2] or "": entry[0] for entry in top})
+    return result
+
+
+def _chat_logprobs(meta: dict[str, Any], first_token: int) -> ChoiceLogprobs:
+    """`output_token_logprobs` (and top ones) from `first_token` on -> OpenAI's `choices[i].logprobs`."""
+    entries = meta["output_token_logprobs"]
+    tops = meta.get("output_top_logprobs") or [[]] * len(entries)
+    return ChoiceLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=text or "",
+                bytes=list((text or "").encode()),
+                logprob=logp,
+                top_logprobs=[
+                    TopLogprob(token=t or "", bytes=list((t or "").encode()), logprob=lp)
+                    for lp, _, t in alternatives or []
+                ],
+            )
+            for (logp, _, text), alternatives in zip(entries[first_token:], tops[first_token:])
+        ]
+    )
+
+
+def _chat_stream(service: ModelService, obj: ChatCompletionRequest, request: GenerateRequest, order: list):
+    """OpenAI's chat chunks: the role first, then each content delta; `finish_reason` on a choice's last."""
+    model_name, created = obj.model or service.served_model_name, int(time.time())
+    stream_id = uuid.uuid4().hex
+    started: set[int] = set()
+
+    def chunk(index: int, answer: dict[str, Any], new_text: str, first_token: int) -> dict[str, Any]:
+        meta = answer["meta_info"]
+        delta: dict[str, Any] = {"content": new_text}
+        if index not in started:
+            started.add(index)
+            delta["role"] = "assistant"
+        logprobs = _chat_logprobs(meta, first_token).model_dump() if obj.logprobs else None
+        reason = (meta["finish_reason"] or {}).get("type")
+        return {
+            "id": stream_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model_name,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
+            "metadata": {"weight_version": meta["weight_version"]},
+        }
+
+    return delta_stream(service, request, order, chunk, _prompt_major(request))
+
+
+def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]:
+    tokenizer = service.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest(f"the tokenizer of {service.tokenizer_path} has no chat template", validation=True)
+    messages = [{"role": message.role, "content": message.text()} for message in obj.messages]
+    final = obj.continue_final_message
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=not final, continue_final_message=final
+    )
+    if isinstance(ids, Mapping):  # transformers releases that return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@openai_routes.post("/v1/chat/completions")
+async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
+    prompt = await run_in_threadpool(_chat_prompt, service, obj)
+    top = obj.top_logprobs or 0
+    if top and not obj.logprobs:
+        raise BadRequest("top_logprobs requires logprobs=true", validation=True)
+    body = {
+        "input_ids": prompt,
+        "sampling_params": obj.sampling_params(obj.max_completion_tokens or obj.max_tokens),
+        "return_logprob": obj.logprobs,
+        "top_logprobs_num": top,
+        "return_text_in_logprobs": True,
+    }
+    request, order = await _submit(service, body)
+    if obj.stream:
+        return event_stream(_chat_stream(service, obj, request, order))
+    outs = await _generate(service, request, order)
+    choices = []
+    for index, out in enumerate(outs):
+        logprobs = _chat_logprobs(out["meta_info"], 0) if obj.logprobs else None
+        reason, matched = _finish(out)
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=ChatMessageOut(content=out["text"]),
+                logprobs=logprobs,
+                finish_reason=reason,
+                matched_stop=matched,
+            )
+        )
+    return ChatCompletionResponse(
+        model=obj.model or service.served_model_name,
+        choices=choices,
+        usage=_usage(outs, obj.n),
+        metadata=ResponseMetadata(weight_version=service.weight_version),
+    )

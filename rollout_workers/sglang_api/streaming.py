@@ -1,0 +1,91 @@
+"""Server-sent events for `stream: true` (SGLang 0.5.x's `/generate` and OpenAI streams): `data: <json>\\n\\n` chunks
+ending with `data: [DONE]\\n\\n`.
+
+`progress_events` watches a submitted request's samples from the event loop (without a thread: it polls the token
+counts the scheduler thread appends to) and yields `(position, answer)` whenever one has new tokens or finishes;
+the answer is the native `/generate` one as it stands (cumulative text, `output_ids`, `meta_info`; finish_reason
+null until the end), as SGLang streams it. When the client goes away, Starlette cancels the stream: the requests
+still running are aborted, which frees their KV slots between two engine steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from rollout_workers.sglang_api.schemas import GenerateRequest
+from rollout_workers.sglang_api.service import ModelService
+
+POLL_S = 0.01
+"""How often a stream looks for new tokens (an engine step of a small model takes a few ms)."""
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def progress_events(
+    service: ModelService, request: GenerateRequest, order: list
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """`(position in order, answer)` on every change of a sample, its final answer last; aborts what still runs
+    when cancelled (the client went away)."""
+    seen = [0] * len(order)
+    finished = [False] * len(order)
+    try:
+        while not all(finished):
+            for i, req in enumerate(order):
+                if finished[i]:
+                    continue
+                done = req.done.done()
+                count = service.progress(req)
+                if done or count > seen[i]:
+                    seen[i] = count
+                    finished[i] = done
+                    yield i, await run_in_threadpool(service.response, request, req)
+            if not all(finished):
+                if not service.alive:
+                    raise RuntimeError("the scheduler thread died; see the server log")
+                await asyncio.sleep(POLL_S)
+    finally:
+        if not all(finished):
+            service.abort_requests([req for req, over in zip(order, finished) if not over])  # no await: cancelled
+
+
+def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+async def generate_stream(service: ModelService, request: GenerateRequest, order: list) -> AsyncIterator[str]:
+    """The `/generate` stream: each sample's answer so far (with `index` when the request is a batch or n > 1)."""
+    async for position, answer in progress_events(service, request, order):
+        if not request.single:
+            answer["index"] = position
+        yield sse(answer)
+    yield DONE
+
+
+async def delta_stream(
+    service: ModelService,
+    request: GenerateRequest,
+    order: list,
+    chunk: Callable[[int, dict[str, Any], str, int], dict[str, Any] | None],
+    prompt_major: Callable[[int], int],
+) -> AsyncIterator[str]:
+    """An OpenAI stream: `chunk(index, answer, new_text, new_token_start)` builds each event from the text and
+    tokens a sample added since its last event; `prompt_major` maps a position in `order` to the choice index."""
+    texts = [""] * len(order)
+    tokens = [0] * len(order)
+    async for position, answer in progress_events(service, request, order):
+        text = answer["text"]
+        new_text = text[len(texts[position]) :] if text.startswith(texts[position]) else text
+        payload = chunk(prompt_major(position), answer, new_text, tokens[position])
+        texts[position], tokens[position] = text, len(answer["output_ids"])
+        if payload is not None:
+            yield sse(payload)
+    yield DONE

@@ -1,0 +1,55 @@
+"""The one line a failed run ends with (asyncrl/watchdog.py `failure`) and `--resume auto`'s choice of run
+(asyncrl/checkpoint.py `newest_run`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from asyncrl import checkpoint
+from asyncrl.supervise import SupervisionError, describe_exit
+from asyncrl.watchdog import RunFailed, failure
+
+
+def _run(path: Path, checkpoint_step: int | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    if checkpoint_step is not None:
+        step_dir = path / "checkpoints" / f"step_{checkpoint_step}"
+        step_dir.mkdir(parents=True)
+        (step_dir / "meta.json").write_text(json.dumps({"step": checkpoint_step}))
+    return path
+
+
+def test_the_last_line_names_the_process_the_step_and_the_resume_command(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "r", checkpoint_step=20)
+    died = SupervisionError(f"the buffer process (pid 7) was {describe_exit(-9)}; it died 4 times, more than ...")
+    line = str(failure(died, 39, run_dir))
+    assert line == (
+        f"the buffer process (pid 7) was killed by SIGKILL; it died 4 times, more than ...; the run stopped at step "
+        f"39; resume with `asyncrl up --resume {run_dir}` (from checkpoint step_20)"
+    )
+    stopped = failure(KeyboardInterrupt("SIGINT again: stopping now, without a checkpoint"), 3, _run(tmp_path / "n"))
+    assert stopped.exit_code == 130 and "\n" not in str(stopped)
+    assert str(stopped).endswith("at step 3; resume with `asyncrl up --resume " + str(tmp_path / "n") + "` (from the "
+                                 "initial model: no checkpoint yet)")  # fmt: skip
+    try:
+        raise ValueError("bad\nsecond line")
+    except ValueError as err:
+        bug = failure(err, 5, run_dir)
+    assert str(bug).startswith("the driver failed: ValueError: bad;") and "Traceback" in bug.detail
+    assert isinstance(bug, RunFailed) and describe_exit(3) == "exit code 3"
+
+
+def test_newest_run_is_the_highest_numbered_run_of_the_config(tmp_path: Path) -> None:
+    base = tmp_path / "runs" / "dapo"
+    assert checkpoint.newest_run(base) is None
+    _run(base, checkpoint_step=4)
+    assert checkpoint.newest_run(base) == base
+    _run(tmp_path / "runs" / "dapo-2")
+    _run(tmp_path / "runs" / "dapo-10", checkpoint_step=2)
+    (tmp_path / "runs" / "dapo-11").mkdir()  # no config.json: not a run
+    _run(tmp_path / "runs" / "dapo-x")
+    _run(tmp_path / "runs" / "dapox-12")
+    newest = checkpoint.newest_run(base)
+    assert newest == tmp_path / "runs" / "dapo-10" and checkpoint.latest(newest).name == "step_2"

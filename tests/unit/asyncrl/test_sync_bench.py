@@ -1,0 +1,22 @@
+"""`asyncrl bench sync`'s LoRA rows: an adapter-only version against the full INT8 one, through a real publisher."""
+
+from __future__ import annotations
+
+from transformers import AutoModelForCausalLM
+
+from asyncrl.bench import sync_bench
+from asyncrl.bench.engine_bench import LORA_RANK, lora_adapter_tensors
+from common.builtin_model import resolve_model_path
+from quant_sync.export import export_rollout_tensors
+
+
+def test_the_lora_sync_rows_count_the_adapter_version_against_the_full_int8_one():
+    model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = sync_bench._lora_sync(model)
+    state = model.state_dict()
+    full = export_rollout_tensors(state, "int8", quantize_head=True)
+    adapters = lora_adapter_tensors(state)
+    assert rows["big_full_version_bytes"] == sum(t.nbytes for t in full.values())
+    assert rows[f"big_lora{LORA_RANK}_version_bytes"] == sum(t.nbytes for t in adapters.values())
+    assert rows["big_full_publish_call_s"] > 0 and rows[f"big_lora{LORA_RANK}_publish_call_s"] > 0

@@ -1,0 +1,92 @@
+"""The environment interface (common/envs.py): loading `env.fn` like a reward function, the start-up check, and the
+checks of what `step` returns."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from common.config import load_config
+from common.config_checks import ConfigError
+from common.envs import EnvError, StepResult, check_step_result, load_env_factory
+
+ENV = """
+from common.envs import StepResult
+
+
+class Echo:
+    stop_strings = ("=",)
+
+    def __init__(self, bonus=0.0):
+        self.bonus = bonus
+
+    def reset(self, problem):
+        return problem["prompt"]
+
+    def step(self, model_text):
+        return StepResult(model_text, 1.0 + self.bonus, True, {"tool_calls": 1})
+
+
+class BadStops:
+    stop_strings = "="
+"""
+
+
+def test_an_environment_is_loaded_from_a_file_with_its_args(tmp_path: Path) -> None:
+    (tmp_path / "envs_file.py").write_text(ENV)
+    make = load_env_factory(f"{tmp_path / 'envs_file.py'}:Echo", {"bonus": 0.5})
+    env, other = make(), make()
+    assert env is not other  # one instance per episode
+    assert env.reset({"prompt": "1+1="}) == "1+1="
+    assert check_step_result(env.step("2")) == StepResult("2", 1.5, True, {"tool_calls": 1})
+    with pytest.raises(EnvError, match="stop_strings"):
+        load_env_factory(f"{tmp_path / 'envs_file.py'}:BadStops")()
+
+
+def test_a_bad_env_spec_fails_at_start_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"`env.fn`.*does not exist"):
+        load_config(None, [f"env.fn={tmp_path / 'missing.py'}:Env"])
+    (tmp_path / "envs_file.py").write_text(ENV)
+    with pytest.raises(ConfigError, match=r"`env.fn`.*Nope"):
+        load_config(None, [f"env.fn={tmp_path / 'envs_file.py'}:Nope"])
+    cfg = load_config(None, [f"env.fn={tmp_path / 'envs_file.py'}:Echo", "env.max_turns=3"])
+    assert cfg.env.max_turns == 3 and cfg.env.fn.endswith("envs_file.py:Echo")
+    with pytest.raises(ConfigError, match="env.max_turns"):
+        load_config(None, ["env.max_turns=0"])
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        (StepResult(None, math.nan, True), "finite"),
+        (StepResult(None, True, True), "finite"),
+        (StepResult(3, 0.0, True), "observation"),
+        (StepResult(None, 0.0, True, info=[]), "info"),  # type: ignore[arg-type]
+        ("done", "StepResult"),
+    ],
+)
+def test_a_malformed_step_result_is_an_env_error(result: object, message: str) -> None:
+    with pytest.raises(EnvError, match=message):
+        check_step_result(result)
+
+
+def test_a_step_result_may_be_a_tuple_and_messages() -> None:
+    messages = [{"role": "tool", "content": "6912"}]
+    assert check_step_result((messages, 1, False, {})) == StepResult(messages, 1.0, False, {})
+
+
+def test_the_calculator_environment_answers_calls_and_scores_the_final_answer() -> None:
+    cfg = load_config(None, ["env.fn=asyncrl:arith_tool", "data.digits=5"])
+    env = load_env_factory(cfg.env.fn, {"instructions": "Sum: "})()
+    assert env.stop_strings == ("</calc>",)
+    assert env.reset({"prompt": "12345+67890=", "answer": "80235"}) == "Sum: 12345+67890="
+    call = check_step_result(env.step("<calc>12345+67890</calc>"))
+    assert call == StepResult("<result>80235</result>", 0.0, False, {"tool_calls": 1})
+    bad = check_step_result(env.step("<calc>12345+</calc>"))
+    assert bad.observation == "<result>error</result>" and not bad.done
+    final = check_step_result(env.step(" so 80235"))
+    assert final.reward == 1.0 and final.done and final.info["correct"]
+    env.reset({"prompt": "1+1=", "answer": "2"})
+    assert check_step_result(env.step("3")).reward == 0.0

@@ -1,0 +1,168 @@
+"""Multi-turn episodes in a real rollout worker on the built-in model (issue 21): an environment loaded from a file
+answers each turn; observation tokens are appended with loss mask 0; an environment that raises or sleeps past
+`env.timeout_s` ends its episode with reward 0, counted, and the worker goes on."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.builtin_model import resolve_model_path
+from common.config import load_config, to_dict
+from common.wire import PromptLease, PushGroup, decode, encode
+from quant_sync.export import export_rollout_tensors
+from quant_sync.update import WeightUpdate
+from rollout_workers.sections import WorkerSections
+from rollout_workers.worker import RolloutWorker
+
+ENV = textwrap.dedent(
+    """
+    import time
+
+    from common.envs import StepResult
+
+
+    class CountingEnv:
+        '''Three turns: after the first two it shows "2+3=" (reward 0.25 each), after the third it is done (0.5).
+        Problem 1 raises on its second turn; problem 2 sleeps past the timeout there.'''
+
+        stop_strings = ("=",)
+
+        def __init__(self, sleep_s=3.0):
+            self.sleep_s = sleep_s
+            self.turn = 0
+
+        def reset(self, problem):
+            self.index = problem["index"]
+            return "1+1="
+
+        def step(self, model_text):
+            self.turn += 1
+            if self.turn == 2 and self.index == 1:
+                raise RuntimeError("calculator on fire")
+            if self.turn == 2 and self.index == 2:
+                time.sleep(self.sleep_s)
+            if self.turn < 3:
+                return StepResult("2+3=", 0.25, False, {"tool_calls": 1})
+            return StepResult(None, 0.5, True, {})
+    """
+)
+
+
+OVERLAP_ENV = textwrap.dedent(
+    """
+    import threading
+
+    from common.envs import StepResult
+
+    FINISHED = threading.Event()
+
+
+    class OverlapEnv:
+        '''Problem 0: three turns, then done (sets FINISHED). Problem 1: its first step waits for FINISHED, which
+        only comes if problem 0's sequences keep decoding while it waits.'''
+
+        stop_strings = ("=",)
+
+        def reset(self, problem):
+            self.index, self.turn = problem["index"], 0
+            return "1+1="
+
+        def step(self, model_text):
+            self.turn += 1
+            if self.index == 0:
+                if self.turn < 3:
+                    return StepResult("2+3=", 0.0, False, {})
+                FINISHED.set()
+                return StepResult(None, 1.0, True, {})
+            return StepResult(None, 1.0 if FINISHED.wait(20.0) else 0.0, True, {})
+    """
+)
+
+
+def make_worker(tmp_path: Path, *overrides: str) -> RolloutWorker:
+    (tmp_path / "counting_env.py").write_text(ENV)
+    (tmp_path / "overlap_env.py").write_text(OVERLAP_ENV)
+    cfg = load_config(
+        None,
+        [
+            "train.group_size=2",
+            f"env.fn={tmp_path / 'counting_env.py'}:CountingEnv",
+            "env.timeout_s=1.0",
+            "env.max_turns=4",
+            "rollout.max_new_tokens=6",
+            *overrides,
+        ],
+    )
+    model_dir = str(resolve_model_path(cfg.model.path))
+    worker = RolloutWorker(to_dict(WorkerSections.pick(cfg)), "w0", model_dir, "tcp://127.0.0.1:9")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    worker.engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    return worker
+
+
+def close(worker: RolloutWorker) -> None:
+    worker.engine.close()
+    worker.rewards.close()
+    assert worker.episodes is not None
+    worker.episodes.close()
+
+
+@pytest.fixture
+def worker(tmp_path: Path):
+    worker = make_worker(tmp_path)
+    try:
+        yield worker
+    finally:
+        close(worker)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "rounds"])
+def test_episodes_append_masked_observations_and_count_failures(worker: RolloutWorker, continuous: bool) -> None:
+    assert worker.episodes is not None and worker.episodes.continuous  # the embedded engine's scheduler
+    worker.episodes.continuous = continuous  # False: the rounds of `generate` calls that other engines get
+    leases = [PromptLease(f"g{i}", i, "unused", "", 1e12) for i in range(3)]
+    groups = worker.rollout(leases)
+    assert [lease.group for lease, _ in groups] == ["g0", "g1", "g2"]
+    observation = list(worker.tokenizer("2+3=", add_special_tokens=False)["input_ids"])
+    for traj in groups[0][1]:  # three model turns, two observations in between
+        assert traj.reward == pytest.approx(1.0) and traj.correct and traj.finish == "stop"
+        mask = traj.loss_mask
+        assert mask is not None and int((mask == 0).sum()) == 2 * len(observation)
+        assert traj.response_ids[mask == 0].tolist() == observation * 2
+        assert np.all(traj.behav_logp[mask == 0] == 0.0) and np.all(traj.behav_logp[mask == 1] < 0.0)
+        assert traj.versions.min() == 0  # every token of version 0, the only one staged
+        assert traj.prompt_ids.tolist() == worker.encode_prompt("1+1=")
+    for _, trajectories in groups[1:]:  # raised / timed out on the second turn: reward 0, the first turn kept
+        for traj in trajectories:
+            assert traj.reward == 0.0 and not traj.correct
+            assert traj.loss_mask is not None and traj.loss_mask[0] == 1
+    counters = worker.counters
+    assert counters["env_errors"] == 2 and counters["env_timeouts"] == 2
+    assert counters["env_episodes"] == 6 and counters["env_turns"] == 2 * 3 + 4 * 2
+    assert counters["env_tool_calls"] == 2 * 2 + 4 * 1
+    assert counters["env_masked_tokens"] == 2 * 2 * len(observation) + 4 * len(observation)
+    assert "calculator on fire" in worker.last_error  # logged once, with its traceback
+    for lease, trajectories in groups:  # the wire carries the masks
+        out = decode(encode(PushGroup("w0", lease.group, trajectories)))
+        assert isinstance(out, PushGroup)
+        for sent, got in zip(trajectories, out.trajectories, strict=True):
+            assert got.loss_mask is not None and sent.loss_mask is not None
+            assert got.loss_mask.tolist() == sent.loss_mask.tolist()
+
+
+def test_other_sequences_keep_decoding_while_one_waits_on_its_environment(tmp_path: Path) -> None:
+    worker = make_worker(tmp_path, f"env.fn={tmp_path / 'overlap_env.py'}:OverlapEnv", "env.timeout_s=30")
+    try:
+        groups = worker.rollout([PromptLease(f"g{i}", i, "unused", "", 1e12) for i in range(2)])
+    finally:
+        close(worker)
+    (_, first), (_, waiting) = groups
+    assert [t.reward for t in first] == [1.0, 1.0]
+    assert [t.reward for t in waiting] == [1.0, 1.0]  # problem 0 finished three turns while these waited
+    assert worker.counters["env_timeouts"] == 0 and worker.counters["env_turns"] == 2 * 3 + 2 * 1
