@@ -26,12 +26,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -141,9 +141,31 @@ def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
     if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_builds(target.parent, name)
-    log(f"building {path} into {target} (once; later runs reuse it)")
+    with _build_lock(target):  # concurrent processes (parallel tests, several runs) build it once, the others wait
+        if _complete(target):
+            return target
+        _remove_abandoned_builds(target.parent, name)
+        log(f"building {path} into {target} (once; later runs reuse it)")
+        return _build_into(target, path, recipe, build, log)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock on `target`'s build (a lock file beside it), released when its process ends."""
+    import fcntl
+
+    with open(target.with_name(f".{target.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_into(target: Path, path: str, recipe: object, build: Callable[[Path], dict], log: Callable) -> Path:
+    """Build into a staging directory beside `target`, then rename it into place (a killed build leaves no target)."""
     started = time.monotonic()
+    name = path.split(":", 1)[1]
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         report = build(staging)
@@ -205,64 +227,27 @@ def _noisy_answer(answer: str, recipe: TinyRecipe, rng: random.Random) -> str:
 
 def build_tiny(recipe: TinyRecipe, out_dir: Path) -> dict[str, float]:
     """Initialise, warm up and save the tiny model into out_dir; returns a small report."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from common.tasks.arith import arith_problem
+    from common.warmup import new_model, warm_up
 
-    torch.manual_seed(recipe.seed)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     tokenizer = make_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_kv_heads,
-        max_position_embeddings=recipe.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rms_norm_eps=1e-5,
-    )
-    model = LlamaForCausalLM(config)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    model = new_model(recipe, tokenizer)
     rng = random.Random(recipe.seed)
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id
-    index = 0
-    for step in range(recipe.warmup_steps):
-        rows, labels = [], []
-        for _ in range(recipe.batch_size):
-            problem = arith_problem(recipe.data_seed, index, recipe.digits, recipe.ops)
-            index += 1
-            prompt_ids = tokenizer(problem.prompt)["input_ids"]
-            answer_ids = tokenizer(_noisy_answer(problem.answer, recipe, rng), add_special_tokens=False)[
-                "input_ids"
-            ] + [eos]
-            rows.append(prompt_ids + answer_ids)
-            labels.append([-100] * len(prompt_ids) + answer_ids)
-        width = max(len(r) for r in rows)
-        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-        label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-        attention = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
-        lr_scale = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / recipe.warmup_steps))
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.lr * lr_scale
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    model.eval()
-    model.generation_config.pad_token_id = pad
+
+    def example(index: int) -> tuple[list[int], list[int]]:
+        problem = arith_problem(recipe.data_seed, index, recipe.digits, recipe.ops)
+        prompt_ids = tokenizer(problem.prompt)["input_ids"]
+        answer = _noisy_answer(problem.answer, recipe, rng)
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+        return prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
+
+    loss = warm_up(model, recipe, tokenizer.pad_token_id, example, ramp_steps=100)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return {
-        "final_sft_loss": round(float(loss.detach()), 4),
+        "final_sft_loss": round(loss, 4),
         "warmup_steps": recipe.warmup_steps,
         **warm_start_accuracy(model, tokenizer, recipe),
     }

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,61 +85,24 @@ def _example(tokenizer, prompt: str, answer: str, use_tool: bool) -> tuple[list[
 
 def build_tool(recipe: ToolRecipe, out_dir: Path) -> dict[str, float]:
     """Initialise, warm up and save the tool variant into out_dir; returns a small report."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from common.builtin_model import ARITH_ALPHABET, make_tokenizer
     from common.tasks.arith import arith_problem
+    from common.warmup import new_model, warm_up
 
-    torch.manual_seed(recipe.seed)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     tokenizer = make_tokenizer(ARITH_ALPHABET + TOOL_ALPHABET)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_kv_heads,
-        max_position_embeddings=recipe.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rms_norm_eps=1e-5,
-    )
-    model = LlamaForCausalLM(config)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    model = new_model(recipe, tokenizer)
     rng = random.Random(recipe.seed)
-    pad = tokenizer.pad_token_id
-    index = 0
-    for step in range(recipe.warmup_steps):
-        rows, labels = [], []
-        for _ in range(recipe.batch_size):
-            problem = arith_problem(recipe.data_seed, index, recipe.digits, recipe.ops)
-            index += 1
-            row, label = _example(tokenizer, problem.prompt, problem.answer, rng.random() < recipe.tool_share)
-            rows.append(row)
-            labels.append(label)
-        width = max(len(r) for r in rows)
-        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-        label_ids = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-        attention = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
-        lr_scale = min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / recipe.warmup_steps))
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.lr * lr_scale
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    model.eval()
-    model.generation_config.pad_token_id = pad
+
+    def example(index: int) -> tuple[list[int], list[int]]:
+        problem = arith_problem(recipe.data_seed, index, recipe.digits, recipe.ops)
+        return _example(tokenizer, problem.prompt, problem.answer, rng.random() < recipe.tool_share)
+
+    loss = warm_up(model, recipe, tokenizer.pad_token_id, example, ramp_steps=50)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return {
-        "final_sft_loss": round(float(loss.detach()), 4),
+        "final_sft_loss": round(loss, 4),
         "warmup_steps": recipe.warmup_steps,
         **tool_warm_start(model, tokenizer, recipe),
     }

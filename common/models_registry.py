@@ -10,4 +10,5 @@ BUILTIN_MODELS: dict[str, str] = {
     "micro": "the same family at ~25k parameters, barely trained: for smoke tests (seconds to build)",
     "tiny-outliers": "builtin:tiny with 3 outlier activation channels (x64), as real LLMs have: W8A8 rollout bites",
     "tiny-tool": "tiny-sized, vocabulary plus `[]{}`, warmed up to call a calculator (data.task=arith_tool)",
+    "micro-tool": "builtin:tiny-tool's recipe at 2 layers of 64, warmed up briefly: for tests (a minute to build)",
 }

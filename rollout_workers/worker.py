@@ -341,13 +341,14 @@ class RolloutWorker:
 
     def _score(self, leases: list[PromptLease], completions: list[Any], group_size: int) -> list[float]:
         """The reward of every response of the batch (`group_size` per lease, in order), in one call to the reward
-        step (rollout_workers/reward_pool.py). `row`: the lease's index, prompt and answer, plus the source's own row
-        fields where it has them (`source.row(index)`)."""
+        step (rollout_workers/reward_pool.py). `row`: the source's own row where it has one (`source.row(index)`: a
+        `data.task=dataset` row with every field, as the file has it), else the lease's index, prompt and answer."""
         source_row = getattr(self.source, "row", None)
         items = []
         for g, lease in enumerate(leases):
-            row = {**(source_row(lease.index) if source_row else {}), "index": lease.index, "prompt": lease.prompt,
-                   "answer": lease.answer}  # fmt: skip
+            row = {"index": lease.index, "prompt": lease.prompt, "answer": lease.answer}
+            if source_row is not None:
+                row = {**row, **source_row(lease.index)}  # the dataset's fields win: it is the user's row
             for i in range(group_size):
                 response_ids = completions[g * group_size + i].response_ids
                 items.append((self.tokenizer.decode(response_ids, skip_special_tokens=True), lease.answer, row))

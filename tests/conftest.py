@@ -1,4 +1,5 @@
-"""Suite-wide settings: tests marked `slow` get a larger pytest-timeout limit than the default in pyproject.toml.
+"""Suite-wide settings: tests marked `slow` run first and get a larger pytest-timeout limit than the default in
+pyproject.toml.
 
 The default (`timeout` in `[tool.pytest.ini_options]`, 300 s) catches a hung unit test: the slowest take tens of
 seconds on 2 cores. End-to-end runs marked `slow` start Ray, the buffer process and rollout workers, and the first may
@@ -15,6 +16,10 @@ SLOW_TEST_TIMEOUT_S = 600
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Slow tests first (a stable sort: file order otherwise): with pytest-xdist's two workers (`-n 2` in pyproject)
+    # the end-to-end runs, which mostly wait on Ray and subprocesses, overlap each other and the unit tests fill the
+    # gaps at the end, instead of one long run finishing alone after everything else.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not config.pluginmanager.hasplugin("timeout"):  # `-p no:timeout`: the marker is not even registered
         return
     for item in items:

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "sync": "asyncrl.bench.sync_bench:run",
     "learner": "asyncrl.bench.learner_bench:run",
     "e2e": "asyncrl.bench.e2e_bench:run",
+    "chaos": "asyncrl.bench.chaos:run",
 }
 
 

@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.tasks import DatasetError, Problem
-from common.tasks.jsonl import _EVAL_STREAM, JsonlSource, _permutation, answer_problem, check_rows, check_text
+from common.tasks.jsonl import (
+    _EVAL_STREAM,
+    _TRAIN_STREAM,
+    JsonlSource,
+    _permutation,
+    answer_problem,
+    check_rows,
+    check_text,
+)
 
 if TYPE_CHECKING:
     from common.config import DataConfig
@@ -105,9 +113,12 @@ def _messages_problem(value: list, field: str) -> tuple[list[dict[str, str]], st
     return messages, None
 
 
-def load_dataset_rows(path: str, prompt_key: str, answer_key: str, key: str = "data.path") -> tuple[list, bool]:
+def load_dataset_rows(
+    path: str, prompt_key: str, answer_key: str, key: str = "data.path", records: list[dict] | None = None
+) -> tuple[list, bool]:
     """(rows of (prompt, reference answer), whether prompts are message lists) of a dataset; DatasetError listing the
-    bad rows (file, 1-based row, key) if any. A message-list prompt is kept as its JSON text."""
+    bad rows (file, 1-based row, key) if any. A message-list prompt is kept as its JSON text. `records`, if given,
+    receives each kept row as the dataset has it (every field), in the order of the rows returned."""
     table = load_table(path, key)
     prompt_field, answer_field = f"{prompt_key!r} (data.prompt_key)", f"{answer_key!r} (data.answer_key)"
     rows: list[tuple[str, str]] = []
@@ -140,6 +151,8 @@ def load_dataset_rows(path: str, prompt_key: str, answer_key: str, key: str = "d
             continue
         kind = row_kind
         rows.append((prompt, answer))
+        if records is not None:
+            records.append(row)
     check_rows(path, rows, errors)
     return rows, kind == "messages"
 
@@ -149,7 +162,10 @@ class DatasetSource(JsonlSource):
 
     def __init__(self, data_cfg: DataConfig) -> None:
         self.path, self.seed, self.eval_size = data_cfg.path, data_cfg.seed, data_cfg.eval_size
-        self._rows, self.messages = load_dataset_rows(data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key)
+        self._records: list[dict] = []  # the dataset's own rows, every field: what user reward functions get
+        self._rows, self.messages = load_dataset_rows(
+            data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key, records=self._records
+        )
         self._eval_rows: list[tuple[str, str]] | None = None
         if data_cfg.eval_path:
             self._eval_rows, eval_messages = load_dataset_rows(
@@ -173,7 +189,9 @@ class DatasetSource(JsonlSource):
             raise DatasetError("data.max_prompt_tokens needs a tokenizer to count tokens: set data.tokenizer")
         encode = prompt_encoder(data_cfg.tokenizer, data_cfg, messages=self.messages, trust_remote_code=False)
         limit = data_cfg.max_prompt_tokens
-        kept = [row for row in self._rows if 0 < len(encode(row[0])) <= limit]
+        keep = [0 < len(encode(row[0])) <= limit for row in self._rows]
+        kept = [row for row, ok in zip(self._rows, keep, strict=True) if ok]
+        self._records = [record for record, ok in zip(self._records, keep, strict=True) if ok]
         self.dropped = len(self._rows) - len(kept)
         if not kept:
             lengths = sorted(len(encode(row[0])) for row in self._rows[:1000])
@@ -190,6 +208,11 @@ class DatasetSource(JsonlSource):
                     f"{data_cfg.eval_path}: every prompt is longer than data.max_prompt_tokens={limit} tokens"
                 )
             self._eval_rows = eval_kept
+
+    def row(self, index: int) -> dict:
+        """The dataset row behind training problem `index` (the `row` a user reward function gets: every field)."""
+        epoch, position = divmod(index, len(self._rows))
+        return self._records[int(_permutation(len(self._rows), self.seed, _TRAIN_STREAM, epoch)[position])]
 
     def eval_set(self) -> list[Problem]:
         if self._eval_rows is None:

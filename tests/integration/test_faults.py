@@ -17,11 +17,15 @@ import psutil
 import pytest
 from test_operations import ENV, ROOT, SMALL, assert_trained_once, cli, records, start_up, wait_for
 
+from asyncrl.bench.chaos_faults import buffer_process as find_buffer_process
+from asyncrl.bench.chaos_faults import learner_processes
 from buffer.client import BufferClient
 
 
 def buffer_process(proc: subprocess.Popen) -> psutil.Process:
-    return next(p for p in psutil.Process(proc.pid).children() if "buffer" in p.cmdline())
+    found = find_buffer_process(proc.pid)
+    assert found is not None, "no buffer process under the driver"
+    return found
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -168,8 +172,7 @@ def test_a_killed_learner_is_restarted_from_the_latest_checkpoint_every_group_tr
                     "train.steps=100000", "checkpoint.every=3", "logging.console=false", *SMALL)  # fmt: skip
     try:
         wait_for(lambda: len(steps_logged(run_dir)) >= 5, 120, "five steps", proc)
-        learner = next(p for p in psutil.Process(proc.pid).children(recursive=True) if "ray::Learner" in p.name()
-                       or any("Learner" in part for part in p.cmdline()))  # fmt: skip
+        learner = learner_processes(proc.pid)[0]
         learner.send_signal(signal.SIGKILL)
         event = wait_for(lambda: [r for r in records(run_dir) if r.get("event") == "learner_restarted"], 120,
                          "the learner restart", proc)[0]  # fmt: skip

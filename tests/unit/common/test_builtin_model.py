@@ -23,4 +23,24 @@ def test_a_damaged_cached_model_is_rebuilt_and_abandoned_builds_are_removed(tmp_
     again = resolve_model_path("builtin:micro", cache_dir=str(tmp_path), log=lambda *a: None)
     assert again == built and all((again / name).is_file() for name in BUILT_FILES)
     assert not abandoned.exists() and fresh.exists()
-    assert sorted(p.name for p in built.parent.iterdir()) == sorted([built.name, fresh.name])
+    left = sorted(p.name for p in built.parent.iterdir() if not p.name.endswith(".lock"))  # the build's lock file
+    assert left == sorted([built.name, fresh.name])
+
+
+def test_two_processes_asking_for_the_same_model_build_it_once(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from common.builtin_model import resolve_model_path\n"
+        "print(resolve_model_path('builtin:micro', sys.argv[1], log=lambda m: print('LOG', m)))\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs)
+    assert sum(out.count("LOG building") for out in outputs) == 1, outputs  # the other waited, then reused it
+    assert len({out.strip().splitlines()[-1] for out in outputs}) == 1  # the same directory for both

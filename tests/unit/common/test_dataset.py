@@ -56,6 +56,17 @@ def test_every_format_loads_the_same_rows_with_a_nested_answer_key(tmp_path: Pat
     assert source.reward("so the answer is \\boxed{5}", "5") == 1.0
 
 
+def test_the_row_of_a_training_problem_is_the_dataset_row_with_every_field(tmp_path: Path) -> None:
+    rows = [*ROWS, {"question": "Too long", "extra": {"id": 3}, "reward_model": {"ground_truth": "7"}}]
+    source = _source(
+        _write(tmp_path, "rows.parquet", rows), prompt_key="question", answer_key="reward_model.ground_truth"
+    )
+    for index in range(8):  # across epochs: each epoch is its own shuffle
+        problem, row = source.train(index), source.row(index)
+        assert row["question"] == problem.prompt and row["reward_model"]["ground_truth"] == problem.answer
+        assert row["extra"]["id"] == [r["question"] for r in rows].index(problem.prompt)
+
+
 def test_a_message_list_prompt_travels_as_json_messages(tmp_path: Path) -> None:
     source = _source(_write(tmp_path, "chat.parquet", _chat_rows()), answer_key="reward_model.ground_truth")
     assert source.messages

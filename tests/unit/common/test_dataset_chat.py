@@ -127,6 +127,7 @@ def test_max_prompt_tokens_drops_long_rows_and_counts_them(chat_model_dir) -> No
     assert source.dropped > 0 and source.epoch_size() == 1319 - source.dropped
     assert all(len(encode(source.train(i).prompt)) <= 200 for i in range(source.epoch_size()))
     assert sum(len(encode(full.train(i).prompt)) > 200 for i in range(1319)) == source.dropped
+    assert all(source.row(i)["question"] == source.train(i).prompt for i in range(0, 1319, 7))  # rows stay aligned
     with pytest.raises(DatasetError, match="every one of its 1319 prompts is longer than data.max_prompt_tokens=5"):
         make_source(_data(GSM8K, max_prompt_tokens=5, **keys))
 
