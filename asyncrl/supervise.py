@@ -393,31 +393,32 @@ class BufferSupervisor:
     def restart(self, resume_step: int) -> dict[str, Any]:
         """Stop the buffer and start it again rewound to `resume_step` (a learner restarted from a checkpoint, as on
         `--resume`); returns what the rewind did (`rewound_groups`, `rewind_dropped_groups`)."""
-        from buffer.client import BufferClient, BufferRequestError, BufferUnavailable
-        from common.curve import client_keys
-
         self.stop()
         self.stopping, self.resume_step = False, resume_step
         self.start()
-        curve = client_keys(self.config_values["buffer"]["curve_keys_dir"])
-        try:
-            with BufferClient(self.endpoint, identity="supervisor", timeout_s=10, curve=curve) as client:
-                stats = client.stats()
-        except (BufferUnavailable, BufferRequestError) as err:
-            return {"stats_error": str(err)}
+        stats = self._stats()
+        if "stats_error" in stats:
+            return stats
         return {key: stats.get(key, 0) for key in ("rewound_groups", "rewind_dropped_groups", "rewind_lost_groups")}
 
-    def _replayed(self) -> dict[str, Any]:
-        """What the restarted buffer rebuilt from its journal (its counters), asked on a connection of its own."""
+    def _stats(self) -> dict[str, Any]:
+        """The buffer's counters, asked on a connection of the supervisor's own; `{"stats_error": ...}` if it does
+        not answer."""
         from buffer.client import BufferClient, BufferRequestError, BufferUnavailable
         from common.curve import client_keys
 
         curve = client_keys(self.config_values["buffer"]["curve_keys_dir"])
         try:
             with BufferClient(self.endpoint, identity="supervisor", timeout_s=10, curve=curve) as client:
-                stats = client.stats()
+                return client.stats()
         except (BufferUnavailable, BufferRequestError) as err:
             return {"stats_error": str(err)}
+
+    def _replayed(self) -> dict[str, Any]:
+        """What the restarted buffer rebuilt from its journal (its counters)."""
+        stats = self._stats()
+        if "stats_error" in stats:
+            return stats
         keys = ("replayed_records", "replayed_groups", "replayed_leases", "consumed_groups", "cursor")
         out: dict[str, Any] = {key: stats.get(key, 0) for key in keys}
         out["step"] = stats.get("current_step", 0)

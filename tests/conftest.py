@@ -16,9 +16,10 @@ SLOW_TEST_TIMEOUT_S = 600
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Slow tests first (a stable sort: file order otherwise): with pytest-xdist's two workers (`-n 2` in pyproject)
-    # the end-to-end runs, which mostly wait on Ray and subprocesses, overlap each other and the unit tests fill the
-    # gaps at the end, instead of one long run finishing alone after everything else.
+    # Slow tests first (a stable sort: file order otherwise). pytest-xdist (`-n 2 --dist loadfile` in pyproject)
+    # hands out whole files in the order their first test appears: the files with end-to-end runs, which mostly wait
+    # on Ray and subprocesses, start first on both workers and the unit-test files fill the gaps at the end, instead
+    # of one long run finishing alone after everything else.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not config.pluginmanager.hasplugin("timeout"):  # `-p no:timeout`: the marker is not even registered
         return

@@ -141,9 +141,16 @@ def run_asyncrl(config_path: str, workload: Workload, contender: str, seed: int,
         workload=workload.name, contender=contender, seed=seed, out_dir=str(run_dir), rows=rows,
         total_generated_samples=float(samples), gen_core_s_per_sample=gen_s / max(samples, 1),
         final_dir=str(final) if final.is_dir() else "", launched_unix=launched,
-        settings={"argv": argv[3:], "learner_core_s_per_train_s": config["learner"]["threads"]
+        settings={"argv": argv[3:], "learner_core_s_per_train_s": _learner_threads(records, config)
                   * config["learner"]["world_size"]},
     )  # fmt: skip
+
+
+def _learner_threads(records: list[dict[str, Any]], config: dict[str, Any]) -> float:
+    """The learner's mean torch threads over its steps (`learner/threads`: the measured policy changes it per step;
+    `learner.threads` where a run logged none)."""
+    threads = [r["learner/threads"] for r in records if "learner/threads" in r and "event" not in r]
+    return sum(threads) / len(threads) if threads else float(config["learner"]["threads"])
 
 
 def _asyncrl_row(record: dict[str, Any], launched: float, samples_per_step: int, accuracy_key: str) -> StepRow:

@@ -158,3 +158,12 @@ def test_bench_json_is_strict_with_null_for_a_figure_never_reached(tmp_path: Pat
     assert written["ratios"] == {"e2e_vs_trl_time_to_acc": None, "e2e_launch_vs_trl": 1.25}
     assert written["metrics"] == {"builtin_trl_time_to_acc_s_mean": None, "launch_s": 4.0, "over": None}
     assert written["details"]["runs"]["builtin_trl"][0] == {"heldout_acc": None, "load_1m": [0.5, None]}
+
+
+def test_the_learners_core_share_follows_the_threads_it_logged_per_step() -> None:
+    from asyncrl.bench.e2e_runs import _learner_threads
+
+    config = {"learner": {"threads": 1}}
+    steps = [{"step": 0, "learner/threads": 1}, {"step": 1, "learner/threads": 2}, {"event": "eval"}]
+    assert _learner_threads(steps, config) == 1.5  # the measured policy changed it between steps
+    assert _learner_threads([{"step": 0}], config) == 1.0  # a run that logged none: the configured count
