@@ -27,7 +27,7 @@ def test_up_with_sglang_backend_on_asyncrl_serve(tmp_path):
          "logging.name=sglang", "rollout.backend=sglang", "rollout.sglang.launcher=asyncrl",
          f"rollout.sglang.ckpt_dir={tmp_path / 'ckpt'}", "model.path=builtin:micro", "train.steps=2",
          "rollout.num_workers=1", "train.groups_per_step=4", "train.group_size=4", "algo.filter_groups=false",
-         "data.eval_size=16"],
+         "data.eval_size=16", "staleness.max_lag=0"],  # step 1 must train on version-1 tokens: no timing race
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
