@@ -1,6 +1,6 @@
 """What a person reads on a terminal while `asyncrl up` runs: a progress bar, the few numbers that matter beside it,
 and the recent events underneath (rich `Progress` inside a `Live`); a progress bar for long one-time work too
-(building a built-in model).
+(building a built-in model; compiling the engine's C++ kernels: `KernelBuilds`).
 
     dapo_int8 ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━╸━━━━━━━━━━━━━━  step 42/100  0:01:13 elapsed  ETA 0:01:41 at 1.75 s/step
     reward 0.412  acc 0.388  staleness 0.6 (max 2)  mismatch kl 3.1e-04  rollout 2,410 tok/s  workers 3
@@ -177,3 +177,52 @@ def one_time_work(enabled: bool) -> Iterator[Callable[[str], None]]:
     finally:
         if progress is not None:
             progress.stop()
+
+
+class KernelBuilds:
+    """What a person sees while the driver compiles the engine's C++ kernels (`asyncrl/kernels.py`): one line per
+    kernel with a spinner and its elapsed time on a terminal, replaced by "compiled NAME in S s" when it is done;
+    elsewhere plain lines as each starts and ends. Nothing is shown for a kernel found in the cache. Its methods may
+    be called from several threads (one per compile)."""
+
+    def __init__(self, enabled: bool, out: Callable[[str], None] | None = None) -> None:
+        self._out = out or (lambda message: print(message, flush=True))
+        self._progress: Any = None
+        self._tasks: dict[str, Any] = {}
+        if is_terminal(enabled) and out is None:
+            from rich.console import Console
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            columns = (SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description}"))
+            self._progress = Progress(*columns, TimeElapsedColumn(), console=Console(highlight=False, soft_wrap=True))
+
+    def start(self, names: list[str], compiler: str) -> None:
+        """Announce the builds of `names` (before any starts)."""
+        line = f"compiling the engine's C++ kernels with {compiler}, once per machine: {', '.join(names)}"
+        if self._progress is None:
+            self._out(line)
+            return
+        self._progress.console.print(line)
+        self._progress.start()
+
+    def compiling(self, name: str) -> None:
+        if self._progress is None:
+            self._out(f"compiling kernel {name} ...")
+        else:
+            self._tasks[name] = self._progress.add_task(f"compiling {name}", total=None)
+
+    def finished(self, name: str, seconds: float, error: str = "") -> None:
+        """`name` compiled in `seconds`, or failed with `error` (the compiler's message, the fallback)."""
+        line = f"compiled kernel {name} in {seconds:.1f} s" if not error else f"kernel {name} failed: {error}"
+        if self._progress is None:
+            self._out(line)
+            return
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            self._progress.update(task, total=1, completed=1, description=line if not error else f"{name} failed")
+            if error:
+                self._progress.console.print(line)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -131,6 +131,9 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
         model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
     check_inputs(cfg, model_dir)
+    from asyncrl.kernels import compile_kernels  # the workers' C++ kernels, once per machine (a bar on a terminal)
+
+    compile_kernels(cfg)
     clock.mark("inputs_checked")
     run_dir = resume if resume is not None else new_run_dir(cfg)
     checkpoint_dir = checkpoint.latest(run_dir) if resume is not None else None

@@ -17,6 +17,20 @@ asks Ray for no CPU: it works only at evaluation boundaries, while the learner w
 | `eval/skipped` | held-out prompts that do not fit the engine (too long, or no tokens): scored 0 |
 
 A response is correct when its reward is at least 1, as in training (`acc/mean`).
+
+With `env.fn` (multi-turn, tool-using episodes, issue 21) every held-out prompt is an episode with the environment,
+run by the worker's own `EpisodeRunner` (rollout_workers/episodes.py) exactly as in training: the greedy episode
+(top-k 1 every turn) gives `eval/acc_greedy_rollout`, the `eval.samples` episodes at the training temperature give
+`eval/mean@k`, `eval/pass@k`, `eval/reward_mean@k`, and the environment's counters give, per greedy episode,
+
+| metric | meaning |
+|---|---|
+| `eval/tool_calls` | tool calls (the environment's `info["tool_calls"]`) per greedy episode |
+| `eval/turns_mean` | model turns per greedy episode |
+| `eval/env_errors` | greedy and sampled episodes ended by an environment that raised or timed out (scored 0) |
+
+`eval/skipped` counts greedy episodes with no model token (the environment failed before the first turn, or the
+prompt left no room). `eval/acc_greedy`, the learner's single-turn decode, is not computed: it cannot call a tool.
 """
 
 from __future__ import annotations
@@ -59,6 +73,8 @@ class EvalWorker(RolloutWorker):
             raise RuntimeError("evaluator: `subscribe` to the learner's weights before `evaluate`")
         if not self.subscriber.wait_for(version, timeout_s=WEIGHTS_TIMEOUT_S):
             raise RuntimeError(f"evaluator: weight version {version} did not arrive within {WEIGHTS_TIMEOUT_S:.0f} s")
+        if self.episodes is not None:
+            return {**self._evaluate_episodes(prompts, answers, samples), "eval/version": float(self.engine.version)}
         limit, max_new = self.engine.max_seq_len, self.params.max_new_tokens
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         fits = [bool(ids) and (limit is None or len(ids) + max_new <= limit) for ids in prompt_ids]
@@ -76,6 +92,45 @@ class EvalWorker(RolloutWorker):
             rewards = [list(row) for row in draws] + missing
             metrics.update(sample_metrics([[r >= 1.0 for r in row] for row in rewards], rewards))
         return metrics
+
+    def _evaluate_episodes(self, prompts: list[str], answers: list[str], samples: int) -> dict[str, float]:
+        """Multi-turn: one greedy episode and `samples` sampled ones per held-out problem (see the module docstring)."""
+        runner = self.episodes
+        assert runner is not None
+        counters = runner.counters
+        before = {name: counters[name] for name in ("env_episodes", "env_turns", "env_tool_calls")}
+        failures_before = counters["env_errors"] + counters["env_timeouts"]
+        greedy = self._episodes(prompts, answers, 1, top_k=1)
+        episodes = max(counters["env_episodes"] - before["env_episodes"], 1)
+        metrics = {
+            "eval/acc_greedy_rollout": sum(e.reward >= 1.0 for (e,) in greedy) / max(len(prompts), 1),
+            "eval/tool_calls": (counters["env_tool_calls"] - before["env_tool_calls"]) / episodes,
+            "eval/turns_mean": (counters["env_turns"] - before["env_turns"]) / episodes,
+            "eval/skipped": float(sum(sum(e.loss_mask) == 0 for (e,) in greedy)),
+        }
+        if samples and prompts:
+            rewards = [[e.reward for e in row] for row in self._episodes(prompts, answers, samples)]
+            metrics.update(sample_metrics([[r >= 1.0 for r in row] for row in rewards], rewards))
+        metrics["eval/env_errors"] = float(counters["env_errors"] + counters["env_timeouts"] - failures_before)
+        return metrics
+
+    def _episodes(self, prompts: list[str], answers: list[str], draws: int, top_k: int = 0) -> list[list[Any]]:
+        """`draws` episodes per held-out problem (top_k 1: greedy), one list per problem (rollout_workers/episodes.py
+        `Episode`: `reward`, `loss_mask`, ...). The problem rows hold `index`, `prompt`, `answer` and `eval: True`."""
+        from common.wire import PromptLease
+
+        runner = self.episodes
+        assert runner is not None
+        leases = [PromptLease(f"eval/{i}", i, prompt, answer, 0.0) for i, (prompt, answer) in
+                  enumerate(zip(prompts, answers, strict=True))]  # fmt: skip
+        rows = [{"index": i, "prompt": prompt, "answer": answer, "eval": True}
+                for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True))]  # fmt: skip
+        trained = runner.params  # the evaluator runs no rollout loop: nothing else uses its runner meanwhile
+        runner.params = replace(trained, top_k=top_k) if top_k else trained
+        try:
+            return runner.run(leases, rows, draws)
+        finally:
+            runner.params = trained
 
     def _scores(self, prompt_ids: list[list[int]], answers: list[str], draws: int, top_k: int = 0) -> list[tuple]:
         """The rewards of `draws` responses per prompt (top_k 1: greedy), one tuple per prompt."""
@@ -124,12 +179,15 @@ class Evaluator:
 
         held_out = make_source(self.cfg.data).eval_set()
         prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
-        metrics = {"eval/acc_greedy": self.learner.evaluate(prompts, answers, self.cfg.rollout.max_new_tokens)}
+        metrics: dict[str, float] = {}
+        if not self.cfg.env.fn:  # the learner's single-turn greedy decode; an episode's tool calls need the evaluator
+            metrics["eval/acc_greedy"] = self.learner.evaluate(prompts, answers, self.cfg.rollout.max_new_tokens)
         if self.actor is None:
             self._start()
         metrics.update(ray.get(self.actor.evaluate.remote(step, prompts, answers, self.cfg.eval.samples)))
         logger.event("eval", after_steps=step, problems=len(prompts), **metrics)
-        shown = ", ".join(f"{key[5:]} {value:.3f}" for key, value in metrics.items() if "@" in key or "acc" in key)
+        shown_keys = [key for key in metrics if any(part in key for part in ("@", "acc", "tool"))]
+        shown = ", ".join(f"{key[5:]} {metrics[key]:.3f}" for key in shown_keys)
         logger.info(f"held-out eval after {step} steps on {len(prompts)} prompts: {shown}")
         return metrics
 

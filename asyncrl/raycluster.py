@@ -5,6 +5,9 @@
   declares `ray.num_cpus * ray.local_oversubscribe` logical CPUs (`RayConfig.local_cpus`): Ray's CPUs only decide
   where an actor may start, and on one machine of asyncrl's own, actors past the cores share them as processes do,
   so `asyncrl scale` can add rollout workers past the core count.
+  The head runs without Ray's autoscaler monitor (a local cluster never scales) and without the dashboard's API
+  server (`include_dashboard=False` still starts it, minimal, and `ray.init` waits for it to publish its address):
+  two Python processes that import Ray, about 1.4 CPU-seconds of a 2-core start-up (`LEAN_HEAD_SKIPS`).
 - `ray.address` = `host:port` or `auto`: a cluster started elsewhere, joined with the user's token
   (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, or Ray's `~/.ray/auth_token`). A cluster that admits clients without
   a token is refused unless `ray.allow_unauthenticated` is set, which warns on every run.
@@ -19,6 +22,7 @@ Two facts of Ray 2.60 this rests on (docs/security.md):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -26,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from common.config import RayConfig
@@ -179,6 +183,33 @@ def _prepare_local() -> Path:
     return temp_dir
 
 
+LEAN_HEAD_SKIPS = ("start_monitor", "start_api_server")
+"""The methods of Ray's `Node` whose processes a local cluster's head does without (module docstring); a Ray
+without one of them starts its head as it is."""
+
+
+def _skipped(self: object, *args: object, **kwargs: object) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _lean_head() -> Iterator[None]:
+    """While `ray.init` starts a local cluster: its head node starts no process of `LEAN_HEAD_SKIPS`."""
+    from ray._private.node import Node
+
+    saved = {name: Node.__dict__.get(name) for name in LEAN_HEAD_SKIPS}
+    if not all(saved.values()):
+        yield
+        return
+    for name in LEAN_HEAD_SKIPS:
+        setattr(Node, name, _skipped)
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(Node, name, method)
+
+
 class _NotMainThreadNote(logging.Filter):
     """Drops Ray's note that `ray.init` off the main thread sets no SIGTERM handler: the driver sets its own."""
 
@@ -196,8 +227,9 @@ def _init_local(logical_cpus: int, temp_dir: Path) -> None:
     ray_logger = logging.getLogger("ray._private.worker")
     ray_logger.addFilter(note)
     try:
-        ray.init(num_cpus=logical_cpus, include_dashboard=False, log_to_driver=True, _node_ip_address=LOCAL_HOST,
-                 _temp_dir=str(temp_dir))  # fmt: skip
+        with _lean_head():
+            ray.init(num_cpus=logical_cpus, include_dashboard=False, log_to_driver=True, _node_ip_address=LOCAL_HOST,
+                     _temp_dir=str(temp_dir))  # fmt: skip
     finally:
         ray_logger.removeFilter(note)
 

@@ -8,7 +8,8 @@ twice after a resume counts once, and summary.json):
 | `acc/mean` | final train accuracy: mean of the step metric `acc/mean` (every response generated in the |
 | | step, kept by the dynamic-sampling filter or not) over the last `FINAL_STEPS` steps |
 | `eval/acc_greedy` | held-out greedy accuracy of the final full-precision weights (summary.json; |
-| | null when `data.eval_size=0`) |
+| | null when `data.eval_size=0`); a run with an environment (`env.fn`, multi-turn) has no single-turn |
+| | greedy decode: its greedy episodes' accuracy `eval/acc_greedy_rollout` stands in (`eval/key` says which) |
 | `mismatch/kl_k3`, `mismatch/w_max`, | {"mean", "max"} over the run's steps |
 | `mismatch/acrl_d`, `mismatch/log_ppl_abs_diff` | |
 | `skipped_steps` | learner steps skipped for a non-finite loss or gradient (its last step's count) |
@@ -46,6 +47,9 @@ COLUMNS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("rollout tok/s", ("perf/rollout_tok_s",), "{:.0f}"),
 )
 """Table columns: header, path of the value in a results row (key, then "mean" / "max" of a mismatch entry), format."""
+HELD_OUT_KEYS = ("eval/acc_greedy", "eval/acc_greedy_rollout")
+"""summary.json keys read into a row's held-out accuracy, the first one present: the learner's single-turn greedy
+decode, else (multi-turn runs, asyncrl/evaluate.py) the greedy episodes on the rollout engine."""
 CURVE_KEYS = ("reward/mean", "acc/mean", "acc/batch", "response_len/mean", "lr", "norm_update", "norm_quant_err")
 """Step metrics averaged over seeds into each cell's curve (besides every `mismatch/*` key)."""
 
@@ -72,7 +76,8 @@ def run_row(run: RunSpec, metrics: tuple[str, ...] = ()) -> dict[str, Any]:
     steps = read_steps(run.run_dir)
     summary = json.loads((run.run_dir / "summary.json").read_text())
     row["acc/mean"] = _mean([s.get("acc/mean") for s in steps[-FINAL_STEPS:]])
-    row["eval/acc_greedy"] = summary.get("eval/acc_greedy")
+    row["eval/key"] = next((key for key in HELD_OUT_KEYS if summary.get(key) is not None), HELD_OUT_KEYS[0])
+    row["eval/acc_greedy"] = summary.get(row["eval/key"])
     for key in MISMATCH_KEYS:
         values = _finite([s.get(key) for s in steps])
         row[key] = {"mean": sum(values) / len(values), "max": max(values)} if values else {"mean": None, "max": None}

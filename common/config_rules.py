@@ -39,17 +39,13 @@ def lora_base(learner: LearnerConfig, quant: QuantConfig) -> str:
 
 
 def _check_lora(cfg: Config) -> None:
-    """LoRA (`model.lora.rank > 0`): what this slice supports (one learner rank, the embedded engine)."""
+    """LoRA (`model.lora.rank > 0`): the base it runs on, and what needs it (any backend, any learner world size)."""
     if cfg.model.lora.rank == 0:
         if cfg.checkpoint.merge_lora:
             raise ConfigError("`checkpoint.merge_lora=true` needs `model.lora.rank > 0`: without LoRA, `final/` is "
                               "already a full Hugging Face model")  # fmt: skip
         return
-    if cfg.learner.world_size > 1:
-        raise ConfigError("`model.lora.rank > 0` needs `learner.world_size=1`: LoRA under FSDP2 is not supported yet")
-    if cfg.rollout.backend != "embedded":
-        raise ConfigError("`model.lora.rank > 0` needs `rollout.backend=embedded`: the SGLang backend does not load "
-                          "LoRA adapters yet")  # fmt: skip
+    # rollout.backend=sglang loads the adapters through SGLang's LoRA API (rollout_workers/sglang_api/lora_sync.py)
     base = lora_base(cfg.learner, cfg.quant)
     if base == "rollout" and cfg.quant.scheme == "none":
         raise ConfigError("`learner.lora_base=rollout` needs a quantized `quant.scheme` (int8, fp8, ...), got none; "

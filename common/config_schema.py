@@ -46,7 +46,11 @@ ACRL_X_MODES = ("first_batch", "ema")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder-block linears a LoRA adapter may sit on (`model.lora.targets`)."""
 LORA_BASES = ("auto", "full", "rollout")
+LORA_SYNC_DTYPES = ("fp32", "bf16", "int8")
+"""How LoRA adapters travel to the rollout (`model.lora.sync_dtype`, quant_sync/export.py `encode_adapter`)."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
+TURN_REWARDS = ("sum", "last", "max")
+"""How an episode's per-turn rewards make its one reward (`env.turn_rewards`, common/envs.py `combine_turn_reward`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +67,11 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """The decoder-block linears that get an adapter, among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj (default: all of them)."""
+    sync_dtype: str = one_of(LORA_SYNC_DTYPES, default="int8")
+    """The adapters' dtype on the wire to the rollout workers: `int8` (symmetric, one float32 scale per rank
+    component: per row of A, per column of B; a quarter of fp32's bytes, no accuracy lost on the built-in task,
+    docs/lora.md), `bf16` or `fp32`. The learner's forwards run the same rounded A and B the workers receive
+    (straight-through gradient to fp32 master adapters), so learner and engine still agree."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.targets if name not in LORA_TARGETS]
@@ -204,6 +213,10 @@ class RolloutConfig:
     """Sequences one embedded engine decodes together (its KV-cache slots; the cache grows to this on demand)."""
     max_seq_len: int = in_range(2, default=2048)
     """Prompt + response positions per KV-cache slot (capped at the model's max_position_embeddings)."""
+    prefix_cache: bool = True
+    """Embedded engine: keep retired sequences' K/V (up to a quarter of the full KV cache's positions, LRU) so that a
+    prompt beginning with their tokens (a multi-turn episode's next turn, a shared system prompt) prefills only the
+    rest; emptied on every weight swap (rollout_workers/embedded/prefix_cache.py)."""
     device: str = "cpu"
     """Device of the embedded engine: `cpu`, `cuda` or `cuda:N` (GPU path written to torch's APIs, untested on GPU)."""
     max_restarts: int = in_range(0, default=5)
@@ -548,6 +561,10 @@ class EnvConfig:
     """Seconds one `reset` or `step` call may run; past it the episode ends with reward 0 (`env/timeouts`)."""
     threads: int = in_range(1, 256, default=8)
     """Threads that run environment calls off the decode thread (per worker)."""
+    turn_rewards: str = one_of(TURN_REWARDS, default="sum")
+    """The episode's one reward from its turns' rewards r_1..r_T: `sum` (sum_t r_t), `last` (r_T, the final turn's)
+    or `max` (max_t r_t); a failed episode gets 0. Issue 21's `algo.turn_rewards`: here because the worker, which
+    reads only its own sections, combines them."""
 
     def __post_init__(self) -> None:
         from common.reward_fns import absolute_spec

@@ -9,8 +9,8 @@ An environment runs one episode at a time (the worker makes one instance per epi
 
 `problem` is the leased row: `{"index", "prompt", "answer", ...}`. An observation is text (appended as it is), chat
 messages (formatted with the tokenizer's chat template, when it has one), or None (nothing appended). Per-turn
-rewards are summed into the episode's one reward. Observation tokens are context only: the trajectory's loss mask
-is 0 on them (common.wire).
+rewards make the episode's one reward as `env.turn_rewards` says (`combine_turn_reward`: summed by default).
+Observation tokens are context only: the trajectory's loss mask is 0 on them (common.wire).
 
 Environments are loaded like reward functions (common.reward_fns): `env.fn` is `path/to/file.py:Class` or
 `package.module:Class` (or a built-in: `asyncrl:arith_tool`, common/tasks/arith_tool.py), called with the keyword
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
+from common.config_schema import TURN_REWARDS
 from common.reward_fns import RewardFnError, check_spec, load_fn, parse_spec
 
 Messages: TypeAlias = list[dict[str, str]]
@@ -47,7 +48,7 @@ class StepResult:
     observation: str | Messages | None
     """Appended to the context before the next model turn (text, chat messages, or None for nothing)."""
     reward: float
-    """This turn's reward; the episode's reward is the sum over its turns."""
+    """This turn's reward; the episode's reward combines its turns' (`env.turn_rewards`, default their sum)."""
     done: bool
     """Whether the episode is over (the worker also ends it at `env.max_turns` / `env.max_total_tokens`)."""
     info: dict[str, Any] = field(default_factory=dict)
@@ -66,6 +67,31 @@ class Environment(Protocol):
     def step(self, model_text: str) -> StepResult:
         """The model's turn (text up to and including a stop string, or to EOS / the token limit)."""
         ...
+
+
+def combine_turn_reward(mode: str, reward_so_far: float, turn_reward: float, first_turn: bool) -> float:
+    """The episode's reward after one more turn, as `env.turn_rewards` (`mode`) says, over the turn rewards r_1..r_t:
+
+        sum   R_t = R_{t-1} + r_t      (R = sum_t r_t)
+        last  R_t = r_t                (R = r_T, the final turn's reward)
+        max   R_t = max(R_{t-1}, r_t)  (R = max_t r_t)
+
+    `first_turn`: r_t is r_1 (then R_1 = r_1 in every mode, whatever `reward_so_far` holds)."""
+    if mode not in TURN_REWARDS:
+        raise EnvError(f"`env.turn_rewards` must be one of {', '.join(TURN_REWARDS)}, got {mode!r}")
+    if first_turn or mode == "last":
+        return float(turn_reward)
+    if mode == "sum":
+        return float(reward_so_far) + float(turn_reward)
+    return max(float(reward_so_far), float(turn_reward))
+
+
+def episode_reward(mode: str, turn_rewards: list[float]) -> float:
+    """The one reward of an episode whose turns were rewarded `turn_rewards` (0.0 without turns)."""
+    reward = 0.0
+    for t, turn_reward in enumerate(turn_rewards):
+        reward = combine_turn_reward(mode, reward, turn_reward, first_turn=t == 0)
+    return reward
 
 
 def env_spec(spec: str) -> str:

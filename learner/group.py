@@ -4,8 +4,10 @@ Every rank is a `learner.trainer.Learner` actor; they meet in a torch.distribute
 address hosted here. Calls go to all ranks at once (FSDP2's collectives need every rank) and the answer comes from
 rank 0, the one that talks to the buffer and to quant_sync. The learner's CPU request `ray.learner_cpus` is split
 evenly over its ranks, so a world of 2 fits the same Ray cluster as a world of 1.
-Each rank's process starts with `LEARNER_MALLOC_ENV` in its environment (glibc reads it before the first allocation,
-so it can only be set when the process starts: the actor's Ray `runtime_env`).
+Each rank sets the learner's glibc malloc settings (`LEARNER_MALLOC`) with `mallopt` as its actor starts, before
+torch is imported. The actor has no Ray `runtime_env`: an actor with one (even env vars alone) gets a process of its
+own through Ray's runtime-env agent and `setup_worker.py`: 0.7-1.1 CPU-s and 2-6 s more from creation to ready than
+one that takes a prestarted worker process (2 cores, measured under load; issue 27).
 """
 
 from __future__ import annotations
@@ -17,25 +19,38 @@ from typing import Any
 from common.config import RayConfig, to_dict
 from learner.sections import LearnerSections
 
-LEARNER_MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "2",
-    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(2**30),
-    "MALLOC_TOP_PAD_": str(64 * 2**20),
-}
+LEARNER_MALLOC = {"M_ARENA_MAX": 2, "M_MMAP_THRESHOLD": 32 * 2**20, "M_TRIM_THRESHOLD": 2**30, "M_TOP_PAD": 64 * 2**20}
 """glibc malloc settings of a learner rank: the step's activations and gradients (up to 32 MiB each, glibc's largest
 mmap threshold) are reused from the heap instead of being mapped, page-faulted and unmapped again every step; up to
 1 GiB of freed heap is kept for the next step; two arenas (a rank computes on few threads). Only allocations change:
-results are identical. Ignored by other C libraries."""
+results are identical. The same as the environment variables MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, ... (which
+glibc reads at process start) for every allocation made after `apply_malloc_settings`."""
+MALLOPT_PARAMS = {"M_TRIM_THRESHOLD": -1, "M_TOP_PAD": -2, "M_MMAP_THRESHOLD": -3, "M_ARENA_MAX": -8}
+"""glibc's `mallopt` parameter numbers (malloc.h)."""
+
+
+def apply_malloc_settings(settings: dict[str, int] | None = None) -> dict[str, int]:
+    """Set glibc malloc parameters of this process with `mallopt` (default `LEARNER_MALLOC`); the ones that took.
+    Nothing (an empty dict) under another C library."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return {}
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    chosen = LEARNER_MALLOC if settings is None else settings
+    return {name: value for name, value in chosen.items() if mallopt(MALLOPT_PARAMS[name], value) == 1}
 
 
 def actor_options(ray_cfg: RayConfig, world: int) -> dict[str, Any]:
-    """Ray options of one learner rank: its share of `ray.learner_cpus` and resources, and its malloc settings."""
+    """Ray options of one learner rank: its share of `ray.learner_cpus` and resources (no `runtime_env`: see the
+    module docstring)."""
     options: dict[str, Any] = {"num_cpus": ray_cfg.learner_cpus / world}
     resources = {name: amount / world for name, amount in ray_cfg.learner_resources.items()}
     if resources:
         options["resources"] = resources
-    options["runtime_env"] = {"env_vars": dict(LEARNER_MALLOC_ENV)}  # merged with the job's env_vars by Ray
     return options
 
 
@@ -44,6 +59,7 @@ class LearnerActor:
     which only creates and calls it, never imports torch or transformers (about 1 CPU-second of its start-up)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        self.malloc = apply_malloc_settings()  # before torch's first allocations
         from learner.trainer import Learner
 
         self.learner = Learner(*args, **kwargs)

@@ -7,7 +7,9 @@ One `Learner` per rank, each in its own process (a Ray actor; `learner.group` st
 `learner.world_size > 1` the model is sharded with FSDP2 (`learner.distributed`); rank 0 alone talks to the buffer
 and to quant_sync, and broadcasts each batch to the other ranks. The update itself is `learner.update`.
 Precision (`precision.train`) and rollout-aligned forwards (`learner.rollout_aligned`) are set up here.
-A step whose loss or gradient is not finite is skipped and counted, and its weights are never published.
+A step whose loss or gradient is not finite is skipped and counted: the weights stay as they were and are
+published again as version k+1, so the staleness bound (step k publishes k+1) holds and a synchronous run
+(`staleness.max_lag=0`), which waits for version k+1 before step k+1, does not wait forever.
 A rank reads only its config sections (`learner.sections.LearnerSections`), never the root config.
 
 Resumable checkpoints (`save_checkpoint`, `resume_dir`): `model/` is a Hugging Face model directory of the (UAQ-
@@ -139,13 +141,12 @@ class Learner:
 
         A collective with FSDP2 (the full state dict is gathered on rank 0): every rank calls it.
         """
+        if self.lora is not None:  # the quantized base once, then the adapters alone (gathered on rank 0 with FSDP2)
+            self.version = version
+            return self.lora.publish(self.model, self.publisher, version, self.ranks)
         state = distributed.full_state_dict(self.model, self.ranks)
         if not self.ranks.is_main:
             return {}
-        if self.lora is not None:  # the quantized base once, then the adapters alone
-            assert self.publisher is not None
-            self.version = version
-            return self.lora.publish(self.model, self.publisher, version)
         scheme = self.sections.quant.scheme
         tensors = export_rollout_tensors(state, scheme, quantize_head=self.quantized_head)
         if self.sections.learner.rollout_aligned:  # the next forwards run on exactly these tensors (QaRL)
@@ -189,7 +190,7 @@ class Learner:
             self.skipped_steps += 1
         seconds = dict(result.seconds)
         with timed(seconds, "publish"):
-            quant_err = self._publish(step + 1) if not result.skipped else {"norm_quant_err": float("nan")}
+            quant_err = self._publish(step + 1)  # a skipped step republishes its unchanged weights (docstring)
         if not self.ranks.is_main:
             return {}
         oldest = (batch.versions + (1 - batch.mask.long()) * 10**9).min(-1).values  # (B,) oldest token version
@@ -200,7 +201,7 @@ class Learner:
         metrics.update(
             {
                 "step": step,
-                "version": self.version,  # the latest published: a skipped step publishes nothing
+                "version": self.version,  # the latest published: step + 1, skipped or not
                 "reward/batch": float(batch.rewards.mean()),
                 "acc/batch": float(batch.correct.mean()),
                 "response_len/mean": float(lengths.mean()),
@@ -259,20 +260,29 @@ class Learner:
         model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=torch.float32, trust_remote_code=self.trust_remote_code
         )
+        if self.lora is not None:  # the same peft structure (frozen base, adapters), to load the peft names into
+            from learner import lora
+
+            model, _ = lora.add_adapters(model, self.sections, self.quantized_head)
         model.load_state_dict(state)  # the UAQ-reparametrized weights define the same function
         return model
 
     def save(self, out_dir: str) -> str:
         """Write a Hugging Face model directory (weights, config, tokenizer) atomically; every rank calls it."""
-        model = self._full_precision_copy()
-        if model is None:
+        if self.lora is not None:  # the adapters alone: gathered on rank 0 with FSDP2 (a collective)
+            from learner.lora import gather_adapters
+
+            model, gathered = self.model, gather_adapters(self.model)
+        else:
+            model, gathered = self._full_precision_copy(), None
+        if model is None or not self.ranks.is_main:
             return ""
         target = Path(out_dir)
         staging = target.with_name(target.name + ".tmp")
         if staging.exists():
             shutil.rmtree(staging)
         if self.lora is not None:  # a peft adapter directory for the original base model
-            self.lora.save(model, staging)
+            self.lora.save(model, staging, gathered)
         else:
             model.save_pretrained(staging, safe_serialization=True)
         self.tokenizer.save_pretrained(staging)

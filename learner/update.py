@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.config import AlgoConfig, LearnerConfig, LossConfig, PrecisionConfig, RolloutConfig
+from common.config import AlgoConfig, LearnerConfig, LossConfig, PrecisionConfig, QuantConfig, RolloutConfig
+from common.config_rules import head_quantized
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batches, overlong_shaping, rank_rows, token_logp
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
@@ -37,7 +38,8 @@ from learner.logprobs import entropy_with_grad
 from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
 from learner.memory import trim_heap
 from learner.precision import LossScaler, autocast
-from learner.sections import UpdateSections
+from learner.sections import LearnerSections, UpdateSections
+from quant_sync.export import base_weight_name, is_quantized_linear
 
 
 @dataclass(slots=True)
@@ -66,8 +68,8 @@ class UpdateResult:
 PHASES = ("proximal", "reference", "forward", "backward", "optimizer", "metrics")
 """proximal: the no-grad lp forward; reference: the KL reference's no-grad forward (loss.kl.coef > 0); forward:
 log-probs and loss of the micro-batches; backward; optimizer: unscale, clip and AdamW (with one minibatch, and
-norm_update's sums, parameter by parameter); metrics: norm_update (and, with several minibatches, the parameter
-snapshot it and a skip need)."""
+norm_update's sums, parameter by parameter); metrics: norm_update and norm_update/quantized (and, with several
+minibatches, the parameter snapshot they and a skip need)."""
 
 
 @contextlib.contextmanager
@@ -161,12 +163,43 @@ def _param_sums(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return sums
 
 
+def quantized_parameter_ids(model: torch.nn.Module, quant: QuantConfig, rollout: RolloutConfig) -> frozenset[int]:
+    """`id`s of the parameters that quant_sync publishes quantized under `quant` (the tensors `norm_quant_err` is over).
+
+    The selection is quant_sync's own (`quant_sync.export.is_quantized_linear`, with the LM head when
+    `common.config_rules.head_quantized`): the decoder linears, not the norms or the embedding; a tied LM head that
+    travels quantized is the embedding parameter. Empty with `quant.scheme = none`. A peft model's names are mapped
+    to the base model's first (`base_weight_name`): its frozen base linears count, its adapters do not.
+    """
+    if quant.scheme == "none":
+        return frozenset()
+    head = head_quantized(quant, rollout)
+    return frozenset(
+        id(param)
+        for name, param in model.named_parameters(remove_duplicate=False)  # a tied head under its own name too
+        if is_quantized_linear(base_weight_name(name), head)
+    )
+
+
+def _add_sums(sums: torch.Tensor, param_sums: torch.Tensor, param: torch.Tensor, quantized: frozenset[int]) -> None:
+    """Add one parameter's (2,) sums to `sums` (all parameters), and to `sums[2:]` when it is in `quantized`."""
+    sums[:2] += param_sums
+    if id(param) in quantized:
+        sums[2:] += param_sums
+
+
 @torch.no_grad()
-def _update_sums(model: torch.nn.Module, before: list[torch.Tensor]) -> torch.Tensor:
-    """(sum of (new - old)^2, sum of old^2) over this rank's parameters, in float64, parameter by parameter."""
-    sums = torch.zeros(2, dtype=torch.float64)
+def _update_sums(
+    model: torch.nn.Module, before: list[torch.Tensor], quantized: frozenset[int] | None = None
+) -> torch.Tensor:
+    """(sum of (new - old)^2, sum of old^2) over this rank's parameters, in float64, parameter by parameter.
+
+    With `quantized` (`quantized_parameter_ids`), (4,): the same two sums over those parameters follow, from the
+    same per-parameter pass (norm_update/quantized).
+    """
+    sums = torch.zeros(2 if quantized is None else 4, dtype=torch.float64)
     for param, old in zip(model.parameters(), before):
-        sums += _param_sums(local(param.detach()), local(old))
+        _add_sums(sums, _param_sums(local(param.detach()), local(old)), param, quantized or frozenset())
     return sums
 
 
@@ -181,7 +214,9 @@ def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def step_measuring_update(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.Tensor:
+def step_measuring_update(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, quantized: frozenset[int] | None = None
+) -> torch.Tensor:
     """`optimizer.step()`, one parameter at a time; returns `_update_sums` of that step without a model snapshot.
 
     Each parameter with a gradient is copied just before its own update and compared right after it, so the largest
@@ -189,7 +224,8 @@ def step_measuring_update(optimizer: torch.optim.Optimizer, model: torch.nn.Modu
     a per-parameter optimizer (AdamW, Adam, SGD: a parameter's update reads its own gradient and state only) the
     updates are those of one `step()` over all parameters, bit for bit; the optimizer's step hooks run once per
     parameter. A parameter without a gradient is not stepped (AdamW skips it too) and counts as unchanged. The
-    per-parameter sums are added in `model.parameters()` order, as `_update_sums` adds them: the same float64 values.
+    per-parameter sums are added in `model.parameters()` order, as `_update_sums` adds them: the same float64 values
+    (with `quantized`, the (4,) sums of `_update_sums(..., quantized)`).
     """
     per_param: dict[int, torch.Tensor] = {}
     for group in optimizer.param_groups:
@@ -205,10 +241,11 @@ def step_measuring_update(optimizer: torch.optim.Optimizer, model: torch.nn.Modu
                 del old
         finally:
             group["params"] = params
-    sums = torch.zeros(2, dtype=torch.float64)
+    sums = torch.zeros(2 if quantized is None else 4, dtype=torch.float64)
     for param in model.parameters():
         value = local(param.detach())
-        sums += per_param[id(param)] if id(param) in per_param else _param_sums(value, value)
+        param_sums = per_param[id(param)] if id(param) in per_param else _param_sums(value, value)
+        _add_sums(sums, param_sums, param, quantized or frozenset())
     return sums
 
 
@@ -386,7 +423,10 @@ def train_on_batch(
     # sums come from the optimizer step itself (`step_measuring_update`; other optimizers: the snapshot).
     before: list[torch.Tensor] | None = None
     optim_before: dict | None = None
-    update_sums: torch.Tensor | None = None  # (2,) this rank's sums of norm_update, from the one-minibatch step
+    update_sums: torch.Tensor | None = None  # (4,) this rank's sums of norm_update (all, quantized), one-minibatch step
+    # norm_update/quantized: over the weights quant_sync quantizes; a learner's bundle carries `quant`
+    quant = sections.quant if isinstance(sections, LearnerSections) else None
+    quantized = frozenset() if quant is None else quantized_parameter_ids(model, quant, sections.rollout)
     # FSDP2 ranks keep the snapshot: it is of their shards only, and the per-parameter step is not tested on DTensors
     measure_step = learner.minibatches == 1 and ranks.world == 1 and steps_per_parameter(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -414,7 +454,7 @@ def train_on_batch(
                 optim_before = copy.deepcopy(optimizer.state_dict()) if learner.minibatches > 1 else None
         with timed(seconds, "optimizer"):
             if measure_step:  # the only step: norm_update's sums come with it, no snapshot
-                update_sums = step_measuring_update(optimizer, model)
+                update_sums = step_measuring_update(optimizer, model, quantized)
             else:
                 optimizer.step()
         scaler.update(finite=True)
@@ -432,7 +472,9 @@ def train_on_batch(
     with timed(seconds, "metrics"):
         if update_sums is None:  # several minibatches (against the snapshot), or no step at all (unchanged)
             olds = before if before is not None else [p.detach() for p in model.parameters()]
-            update_sums = _update_sums(model, olds)
-        delta, base = all_reduce_(update_sums, ranks).tolist()
+            update_sums = _update_sums(model, olds, quantized)
+        delta, base, delta_quantized, base_quantized = all_reduce_(update_sums, ranks).tolist()
     metrics["norm_update"] = delta / max(base, 1e-30)
+    if quantized:  # the same ratio over the quantized weights (QuRL eq. 13's theta); absent with quant.scheme=none
+        metrics["norm_update/quantized"] = delta_quantized / max(base_quantized, 1e-30)
     return UpdateResult(skipped=skipped, prox_logp=prox_logp, entropy=entropy, metrics=metrics, seconds=seconds)

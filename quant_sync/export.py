@@ -7,14 +7,18 @@ LM head stays in float32 too (as SGLang serves it) unless `quantize_head` (`quan
 `common.config_rules.head_quantized`): then `lm_head.weight` travels quantized like a decoder linear, made from the
 embedding matrix when the two are tied (the embedding itself still travels in float32, for the lookup). With
 `scheme == "none"` everything is float32. LoRA adapters (learner/lora.py) travel beside their linear as
-`<linear>.lora_A`, `.lora_B` and `.lora_scaling` in float32 (`LORA_A`, `LORA_B`, `LORA_SCALING`); a peft model's
-names are mapped to the base model's by `base_weight_name`.
+`<linear>.lora_A`, `.lora_B` and `.lora_scaling` (`LORA_A`, `LORA_B`, `LORA_SCALING`); a peft model's names are
+mapped to the base model's by `base_weight_name`. A and B travel in `model.lora.sync_dtype` (`encode_adapter`): float32,
+bfloat16, or int8 with one float32 scale per rank component (`<linear>.lora_A_scale`, `.lora_B_scale`, shape (r,));
+`decode_adapters` turns them back into the float32 values the engine runs, which are exactly `round_adapter`'s, the
+values the learner's forward uses (learner/lora.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from common.config_schema import LORA_SYNC_DTYPES
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, quantize_weight, quantize_weight_only
 
 QUANTIZED_LINEARS = (
@@ -27,7 +31,13 @@ HEAD_WEIGHT = "lm_head.weight"
 EMBED_WEIGHT = "model.embed_tokens.weight"
 LORA_A, LORA_B, LORA_SCALING = ".lora_A", ".lora_B", ".lora_scaling"
 """Suffixes of a LoRA adapter's published tensors after its linear's module name (`model.layers.0.mlp.up_proj`):
-A (r, in) and B (out, r) in float32, and the scaling alpha / r as a (1,) float32 tensor (learner/lora.py)."""
+A (r, in) and B (out, r) in `model.lora.sync_dtype`, and the scaling alpha / r as a (1,) float32 tensor
+(learner/lora.py)."""
+LORA_SCALE = "_scale"
+"""Suffix after `.lora_A` / `.lora_B` of an int8 adapter matrix's scales: float32, one per rank component (r,)."""
+_RANK_DIM = {LORA_A: 0, LORA_B: 1}
+"""The dimension of each adapter matrix that runs over the rank: A (r, in), B (out, r). int8 keeps one scale per
+rank component, so A's row i and B's column i, the two halves of rank component i, each get their own."""
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -70,3 +80,76 @@ def export_rollout_tensors(
         else:
             tensors[name] = value.to(torch.float32).contiguous().clone()
     return tensors
+
+
+def _check_adapter_part(part: str, sync_dtype: str) -> None:
+    if part not in _RANK_DIM:
+        raise ValueError(f"LoRA adapter part must be {LORA_A!r} or {LORA_B!r}, got {part!r}")
+    if sync_dtype not in LORA_SYNC_DTYPES:
+        raise ValueError(f"model.lora.sync_dtype must be one of {', '.join(LORA_SYNC_DTYPES)}, got {sync_dtype!r}")
+
+
+def _int8_per_rank(weight: torch.Tensor, part: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, scale float32 (r,)): symmetric, scale = amax / 127 per rank component (1 where it is all zero)."""
+    w = weight.detach().to(torch.float32)
+    dim = _RANK_DIM[part]
+    amax = w.abs().amax(dim=1 - dim)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).contiguous()
+    shaped = scale[:, None] if dim == 0 else scale[None, :]
+    q = torch.round(w / shaped).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
+def _dequantize_per_rank(q: torch.Tensor, scale: torch.Tensor, part: str) -> torch.Tensor:
+    shaped = scale[:, None] if _RANK_DIM[part] == 0 else scale[None, :]
+    return (q * shaped).contiguous()  # promoted to float32 inside the one multiply: q exactly, then q * scale
+
+
+def encode_adapter(weight: torch.Tensor, part: str, sync_dtype: str) -> dict[str, torch.Tensor]:
+    """One adapter matrix (`part`: LORA_A or LORA_B) as published in `sync_dtype`: {"": tensor} plus, for int8,
+    {LORA_SCALE: scales}; keys are suffixes after `<linear><part>`."""
+    _check_adapter_part(part, sync_dtype)
+    if sync_dtype == "int8":
+        q, scale = _int8_per_rank(weight, part)
+        return {"": q, LORA_SCALE: scale}
+    dtype = torch.bfloat16 if sync_dtype == "bf16" else torch.float32
+    return {"": weight.detach().to(dtype).contiguous().clone()}
+
+
+def round_adapter(weight: torch.Tensor, part: str, sync_dtype: str) -> torch.Tensor:
+    """The float32 values the engine runs for this adapter matrix: `decode_adapters(encode_adapter(...))`, bit for
+    bit (the learner's forward uses them, learner/lora.py). Not differentiable: the caller adds its own gradient."""
+    _check_adapter_part(part, sync_dtype)
+    if sync_dtype == "int8":
+        return _dequantize_per_rank(*_int8_per_rank(weight, part), part)
+    if sync_dtype == "bf16":
+        return weight.detach().to(torch.bfloat16).to(torch.float32)
+    return weight.detach().to(torch.float32)
+
+
+def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A published version's tensors with every LoRA matrix in float32 (int8 ones dequantized with their scales,
+    which are dropped); the other entries are the same objects. Raises ValueError naming a matrix without its
+    scales, or scales without their matrix."""
+    if not any(name.endswith((LORA_A, LORA_B, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)) for name in tensors):
+        return tensors
+    decoded: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        part = next((p for p in (LORA_A, LORA_B) if name.endswith(p)), None)
+        if name.endswith(LORA_A + LORA_SCALE) or name.endswith(LORA_B + LORA_SCALE):
+            if name[: -len(LORA_SCALE)] not in tensors:
+                raise ValueError(f"{name}: LoRA scales without their matrix {name[: -len(LORA_SCALE)]}")
+            continue
+        if part is None:
+            decoded[name] = value
+        elif value.dtype == torch.int8:
+            scale = tensors.get(name + LORA_SCALE)
+            rank = value.shape[_RANK_DIM[part]] if value.dim() == 2 else -1
+            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (rank,):
+                got = None if scale is None else (scale.dtype, tuple(scale.shape))
+                raise ValueError(f"{name}: an int8 LoRA matrix needs float32 scales {name + LORA_SCALE} of shape "
+                                 f"({rank},), got {got}")  # fmt: skip
+            decoded[name] = _dequantize_per_rank(value, scale, part)
+        else:
+            decoded[name] = value if value.dtype == torch.float32 else value.to(torch.float32)
+    return decoded

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import zmq
 
+from quant_sync.export import decode_adapters
 from quant_sync.manifest import (
     PROTOCOL_VERSION,
     SHM_DIR,
@@ -98,6 +99,8 @@ class WeightSubscriber:
         self.via_shm = 0
         self.last_fetch_s = 0.0
         """Seconds from a new version's header to its verified tensors (the last one fetched)."""
+        self.last_update_t = 0.0
+        """`time.monotonic()` when `on_update` returned for the last version taken (the engine has it staged)."""
         self.base: WeightUpdate | None = None
         """The last pinned version fetched (LoRA's quantized base), which adapter-only versions complete."""
         self._stop = threading.Event()
@@ -137,6 +140,7 @@ class WeightSubscriber:
                         continue
                     self.have = update.version
                     self.received += 1
+                    self.last_update_t = time.monotonic()
                 elif time.monotonic() - asked < LONG_POLL_MS / 2000:  # answered without waiting: do not spin
                     self._stop.wait(self._poll_s)
         finally:
@@ -225,7 +229,13 @@ class WeightSubscriber:
             except PayloadError as err:  # e.g. a version too large to hold: the ZMQ socket was drained
                 self._reject(err)
                 return None
-        return update
+        if update is None:
+            return None
+        try:  # LoRA adapters sent in bf16 or int8 (model.lora.sync_dtype): the float32 values the learner ran
+            return WeightUpdate(update.version, decode_adapters(update.tensors), update.scheme)
+        except ValueError as err:
+            self._reject(PayloadError(f"version {manifest.version}: {err}"))
+            return None
 
     def _reject(self, err: Exception) -> None:
         self.rejected += 1

@@ -22,7 +22,25 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the SGLang backend ends a response at one, server-side (kept in it);
+    # the embedded engine ignores them (rollout_workers/episodes.py cuts a turn after its stop string)
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    """SGLang's: subtracted from a token's logit once per occurrence in the response so far, in [-2, 2]."""
+    presence_penalty: float = 0.0
+    """SGLang's: subtracted from the logit of every token the response already holds, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Seen response tokens' logits divided by it (multiplied when negative), in (0, 2]; 1 is none."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to these tokens' logits, after the penalties. Penalties and bias change the distribution a token is
+    drawn from, and so its behaviour log-prob (rollout_workers/embedded/penalties.py); RL rollouts set none."""
+
+    def __post_init__(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
 
 
 @dataclass(slots=True)

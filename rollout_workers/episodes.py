@@ -15,9 +15,12 @@ sequence whose turn ends leaves the batch, its `step` call runs on a thread pool
 thread, under `env.timeout_s`, while the other sequences keep decoding; when the answer arrives, the next turn joins
 the running batch. Any other engine (the SGLang backend) runs turns in rounds: the turns of all live episodes are
 one `engine.generate` call, then their `step` calls run concurrently, so a turn that ended early waits for the
-round's longest. Either way each next turn re-prefills its whole context (prompt + response so far): the embedded
-engine has no prefix cache, so a turn costs a prefill of the context (KV reuse across turns is issue 25 item 5; on
-SGLang the radix cache keeps the shared prefix, docs/sglang.md).
+round's longest. Either way each next turn is submitted with its whole context (prompt + response so far), and the
+engine's prefix cache keeps that cheap: the embedded engine (`rollout.prefix_cache`) kept the previous turn's K/V
+when its sequence retired, so the turn prefills only the previous turn's last token and the observation (unless a
+weight swap emptied the cache in between, or it was evicted: then the context is prefilled again, with the new
+weights); on SGLang the radix cache does the same (docs/sglang.md). Episodes whose turns start from the same context
+(the `group_size` episodes of a prompt, at their first turn) are submitted together and share one prefill.
 
 Stop strings: an environment's stop string that is one token of the tokenizer stops the engine there; a longer
 one is found in the turn's text after generation and the turn is cut after it (the tokens past it are dropped,
@@ -42,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.envs import StepResult, check_step_result, load_env_factory
+from common.envs import StepResult, check_step_result, combine_turn_reward, load_env_factory
 from common.wire import PromptLease
 
 if TYPE_CHECKING:
@@ -244,15 +247,15 @@ class EpisodeRunner:
             live = self._ready(episodes, list(range(len(episodes))))
             if not live:
                 return
-            by_stops: dict[tuple[int, ...], list[int]] = {}
+            by_stops: dict[tuple[tuple[int, ...], tuple[str, ...]], list[int]] = {}
             stop_texts: dict[int, tuple[str, ...]] = {}
             for i in live:
                 ids, stop_texts[i] = self._stop_ids(episodes[i].env)
-                by_stops.setdefault(ids, []).append(i)
+                by_stops.setdefault((ids, stop_texts[i]), []).append(i)
             texts_of_turn: dict[int, str] = {}
-            for stop_ids, members in by_stops.items():
-                room = min(self._room(episodes[i]) for i in members)
-                params = replace(self.params, max_new_tokens=room, stop_token_ids=stop_ids)
+            for (stop_ids, stops), members in by_stops.items():  # stops: multi-token stop strings, which the SGLang
+                room = min(self._room(episodes[i]) for i in members)  # backend sends as `stop` (ends server-side)
+                params = replace(self.params, max_new_tokens=room, stop_token_ids=stop_ids, stop=stops)
                 completions = self.engine.generate([episodes[i].context for i in members], params)
                 for i, completion in zip(members, completions, strict=True):
                     texts_of_turn[i] = self._record_turn(episodes[i], completion, stop_texts[i])
@@ -270,12 +273,16 @@ class EpisodeRunner:
         pending: dict[cf.Future, tuple[int, float]] = {}  # step call -> (episode, monotonic deadline)
         ready = self._ready(episodes, list(range(len(episodes))))
         while ready or running or pending:
+            together: dict[tuple, list[int]] = {}  # the same context and limits: one submission, one shared prefill
             for i in ready:
                 e = episodes[i]
                 stop_ids, stops = self._stop_ids(e.env)
-                params = replace(self.params, max_new_tokens=self._room(e), stop_token_ids=stop_ids)
-                (seq,) = engine.submit(e.context, params, [self._keys.getrandbits(62)])
-                running[id(seq)] = (i, seq, stops)
+                together.setdefault((tuple(e.context), stop_ids, stops, self._room(e)), []).append(i)
+            for (context, stop_ids, stops, room), members in together.items():
+                params = replace(self.params, max_new_tokens=room, stop_token_ids=stop_ids)
+                seqs = engine.submit(list(context), params, [self._keys.getrandbits(62) for _ in members])
+                for i, seq in zip(members, seqs, strict=True):
+                    running[id(seq)] = (i, seq, stops)
             ready = []
             if running:
                 for seq in engine.step():
@@ -319,7 +326,7 @@ class EpisodeRunner:
             e.failed, e.done, e.reward = True, True, 0.0
             return
         assert isinstance(result, StepResult)
-        e.reward += result.reward
+        e.reward = combine_turn_reward(self.cfg.turn_rewards, e.reward, result.reward, first_turn=e.turns <= 1)
         calls = result.info.get("tool_calls", 0)
         if isinstance(calls, (int, float)) and not isinstance(calls, bool):
             e.tool_calls += calls

@@ -23,6 +23,7 @@ from common.config import (
     QuantConfig,
     RewardConfig,
     RolloutConfig,
+    StalenessConfig,
     TrainConfig,
 )
 from common.config_bundle import SectionBundle
@@ -38,6 +39,10 @@ class EngineSections(SectionBundle):
     """`scheme`: how the published weights are quantized (the server's quantization)."""
     precision: PrecisionConfig
     """`rollout`: the float dtype the engine computes in."""
+    model: ModelConfig
+    """`lora` (rank, targets): the SGLang server's LoRA flags; `trust_remote_code`: for the worker's tokenizer."""
+    staleness: StalenessConfig
+    """`max_lag`: LoRA adapter versions the SGLang backend keeps loaded (`max_lag + 1`, sglang_api/lora_sync.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,8 +55,6 @@ class WorkerSections(EngineSections):
     """The task's reward function."""
     buffer: BufferConfig
     """CurveZMQ keys and `worker_timeout_s` (the heartbeat interval is a sixth of it)."""
-    model: ModelConfig
-    """Whether the model directory's own code may run (`model.trust_remote_code`), for its tokenizer."""
     reward: RewardConfig
     """User reward functions and their timeout (rollout_workers/reward_pool.py); none: the task's own reward."""
     env: EnvConfig

@@ -80,6 +80,7 @@ class RolloutWorker:
             self.engine = EmbeddedEngine(
                 model_dir, max_batch=rollout.max_batch, seed=seed, swap_mode=rollout.swap_mode,
                 max_seq_len=rollout.max_seq_len, precision=self.sections.precision.rollout, device=rollout.device,
+                prefix_cache=rollout.prefix_cache,
             )  # fmt: skip
         self.params = SamplingParams(
             max_new_tokens=rollout.max_new_tokens,

@@ -44,6 +44,16 @@ also counts the waits for a core that other jobs cause, which swung one contende
 swap gap past 2 steps. Contenders alternate (a, b, a, b, ...) after a warm-up, so a noisy neighbour slows both
 rather than one, and each t(n) is the smallest of its rounds.
 
+AVX2 on a newer core: `ASYNCRL_BENCH_ISA=avx2 asyncrl bench engine` caps every kernel family at AVX2 + FMA in one
+switch (ISA_CAP_ENV): our int8, weight-only, FP8, attention / fp32-row and LoRA kernels (`ASYNCRL_ISA_CAP`, and each
+family's forcing variable), torch's own kernels (`ATEN_CPU_CAPABILITY`), oneDNN (`ONEDNN_MAX_CPU_ISA`) and MKL
+(`MKL_ENABLE_INSTRUCTIONS`). The last three are read when torch starts, so the measurement runs in a fresh Python
+process with them set. That process checks the cap took before measuring (`isa_cap_check` in the JSON's details:
+each kernel dispatched, torch's capability, and oneDNN's ISA and implementations from one `ONEDNN_VERBOSE=1` run; an
+AVX-512 or AMX implementation there fails the bench). It runs AVX2 code on the cores here (Zen 4): a proxy for an
+AVX2-only Zen 3, whose two vector multiply pipes match, not for Zen 2 (one pipe). MKL's verbose banner names no
+ISA on AMD CPUs; MKL dispatches AVX2 code there anyway.
+
 CUDA: `ASYNCRL_BENCH_DEVICE=cuda` runs the engines (`rollout.device=cuda`) and HF on the GPU. Untested: these
 machines have no GPU; it is written to torch's documented CUDA API, and the CPU-side figures (ISA flags, kernel
 names) then do not describe what ran.
@@ -51,8 +61,10 @@ names) then do not describe what ran.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -63,6 +75,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.bench import BenchResult
+from asyncrl.bench.engine_isa import ENV_BENCH_ISA, ISA_CAP_ENV, isa_cap_check, run_capped
 
 PROMPT_TOKENS = 8
 SCHEMES = ("none", "int8", "fp8", "w8a16", "w4a16")
@@ -129,13 +142,14 @@ def _head_quantized(scheme: str) -> bool:
 
 
 def lora_adapter_tensors(
-    state: dict[str, torch.Tensor], rank: int = LORA_RANK, alpha: float = 32.0, seed: int = 0
+    state: dict[str, torch.Tensor], rank: int = LORA_RANK, alpha: float = 32.0, seed: int = 0, sync_dtype: str = "fp32"
 ) -> dict[str, torch.Tensor]:
     """Random LoRA adapters on every decoder linear of `state` (`model.lora.targets`' default), named and typed as
-    learner/lora.py publishes them: `<linear>.lora_A` (rank, in) and `.lora_B` (out, rank), N(0, 0.02) float32 (a
-    trained B, not peft's zero start), `.lora_scaling` (1,) = alpha / rank."""
+    learner/lora.py publishes them: `<linear>.lora_A` (rank, in) and `.lora_B` (out, rank), N(0, 0.02) (a trained
+    B, not peft's zero start) in `sync_dtype` (`model.lora.sync_dtype`; int8 with its `_scale` tensors),
+    `.lora_scaling` (1,) = alpha / rank."""
     from common.config_schema import LORA_TARGETS
-    from quant_sync.export import LORA_A, LORA_B, LORA_SCALING
+    from quant_sync.export import LORA_A, LORA_B, LORA_SCALING, encode_adapter
 
     generator = torch.Generator().manual_seed(seed)
     adapters: dict[str, torch.Tensor] = {}
@@ -144,8 +158,11 @@ def lora_adapter_tensors(
         if weight.dim() != 2 or linear == name or linear.rsplit(".", 1)[-1] not in LORA_TARGETS:
             continue
         out_features, in_features = weight.shape
-        adapters[linear + LORA_A] = torch.randn(rank, in_features, generator=generator) * 0.02
-        adapters[linear + LORA_B] = torch.randn(out_features, rank, generator=generator) * 0.02
+        a = torch.randn(rank, in_features, generator=generator) * 0.02
+        b = torch.randn(out_features, rank, generator=generator) * 0.02
+        for part, matrix in ((LORA_A, a), (LORA_B, b)):
+            for suffix, value in encode_adapter(matrix, part, sync_dtype).items():
+                adapters[linear + part + suffix] = value
         adapters[linear + LORA_SCALING] = torch.tensor([alpha / rank], dtype=torch.float32)
     if not adapters:
         raise ValueError(f"lora_adapter_tensors: no linear named like {', '.join(LORA_TARGETS)} in the state dict")
@@ -460,16 +477,39 @@ def _lora_decode(model, model_dir: str) -> dict[str, float]:
 
 
 def run(quick: bool) -> BenchResult:
+    cap = os.environ.get(ENV_BENCH_ISA, "")
+    if cap and cap not in ISA_CAP_ENV:
+        raise ValueError(f"{ENV_BENCH_ISA}={cap!r} is not one of {', '.join(ISA_CAP_ENV)}")
+    if cap and any(os.environ.get(key) != value for key, value in ISA_CAP_ENV[cap].items()):
+        return run_capped(cap, quick)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like a rollout worker (rollout.threads); 2 threads on a shared 2-core box thrash
     try:
-        return _run(quick)
+        check = isa_cap_check(cap) if cap else {}
+        result = _run(quick)
     finally:
         torch.set_num_threads(threads)
+    result.details.update(isa_cap=cap or "none", **({"isa_cap_check": check} if cap else {}))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m asyncrl.bench.engine_bench [--quick] [--json PATH]`: the bench in this process (as `asyncrl bench
+    engine` runs it; `ASYNCRL_BENCH_ISA` re-runs it capped), its JSON written to PATH."""
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.bench.engine_bench", description=main.__doc__)
+    parser.add_argument("--quick", action="store_true", help="only the pairs the ratios need")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    from asyncrl.bench import write_json
+
+    result = run(args.quick)
+    if args.json_path:
+        write_json(result, args.json_path)
+    return 0
 
 
 def _run(quick: bool) -> BenchResult:
-    from rollout_workers.embedded import weight_only
+    from rollout_workers.embedded import fp8_linear, fused_decode, weight_only
 
     torch.manual_seed(0)
     rounds = 1 if quick else 3
@@ -510,8 +550,14 @@ def _run(quick: bool) -> BenchResult:
             "int8": int8_kernel(),
             "w8a16": weight_only.kernel_name(),
             "w4a16": weight_only.kernel_name(),
+            "fp8": fp8_linear.fp8_kernel_name(),
+            "attention_isa": str(fused_decode.attention_isa()),
         },
         "device": str(_device()),
         "lm_head": {scheme: "quantized" if _head_quantized(scheme) else "fp32" for scheme in SCHEMES},
     }
     return BenchResult(name="engine", metrics=metrics, ratios=ratios, details=details)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,14 +13,19 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
   model).
 - `max_gap_over_median`: largest gap between two decode steps during the sync phase over the median gap (worst).
 - `lora_sync_bytes_vs_full` (~100M config): the bytes of an adapter-only version (rank-16 LoRA on every decoder
-  linear, float32, as learner/lora.py publishes it: `engine_bench.lora_adapter_tensors`) over the full INT8 version
-  the main job publishes (LM head quantized), both built in this run.
+  linear in `LORA_SYNC_DTYPE`, as learner/lora.py publishes it with that `model.lora.sync_dtype`:
+  `engine_bench.lora_adapter_tensors`) over the full INT8 version the main job publishes (LM head quantized), both
+  built in this run; metrics `big_lora16_<dtype>_version_bytes` give every sync dtype's bytes.
 - `lora_publish_s`, `lora_tok_s_during_sync_vs_steady` (~100M config): the two phases again with LoRA, the workers
   decoding with rank-16 adapters on every decoder linear: the INT8 base is pinned once, then only adapter versions
   are published, two adapter sets alternating. `lora_publish_s` is the latency above (hand-off until every worker
   runs the version, median), not less 0.05 s; the other as `tok_s_during_sync_vs_steady`. Metrics
   `big_full_publish_call_s` and `big_lora16_publish_call_s`: the `WeightPublisher.publish` call alone (hashing,
   /dev/shm write; median of 5, no workers) for a full INT8 version and for an adapter version on its pinned base.
+  The latency's split (medians over every worker's swap, `<phase>_latency_*_s`): `to_staged` from the hand-off to
+  the subscriber's handing the version to the engine (publish call, long-poll wake-up, /dev/shm map, checksums,
+  decoding, `stage_weights`), `to_step` from there to the start of the decode step that swaps it in (waiting for the
+  running step; earlier build slices), `first_step` that step (the rest of the build, then the step itself).
 
 Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
 workers for the cores, which is part of what is measured.
@@ -45,6 +50,8 @@ from asyncrl.bench import BenchResult
 LATENCY_ALLOWANCE_S = 0.05
 SCHEME = "int8"
 LORA_PUBLISHES = 5
+LORA_SYNC_DTYPE = "int8"
+"""`model.lora.sync_dtype` of the LoRA rows (`lora_sync_bytes_vs_full`, `lora_publish_s`, ...)."""
 
 
 def _memcpy_seconds(tensors: dict[str, torch.Tensor]) -> float:
@@ -113,6 +120,7 @@ def _measure(
         time.sleep(steady_s)
         sync_start = time.monotonic()
         latencies, fetch_s, build_s, version = [], [], [], publisher.version
+        split: dict[str, list[float]] = {"to_staged": [], "to_step": [], "first_step": []}
         while time.monotonic() - sync_start < sync_s:
             version += 1
             handed_off = time.monotonic()
@@ -125,6 +133,9 @@ def _measure(
                     last = event["t"]
                     fetch_s.append(event["fetch_s"])
                     build_s.append(event["build_s"])
+                    split["to_staged"].append(event["staged_t"] - handed_off)
+                    split["to_step"].append(event["step_start_t"] - event["staged_t"])
+                    split["first_step"].append(event["t"] - event["step_start_t"])
             latencies.append(last - handed_off)
         sync_end = time.monotonic()
         for process in workers:
@@ -160,18 +171,24 @@ def _measure(
         f"{name}_max_gap_over_median": max(gap_ratio),
         f"{name}_steady_max_gap_over_median": max(steady_gap_ratio),  # the same statistic with nothing published
         f"{name}_publish_vs_memcpy": max(0.0, latency - LATENCY_ALLOWANCE_S) / memcpy_s,
+        **{f"{name}_latency_{phase}_s": statistics.median(values) for phase, values in split.items()},
     }
 
 
 def _lora_sync(model: torch.nn.Module) -> dict[str, float]:
     """Bytes and publish-call seconds of an adapter-only LoRA version against the full INT8 one (no workers)."""
     from asyncrl.bench.engine_bench import LORA_RANK, lora_adapter_tensors
+    from common.config_schema import LORA_SYNC_DTYPES
     from quant_sync.export import export_rollout_tensors
     from quant_sync.transport import WeightPublisher
 
     state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
     full = export_rollout_tensors(state, SCHEME, quantize_head=True)
-    adapters = lora_adapter_tensors(state)
+    dtype_bytes = {
+        dtype: float(sum(t.nbytes for t in lora_adapter_tensors(state, sync_dtype=dtype).values()))
+        for dtype in LORA_SYNC_DTYPES
+    }
+    adapters = lora_adapter_tensors(state, sync_dtype=LORA_SYNC_DTYPE)
     full_bytes = sum(t.numel() * t.element_size() for t in full.values())
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
     publisher = WeightPublisher()
@@ -189,6 +206,7 @@ def _lora_sync(model: torch.nn.Module) -> dict[str, float]:
     return {
         "big_full_version_bytes": float(full_bytes),
         f"big_lora{LORA_RANK}_version_bytes": float(adapter_bytes),
+        **{f"big_lora{LORA_RANK}_{dtype}_version_bytes": value for dtype, value in dtype_bytes.items()},
         "big_full_publish_call_s": statistics.median(full_s),
         f"big_lora{LORA_RANK}_publish_call_s": statistics.median(lora_s),
     }
@@ -241,7 +259,7 @@ def run(quick: bool) -> BenchResult:
             metrics.update(_lora_sync(big))
             metrics.update(_measure("big", big, big_dir, quick))
             state = big.state_dict()
-            adapters = [lora_adapter_tensors(state, seed=seed) for seed in (0, 1)]
+            adapters = [lora_adapter_tensors(state, seed=seed, sync_dtype=LORA_SYNC_DTYPE) for seed in (0, 1)]
             metrics.update(_measure(f"big_lora{LORA_RANK}", big, big_dir, quick, adapters=adapters))
     finally:
         torch.set_num_threads(threads)

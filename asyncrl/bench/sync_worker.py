@@ -5,9 +5,12 @@ requests (staggered lengths, so sequences finish and join one at a time, as in a
 the bench over a ZMQ PUSH socket with msgpack messages:
 
     {"event": "ready", "worker"}                        once version `first_version` (default 0) runs
-    {"event": "swap", "worker", "version", "t",         when a new version runs (t: time.monotonic(), system-wide;
-     "fetch_s", "build_s"}                               fetch: header to verified tensors, on the subscriber
-                                                        thread; build: on the decode thread, over its slices)
+    {"event": "swap", "worker", "version", "t",         when a new version runs (t: time.monotonic(), system-wide,
+     "fetch_s", "build_s", "staged_t", "step_start_t"}   at the end of its first step; fetch: header to verified
+                                                        tensors, on the subscriber thread; build: on the decode
+                                                        thread, over its slices; staged_t: when the subscriber had
+                                                        handed it to the engine; step_start_t: when its first step
+                                                        began, the swap being that step's first act)
     {"event": "done", "worker", "stamps", "tokens"}     on SIGTERM (or at its deadline): every step's end time
                                                         (time.monotonic()) and the tokens decoded in that step
 """
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + spec["seconds"]
     while not stopping and time.monotonic() < deadline:
         active = engine.num_active
+        step_start = time.monotonic()
         finished = engine.step()
         stamps.append(time.monotonic())
         tokens.append(active)
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         if engine.version != version:
             version = engine.version
             swap = {"event": "swap", "worker": worker, "version": version, "t": stamps[-1]}
-            swap.update(fetch_s=subscriber.last_fetch_s, build_s=engine.last_build_s)
+            swap.update(fetch_s=subscriber.last_fetch_s, build_s=engine.last_build_s,
+                        staged_t=subscriber.last_update_t, step_start_t=step_start)  # fmt: skip
             report.send(msgpack.packb(swap))
     subscriber.close()
     report.send(msgpack.packb({"event": "done", "worker": worker, "stamps": stamps, "tokens": tokens}))

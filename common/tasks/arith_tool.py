@@ -8,6 +8,9 @@ when its last integer equals the problem's answer (exact match), else 0.0, and t
     tags      `<calc>1234+5678</calc>` -> `<result>6912</result>`   (tokenizers that can write the tags)
     brackets  `[1234+5678]` -> `{6912}`                              (builtin:tiny-tool, common/builtin_tool.py)
 
+or any four strings of your own (`env.args.tags: [call_open, call_close, result_open, result_close]`, e.g.
+`["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]`), which replace the syntax's.
+
 Problems are the leased rows of the task (`data.task=arith_tool`: the `arith` problems, with `data.digits=5` for
 sums the built-in model cannot do in its head): `problem["prompt"]` (e.g. `12345+678=`) and `problem["answer"]`.
 `instructions` is put before the prompt (empty by default). A malformed call gets the result `error`; calls past
@@ -38,13 +41,19 @@ def calculate(expression_match: re.Match[str]) -> int:
 class CalculatorEnv:
     """See the module docstring. One instance per episode."""
 
-    def __init__(self, instructions: str = "", syntax: str = "tags", max_calls: int = 4) -> None:
+    def __init__(
+        self, instructions: str = "", syntax: str = "tags", max_calls: int = 4, tags: list[str] | None = None
+    ) -> None:
+        if tags is not None and (
+            isinstance(tags, str) or len(tags) != 4 or not all(isinstance(t, str) and t for t in tags)
+        ):
+            raise ValueError(f"CalculatorEnv: env.args.tags must be 4 non-empty strings, got {tags!r}"[:300])
         if syntax not in SYNTAXES:
             raise ValueError(f"CalculatorEnv: env.args.syntax must be one of {', '.join(SYNTAXES)}, got {syntax!r}")
         if not isinstance(max_calls, int) or max_calls < 0:
             raise ValueError(f"CalculatorEnv: env.args.max_calls must be an int >= 0, got {max_calls!r}")
         self.instructions, self.max_calls = instructions, max_calls
-        self.open, self.close, self.result_open, self.result_close = SYNTAXES[syntax]
+        self.open, self.close, self.result_open, self.result_close = tuple(tags) if tags else SYNTAXES[syntax]
         self.stop_strings = (self.close,)
         body = r"\s*(-?\d{1,30})\s*([+\-*])\s*(-?\d{1,30})\s*"
         self._call = re.compile(re.escape(self.open) + body + re.escape(self.close) + r"\s*$")

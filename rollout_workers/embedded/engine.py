@@ -8,6 +8,11 @@ A scheduler runs one `step` at a time:
   in powers of two up to `max_batch` as demand appears). A finished sequence frees its slot between two steps (the
   last active sequence moves into it) and a queued group joins with one prefill.
 - `n` samples of one prompt share one prefill: its K/V is written to all n slots and its last logits feed n samples.
+- Prefix cache (`prefix_cache`, embedded/prefix_cache.py): a retired sequence's K/V stays, within a token budget,
+  keyed by its tokens; a prompt that begins with such tokens (a multi-turn episode's next turn, a shared system
+  prompt, a repeated prompt) gets them copied into its slots and prefills only the rest, from that position
+  (`Sequence.cached_tokens`). Entries hold the K/V of the running weights only: a swap empties the cache, and a
+  sequence whose K/V spans a swap (`in_place`) is not kept. A hit's log-probs are a cold prefill's, to rounding.
 - Every token's behavior log-prob is `log_softmax(logits / T)[token]` of the distribution it was drawn from,
   before top-k/top-p filtering (SGLang's convention), and its version is the version of the weights that computed
   those logits.
@@ -25,20 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from common.config import SWAP_MODES
-from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight
 from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.model import (
     DTYPES,
@@ -46,122 +45,33 @@ from rollout_workers.embedded.model import (
     KVCache,
     ModelWeights,
     Prompts,
-    _heads,
-    _mlp_block,
-    check_weight_shapes,
     forward_step,
-    linear,
-    low_rank_linear,
     prefill,
-    required_weight_names,
-    rms_norm,
-    rope_tables,
 )
-from rollout_workers.embedded.weight_only import GroupQuantized
+from rollout_workers.embedded.penalties import apply_penalties
+from rollout_workers.embedded.prefix_cache import PrefixCache
+from rollout_workers.embedded.sampling import (  # noqa: F401 - re-exported: _uniform
+    _splitmix64,
+    _uniform,
+    filter_logits,
+    mask_early_stops,
+    record_top,
+    uniforms,
+)
+from rollout_workers.embedded.scoring import prompt_logprobs
+from rollout_workers.embedded.sequence import Sequence, _Group
+from rollout_workers.embedded.staging import SCALE_SUFFIX, StagedVersions, build_weight_map  # noqa: F401
 from rollout_workers.engine import Completion, SamplingParams
 
-SCALE_SUFFIX = "_scale"
+PREFIX_CACHE_SHARE = 4
+"""The prefix cache keeps up to max_batch * max_seq_len / PREFIX_CACHE_SHARE positions of retired sequences' K/V
+(allocated as they retire: a quarter of what the full KV cache would hold)."""
+PREFIX_CACHE_MIN_TOKENS = 256
 BUILD_SLICE_MIN_S = 0.01
 BUILD_SLICE_OF_STEP = 0.3
 """Build work between two steps, as a fraction of a step: the swap gap stays under 1.3 steps plus one build part
 (target <= 2; at 0.5 a build part (half a layer) past the budget and a noisy neighbour reached 2 once steps got
 faster, hidden-1024 INT8 at batch 16: 45 ms)."""
-_MASK64 = (1 << 64) - 1
-
-
-def build_weight_map(update: WeightUpdate) -> dict[str, torch.Tensor | QuantizedWeight | GroupQuantized]:
-    """Published tensors -> the forward's weight map: `X.weight` + `X.weight_scale` pairs become QuantizedWeight
-    (W8A8) or GroupQuantized (weight-only: the engine multiplies by them without dequantizing a copy)."""
-    weights: dict[str, torch.Tensor | QuantizedWeight | GroupQuantized] = {}
-    for name, tensor in update.tensors.items():
-        if name.endswith(SCALE_SUFFIX):
-            continue
-        scale = update.tensors.get(name + SCALE_SUFFIX)
-        if scale is not None and update.scheme in WEIGHT_ONLY_BITS:
-            weights[name] = GroupQuantized(q=tensor, scale=scale, scheme=update.scheme)
-        elif scale is not None:
-            weights[name] = QuantizedWeight(q=tensor, scale=scale, scheme=update.scheme)
-        else:
-            weights[name] = tensor.to(torch.float32)
-    return weights
-
-
-def filter_logits(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside top-k and the top-p nucleus of each row of log-probs (B, V)."""
-    if top_k > 0 and top_k < logp.shape[-1]:
-        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
-        logp = logp.masked_fill(logp < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-        cumulative = sorted_logp.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logp.softmax(-1) >= top_p  # keep the token that crosses top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logp = logp.masked_fill(drop, float("-inf"))
-    return logp
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _uniform(key: int, step: int) -> float:
-    """A uniform in (0, 1) from (sequence key, step): 53 random bits, never 0."""
-    return ((_splitmix64(key ^ _splitmix64(step)) >> 11) + 0.5) / float(1 << 53)
-
-
-_SPLITMIX = tuple(np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 30, 27, 31, 11))
-
-
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    """`_splitmix64` over a uint64 array (numpy's uint64 arithmetic wraps modulo 2^64 and shifts logically)."""
-    golden, mul1, mul2, s30, s27, s31, _ = _SPLITMIX
-    x = x + golden
-    x = (x ^ (x >> s30)) * mul1
-    x = (x ^ (x >> s27)) * mul2
-    return x ^ (x >> s31)
-
-
-def uniforms(keys: list[int], steps: list[int]) -> torch.Tensor:
-    """float32 tensor of `_uniform(key, step)` per pair, the same values, in a few array ops instead of a Python
-    loop (64 rows: about 100 us of a decode step)."""
-    with np.errstate(over="ignore"):
-        mixed = _splitmix64_array(np.array(keys, dtype=np.uint64) ^ _splitmix64_array(np.array(steps, dtype=np.uint64)))
-    bits = (mixed >> _SPLITMIX[-1]).astype(np.float64)
-    return torch.from_numpy((bits + 0.5) / float(1 << 53)).to(torch.float32)
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """One sample being generated; `completion` is set when it ends."""
-
-    tokens: list[int]  # prompt + response so far; the last response token is not yet in the KV cache
-    prompt_len: int
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    key: int  # sampling stream
-    logp: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    completion: Completion | None = None
-    top_logprobs_num: int = 0
-    """With k > 0, `top_logprobs[i]` holds the k most likely (log-prob, token) of the distribution token i came from."""
-    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    min_new_tokens: int = 0
-    """Its stop tokens cannot be drawn (their logits are -inf) before it has this many tokens (SGLang's)."""
-
-    @property
-    def response(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    """Samples of one prompt that join together with one shared prefill."""
-
-    prompt: list[int]
-    samples: list[Sequence]
 
 
 class EmbeddedEngine:
@@ -177,6 +87,7 @@ class EmbeddedEngine:
         max_seq_len: int = 2048,
         precision: str = "fp32",
         device: str = "cpu",
+        prefix_cache: bool = True,
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"rollout.swap_mode {swap_mode!r} is not one of {', '.join(SWAP_MODES)}")
@@ -195,23 +106,26 @@ class EmbeddedEngine:
         self.swap_mode = swap_mode
         self._weights: ModelWeights | None = None
         self._version = -1
-        self._staged: tuple[int, dict[str, torch.Tensor | QuantizedWeight]] | None = None
-        self._building: tuple[int, Iterator[ModelWeights | None]] | None = None
+        self._versions = StagedVersions(self.arch, self.dtype, self.device)
         self._step_seconds = 0.0  # moving average of a step's compute time: sizes the build slices
-        self._lock = threading.Lock()
         self._generator = torch.Generator().manual_seed(seed)
         self._cache: KVCache | None = None
         self._active: list[Sequence] = []  # active[i] lives in cache slot i
         self._queue: deque[_Group] = deque()
         self.swaps = 0
-        self.last_build_s = 0.0
         self.build_errors = 0
         """Staged versions dropped because their build failed (the running version kept decoding)."""
         self.last_build_error = ""
-        """Decode-thread time the last swapped-in version took to build (summed over its slices)."""
-        self._build_s = 0.0
         self.retracted_tokens = 0
         """Tokens whose K/V was recomputed after a swap (retract mode)."""
+        budget = max(PREFIX_CACHE_MIN_TOKENS, max_batch * self.max_seq_len // PREFIX_CACHE_SHARE)
+        self.prefix_cache = PrefixCache(budget)
+        self.prefix_cache_enabled = prefix_cache
+        self.prefill_tokens = 0
+        """Prompt tokens prefilled (the prefix cache's hits not included)."""
+        self.cached_tokens = 0
+        """Prompt tokens whose prefill a prefix-cache hit saved (summed over samples sharing a prefill: once)."""
+        self.prefix_hits = 0
 
     @property
     def version(self) -> int:
@@ -223,8 +137,14 @@ class EmbeddedEngine:
         return tuple(self.arch.eos_token_ids)
 
     def stats(self) -> dict[str, Any]:
-        """No counters beyond the protocol's (`version`, `swaps`, `build_errors`)."""
-        return {}
+        """Prefill counters beyond the protocol's (`version`, `swaps`, `build_errors`): tokens prefilled and tokens
+        a prefix-cache hit saved, summed per prefill (n samples of one prompt share one)."""
+        return {"prefill_tokens": self.prefill_tokens, "prefix_cached_tokens": self.cached_tokens,
+                "prefix_hits": self.prefix_hits}  # fmt: skip
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every prefix-cache entry (SGLang's `/flush_cache`)."""
+        self.prefix_cache.clear()
 
     def close(self) -> None:
         """Nothing to release: the KV cache and weights are freed with the engine."""
@@ -240,65 +160,27 @@ class EmbeddedEngine:
 
     def stage_weights(self, update: WeightUpdate) -> None:
         """Hand over a version (any thread). A bad tensor set fails here, on the caller's thread."""
-        weight_map = build_weight_map(update)
-        missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
-        if missing:
-            raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
-        try:
-            check_weight_shapes(self.arch, weight_map)
-        except ValueError as err:
-            raise ValueError(f"version {update.version} does not fit the model: {err}") from None
-        with self._lock:
-            if self._staged is None or update.version > self._staged[0]:
-                self._staged = (update.version, weight_map)
+        self._versions.stage(update)
+
+    @property
+    def last_build_s(self) -> float:
+        """Decode-thread time the last swapped-in version took to build (summed over its slices)."""
+        return self._versions.last_build_s
 
     def apply_staged(self) -> bool:
         """Advance the build of the staged version and swap it in when complete. Returns whether it swapped.
 
-        Called between decode steps. The build (fusing q/k/v and gate/up, prepacking int8) runs here, on the
-        decode thread, one layer at a time within a slice of a step's duration, so that it neither pauses
-        decoding nor fights it for the GIL from another thread; when idle, it completes at once.
+        Called between decode steps; the build runs here, a slice of a step's duration at a time (staging.py);
+        when idle, it completes at once.
         """
-        with self._lock:
-            staged = self._staged
-        if staged is None:
-            return False
-        version, weight_map = staged
-        if version <= self._version:
-            self._drop_staged(staged)
-            return False
-        if self._building is None or self._building[0] != version:
-            self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map, self.dtype, self.device))
-            self._build_s = 0.0
         budget = max(BUILD_SLICE_MIN_S, BUILD_SLICE_OF_STEP * self._step_seconds) if self._active else float("inf")
-        started = time.perf_counter()
-        part = None
-        try:
-            for part in self._building[1]:
-                if part is not None:
-                    break
-                if time.perf_counter() >= started + budget:
-                    return False
-        except Exception:  # a version that cannot be built is dropped; the running one stays
-            self._building = None
-            self._drop_staged(staged)
-            raise
-        finally:
-            self._build_s += time.perf_counter() - started
-        self._building = None
-        self.last_build_s = self._build_s
-        if part is None:  # the build ended without weights (cannot happen with build_in_parts): drop the version
-            self._drop_staged(staged)
+        built = self._versions.advance(self._version, budget)
+        if built is None:
             return False
-        self._drop_staged(staged)
-        self._version, self._weights = version, part
+        self._version, self._weights = built
         self.swaps += 1
+        self.prefix_cache.clear()  # its K/V was computed by the weights just replaced
         return True
-
-    def _drop_staged(self, staged: tuple[int, dict]) -> None:
-        with self._lock:
-            if self._staged is staged:
-                self._staged = None
 
     def submit(
         self,
@@ -329,24 +211,8 @@ class EmbeddedEngine:
             raise RuntimeError("the engine has no weights yet: stage a version before scoring")
         if not prompt or max(prompt) >= self.arch.vocab_size or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be non-empty and lie in [0, {self.arch.vocab_size}) (vocab_size)")
-        arch, weights, seq = self.arch, self._weights, len(prompt)
         with self._device_scope():
-            tokens = torch.tensor(prompt, dtype=torch.long)
-            cos, sin = (table.to(self.dtype)[None, None] for table in rope_tables(arch, seq))
-            sin = torch.cat((-sin[..., : arch.head_dim // 2], sin[..., arch.head_dim // 2 :]), -1)
-            x = weights.embed[tokens]
-            h = rms_norm(x, weights.layers[0].input_norm, arch.rms_norm_eps)
-            for i, layer in enumerate(weights.layers):
-                qkv = low_rank_linear(h, layer.qkv, layer.qkv_bias, layer.qkv_lora)
-                q, k, v = _heads(arch, layer, qkv.view(1, seq, -1), cos, sin)
-                out = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=arch.num_kv_heads != arch.num_heads
-                )
-                attn = out.transpose(1, 2).reshape(seq, arch.num_heads * arch.head_dim)
-                next_norm = weights.layers[i + 1].input_norm if i + 1 < len(weights.layers) else weights.norm
-                x, h = _mlp_block(arch, layer, x, attn, next_norm, False)
-            logits = linear(h, weights.head, None).to(torch.float32)
-            return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1).cpu()
+            return prompt_logprobs(self.arch, self._weights, self.dtype, prompt, temperature)
 
     @torch.inference_mode()
     def abort(self, sequences: list[Sequence]) -> list[Sequence]:
@@ -378,7 +244,7 @@ class EmbeddedEngine:
         """
         swapped = False
         with self._device_scope():
-            while self._staged is not None and not swapped:
+            while self._versions.pending and not swapped:
                 swapped = self.apply_staged()
             if swapped and recompute_kv and self._active:
                 self._retract()
@@ -455,7 +321,7 @@ class EmbeddedEngine:
             tokens = torch.tensor([seq.tokens[-1] for seq in decoding])
             positions = torch.tensor([len(seq.tokens) - 1 for seq in decoding])
             running = (tokens, positions)
-        prompts = self._prompts(joining, len(decoding)) if joining else None
+        prompts = self._prompts(joining, len(decoding), self._cache) if joining else None  # type: ignore[arg-type]
         # one forward for both: the joining prompts ride along with the decode step (see model.forward_step)
         logits = forward_step(self.arch, weights, self._cache, running, prompts)  # type: ignore[arg-type]
         assert logits is not None
@@ -493,18 +359,30 @@ class EmbeddedEngine:
                 self._active.extend(group.samples)
         return joining
 
-    @staticmethod
-    def _prompts(groups: list[_Group], first_slot: int) -> Prompts:
+    def _prompts(self, groups: list[_Group], first_slot: int, cache: KVCache) -> Prompts:
         """Each group's prompt, prefilled once into the slots of all its samples from `first_slot` on (its
-        `slot_rows` give each sample's prompt row)."""
-        lengths = torch.tensor([len(group.prompt) for group in groups])
-        tokens = torch.zeros((len(groups), int(lengths.max())), dtype=torch.long)
+        `slot_rows` give each sample's prompt row). A prompt's prefix found in the prefix cache is copied into its
+        slots and only the rest is prefilled, from that position."""
+        starts = [0] * len(groups)
+        slot = first_slot
         for row, group in enumerate(groups):
-            tokens[row, : len(group.prompt)] = torch.tensor(group.prompt)
+            entry, starts[row] = self.prefix_cache.match(group.prompt) if self.prefix_cache_enabled else (None, 0)
+            for seq in group.samples:
+                seq.kv_swaps, seq.cached_tokens = self.swaps, starts[row]
+                if entry is not None:
+                    cache.write_prefix(slot, entry.keys, entry.values, starts[row])
+                slot += 1
+            self.prefix_hits += entry is not None
+        lengths = torch.tensor([len(group.prompt) - start for group, start in zip(groups, starts)])
+        tokens = torch.zeros((len(groups), int(lengths.max())), dtype=torch.long)
+        for row, (group, start) in enumerate(zip(groups, starts)):
+            tokens[row, : len(group.prompt) - start] = torch.tensor(group.prompt[start:])
         counts = torch.tensor([len(group.samples) for group in groups])
         rows = torch.repeat_interleave(torch.arange(len(groups)), counts)
         slots = torch.arange(first_slot, first_slot + len(rows))
-        return Prompts(tokens, lengths, rows, slots)
+        self.prefill_tokens += int(lengths.sum())
+        self.cached_tokens += sum(starts)
+        return Prompts(tokens, lengths, rows, slots, torch.tensor(starts) if any(starts) else None)
 
     def _retract(self) -> None:
         """Recompute the K/V of every in-flight sequence with the new weights (all tokens but the pending one)."""
@@ -516,6 +394,8 @@ class EmbeddedEngine:
         slots = torch.arange(len(history))
         prefill(self.arch, self._weights, self._cache, tokens, lengths, slots, slots, need_logits=False)  # type: ignore
         self.retracted_tokens += int(lengths.sum())
+        for seq in self._active:
+            seq.kv_swaps = self.swaps
 
     def _sample(self, logits: torch.Tensor, version: int) -> list[Sequence]:
         """Draw one token per active sequence from its logits row; append token, log-prob, version."""
@@ -530,6 +410,7 @@ class EmbeddedEngine:
             index = torch.tensor(rows) if len(rows) < len(active) else None
             part = logits if index is None else logits[index]
             part = self._mask_early_stops(part, [active[row] for row in rows])
+            part = apply_penalties(part, params, [active[row] for row in rows])
             logp = torch.log_softmax(part / params.temperature if params.temperature != 1.0 else part, dim=-1)
             filtered = filter_logits(logp, params.top_k, params.top_p)
             cdf = filtered.exp().cumsum(-1)
@@ -555,30 +436,8 @@ class EmbeddedEngine:
                 finished.append(seq)
         return finished
 
-    @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """`logits` with the stop tokens of sequences short of their `min_new_tokens` at -inf (a copy if any)."""
-        early = [(row, seq) for row, seq in enumerate(seqs) if len(seq.logp) < seq.min_new_tokens]
-        if not early:
-            return logits
-        logits = logits.clone()
-        vocab = logits.shape[-1]
-        for row, seq in early:
-            stops = [token for token in seq.stop_ids if 0 <= token < vocab]
-            if stops:
-                logits[row, stops] = float("-inf")
-        return logits
-
-    @staticmethod
-    def _record_top(logp: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Append each sequence's top-k (log-prob, token) of its row of `logp` (rows in the order of `seqs`)."""
-        wanted = [(row, seq) for row, seq in enumerate(seqs) if seq.top_logprobs_num > 0]
-        if not wanted:
-            return
-        k = min(max(seq.top_logprobs_num for _, seq in wanted), logp.shape[-1])
-        values, indices = torch.topk(logp[torch.tensor([row for row, _ in wanted])], k, dim=-1)
-        for (_, seq), vals, ids in zip(wanted, values.tolist(), indices.tolist()):
-            seq.top_logprobs.append(list(zip(vals, ids))[: seq.top_logprobs_num])
+    _mask_early_stops = staticmethod(mask_early_stops)
+    _record_top = staticmethod(record_top)
 
     def _retire(self, finished: list[Sequence]) -> None:
         """Free the slots of finished sequences: the last active sequences move into the holes."""
@@ -586,6 +445,11 @@ class EmbeddedEngine:
             return
         done = set(map(id, finished))
         active = self._active
+        if self.prefix_cache_enabled:  # keep their K/V (tokens but the last, never fed) before slots are reused
+            cache = self._cache
+            for slot, seq in enumerate(active):
+                if id(seq) in done and seq.kv_swaps == self.swaps:
+                    self.prefix_cache.retain(seq.tokens[:-1], cache.keys[:, slot], cache.values[:, slot])  # type: ignore
         slot = 0
         while slot < len(active):
             if id(active[slot]) not in done:

@@ -10,6 +10,12 @@ that expose saturation, rounded fp32 sums and layout tails):
 
 - `vnni` (AVX512-VNNI: Zen 4, Ice Lake and later): the C++ library's fused kernel (`csrc/int8_gemm.cpp`), one call
   per linear: quantize, `vpdpbusd` on (w + 128) x q with the offset's share subtracted in int32, fp32 epilogue.
+- `avxvnni` (AVX-VNNI without AVX-512: Intel Alder Lake and later client cores, Zen 5 with AVX-512 off): the same
+  library with the VEX-encoded 256-bit `vpdpbusd` (`_mm256_dpbusd_avx_epi32`) on the `vnni` layout, dispatched on
+  cpuid's `avx_vnni` bit. Untested on such a CPU (none here): compile-checked with gcc and clang, and its micro-kernel
+  (layout, tails, offset compensation, epilogue) runs here bit for bit against the reference as the test-only path
+  `avxvnni_emulated`, the same code with `vpdpbusd` emulated by AVX2; on a real AVX-VNNI CPU it is admitted only
+  after the self-test below.
 - `avx2` (AVX2 without VNNI: Zen 2/3, Haswell to Skylake): the same library with `vpmaddwd` on int16-widened
   operands (exact int32 pair sums, no saturating step).
 - `onednn` (no C++ compiler): oneDNN's prepacked u8 x s8 GEMM. Where the CPU has VNNI or AMX it is fed u8 = q + 128
@@ -17,9 +23,13 @@ that expose saturation, rounded fp32 sums and layout tails):
   beyond 2^24); elsewhere its AVX2 kernel saturates int16 pairs of full-range products, so activations go in as
   two 7-bit halves relu(q), relu(-q), exact while in_features <= HALVES_MAX_IN_FEATURES (wider: `reference`).
   With AMX (untested: no such machine here) it comes first, as oneDNN's AMX GEMM outruns VNNI.
+- `i8mm` (ARM Armv8.6 I8MM, by HWCAP2): the same library with `smmla` (2 rows x 2 columns x 8 inputs per
+  instruction) on its own layout (inputs in groups of 8, columns in pairs). Untested: compile-checked for aarch64
+  (clang via `python -m ziglang c++ -target aarch64-linux-gnu`), never run; no ARM machine here. Its layout, row
+  pairing and epilogue run here bit for bit against the reference as the test-only path `i8mm_emulated` (the same
+  code with `smmla` in portable C++).
 - `dotprod` (ARM Armv8.2 dotprod, by HWCAP): the same library with `sdot` on the VNNI layout without the offset.
-  Untested: compile-checked for aarch64 (clang via `python -m ziglang c++ -target aarch64-linux-gnu`), never run;
-  no ARM machine here. (`i8mm`'s `smmla` would be the next step on Armv8.6: not written.)
+  Untested: compile-checked for aarch64 like `i8mm`, never run.
 - `portable`: the C++ library's plain loops (any CPU its compiler targets: ARM, x86 without AVX2; untested on ARM,
   no such machine here), after `onednn`.
 - `reference`: `quantized_linear` itself (`torch._int_mm`, or int32 matmuls): anywhere torch runs.
@@ -38,22 +48,29 @@ from pathlib import Path
 import torch
 
 from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantized_linear
-from rollout_workers.embedded.native import NativeLibrary, chosen_kernel, fp32_rows
+from rollout_workers.embedded.native import NativeLibrary, chosen_kernel, fp32_rows, isa_cap
 
 ENV_KERNEL = "ASYNCRL_INT8_KERNEL"
-KERNELS = ("vnni", "avx2", "dotprod", "onednn", "portable", "reference")
+KERNELS = ("vnni", "avxvnni", "avx2", "i8mm", "dotprod", "onednn", "portable", "reference")
 EXACT_U8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 """CPU flags under which oneDNN's u8 x s8 GEMM accumulates without saturating (VNNI or AMX instructions)."""
 HALVES_MAX_IN_FEATURES = 1040
 """oneDNN's halves form sums each 7-bit half in fp32, exact while every half's sum stays below 2^24:
 in_features x 127^2 < 2^24 holds up to 1040 inputs."""
-TORCH_CAPABILITY_KERNELS = {"AVX512": ("vnni", "avx2"), "AVX2": ("avx2",)}
+TORCH_CAPABILITY_KERNELS = {"AVX512": ("vnni", "avxvnni", "avx2"), "AVX2": ("avxvnni", "avx2")}
 """The vectorised C++ kernels allowed under each torch CPU capability (cpuid must have them too)."""
 PANEL = 16
 """Output columns per panel of the C++ kernels' packed layouts (csrc/int8_gemm.cpp)."""
-_ISA = {"portable": 0, "avx2": 1, "vnni": 2, "dotprod": 3}
-_X86_KERNELS = ("vnni", "avx2")
-_COMPILED_KERNELS = ("vnni", "avx2", "dotprod", "portable")
+_ISA = {"portable": 0, "avx2": 1, "vnni": 2, "dotprod": 3, "avxvnni": 4, "avxvnni_emulated": 5, "i8mm": 6,
+        "i8mm_emulated": 7}  # fmt: skip
+_X86_KERNELS = ("vnni", "avxvnni", "avx2")
+_COMPILED_KERNELS = ("vnni", "avxvnni", "avx2", "i8mm", "dotprod", "portable", "avxvnni_emulated", "i8mm_emulated")
+EMULATED_KERNELS = ("avxvnni_emulated", "i8mm_emulated")
+_MMLA_KERNELS = ("i8mm", "i8mm_emulated")
+"""Kernels whose layout takes inputs in groups of 8 (the others: 4)."""
+"""Test paths: `prepare_int8(weight, name)` runs them wherever AVX2 does; never dispatched or forced."""
+_CAPPED_FLAGS = ("avx512", "avx_vnni", "amx")
+"""/proc/cpuinfo flag prefixes `ASYNCRL_ISA_CAP=avx2` hides (an AVX2-only CPU has none of them)."""
 _ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
@@ -65,7 +82,7 @@ class PackedInt8:
     q: torch.Tensor  # (out, in) int8: the published values (the reference kernel's operand)
     scale: torch.Tensor  # (out,) float32
     packed: torch.Tensor | None  # the C++ layout (vnni, avx2, portable), oneDNN's prepacked weight, None (reference)
-    padded_in: int  # inputs a row of the C++ layout holds (a multiple of 4)
+    padded_in: int  # inputs a row of the C++ layout holds (a multiple of 4; of 8 for i8mm)
     onednn_u8: bool = False  # onednn: fed q + 128 with zero point 128 (exact here), not the two halves
 
     @property
@@ -75,7 +92,7 @@ class PackedInt8:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    if lib.i8_abi_version() != 5:
+    if lib.i8_abi_version() != 6:
         raise ValueError("int8_gemm library: unexpected ABI version")
     lib.i8_has_isa.argtypes, lib.i8_has_isa.restype = [cint], cint
     lib.i8_quantize_rows.argtypes = [cint, ptr, i64, i64, i64, cint, ptr, i64, ptr]
@@ -95,13 +112,14 @@ _Library = NativeLibrary("int8_gemm.cpp", _declare)
 
 
 def _cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none), less those `ASYNCRL_ISA_CAP` hides."""
     path = Path("/proc/cpuinfo")
     if not path.is_file():
         return set()
     for line in path.read_text().splitlines():
         if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
+            flags = set(line.split(":", 1)[1].split())
+            return {flag for flag in flags if not flag.startswith(_CAPPED_FLAGS)} if isa_cap() == "avx2" else flags
     return set()
 
 
@@ -120,7 +138,8 @@ def _onednn_u8_is_exact() -> bool:
 def available_kernels() -> tuple[str, ...]:
     """The kernels this process runs exactly, best first (`reference` always). Probed once per process."""
     lib = _Library.get()
-    candidates = [name for name in ("vnni", "avx2", "dotprod") if lib is not None and lib.i8_has_isa(_ISA[name])]
+    compiled = ("vnni", "avxvnni", "avx2", "i8mm", "dotprod")
+    candidates = [name for name in compiled if lib is not None and lib.i8_has_isa(_ISA[name])]
     allowed = TORCH_CAPABILITY_KERNELS.get(_torch_capability(), ())
     candidates = [name for name in candidates if name not in _X86_KERNELS or name in allowed]
     if _ONEDNN:
@@ -156,10 +175,11 @@ def prepare_int8(weight: QuantizedWeight, kernel: str | None = None) -> PackedIn
 
 def _pack(q: torch.Tensor, kernel: str) -> tuple[torch.Tensor, int]:
     """(out, in) int8 -> the C++ `kernel`'s layout (csrc/int8_gemm.cpp: pairs of inputs per column for avx2 and
-    portable, w + 128 in groups of 4 for vnni, w in groups of 4 for dotprod; zero-weight padding to PANEL columns
-    and a multiple of 4 inputs)."""
+    portable, w + 128 in groups of 4 for vnni and avxvnni, w in groups of 4 for dotprod, groups of 8 by column pairs
+    for i8mm; zero-weight padding to PANEL columns and a multiple of 4 inputs, of 8 for i8mm)."""
     out_features, in_features = q.shape
-    padded_in = -(-in_features // 4) * 4
+    group = 8 if kernel in _MMLA_KERNELS else 4
+    padded_in = -(-in_features // group) * group
     packed = torch.empty(-(-out_features // PANEL) * PANEL * padded_in, dtype=torch.uint8)
     lib = _Library.get()
     if lib is None:
@@ -243,6 +263,10 @@ def _reference_linear(flat: torch.Tensor, weight: PackedInt8, bias: torch.Tensor
 
 _KERNEL_FNS: dict[str, Callable[[torch.Tensor, PackedInt8, torch.Tensor | None], torch.Tensor]] = {
     "vnni": _compiled_linear,
+    "avxvnni": _compiled_linear,
+    "avxvnni_emulated": _compiled_linear,
+    "i8mm": _compiled_linear,
+    "i8mm_emulated": _compiled_linear,
     "avx2": _compiled_linear,
     "dotprod": _compiled_linear,
     "onednn": _onednn_linear,
@@ -252,7 +276,8 @@ _KERNEL_FNS: dict[str, Callable[[torch.Tensor, PackedInt8, torch.Tensor | None],
 
 
 def integer_product(q_x: torch.Tensor, weight: PackedInt8) -> torch.Tensor:
-    """The int32 accumulator alone of a C++ kernel (vnni, avx2, portable): q_x (rows, in) any int8 -> (rows, out)."""
+    """The int32 accumulator alone of a C++ kernel (any of `_COMPILED_KERNELS`): q_x (rows, in) any int8 ->
+    (rows, out)."""
     lib = _Library.get()
     assert lib is not None and weight.kernel in _COMPILED_KERNELS, "needs a C++ kernel's weight"
     rows, in_features = q_x.shape

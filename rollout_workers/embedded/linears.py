@@ -100,7 +100,7 @@ def stack_low_rank(
     if len(adapters) != len(out_features):
         raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
     device = device or torch.device("cpu")
-    a_parts, b_ts, ranks, cols = [], [], [], []
+    a_parts, scaled_bs, ranks, cols = [], [], [], []
     row = col = 0
     for adapter, out in zip(adapters, out_features):
         if adapter is not None:
@@ -110,8 +110,7 @@ def stack_low_rank(
                     f"stack_low_rank: B {tuple(b.shape)} does not fit A {tuple(a.shape)} and {out} outputs"
                 )
             a_parts.append(a.to(torch.float32))
-            b_t = (b.to(torch.float32) * scaling).t().contiguous()
-            b_ts.append(b_t.to(device=device, dtype=dtype))
+            scaled_bs.append((b.to(torch.float32) * scaling).to(device=device, dtype=dtype))  # s * B (out, r)
             ranks.append((row, row + a.shape[0]))
             cols.append((col, col + out))
             row += a.shape[0]
@@ -119,23 +118,25 @@ def stack_low_rank(
     if not a_parts:
         return None
     a = torch.cat(a_parts).contiguous().to(device=device, dtype=dtype)
+    b_ts = [scaled.t() for scaled in scaled_bs]  # views: (s * B)^T, read by torch's addmm_ (no copy per version)
     native = None
     if device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None:
         flat_ranks = (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair])
         flat_cols = (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair])
-        panels = tuple(_panels(b_t) for b_t in b_ts)
+        panels = tuple(_panels(scaled) for scaled in scaled_bs)
         pointers = (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels])
         native = (flat_ranks, flat_cols, pointers)
         return LowRank(a=a, b_t=tuple(b_ts), ranks=tuple(ranks), cols=tuple(cols), native=native, panels=panels)
     return LowRank(a=a, b_t=tuple(b_ts), ranks=tuple(ranks), cols=tuple(cols))
 
 
-def _panels(b_t: torch.Tensor) -> torch.Tensor:
-    """b_t (rank, n) as csrc/lora_gemm.cpp streams it: (ceil(n / 32), rank, 32), panel t = columns 32t to 32t + 31
-    (zeros past n), so the kernel reads each panel in order."""
-    rank, n = b_t.shape
-    padded = F.pad(b_t, (0, -n % 32))
-    return padded.view(rank, -1, 32).transpose(0, 1).contiguous()
+def _panels(scaled_b: torch.Tensor) -> torch.Tensor:
+    """b_t = (s * B)^T (rank, n) as csrc/lora_gemm.cpp streams it, made from s * B (n, rank): (ceil(n / 32), rank, 32),
+    panel t = columns 32t to 32t + 31 of b_t (zeros past n), so the kernel reads each panel in order. One padded copy
+    and one reorder (no transposed copy of B first)."""
+    n, rank = scaled_b.shape
+    padded = F.pad(scaled_b, (0, 0, 0, -n % 32)) if n % 32 else scaled_b.contiguous()
+    return padded.view(-1, 32, rank).transpose(1, 2).contiguous()
 
 
 def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -9,8 +9,9 @@ a version (`<linear>.lora_A`, `.lora_B`, `.lora_scaling`, learner/lora.py) run o
 `y = Q(W) x + s * B (A x)` (`linears.low_rank_linear`), a fused group's adapters stacked into one low-rank pair.
 
 The KV cache holds one row ("slot") per sequence, position p of a sequence at index p of its slot. `prefill` runs
-right-padded prompts from position 0 and writes their keys/values into any slots; `decode` runs one token for each
-of the first n slots (the engine keeps its active sequences in slots 0..n-1); `forward_step` runs both in one forward,
+right-padded prompts from position 0 (or, with `Prompts.starts`, each from its own position over the K/V its slots
+already hold: a prefix-cache hit) and writes their keys/values into any slots; `decode` runs one token for each of
+the first n slots (the engine keeps its active sequences in slots 0..n-1); `forward_step` runs both in one forward,
 sharing every linear between them (the engine's step: prompts that join a running batch ride along with it).
 """
 
@@ -49,6 +50,7 @@ from rollout_workers.embedded.linears import (  # noqa: F401 - re-exported: the 
     prepare_linear,
     stack_low_rank,
 )
+from rollout_workers.embedded.offset_prefill import OffsetPrompts
 from rollout_workers.embedded.weight_only import GroupQuantized
 
 LINEAR_SUFFIXES = (
@@ -351,6 +353,11 @@ class KVCache:
         self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
         self.values[:, dst, :, :length] = self.values[:, src, :, :length]
 
+    def write_prefix(self, slot: int, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Positions 0..length-1 of `slot` from K/V held elsewhere (layers, kv_heads, >= length, head_dim)."""
+        self.keys[:, slot, :, :length] = keys[:, :, :length]
+        self.values[:, slot, :, :length] = values[:, :, :length]
+
 
 def _heads(
     arch: ArchConfig, layer: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -441,19 +448,24 @@ def forward_step(
         rows.append(weights.embed[prompts.tokens].reshape(m * seq, -1))
     x = torch.cat(rows) if len(rows) > 1 else rows[0]  # (N + M * S, hidden)
     fused = fused_decode.enabled_for(cache.keys)
+    offset = None if prompts is None or prompts.starts is None else OffsetPrompts.of(prompts, cache)
     if prompts is not None:
         cos_p, sin_p = cache.cos[None, None, :seq], cache.sin_rotate[None, None, :seq]
+        if offset is not None:
+            cos_p, sin_p = offset.cos, offset.sin_rotate
     h = (fused_decode.rms_norm if fused else rms_norm)(x, weights.layers[0].input_norm, arch.rms_norm_eps)
     for i, layer in enumerate(weights.layers):
         qkv = low_rank_linear(h, layer.qkv, layer.qkv_bias, layer.qkv_lora)
         attn = [_attend_decode(arch, layer, qkv[:n], cache, i, decoding[1])] if decoding is not None else []
         if prompts is not None:
             q, k, v = _heads(arch, layer, qkv[n:].view(m, seq, -1), cos_p, sin_p)
-            cache.keys[i, prompts.slots, :, :seq] = k[prompts.slot_rows]
-            cache.values[i, prompts.slots, :, :seq] = v[prompts.slot_rows]
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=arch.num_kv_heads != arch.num_heads
-            )
+            gqa = arch.num_kv_heads != arch.num_heads
+            if offset is None:
+                cache.keys[i, prompts.slots, :, :seq] = k[prompts.slot_rows]
+                cache.values[i, prompts.slots, :, :seq] = v[prompts.slot_rows]
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                out = offset.attend(q, k, v, cache, i, gqa)
             attn.append(out.transpose(1, 2).reshape(m * seq, arch.num_heads * arch.head_dim))
         next_norm = weights.layers[i + 1].input_norm if i + 1 < len(weights.layers) else weights.norm
         x, h = _mlp_block(arch, layer, x, torch.cat(attn) if len(attn) > 1 else attn[0], next_norm, fused)
@@ -468,12 +480,15 @@ def forward_step(
 @dataclass(frozen=True, slots=True)
 class Prompts:
     """Prompts to prefill: `tokens` (M, S) int64 right-padded, `lengths` (M,) real tokens per row; the K/V of row
-    `slot_rows[j]` goes to cache slot `slots[j]` (a prompt shared by n samples fills n slots)."""
+    `slot_rows[j]` goes to cache slot `slots[j]` (a prompt shared by n samples fills n slots). `starts` (M,): the
+    position of each row's first token (None: all 0); the slots of a row must already hold the K/V of its
+    positions 0..start-1 (a prefix-cache hit copied there), which its tokens attend to."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     slot_rows: torch.Tensor
     slots: torch.Tensor
+    starts: torch.Tensor | None = None
 
 
 def prefill(

@@ -1,70 +1,58 @@
-"""Build and load the embedded engine's small C++ kernel libraries (plain C ABI, called through ctypes).
+"""Load the embedded engine's small C++ kernel libraries (plain C ABI, called through ctypes).
 
-A source under `csrc/` is compiled on first use with the system C++ compiler (`$CXX`, else c++ / g++ / clang++; no
-torch headers, a few seconds) into `$ASYNCRL_CACHE/kernels` (default ~/.cache/asyncrl), named by a digest of the
-source, the compiler's version, the flags and the machine, so an edit rebuilds and concurrent workers share one
-file (each build writes a temporary name, then renames it into place). Kernels pick their instruction set at run
-time (function-level target attributes and cpuid), so one build serves every CPU of an architecture.
+`native_build.py` compiles a source under `csrc/` once per machine into a cache (the driver does it before the
+rollout workers start, with a progress bar: `asyncrl/kernels.py`); this module loads it, declares its functions and
+keeps the process going without it where it cannot be built (each kernel module then runs its torch fallback).
+Kernels pick their instruction set at run time (function-level target attributes and cpuid), so one build serves
+every CPU of an architecture.
+
+`ASYNCRL_ISA_CAP=avx2` caps every library's run-time ISA probe at AVX2 + FMA (no AVX-512, VNNI or BF16 paths),
+whatever the CPU has: with `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2` and `MKL_ENABLE_INSTRUCTIONS=AVX2`
+(set before torch starts) it runs an AVX2-only machine's kernels on a newer core (`asyncrl bench engine` under
+`ASYNCRL_BENCH_ISA=avx2`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-from common.builtin_model import cache_root
+from rollout_workers.embedded.native_build import BASE_FLAGS, CSRC, build_library, compiler  # noqa: F401  (API)
 
-CSRC = Path(__file__).with_name("csrc")
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
-"""-ffp-contract=off: no fused multiply-adds the source does not write, so fp32 results round like torch's ops."""
+ENV_ISA_CAP = "ASYNCRL_ISA_CAP"
+ISA_CAPS = ("avx2",)
+"""The ISA caps `ASYNCRL_ISA_CAP` takes."""
+_AVX2_PROBES: dict[str, Callable[[Callable[..., int]], Callable[..., int]]] = {
+    "i8_has_isa": lambda probe: lambda isa: probe(isa) if isa in (0, 1) else 0,  # portable, avx2
+    "f8_has_isa": lambda probe: lambda isa: probe(isa) if isa == 0 else 0,  # portable (bf16 needs AVX512-BF16)
+    "wo_has_isa": lambda probe: lambda isa: probe(isa) if isa in (0, 1) else 0,  # reference, avx2
+    "fd_linear_isa": lambda probe: lambda: min(probe(), 1),  # 2 AVX-512, 1 AVX2 + FMA, 0 portable
+    "lr_has_avx512f": lambda probe: lambda: 0,
+}
+"""Each library's ISA probe (by symbol) as `ASYNCRL_ISA_CAP=avx2` answers it: only what an AVX2-only CPU runs."""
 
 
-def compiler() -> str:
-    """The C++ compiler to build with: `$CXX`, else the first of c++, g++, clang++ on the PATH."""
-    for name in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
+def isa_cap() -> str:
+    """`ASYNCRL_ISA_CAP` ('' where unset); a ValueError naming the variable for a value not in ISA_CAPS."""
+    cap = os.environ.get(ENV_ISA_CAP, "")
+    if cap and cap not in ISA_CAPS:
+        raise ValueError(f"{ENV_ISA_CAP}={cap!r} is not one of {', '.join(ISA_CAPS)}")
+    return cap
 
 
-def build_library(source_name: str) -> Path:
-    """The shared library of `csrc/<source_name>` for this compiler: from the cache, or compiled into it now.
-
-    Built with OpenMP where the compiler has it, without otherwise. Raises RuntimeError (compiler missing or
-    failing, with its last error lines) or OSError.
-    """
-    source = CSRC / source_name
-    cxx = compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    attempts = [[*BASE_FLAGS, "-fopenmp"], list(BASE_FLAGS)]
-    digest = hashlib.sha256(
-        source.read_bytes() + "\0".join([version, *attempts[0], platform.machine()]).encode()
-    ).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp_dir:
-        built = Path(tmp_dir) / target.name
-        for flags in attempts:  # the second: a compiler without OpenMP builds single-threaded
-            result = subprocess.run([cxx, *flags, str(source), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode == 0:
-                break
-        else:
-            raise RuntimeError(f"{cxx} failed on {source.name}: {result.stderr[-1000:]}")
-        os.replace(built, target)
-    return target
+def _capped(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with its ISA probes answering under `isa_cap()` (unchanged without a cap)."""
+    if not isa_cap():
+        return lib
+    for symbol, cap in _AVX2_PROBES.items():
+        if hasattr(lib, symbol):
+            setattr(lib, symbol, cap(getattr(lib, symbol)))
+    return lib
 
 
 def load_library(source_name: str) -> ctypes.CDLL:
@@ -87,10 +75,11 @@ class NativeLibrary:
     def get(self) -> ctypes.CDLL | None:
         if self.tried:
             return self.lib
+        isa_cap()  # a bad ASYNCRL_ISA_CAP is an error, not a reason to run without the library
         with self._lock:
             if not self.tried:
                 try:
-                    self.lib = self.declare(load_library(self.source_name))
+                    self.lib = _capped(self.declare(load_library(self.source_name)))
                 except (OSError, RuntimeError, ValueError) as err:
                     self.error = f"{type(err).__name__}: {err}"[:500]
                     if self.note:

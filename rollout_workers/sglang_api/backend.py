@@ -43,6 +43,7 @@ from quant_sync.update import WeightUpdate
 from rollout_workers.engine import Completion, SamplingParams
 from rollout_workers.sections import EngineSections
 from rollout_workers.sglang_api.client import ServerError, ServerUnavailable, SGLangClient
+from rollout_workers.sglang_api.lora_sync import AdapterVersions, lora_server_flags
 from rollout_workers.sglang_api.protocol import WEIGHT_VERSIONS_KEY, expand_spans
 
 SGLANG_QUANTIZATION = {"int8": "w8a8_int8", "fp8": "fp8"}
@@ -134,6 +135,8 @@ class SGLangEngine:
         parent = Path(self.sg.ckpt_dir) if self.sg.ckpt_dir else _default_ckpt_parent()
         self.root = parent / f"asyncrl-sglang-{worker_id}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
         self.root.mkdir(parents=True)
+        lora = sections.model.lora  # LoRA: the base loaded once, adapters through SGLang's LoRA API (lora_sync.py)
+        self._lora = AdapterVersions(self.root, self.model_dir, sections.staleness.max_lag) if lora.rank else None
         self.metrics: dict[str, float] = {
             "pause_s_last": 0.0,
             "pause_s_max": 0.0,
@@ -189,6 +192,13 @@ class SGLangEngine:
     def stage_weights(self, update: WeightUpdate) -> None:
         """Write version `update.version` as a checkpoint (or keep it for NCCL); the sync thread applies it."""
         path = None
+        if self._lora is not None:  # the adapters as a peft directory; the base only when it is not loaded yet
+            base = self._lora.stage(update)
+            if base is None:
+                with self._cond:
+                    self._cond.notify_all()
+                return
+            update = base
         if self.sg.weight_sync == "disk":
             from rollout_workers.sglang_api.checkpoint import sglang_tensors, write_version_dir
 
@@ -222,6 +232,7 @@ class SGLangEngine:
         """Counters for the worker's stats, prefixed `sglang_` (pause_s_*: seconds generation was paused per update)."""
         alive = bool(self._server and self._server.alive)
         values = {**self.metrics, "server_alive": alive, "last_error": self.last_error}
+        values.update(self._lora.stats() if self._lora is not None else {})
         return {f"sglang_{key}": value for key, value in values.items()}
 
     # ---- sampling -------------------------------------------------------------------------------------------------
@@ -247,6 +258,12 @@ class SGLangEngine:
                 "return_logprob": True,
                 "sampling_params": self._sampling(params, params.max_new_tokens - len(tokens), index, tokens),
             }
+            adapter = self._lora.acquire() if self._lora is not None else None
+            if adapter is not None:  # LoRA: this segment runs the newest adapter; its tokens carry its version
+                body["lora_path"] = adapter.name
+            elif self._lora is not None:  # no adapter on a relaunched server yet: wait for the sync thread
+                time.sleep(POLL_S)
+                continue
             try:
                 out = client.generate(body)
             except ServerUnavailable as err:  # died or restarting: the sync thread relaunches it (bounded by
@@ -255,6 +272,9 @@ class SGLangEngine:
                     raise RuntimeError(self._fatal) from err
                 time.sleep(POLL_S)
                 continue
+            finally:
+                if adapter is not None:
+                    self._lora.release(adapter)  # type: ignore[union-attr]
             meta = out["meta_info"]
             new = [int(t) for t in out["output_ids"]]
             new_logps = [float(entry[0]) for entry in meta["output_token_logprobs"]]
@@ -262,7 +282,10 @@ class SGLangEngine:
                 raise ValueError(f"{len(new)} output ids but {len(new_logps)} output_token_logprobs")
             tokens += new
             logps += new_logps
-            versions += self._versions(meta, len(new), epoch, applied)
+            if adapter is not None:
+                versions += [adapter.version] * len(new)
+            else:
+                versions += self._versions(meta, len(new), epoch, applied)
             kind = (meta.get("finish_reason") or {}).get("type")
             if kind in ("stop", "length"):
                 return Completion(tokens, logps, versions, finish=kind)
@@ -286,6 +309,8 @@ class SGLangEngine:
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
+        if params.stop:  # stop strings (a multi-turn environment's): the turn ends server-side, the string kept
+            values["stop"] = list(params.stop)
         if params.seed is not None:
             values["sampling_seed"] = (params.seed + index + 7919 * len(tokens)) % (1 << 31)
         return values
@@ -331,7 +356,9 @@ class SGLangEngine:
         self._session = None
         self._nccl_ready = False
         self._applied = int(label)
-        if self._applied >= 0:
+        if self._lora is not None:
+            self._lora.forget_loaded()  # a fresh server holds no adapter: ready once the sync thread loaded one
+        elif self._applied >= 0:
             self._ready.set()
 
     def _sync_loop(self) -> None:
@@ -356,10 +383,15 @@ class SGLangEngine:
             with self._cond:
                 staged = self._staged
                 if staged is None or staged[0] <= self._applied:
-                    self._cond.wait(POLL_S)
-                    continue
+                    if self._lora is None or self._applied < 0 or not self._lora.has_work():
+                        self._cond.wait(POLL_S)
+                        continue
+                    staged = None  # LoRA: an adapter to load or unload, no base
             try:
-                self._apply(*staged)
+                if staged is None:
+                    self._sync_adapters()
+                else:
+                    self._apply(*staged)
             except ServerUnavailable as err:
                 self.last_error = str(err)  # the liveness check above relaunches it
                 self._stop.wait(POLL_S)
@@ -394,6 +426,11 @@ class SGLangEngine:
         finally:
             with contextlib.suppress(ServerUnavailable):
                 client.resume()
+        if self._lora is not None:  # LoRA: the base is in; its adapters load before any sample runs on it
+            loaded = self._lora.sync(client, min_version=version)
+            if loaded is None:
+                raise RuntimeError(f"version {version}: no LoRA adapter directory written for the base")
+            version = loaded
         pause_s = time.monotonic() - started
         with self._cond:
             self._applied = version
@@ -407,6 +444,19 @@ class SGLangEngine:
         self.metrics["pause_s_total"] += pause_s
         self.metrics["weight_updates"] += 1
         self._prune(keep={path, self._staged[1] if self._staged else None})
+
+    def _sync_adapters(self) -> None:
+        """LoRA: load the newest adapter and unload unused old ones (lora_sync.py); no pause: requests in flight
+        keep their adapter."""
+        assert self._lora is not None and self._client is not None
+        newest = self._lora.sync(self._client)
+        if newest is None:
+            return
+        with self._cond:
+            if newest > self._applied or not self._ready.is_set():
+                self._applied = newest
+                self.swaps += 1
+        self._ready.set()
 
     def _prune(self, keep: set[Path | None]) -> None:
         for old in self.root.glob("v*"):
@@ -460,7 +510,8 @@ def server_command(sections: EngineSections, model_dir: Path | str, port: int, l
                  "--max-batch": rollout.max_batch, "--max-seq-len": rollout.max_seq_len,
                  "--precision": sections.precision.rollout, "--device": rollout.device, "--threads": rollout.threads,
                  "--parent-pid": os.getpid()}  # fmt: skip
-    return head + [str(item) for pair in flags.items() for item in pair] + list(sg.extra_args)
+    lora = lora_server_flags(sections.model.lora) if sections.model.lora.rank else []  # lora_sync.py
+    return head + [str(item) for pair in flags.items() for item in pair] + lora + list(sg.extra_args)
 
 
 def _default_ckpt_parent() -> Path:

@@ -69,10 +69,12 @@ class SGLangClient:
         return True
 
     def model_info(self) -> dict[str, Any]:
-        return self.request("GET", "/get_model_info")
+        """GET /model_info (SGLang 0.5.9's name; `/get_model_info` is its deprecated alias)."""
+        return self.request("GET", "/model_info")
 
     def weight_version(self) -> str:
-        return str(self.request("GET", "/get_weight_version")["weight_version"])
+        """The served weights' label, from /model_info (0.5.9 answers `/get_weight_version` with 404)."""
+        return str(self.model_info()["weight_version"])
 
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, body: dict[str, Any]) -> Any:

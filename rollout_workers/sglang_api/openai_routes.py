@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from rollout_workers.sglang_api.lora_serve import adapter_cards, openai_lora_path
 from rollout_workers.sglang_api.openai_schemas import (
     ChatChoice,
     ChatCompletionRequest,
@@ -96,7 +97,7 @@ def _card(service: ModelService) -> ModelCard:
 
 @openai_routes.get("/v1/models")
 async def models(service: Service) -> ModelList:
-    return ModelList(data=[_card(service)])
+    return ModelList(data=[_card(service), *adapter_cards(service)])  # --enable-lora: one card per loaded adapter
 
 
 @openai_routes.get("/v1/models/{model:path}")
@@ -118,6 +119,7 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
         "logprob_start_len": 0 if obj.echo else -1,  # echo with log-probs: the prompt's too
         "top_logprobs_num": obj.logprobs or 0,
         "return_text_in_logprobs": True,
+        "lora_path": openai_lora_path(obj.model, obj.lora_path),
     }
     request, order = await _submit(service, body)
     if obj.stream:
@@ -261,6 +263,7 @@ async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
         "return_logprob": obj.logprobs,
         "top_logprobs_num": top,
         "return_text_in_logprobs": True,
+        "lora_path": openai_lora_path(obj.model, obj.lora_path),
     }
     request, order = await _submit(service, body)
     if obj.stream:

@@ -44,6 +44,8 @@ class _Sampling(BaseModel):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    lora_path: str | list[str | None] | None = None
+    """SGLang's: the LoRA adapter(s) to run; `model: "base:adapter"` takes precedence (lora_serve.py)."""
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang's `sampling_params` for this request: the fields given, under SGLang's names."""
@@ -132,6 +134,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "sglang"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's card: the served model it sits on (`asyncrl serve --enable-lora`)."""
     max_model_len: int | None = None
 
 

@@ -2,7 +2,7 @@
 
 SGLang declares them in `managers/io_struct.py` (`GenerateReqInput`, `PauseGenerationReqInput`,
 `UpdateWeightFromDiskReqInput`, `UpdateWeightVersionReqInput`, `AbortReq`, `SlowDownReqInput`, `TokenizeReqInput`,
-`DetokenizeReqInput`) and
+`DetokenizeReqInput`, `GetWeightsByNameReqInput`, `ReleaseMemoryOccupationReqInput`) and
 `sampling/sampling_params.py` (`SamplingParams`). Two kinds of bad request, two error shapes (protocol.error_body):
 
 - a field of the wrong type (a string for `top_k`, `["a"]` for `input_ids`, a 20-digit integer, `mode: "later"`) fails
@@ -30,15 +30,10 @@ Int64 = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]
 Number = Annotated[float, Strict()]
 """A JSON number (integer or float), never a boolean or a string."""
 
-UNSUPPORTED_NEUTRAL = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
-"""Sampling keys `asyncrl serve` accepts only at their neutral value (penalties are not implemented)."""
-UNSUPPORTED_FEATURES = ("stop_regex", "logit_bias", "json_schema", "regex", "ebnf", "structural_tag")
-"""Sampling keys `asyncrl serve` accepts only empty (constrained decoding, logit bias)."""
+UNSUPPORTED_NEUTRAL = {"min_p": 0.0}
+"""Sampling keys `asyncrl serve` accepts only at their neutral value (min-p sampling is not implemented)."""
+UNSUPPORTED_FEATURES = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag")
+"""Sampling keys `asyncrl serve` accepts only empty (constrained decoding)."""
 
 
 class SamplingParams(BaseModel):
@@ -83,6 +78,11 @@ class SamplingParams(BaseModel):
         return values
 
     @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` with integer token ids (its JSON keys are strings)."""
+        return {int(key): float(value) for key, value in (self.logit_bias or {}).items()}
+
+    @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -96,6 +96,15 @@ class SamplingParams(BaseModel):
         for key in UNSUPPORTED_FEATURES:
             if getattr(self, key):
                 raise BadRequest(f"sampling_params.{key} is not supported by asyncrl serve (use stop_token_ids)")
+        for key in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, key) <= 2.0:
+                raise BadRequest(f"{key} must be in [-2, 2], got {getattr(self, key)}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:  # SGLang takes 0 too (and ignores the key): 0 divides by zero
+            raise BadRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if any(not key.lstrip("-").isdigit() for key in self.logit_bias or {}):
+            raise BadRequest(f"logit_bias keys must be token ids, got {sorted(self.logit_bias or {})[:5]}.")
+        if any(math.isnan(bias) or bias == math.inf for bias in (self.logit_bias or {}).values()):
+            raise BadRequest("logit_bias values must be finite numbers (or -inf, which bans a token).")
         if self.sampling_seed is not None and self.sampling_seed < 0:
             raise BadRequest(f"sampling_seed must be at least 0, got {self.sampling_seed}.")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
@@ -133,6 +142,8 @@ class GenerateRequest:
     top_logprobs_num: list[int] | None = None
     """Per prompt: the most likely tokens returned per position (0: none)."""
     stream: bool = False
+    lora_path: str | list[str | None] | None = None
+    """LoRA adapter name(s), for all prompts or one (or null) per prompt (`asyncrl serve --enable-lora`)."""
 
 
 class GenerateReqInput(BaseModel):
@@ -151,6 +162,8 @@ class GenerateReqInput(BaseModel):
     """With `return_logprob`, the most likely tokens returned for every input and output position."""
     return_text_in_logprobs: bool = False
     stream: bool = False
+    lora_path: str | list[str | None] | None = None
+    """The LoRA adapter (its `lora_name`) of every prompt, or one per prompt (null: the base); lora_serve.py."""
 
     def normalize(self) -> GenerateRequest:
         """SGLang's `GenerateReqInput.normalize_batch_and_arguments` for what `asyncrl serve` runs."""
@@ -186,6 +199,7 @@ class GenerateReqInput(BaseModel):
             logprob_start_len=_per_prompt("logprob_start_len", self.logprob_start_len, len(prompts), -1, -1),
             top_logprobs_num=_per_prompt("top_logprobs_num", self.top_logprobs_num, len(prompts), 0, 0),
             stream=self.stream,
+            lora_path=self.lora_path,
         )
 
     def _rids(self, single: bool, batch: int, n: int) -> list[str] | None:
@@ -263,3 +277,16 @@ class DetokenizeReqInput(BaseModel):
 
     tokens: list[StrictInt] | list[list[StrictInt]]
     skip_special_tokens: bool = True
+
+
+class GetWeightsByNameReqInput(BaseModel):
+    """`GET|POST /get_weights_by_name`: a weight by its Hugging Face name, its first `truncate_size` rows."""
+
+    name: str
+    truncate_size: Annotated[StrictInt, Field(ge=0)] = 100
+
+
+class MemoryOccupationReqInput(BaseModel):
+    """`/release_memory_occupation`, `/resume_memory_occupation`: the memory tags (none: all of them)."""
+
+    tags: list[str] | None = None

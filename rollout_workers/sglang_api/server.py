@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--cache-dir", default="", help="cache of built-in models (builtin:NAME)")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (0: never)")
+    lora = parser.add_argument_group("LoRA (SGLang's flags; rollout_workers/sglang_api/lora_serve.py)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
+    lora.add_argument("--lora-target-modules", nargs="*", default=None, metavar="MODULE",
+                      help="linears adapters go on (q_proj ... down_proj, qkv_proj, gate_up_proj, all)")  # fmt: skip
+    lora.add_argument("--lora-paths", nargs="*", default=None, help="adapters loaded at start: PATH or NAME=PATH")
     return parser
 
 
@@ -79,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
             args.precision,
             args.device,
         )
+        from rollout_workers.sglang_api.lora_serve import attach
+
+        attach(service, args)  # --enable-lora
     except (ValueError, OSError) as err:
         print(f"asyncrl serve: {err}", file=sys.stderr)
         return 2
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    service.launch.update(host=host, port=port)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     print(f"asyncrl serve: ready on {url} model={model_dir} quant={service.quant}", flush=True)
     if args.parent_pid:

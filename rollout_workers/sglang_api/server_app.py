@@ -40,12 +40,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from rollout_workers.sglang_api import lora_serve, server_state
 from rollout_workers.sglang_api.openai_routes import openai_routes
 from rollout_workers.sglang_api.protocol import BadRequest, error_body
 from rollout_workers.sglang_api.schemas import (
     AbortReq,
     DetokenizeReqInput,
     GenerateReqInput,
+    GetWeightsByNameReqInput,
+    MemoryOccupationReqInput,
     PauseGenerationReqInput,
     SlowDownReqInput,
     TokenizeReqInput,
@@ -216,29 +219,18 @@ async def health_generate(service: Service) -> Response:
 @native_routes.get("/get_model_info")
 @native_routes.get("/model_info")
 async def model_info(service: Service) -> dict[str, Any]:
-    return {
-        "model_path": service.model_dir,
-        "tokenizer_path": service.tokenizer_path,
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": service.weight_version,
-    }
+    return server_state.model_info(service)
 
 
 @native_routes.get("/get_server_info")
+@native_routes.get("/server_info")
 async def server_info(service: Service) -> dict[str, Any]:
-    return {
-        "model_path": service.model_dir,
-        "quantization": {"int8": "w8a8_int8", "fp8": "fp8"}.get(service.quant),
-        "weight_version": service.weight_version,
-        "max_running_requests": service.engine.max_batch,
-        "context_length": service.engine.max_seq_len,
-        "version": "asyncrl-serve",
-    }
+    return server_state.server_info(service)
 
 
 @native_routes.get("/get_weight_version")
 async def weight_version(service: Service) -> dict[str, Any]:
+    """Served as SGLang up to 0.5.8 did (0.5.9 answers 404, "deprecated": use /model_info's `weight_version`)."""
     return {"weight_version": service.weight_version}
 
 
@@ -316,7 +308,31 @@ async def get_load(service: Service) -> list[dict[str, Any]]:
     return [await run_in_threadpool(service.load)]
 
 
+@native_routes.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(service: Service, obj: GetWeightsByNameReqInput) -> Any:
+    """The weight's first `truncate_size` rows as served (server_state.weights_by_name); 400 when there is none."""
+    tied = service.engine.arch.tie_word_embeddings
+    rows = await run_in_threadpool(
+        server_state.weights_by_name, service.model_dir, service.quant, obj.name, obj.truncate_size, tied
+    )
+    if rows is None:
+        raise BadRequest("Get parameter by name failed")
+    return rows
+
+
+@native_routes.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(service: Service, obj: MemoryOccupationReqInput | None = None) -> None:
+    """Bookkeeping only here (server_state.MemoryOccupation); answers `null` as SGLang does."""
+    await run_in_threadpool(service.release_memory, (obj or MemoryOccupationReqInput()).tags)
+
+
+@native_routes.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(service: Service, obj: MemoryOccupationReqInput | None = None) -> None:
+    await run_in_threadpool(service.resume_memory, (obj or MemoryOccupationReqInput()).tags)
+
+
 @native_routes.post("/tokenize")
+@native_routes.post("/v1/tokenize")
 async def tokenize(service: Service, obj: TokenizeReqInput) -> dict[str, Any]:
     def encode(text: str) -> list[int]:
         return service.tokenizer.encode(text, add_special_tokens=obj.add_special_tokens)
@@ -329,6 +345,7 @@ async def tokenize(service: Service, obj: TokenizeReqInput) -> dict[str, Any]:
 
 
 @native_routes.post("/detokenize")
+@native_routes.post("/v1/detokenize")
 async def detokenize(service: Service, obj: DetokenizeReqInput) -> dict[str, Any]:
     def decode(ids: list[int]) -> str:
         return service.tokenizer.decode(ids, skip_special_tokens=obj.skip_special_tokens)
@@ -339,24 +356,26 @@ async def detokenize(service: Service, obj: DetokenizeReqInput) -> dict[str, Any
 
 
 @native_routes.post("/load_lora_adapter")
+async def load_lora_adapter(service: Service, obj: lora_serve.LoadLoRAAdapterReqInput) -> JSONResponse:
+    """`--enable-lora`: read a peft directory as adapter `lora_name` (lora_serve.py); without it, SGLang's 400."""
+    status, body = await run_in_threadpool(lora_serve.load_route, service, obj)
+    return JSONResponse(body, status_code=status)
+
+
 @native_routes.post("/unload_lora_adapter")
-async def lora_adapter(request: Request) -> JSONResponse:
-    """Answered as SGLang answers without `--enable-lora`."""
-    return JSONResponse(
-        {
-            "success": False,
-            "error_message": "LoRA is not enabled. Please set `--enable-lora` to True to use LoRA adapters "
-            f"({request.url.path}).",
-        },
-        status_code=400,
-    )
+async def unload_lora_adapter(service: Service, obj: lora_serve.UnloadLoRAAdapterReqInput) -> JSONResponse:
+    """`--enable-lora`: drop adapter `lora_name` once no request uses it (lora_serve.py); without it, SGLang's 400."""
+    status, body = await run_in_threadpool(lora_serve.unload_route, service, obj)
+    return JSONResponse(body, status_code=status)
 
 
 @native_routes.post("/update_weights_from_distributed")
 @native_routes.post("/init_weights_update_group")
+@native_routes.post("/destroy_weights_update_group")
 @native_routes.post("/update_weights_from_tensor")
+@native_routes.post("/update_weights_from_ipc")
 async def needs_nccl(request: Request) -> JSONResponse:
-    """Routes that move weights over NCCL/CUDA: answered as SGLang answers a failed update."""
+    """Routes that move weights over NCCL/CUDA (IPC: CUDA IPC handles): answered as SGLang answers a failed update."""
     return JSONResponse(
         {
             "success": False,

@@ -20,60 +20,34 @@
   a stream's client going away aborts its requests (`abort_requests`, streaming.py).
 - A request with `sampling_params.sampling_seed = s` draws sample i exactly as `EmbeddedEngine.generate` with seed
   s draws the i-th copy of its prompt, so the two can be compared token for token.
+- Split out: serve_requests.py (a request's samples and their engine sampling parameters, penalties included),
+  server_state.py (`/server_info`, `/model_info`, `/get_load`, `/get_weights_by_name`, memory occupation).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rollout_workers.sglang_api import protocol
 from rollout_workers.sglang_api.logprobs import logprob_meta, score_prompt
-from rollout_workers.sglang_api.protocol import BadRequest
+from rollout_workers.sglang_api.lora_serve import LoraAdapters, resolve_adapters
 from rollout_workers.sglang_api.schemas import GenerateRequest, SamplingParams
-
-if TYPE_CHECKING:
-    from rollout_workers.engine import SamplingParams as EngineSamplingParams
+from rollout_workers.sglang_api.serve_requests import ServeRequest, engine_params, request_groups, stop_string_hits
+from rollout_workers.sglang_api.server_state import MemoryOccupation, Throughput, load_report
 
 HEALTH_TIMEOUT_S = 20.0
 """How long `/health_generate` waits for its one-token request."""
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    prompt: list[int]
-    sampling: SamplingParams
-    key: int
-    """The sample's random key (the engine's per-sample derivation)."""
-    started: float = field(default_factory=time.time)
-    seq: Any = None
-    done: Future = field(default_factory=Future)
-    """Resolved by the scheduler thread when the request finishes or is aborted."""
-    finish: dict[str, Any] | None = None
-    retractions: int = 0
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    """The first prompt position given an input log-prob (-1: the last one), with `return_logprob`."""
-    top_logprobs_num: int = 0
-    input_logprobs: list[float | None] = field(default_factory=list)
-    """Per prompt token from `logprob_start_len` on (SGLang's: the first one is always None)."""
-    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-
-    def settle(self) -> None:
-        if not self.done.done():
-            self.done.set_result(None)
 
 
 class ModelService:
@@ -107,6 +81,10 @@ class ModelService:
         self.model_dir = str(model_dir)
         """The weights' directory: the last one `/update_weights_from_disk` loaded (SGLang's `model_path`)."""
         self.served_model_name = self.tokenizer_path = str(model_dir)
+        self.architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures")
+        self.precision, self.seed = precision, seed
+        self.launch: dict[str, Any] = {}
+        """How the server was started (`host`, `port`: set by server.py), for `/server_info`."""
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)  # a model dir is data
         self.engine = EmbeddedEngine(
             model_dir, max_batch=max_batch, seed=seed, max_seq_len=max_seq_len, precision=precision, device=device
@@ -114,8 +92,8 @@ class ModelService:
         self._random = torch.Generator().manual_seed(seed)
         self._labels: dict[int, str] = {}
         self._commands: Queue[tuple[Callable[[], Any], Future | None]] = Queue()
-        self._waiting: list[list[_Request]] = []  # groups that have not joined the engine yet
-        self._by_seq: dict[int, _Request] = {}
+        self._waiting: list[list[ServeRequest]] = []  # groups that have not joined the engine yet
+        self._by_seq: dict[int, ServeRequest] = {}
         self._deferred: list[tuple[Any, Future]] = []  # weight updates waiting for running requests to finish
         self.paused_mode: str | None = None
         self._session = False
@@ -123,6 +101,12 @@ class ModelService:
         self.updates = 0
         self.forward_sleep_s = 0.0
         """Seconds slept after every step: SGLang's testing knob `/slow_down` (forward_sleep_time)."""
+        self.weight_bytes = 0
+        """Bytes of the served weights (as loaded, before the engine's fused layout)."""
+        self.throughput = Throughput()
+        self.memory = MemoryOccupation()
+        self.lora: LoraAdapters | None = None
+        """`--enable-lora`: the adapters and their scheduling (lora_serve.py, set by server.py); None: LoRA off."""
         self._apply(self._load(model_dir), label=weight_version)
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
@@ -136,40 +120,21 @@ class ModelService:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request: GenerateRequest) -> list[_Request]:
+    def submit(self, request: GenerateRequest) -> list[ServeRequest]:
         """Tokenize and check a `/generate` request and queue it; returns its requests in SGLang's response order."""
-        groups: list[list[_Request]] = []
-        order: list[_Request] = []
+        arch = self.engine.arch
+        groups = request_groups(request, self.tokenizer, arch.vocab_size, self.engine.max_seq_len, self._random)
+        order: list[ServeRequest] = []
         n = request.sampling[0].n
-        for b, (prompt, sampling) in enumerate(zip(request.prompts, request.sampling)):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self._check(ids, sampling)
-            start = request.logprob_start_len[b] if request.logprob_start_len else -1
-            if request.return_logprob and start >= len(ids):
-                raise BadRequest(
-                    f"logprob_start_len ({start}) is larger than the number of input tokens ({len(ids)}). "
-                    "Request with a lower logprob_start_len."
-                )
-            keys = self._keys(sampling.sampling_seed, n)
-            group = [
-                _Request(
-                    self._rid(request, b, i, len(request.prompts)),
-                    ids,
-                    sampling,
-                    key,
-                    return_logprob=request.return_logprob,
-                    logprob_start_len=start,
-                    top_logprobs_num=request.top_logprobs_num[b] if request.top_logprobs_num else 0,
-                )
-                for i, key in enumerate(keys)
-            ]
-            groups.append(group)
+        for group, adapter in zip(groups, resolve_adapters(self.lora, request.lora_path, len(groups))):
+            for req in group:
+                req.adapter = adapter  # type: ignore[attr-defined]  # the request's LoRA adapter (lora_serve.py)
         for i in range(n):  # SGLang's order: the batch repeated n times
             order.extend(group[i] for group in groups)
         self._call(lambda: self._waiting.extend(groups), wait=False)
         return order
 
-    async def wait(self, order: list[_Request]) -> None:
+    async def wait(self, order: list[ServeRequest]) -> None:
         """Until every request of `order` has finished (or was aborted), without holding a thread."""
         pending = {asyncio.wrap_future(req.done) for req in order}
         while pending:
@@ -177,40 +142,30 @@ class ModelService:
             if pending and not self.alive:
                 raise RuntimeError("the scheduler thread died; see the server log")
 
-    def responses(self, request: GenerateRequest, order: list[_Request]) -> Any:
+    def responses(self, request: GenerateRequest, order: list[ServeRequest]) -> Any:
         """The `/generate` answer for finished requests: one object, or a list in `order`."""
         outs = [self._response(req, request.return_logprob, request.return_text_in_logprobs) for req in order]
         return outs[0] if request.single else outs
 
-    def progress(self, req: _Request) -> int:
+    def progress(self, req: ServeRequest) -> int:
         """Output tokens `req` has so far (read from the HTTP side while the scheduler appends)."""
         seq = req.seq
         return len(seq.versions) if seq is not None else 0
 
-    def response(self, request: GenerateRequest, req: _Request) -> dict[str, Any]:
+    def response(self, request: GenerateRequest, req: ServeRequest) -> dict[str, Any]:
         """One request's `/generate` answer as it stands: the final one once it finished, else a partial one
         (finish_reason None) for a stream."""
         return self._response(req, request.return_logprob, request.return_text_in_logprobs)
 
-    def abort_requests(self, order: list[_Request]) -> None:
+    def abort_requests(self, order: list[ServeRequest]) -> None:
         """Abort these requests (a stream whose client went away): their slots are freed between two steps. Returns
         at once (the scheduler runs it), so a cancelled stream can call it without awaiting."""
         targets = set(order)
         self._call(lambda: self._abort(lambda req: req in targets, "Abort: the client disconnected"), wait=False)
 
     def load(self) -> dict[str, Any]:
-        """SGLang's `/get_load` for our one scheduler: requests running and waiting, tokens in the KV cache."""
-
-        def count() -> dict[str, Any]:
-            running = list(self._by_seq.values())
-            return {
-                "dp_rank": 0,
-                "num_reqs": len(running) + sum(len(group) for group in self._waiting),
-                "num_waiting_reqs": sum(len(group) for group in self._waiting),
-                "num_tokens": sum(len(req.seq.tokens) for req in running if req.seq is not None),
-            }
-
-        return self._call(count)
+        """SGLang's `/get_load` entry of our one scheduler (server_state.load_report)."""
+        return self._call(lambda: load_report(list(self._by_seq.values()), self._waiting))
 
     def pause(self, mode: str) -> dict[str, Any]:
         self._call(lambda: self._pause(mode))
@@ -253,8 +208,29 @@ class ModelService:
         """Abort the requests whose id starts with `rid` (none when it is empty), or all of them."""
         self._call(lambda: self._abort(lambda req: abort_all or (bool(rid) and req.rid.startswith(rid)), "Aborted"))
 
+    def release_memory(self, tags: list[str] | None) -> None:
+        """SGLang's `/release_memory_occupation` (server_state.MemoryOccupation): refused unless idle; releasing
+        `kv_cache` flushes the prefix cache, as SGLang flushes its radix cache."""
+
+        def release() -> None:
+            if "kv_cache" in self.memory.release(tags, busy=self.engine.busy or bool(self._waiting)):
+                self.engine.flush_prefix_cache()
+
+        self._call(release)
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        self._call(lambda: self.memory.resume(tags))
+
     def flush_cache(self) -> bool:
-        return self._call(lambda: not (self.engine.busy or self._waiting))
+        """SGLang's `/flush_cache`: empty the prefix cache, unless requests run or wait (then False, nothing done)."""
+
+        def flush() -> bool:
+            if self.engine.busy or self._waiting:
+                return False
+            self.engine.flush_prefix_cache()
+            return True
+
+        return self._call(flush)
 
     def health_generate(self) -> bool:
         if not self.alive:
@@ -262,7 +238,7 @@ class ModelService:
         if self.paused_mode is not None or self.engine.busy:
             return True  # SGLang: a busy server answering other requests is healthy
         prompt = [self.engine.arch.eos_token_ids[0] if self.engine.arch.eos_token_ids else 0]
-        req = _Request(f"HEALTH_CHECK_{time.time()}", prompt, SamplingParams(max_new_tokens=1, top_k=1), 0)
+        req = ServeRequest(f"HEALTH_CHECK_{time.time()}", prompt, SamplingParams(max_new_tokens=1, top_k=1), 0)
         self._call(lambda: self._waiting.append([req]), wait=False)
         done, _ = futures_wait([req.done], timeout=HEALTH_TIMEOUT_S)
         return bool(done)
@@ -283,47 +259,6 @@ class ModelService:
         self._commands.put((fn, future))
         return future.result() if future is not None else None
 
-    def _rid(self, request: GenerateRequest, b: int, i: int, batch: int) -> str:
-        if request.rids is None:
-            return uuid.uuid4().hex
-        return request.rids[b if len(request.rids) == batch else i * batch + b]
-
-    def _keys(self, seed: int | None, n: int) -> list[int]:
-        import torch
-
-        from rollout_workers.embedded.engine import _splitmix64  # the engine's own sample-key derivation
-
-        generator = torch.Generator().manual_seed(seed) if seed is not None else self._random
-        base = int(torch.randint(0, 1 << 62, (1,), generator=generator))
-        return [_splitmix64(base ^ _splitmix64(i + 1)) for i in range(n)]
-
-    def _check(self, ids: list[int], sampling: SamplingParams) -> None:
-        if not ids:
-            raise BadRequest("input_ids cannot be empty.")
-        vocab = self.engine.arch.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise BadRequest(f"input_ids must lie in [0, {vocab}) (the model's vocab_size)")
-        limit = self.engine.max_seq_len
-        if len(ids) + sampling.max_new_tokens > limit:
-            raise BadRequest(
-                f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
-                f"You requested a total of {len(ids) + sampling.max_new_tokens} tokens: {len(ids)} "
-                f"tokens from the input messages and {sampling.max_new_tokens} tokens for the completion."
-            )
-
-    def _engine_params(self, sampling: SamplingParams) -> EngineSamplingParams:
-        from rollout_workers.engine import SamplingParams as EngineSamplingParams
-
-        greedy = sampling.temperature < 1e-6  # SGLang: temperature 0 is top_k=1 at temperature 1
-        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.engine.arch.eos_token_ids))
-        return EngineSamplingParams(
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=1.0 if greedy else sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=1 if greedy else max(sampling.top_k, 0),
-            stop_token_ids=tuple(sorted(stops)) or (-1,),  # (-1,): stop on nothing (the engine reads () as EOS)
-        )
-
     def _load(self, model_dir: str):
         from quant_sync.update import WeightUpdate
         from rollout_workers.sglang_api.checkpoint import checkpoint_scheme, read_tensors, rollout_tensors
@@ -339,13 +274,16 @@ class ModelService:
         if label is not None and label.lstrip("-").isdigit() and int(label) > self.engine.version:
             version = int(label)
         update.version = version
+        if self.lora is not None:  # --enable-lora: the engine's adapter stays on top of the new base
+            update = self.lora.on_base(update)
         self.engine.stage_weights(update)
+        self.weight_bytes = sum(tensor.numel() * tensor.element_size() for tensor in update.tensors.values())
         self.engine.swap_now(recompute_kv=recompute_kv)
         self._labels[version] = label if label is not None else (previous or str(version))
         self.updates += 1
         return version
 
-    def _response(self, req: _Request, return_logprob: bool, text_in_logprobs: bool) -> dict[str, Any]:
+    def _response(self, req: ServeRequest, return_logprob: bool, text_in_logprobs: bool) -> dict[str, Any]:
         completion = req.seq.completion if req.seq is not None else None
         tokens = list(completion.response_ids) if completion else []
         logps = list(completion.behav_logp) if completion else []
@@ -366,7 +304,7 @@ class ModelService:
             "weight_version": self.weight_version,
             "num_retractions": req.retractions,
             "completion_tokens": len(tokens),
-            "cached_tokens": 0,
+            "cached_tokens": req.seq.cached_tokens if req.seq is not None else 0,  # prefix-cache hits
             "e2e_latency": time.time() - req.started,
             protocol.WEIGHT_VERSIONS_KEY: protocol.version_spans([self._labels.get(v, str(v)) for v in versions]),
         }
@@ -392,6 +330,7 @@ class ModelService:
                 self._admit()
             if self.paused_mode is not None or not self.engine.busy:
                 continue
+            started = time.perf_counter()
             try:
                 finished = self.engine.step()
             except Exception:  # a broken step fails its requests; the server keeps answering
@@ -399,6 +338,7 @@ class ModelService:
                 print(f"asyncrl serve: step failed:\n{message}", file=sys.stderr, flush=True)
                 self._abort(lambda req: True, f"engine step failed: {message.splitlines()[-1]}", status=500)
                 continue
+            self.throughput.add(self.engine.num_active + len(finished), time.perf_counter() - started)
             for seq in finished:
                 req = self._by_seq.pop(id(seq), None)
                 if req is not None:
@@ -430,7 +370,7 @@ class ModelService:
                 return
 
     def _admit(self) -> None:
-        while self._waiting:
+        while self._waiting and (self.lora is None or self.lora.admit(self._waiting[0][0])):  # LoRA: one adapter a step
             group = self._waiting.pop(0)
             first = group[0]
             try:
@@ -448,7 +388,7 @@ class ModelService:
                 continue
             seqs = self.engine.submit(
                 first.prompt,
-                self._engine_params(first.sampling),
+                engine_params(first.sampling, self.engine.stop_token_ids),
                 [req.key for req in group],
                 top_logprobs_num=first.top_logprobs_num if first.return_logprob else 0,
                 min_new_tokens=first.sampling.min_new_tokens,
@@ -460,23 +400,14 @@ class ModelService:
     def _stop_on_strings(self) -> None:
         """End the running requests whose output text now holds one of their `stop` strings (SGLang's stop strings:
         finish_reason `{"type": "stop", "matched": <the string>}`; the text is trimmed in `_response`)."""
-        ended = []
-        for req in self._by_seq.values():
-            stops = req.sampling.stop_strings
-            if not stops or req.seq is None or req.seq.completion is not None:
-                continue
-            text = self.tokenizer.decode(req.seq.response, skip_special_tokens=req.sampling.skip_special_tokens)
-            hits = [(text.find(stop), stop) for stop in stops if stop in text]
-            if hits:
-                req.finish = protocol.finish_stop(min(hits)[1])
-                ended.append(req)
+        ended = stop_string_hits(self._by_seq.values(), self.tokenizer)
         if ended:
             self.engine.abort([req.seq for req in ended])
             for req in ended:
                 self._by_seq.pop(id(req.seq), None)
                 req.settle()
 
-    def _abort(self, match: Callable[[_Request], bool], message: str, status: int | None = None) -> int:
+    def _abort(self, match: Callable[[ServeRequest], bool], message: str, status: int | None = None) -> int:
         reason = protocol.finish_abort(message, status)
         hits = [req for group in self._waiting for req in group if match(req)]
         self._waiting = [[req for req in group if not match(req)] for group in self._waiting]

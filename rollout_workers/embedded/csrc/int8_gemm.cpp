@@ -1,8 +1,10 @@
 // Exact W8A8 INT8 kernels for the embedded engine: per-token activation quantization, an int8 x int8 -> int32 GEMM
-// (AVX512-VNNI, AVX2, or portable C++) and the fp32 epilogue, with the numerics of quant_sync's quantized_linear.
+// (AVX512-VNNI, AVX-VNNI, AVX2, ARM i8mm / dotprod, or portable C++) and the fp32 epilogue, with the numerics of
+// quant_sync's quantized_linear.
 //
-// Built once per machine by rollout_workers/embedded/int8_linear.py with the system C++ compiler (no torch headers:
-// about 2 s) and called through ctypes. Plain C ABI; every pointer is to contiguous memory. Compiled with
+// Built once per machine by rollout_workers/embedded/native_build.py with the system C++ compiler (no torch headers:
+// 2 s idle, up to 25 s on a loaded 2-core machine; `asyncrl up` builds it before the workers start) and called
+// through ctypes from int8_linear.py. Plain C ABI; every pointer is to contiguous memory. Compiled with
 // -ffp-contract=off: every fp32 product and sum below is rounded on its own, as the torch reference rounds it. Each
 // ISA's code carries its own target attribute and runs only where cpuid has it (i8_has_isa), so one build serves
 // every x86 CPU.
@@ -26,6 +28,25 @@
 // the +128 offset. Untested: written to Arm's documented intrinsics and compile-checked for aarch64, but no ARM
 // machine runs this project's tests; it is admitted only after int8_linear.py's exactness self-test.
 //
+// The AVX-VNNI path (ISA 4: VEX-encoded 256-bit vpdpbusd, _mm256_dpbusd_avx_epi32, on CPUs with AVX-VNNI but no
+// AVX-512: Intel Alder Lake and later client cores, Zen 5 with AVX-512 off) runs the VNNI path's arithmetic on
+// 8-lane vectors: the same packed layout (w + 128 in groups of 4) and the same 128 * sum(q) compensation, one panel
+// of 16 columns (two vectors) by 4 rows per micro-kernel: 8 accumulators and 3 operands in the 16 ymm registers
+// (such CPUs have no zmm registers). Untested on such a CPU (none here): written to Intel's documented intrinsic
+// and compile-checked (gcc 12, clang); it is admitted only where cpuid has AVX-VNNI (leaf 7, subleaf 1, EAX bit 4)
+// and int8_linear.py's exactness self-test passes. ISA 5 runs the very same micro-kernel with vpdpbusd emulated by
+// AVX2 (both operands widened to int16, vpmaddwd on even and odd bytes, exact) so that its layout, tails,
+// compensation and epilogue are tested bit for bit here; it is a test path only.
+//
+// The ARM i8mm path (ISA 6, Armv8.6 I8MM: Neoverse V1/N2, Graviton 3+, Apple M2+) multiplies 2 activation rows by
+// 2 weight columns over 8 inputs per smmla (vmmlaq_s32: a 2x8 by 8x2 int8 product added to a 2x2 int32 block,
+// exact), on its own layout: K padded to a multiple of 8, and per panel of 16 columns and group of 8 inputs k8, the
+// 8 column pairs j, each 16 bytes (column 2j's 8 inputs, then column 2j + 1's):
+//   packed[((p * (kp / 8) + k8) * 8 + j) * 16 + h * 8 + i] = w[16 p + 2 j + h, 8 k8 + i]   (0 beyond N or K).
+// Untested: written to Arm's documented intrinsic and compile-checked for aarch64 (clang), never run (no ARM machine
+// here); admitted only where HWCAP2_I8MM is set and the self-test passes. ISA 7 runs the same layout, row pairing
+// and epilogue with smmla emulated in portable C++ (a test path), bit for bit against the reference here.
+//
 // Packed weight layout of the AVX2 and portable paths (i8_pack): N padded to a multiple of 16 ("panels" of 16 output columns), K
 // padded with zeros to a multiple of 4 (kp); panel p holds, for each pair of inputs k2, 16 columns x 2 bytes:
 //   packed[((p * (kp / 2) + k2) * 16 + c) * 2 + j] = w[16 p + c, 2 k2 + j]   (0 beyond N or K).
@@ -39,6 +60,17 @@
 #define I8_X86 1
 #define I8_AVX2 __attribute__((target("avx2,fma")))
 #define I8_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+#include <cpuid.h>
+#if defined(__clang__)
+#if __clang_major__ >= 12
+#define I8_AVXVNNI_COMPILER 1
+#endif
+#elif defined(__GNUC__) && __GNUC__ >= 11
+#define I8_AVXVNNI_COMPILER 1  // GCC 11 brought -mavxvnni and _mm256_dpbusd_avx_epi32
+#endif
+#ifdef I8_AVXVNNI_COMPILER
+#define I8_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#endif
 #endif
 
 #if defined(__aarch64__)
@@ -53,12 +85,30 @@
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
 #endif
+#if defined(__clang__)
+#define I8_I8MM __attribute__((target("i8mm")))
+#else
+#define I8_I8MM __attribute__((target("+i8mm")))
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
 #endif
 
 #define I8_ISA_PORTABLE 0
 #define I8_ISA_AVX2 1
 #define I8_ISA_VNNI 2
 #define I8_ISA_DOTPROD 3
+#define I8_ISA_AVXVNNI 4
+#define I8_ISA_AVXVNNI_EMULATED 5  // ISA 4's micro-kernel with vpdpbusd emulated by AVX2: a test path
+#define I8_ISA_I8MM 6
+#define I8_ISA_I8MM_EMULATED 7  // ISA 6's layout and epilogue with smmla emulated in portable C++: a test path
+
+inline bool mmla_layout(int isa) { return isa == I8_ISA_I8MM || isa == I8_ISA_I8MM_EMULATED; }
+
+inline bool vnni_layout(int isa) {  // w + 128 in groups of 4 inputs, a 128 * sum(q) compensation
+  return isa == I8_ISA_VNNI || isa == I8_ISA_AVXVNNI || isa == I8_ISA_AVXVNNI_EMULATED;
+}
 
 namespace {
 
@@ -324,6 +374,109 @@ I8_VNNI void gemm_vnni(const VnniCall& a, int threads) {
     }
   }
 }
+// ------------------------------------------------------------------------------------------------ AVX-VNNI
+// One row's 16 exact sums (acc - comp) through the epilogue: raw int32 (out_s32) or fl(fl(float * s_x) * s_w)
+// (+ bias), for the `valid` leading columns of the panel starting at column col.
+I8_AVX2 inline void row_epilogue_avx2(const VnniCall& a, int64_t row, int64_t col, const __m256i sums[2]) {
+  const int64_t valid = min64(kPanel, a.n - col);
+  const __m256i offset = _mm256_set1_epi32(a.comp[row]);
+  alignas(32) int32_t exact[kPanel];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(exact), _mm256_sub_epi32(sums[0], offset));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(exact + 8), _mm256_sub_epi32(sums[1], offset));
+  if (a.out_s32) {
+    std::memcpy(a.out_s32 + row * a.out_stride + col, exact, valid * sizeof(int32_t));
+    return;
+  }
+  float* out = a.out + row * a.out_stride + col;
+  if (valid == kPanel) {
+    const __m256 s = _mm256_set1_ps(a.sx[row]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i e = _mm256_load_si256(reinterpret_cast<const __m256i*>(exact + 8 * h));
+      __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(e), s), _mm256_loadu_ps(a.sw + col + 8 * h));
+      if (a.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + col + 8 * h));
+      _mm256_storeu_ps(out + 8 * h, v);
+    }
+    return;
+  }
+  for (int64_t c = 0; c < valid; ++c) {
+    const float v = static_cast<float>(exact[c]) * a.sx[row] * a.sw[col + c];
+    out[c] = a.bias ? v + a.bias[col + c] : v;
+  }
+}
+
+// vpdpbusd on AVX2 alone: acc + the sums of each lane's 4 products (unsigned bytes of u) x (signed bytes of s).
+// Exact: the even and odd bytes are widened to int16 lanes and vpmaddwd sums pairs of their products in int32
+// (at most 2 x 255 x 128 = 65,280 in magnitude), so no step saturates.
+I8_AVX2 inline __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
+  const __m256i low_bytes = _mm256_set1_epi16(0x00FF);
+  const __m256i u_even = _mm256_and_si256(u, low_bytes), u_odd = _mm256_srli_epi16(u, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+  const __m256i pairs = _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd));
+  return _mm256_add_epi32(acc, pairs);
+}
+
+// rows [m, m + MR) against panel p: the whole K loop in 2 * MR accumulators (columns 0-7, 8-15), then the epilogue.
+// AVXVNNI_BLOCK(name, target, dot) defines the micro-kernel once per dot product (the real VEX vpdpbusd, with its
+// own target attribute, or the AVX2 emulation), so that each is compiled only for the ISA it runs on.
+#define I8_AVXVNNI_BLOCK(NAME, TARGET, DOT)                                                              \
+  template <int MR>                                                                                      \
+  TARGET void NAME(const VnniCall& a, int64_t m, int64_t p) {                                            \
+    const int8_t* q = a.q + m * a.kp;                                                                    \
+    const uint8_t* panel = a.packed + p * a.kp * kPanel;                                                 \
+    __m256i acc[MR][2];                                                                                  \
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();                         \
+    for (int64_t k4 = 0; k4 < a.kp / 4; ++k4) {                                                          \
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64));         \
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64 + 32));    \
+      for (int r = 0; r < MR; ++r) {                                                                     \
+        int32_t four;                                                                                    \
+        std::memcpy(&four, q + r * a.kp + k4 * 4, 4);                                                    \
+        const __m256i xb = _mm256_set1_epi32(four);                                                      \
+        acc[r][0] = DOT(acc[r][0], w0, xb);                                                              \
+        acc[r][1] = DOT(acc[r][1], w1, xb);                                                              \
+      }                                                                                                  \
+    }                                                                                                    \
+    for (int r = 0; r < MR; ++r) row_epilogue_avx2(a, m + r, p * kPanel, acc[r]);                       \
+  }
+
+#ifdef I8_AVXVNNI
+I8_AVXVNNI_BLOCK(block_avxvnni, I8_AVXVNNI, _mm256_dpbusd_avx_epi32)
+#endif
+I8_AVXVNNI_BLOCK(block_avxvnni_emulated, I8_AVX2, dpbusd_emulated)
+#undef I8_AVXVNNI_BLOCK
+
+using AvxVnniBlock = void (*)(const VnniCall&, int64_t, int64_t);
+
+// every panel (split over OpenMP threads) in row blocks of 4, then the 1-3 rows left, with one micro-kernel family
+void gemm_avxvnni(const VnniCall& a, int threads, const AvxVnniBlock blocks[5]) {
+  const int64_t panels = (a.n + kPanel - 1) / kPanel;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    int64_t m = 0;
+    for (; m + 4 <= a.rows; m += 4) blocks[4](a, m, p);
+    if (m < a.rows) blocks[a.rows - m](a, m, p);
+  }
+}
+
+const AvxVnniBlock kAvxVnniEmulated[5] = {nullptr, block_avxvnni_emulated<1>, block_avxvnni_emulated<2>,
+                                          block_avxvnni_emulated<3>, block_avxvnni_emulated<4>};
+#ifdef I8_AVXVNNI
+const AvxVnniBlock kAvxVnni[5] = {nullptr, block_avxvnni<1>, block_avxvnni<2>, block_avxvnni<3>, block_avxvnni<4>};
+#endif
+
+bool has_avx_vnni() {  // cpuid leaf 7, subleaf 1: EAX bit 4
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 4) & 1u);
+}
+
+// The product of a VNNI-layout ISA (2, 4 or 5) on int8 q with its compensation: fp32 outputs or raw int32
+void gemm_vnni_layout(int isa, const VnniCall& a, int threads) {
+  if (isa == I8_ISA_VNNI) return gemm_vnni(a, threads);
+#ifdef I8_AVXVNNI
+  if (isa == I8_ISA_AVXVNNI) return gemm_avxvnni(a, threads, kAvxVnni);
+#endif
+  gemm_avxvnni(a, threads, kAvxVnniEmulated);
+}
 #endif  // I8_X86
 
 #ifdef I8_ARM
@@ -377,8 +530,95 @@ I8_DOTPROD void gemm_dotprod(const int8_t* q, int64_t rows, int64_t kp, const in
 }
 #endif  // I8_ARM
 
+// ------------------------------------------------------------------------------------------------ i8mm layout
+struct MmlaCall {  // one product's operands (see i8_linear); out or out_s32 is null
+  const int8_t* q;
+  int64_t rows, kp;
+  const int8_t* packed;
+  int64_t n;
+  const float *sx, *sw, *bias;
+  float* out;
+  int32_t* out_s32;
+  int64_t out_stride;
+};
+
+// acc[j] = pair j's 2x2 block (rows m, m + 1 by columns 2j, 2j + 1 of panel p) through the epilogue, for the
+// `row_count` (1 or 2) real rows and the columns below n
+inline void mmla_epilogue(const MmlaCall& a, int64_t m, int64_t p, const int32_t acc[8][4], int row_count) {
+  for (int r = 0; r < row_count; ++r)
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t col = p * kPanel + 2 * j + h;
+        if (col >= a.n) continue;
+        const int32_t exact = acc[j][2 * r + h];
+        if (a.out_s32) {
+          a.out_s32[(m + r) * a.out_stride + col] = exact;
+        } else {
+          const float v = static_cast<float>(exact) * a.sx[m + r] * a.sw[col];
+          a.out[(m + r) * a.out_stride + col] = a.bias ? v + a.bias[col] : v;
+        }
+      }
+}
+
+// smmla in portable C++: acc[2 i + j] += sum_k a[8 i + k] * b[8 j + k]
+inline void smmla_emulated(int32_t acc[4], const int8_t a[16], const int8_t b[16]) {
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      int32_t sum = 0;
+      for (int k = 0; k < 8; ++k) sum += static_cast<int32_t>(a[8 * i + k]) * b[8 * j + k];
+      acc[2 * i + j] += sum;
+    }
+}
+
+// rows m (and m + 1 where row_count is 2; a zero row stands in otherwise) against panel p
+void block_mmla_emulated(const MmlaCall& a, int64_t m, int64_t p, int row_count) {
+  int32_t acc[8][4] = {};
+  const int8_t* panel = a.packed + p * a.kp * kPanel;
+  const int8_t* row0 = a.q + m * a.kp;
+  for (int64_t k8 = 0; k8 < a.kp / 8; ++k8) {
+    int8_t rows2[16] = {};
+    std::memcpy(rows2, row0 + k8 * 8, 8);
+    if (row_count > 1) std::memcpy(rows2 + 8, row0 + a.kp + k8 * 8, 8);
+    for (int j = 0; j < 8; ++j) smmla_emulated(acc[j], rows2, panel + (k8 * 8 + j) * 16);
+  }
+  mmla_epilogue(a, m, p, acc, row_count);
+}
+
+#ifdef I8_ARM
+I8_I8MM void block_i8mm(const MmlaCall& a, int64_t m, int64_t p, int row_count) {
+  int32x4_t acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = vdupq_n_s32(0);
+  const int8_t* panel = a.packed + p * a.kp * kPanel;
+  const int8_t* row0 = a.q + m * a.kp;
+  for (int64_t k8 = 0; k8 < a.kp / 8; ++k8) {
+    const int8x8_t high = row_count > 1 ? vld1_s8(row0 + a.kp + k8 * 8) : vdup_n_s8(0);
+    const int8x16_t rows2 = vcombine_s8(vld1_s8(row0 + k8 * 8), high);
+    for (int j = 0; j < 8; ++j) acc[j] = vmmlaq_s32(acc[j], rows2, vld1q_s8(panel + (k8 * 8 + j) * 16));
+  }
+  alignas(16) int32_t lanes[8][4];
+  for (int j = 0; j < 8; ++j) vst1q_s32(lanes[j], acc[j]);
+  mmla_epilogue(a, m, p, lanes, row_count);
+}
+#endif
+
+void gemm_mmla(int isa, const MmlaCall& a, int threads) {
+  const int64_t panels = (a.n + kPanel - 1) / kPanel;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t m = 0; m < a.rows; m += 2) {
+      const int row_count = a.rows - m >= 2 ? 2 : 1;
+#ifdef I8_ARM
+      if (isa == I8_ISA_I8MM) {
+        block_i8mm(a, m, p, row_count);
+        continue;
+      }
+#endif
+      block_mmla_emulated(a, m, p, row_count);
+    }
+}
+
 bool has_isa(int isa) {
-  if (isa == I8_ISA_PORTABLE) return true;
+  if (isa == I8_ISA_PORTABLE || isa == I8_ISA_I8MM_EMULATED) return true;
 #ifdef I8_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -386,9 +626,14 @@ bool has_isa(int isa) {
   if (isa == I8_ISA_VNNI)
     return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#ifdef I8_AVXVNNI
+  if (isa == I8_ISA_AVXVNNI) return avx2 && has_avx_vnni();
+#endif
+  if (isa == I8_ISA_AVXVNNI_EMULATED) return avx2;
 #endif
 #ifdef I8_ARM
   if (isa == I8_ISA_DOTPROD) return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+  if (isa == I8_ISA_I8MM) return (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
 #endif
   return false;
 }
@@ -460,10 +705,11 @@ void gemm(int isa, const int16_t* q, int64_t rows, int64_t kp, const int8_t* pac
 
 extern "C" {
 
-int i8_abi_version(void) { return 5; }
+int i8_abi_version(void) { return 6; }
 
-// Whether this CPU runs the path `isa` (I8_ISA_*): the portable one always, AVX2 (+ FMA) and AVX512-VNNI (+ F, BW,
-// VL) by cpuid, ARM dotprod by the kernel's HWCAP_ASIMDDP.
+// Whether this CPU runs the path `isa` (I8_ISA_*): the portable one always, AVX2 (+ FMA), AVX512-VNNI (+ F, BW,
+// VL) and AVX-VNNI (where the compiler could build it) by cpuid, the emulated AVX-VNNI path wherever AVX2 runs, ARM
+// dotprod and i8mm by the kernel's HWCAP_ASIMDDP and HWCAP2_I8MM, the emulated i8mm path everywhere.
 int i8_has_isa(int isa) { return has_isa(isa); }
 
 // q[m, :k] = the reference quantizer's int8 row (+ offset: 0, or 128 for oneDNN's unsigned input), zeros to
@@ -493,11 +739,19 @@ void i8_scale_output(const void* acc, int acc_is_int32, int64_t acc_stride, int6
 // out_stride). `threads` > 1 splits the panels over OpenMP threads. Returns 0, or -1 for bad arguments.
 int i8_linear(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride, const int8_t* packed, int64_t n,
               int64_t kp, const float* sw, const float* bias, float* out, int64_t out_stride, int threads) {
-  if (kp % 4 != 0 || kp < k || rows < 0 || n < 0 || !has_isa(isa)) return -1;
+  if (kp % 4 != 0 || kp < k || rows < 0 || n < 0 || !has_isa(isa) || (mmla_layout(isa) && kp % 8 != 0)) return -1;
   thread_local std::vector<float> sx;
   sx.resize(static_cast<size_t>(rows));
+  if (mmla_layout(isa)) {
+    thread_local std::vector<int8_t> q8;
+    q8.resize(static_cast<size_t>(rows * kp));
+    quantize_rows(I8_ISA_PORTABLE, x, rows, k, x_stride, 0, q8.data(), kp, sx.data());
+    const MmlaCall call{q8.data(), rows, kp, packed, n, sx.data(), sw, bias, out, nullptr, out_stride};
+    gemm_mmla(isa, call, threads);
+    return 0;
+  }
 #ifdef I8_X86
-  if (isa == I8_ISA_VNNI) {
+  if (vnni_layout(isa)) {
     thread_local std::vector<int8_t> q8;
     thread_local std::vector<int32_t> comp;
     q8.resize(static_cast<size_t>(rows * kp));
@@ -506,7 +760,7 @@ int i8_linear(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride
     for (int64_t m = 0; m < rows; ++m) comp[m] = 128 * row_sum(q8.data() + m * kp, kp);
     const VnniCall call{q8.data(), rows, kp, reinterpret_cast<const uint8_t*>(packed), n, comp.data(), sx.data(),
                         sw, bias, out, nullptr, out_stride};
-    gemm_vnni(call, threads);
+    gemm_vnni_layout(isa, call, threads);
     return 0;
   }
 #endif
@@ -527,13 +781,22 @@ int i8_linear(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride
 }
 
 // Lay the int8 weight w (n x k, row-major) out for `isa` (see the layouts above): pairs of inputs per column for
-// the AVX2 and portable paths, groups of 4 as w + 128 for VNNI and as w for ARM dotprod; padding columns and inputs
-// hold zero weights.
-// packed holds ceil(n / 16) * 16 * kp bytes; kp >= k, a multiple of 4. Returns 0, or -1 for bad arguments.
+// the AVX2 and portable paths, groups of 4 as w + 128 for VNNI and AVX-VNNI and as w for ARM dotprod, groups of 8
+// by column pairs for i8mm; padding columns and inputs hold zero weights.
+// packed holds ceil(n / 16) * 16 * kp bytes; kp >= k, a multiple of 4 (of 8 for i8mm). Returns 0, or -1 for bad
+// arguments.
 int i8_pack(int isa, const int8_t* w, int64_t n, int64_t k, int64_t kp, uint8_t* packed) {
-  if (kp % 4 != 0 || kp < k || n < 0) return -1;
-  const int64_t group = isa == I8_ISA_VNNI || isa == I8_ISA_DOTPROD ? 4 : 2;
-  const int offset = isa == I8_ISA_VNNI ? 128 : 0;
+  if (kp % 4 != 0 || kp < k || n < 0 || (mmla_layout(isa) && kp % 8 != 0)) return -1;
+  if (mmla_layout(isa)) {  // panel, group of 8 inputs, column pair, column of the pair, input within the group
+    uint8_t* out = packed;
+    for (int64_t p = 0; p < (n + kPanel - 1) / kPanel; ++p)
+      for (int64_t i0 = 0; i0 < kp; i0 += 8)
+        for (int64_t row = p * kPanel; row < (p + 1) * kPanel; ++row)
+          for (int64_t i = i0; i < i0 + 8; ++i) *out++ = static_cast<uint8_t>(row < n && i < k ? w[row * k + i] : 0);
+    return 0;
+  }
+  const int64_t group = vnni_layout(isa) || isa == I8_ISA_DOTPROD ? 4 : 2;
+  const int offset = vnni_layout(isa) ? 128 : 0;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   uint8_t* out = packed;  // written in order: panel, group of inputs, column, input within the group
   for (int64_t p = 0; p < panels; ++p)
@@ -547,14 +810,19 @@ int i8_pack(int isa, const int8_t* w, int64_t n, int64_t k, int64_t kp, uint8_t*
 // kp, zero padding) and the weight packed as above.
 int i8_gemm_s32(int isa, const int8_t* q, int64_t rows, int64_t kp, const int8_t* packed, int64_t n, int32_t* acc,
                 int64_t acc_stride) {
-  if (kp % 4 != 0 || rows < 0 || n < 0 || !has_isa(isa)) return -1;
+  if (kp % 4 != 0 || rows < 0 || n < 0 || !has_isa(isa) || (mmla_layout(isa) && kp % 8 != 0)) return -1;
+  if (mmla_layout(isa)) {
+    const MmlaCall call{q, rows, kp, packed, n, nullptr, nullptr, nullptr, nullptr, acc, acc_stride};
+    gemm_mmla(isa, call, 1);
+    return 0;
+  }
 #ifdef I8_X86
-  if (isa == I8_ISA_VNNI) {
+  if (vnni_layout(isa)) {
     std::vector<int32_t> comp(static_cast<size_t>(rows));
     for (int64_t m = 0; m < rows; ++m) comp[m] = 128 * row_sum(q + m * kp, kp);
     const VnniCall call{q,       rows,    kp,      reinterpret_cast<const uint8_t*>(packed), n, comp.data(), nullptr,
                         nullptr, nullptr, nullptr, acc, acc_stride};
-    gemm_vnni(call, 1);
+    gemm_vnni_layout(isa, call, 1);
     return 0;
   }
 #endif

@@ -224,6 +224,20 @@ def test_report_marks_failed_and_unfinished_runs(tmp_path):
     assert results["pngs"] == []
 
 
+def test_report_held_out_falls_back_to_the_greedy_episodes_of_multi_turn_runs(tmp_path):
+    # A run with an environment (env.fn) has no single-turn greedy decode: its summary has eval/acc_greedy_rollout.
+    study = load_study(_study_file(tmp_path, "overrides: [train.steps=2]\ncells: {a: []}\n"), root=tmp_path / "out")
+    single, multi = study.runs
+    rows = [_step(s, kl=0.0, w=1.0, acc=0.5) for s in range(2)]
+    _fake_run(single.run_dir, rows, {"steps": 2, "stopped_early": False, "eval/acc_greedy": 0.25,
+                                     "eval/acc_greedy_rollout": 0.75})  # fmt: skip
+    _fake_run(multi.run_dir, rows, {"steps": 2, "stopped_early": False, "eval/acc_greedy_rollout": 0.75})
+    results = write_report(study)
+    assert [(r["eval/key"], r["eval/acc_greedy"]) for r in results["rows"]] == [
+        ("eval/acc_greedy", 0.25), ("eval/acc_greedy_rollout", 0.75)]  # fmt: skip
+    assert "| a | 0.500 ± 0.000 | 0.500 ± 0.354 |" in (study.out_dir / "table.md").read_text()
+
+
 def test_extra_metric_stats():
     steps = [{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 0.0}, {"a": None, "b": 1.0}, {"a": 5.0, "b": 5.0}]
     assert extra_metric(steps, "a") == 3.0

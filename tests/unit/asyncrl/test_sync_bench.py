@@ -16,7 +16,9 @@ def test_the_lora_sync_rows_count_the_adapter_version_against_the_full_int8_one(
     rows = sync_bench._lora_sync(model)
     state = model.state_dict()
     full = export_rollout_tensors(state, "int8", quantize_head=True)
-    adapters = lora_adapter_tensors(state)
+    adapters = lora_adapter_tensors(state, sync_dtype=sync_bench.LORA_SYNC_DTYPE)
     assert rows["big_full_version_bytes"] == sum(t.nbytes for t in full.values())
     assert rows[f"big_lora{LORA_RANK}_version_bytes"] == sum(t.nbytes for t in adapters.values())
+    fp32, bf16, int8 = (rows[f"big_lora{LORA_RANK}_{dtype}_version_bytes"] for dtype in ("fp32", "bf16", "int8"))
+    assert int8 < 0.3 * fp32 and bf16 < 0.55 * fp32  # int8: 1 byte a value plus one float32 scale per rank component
     assert rows["big_full_publish_call_s"] > 0 and rows[f"big_lora{LORA_RANK}_publish_call_s"] > 0

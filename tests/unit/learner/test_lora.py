@@ -86,11 +86,15 @@ def test_a_lora_step_moves_the_adapters_and_nothing_else():
     assert with_state and all("lora_" in name for name in with_state)  # no AdamW moments for the frozen base
 
 
-@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "zmq"])
-def test_learner_logp_equals_the_engines_with_adapters_and_late_workers_catch_up(use_shm):
+@pytest.mark.parametrize(
+    ("use_shm", "sync_dtype"), [(True, "fp32"), (False, "fp32"), (True, "int8"), (False, "bf16")],
+    ids=["shm-fp32", "zmq-fp32", "shm-int8", "zmq-bf16"],
+)  # fmt: skip
+def test_learner_logp_equals_the_engines_with_adapters_and_late_workers_catch_up(use_shm, sync_dtype):
     """With the base quantized (int8) and lora_base=rollout, the learner's fp32 log-probs equal the engine's to 1e-5
-    with nonzero adapters; later versions carry only the adapters; a worker that joins late gets base + adapters."""
-    learner, model_dir = _learner()
+    with nonzero adapters; later versions carry only the adapters; a worker that joins late gets base + adapters.
+    With adapters sent in int8 or bf16 (`model.lora.sync_dtype`) the learner runs the very rounded values."""
+    learner, model_dir = _learner(f"model.lora.sync_dtype={sync_dtype}")
     engines, subscribers = [EmbeddedEngine(model_dir, seed=0)], []
     try:
         subscribers.append(
@@ -100,8 +104,10 @@ def test_learner_logp_equals_the_engines_with_adapters_and_late_workers_catch_up
         full_bytes = sum(t.nbytes for t in subscribers[0].base.tensors.values())
         _perturb_adapters(learner.model)
         metrics = learner._publish(1)
-        adapter_bytes = sum(t.nbytes for t in lora.adapter_tensors(learner.model).values())
+        adapter_bytes = sum(t.nbytes for t in lora.adapter_tensors(learner.model, sync_dtype).values())
         assert metrics["sync/bytes_per_version"] == adapter_bytes < full_bytes / 2  # the adapters alone travel
+        fp32_bytes = sum(t.nbytes for t in lora.adapter_tensors(learner.model).values())
+        assert adapter_bytes <= {"fp32": 1.0, "bf16": 0.55, "int8": 0.3}[sync_dtype] * fp32_bytes
         assert metrics["lora/norm_B"] > 0 and metrics["sync/publish_s"] > 0 and "norm_quant_err" in metrics
         assert subscribers[0].wait_for(1, 20) and subscribers[0].rejected == 0
         assert engines[0].apply_staged() and engines[0].version == 1
@@ -117,6 +123,17 @@ def test_learner_logp_equals_the_engines_with_adapters_and_late_workers_catch_up
         print(f"lora gaps: aligned {aligned_gap:.2e}, fp32 base {full_gap:.2e}, no adapters {no_adapter_gap:.2e}")
         assert aligned_gap <= 1e-5 and full_gap > 100 * aligned_gap and no_adapter_gap > 100 * aligned_gap, (
             aligned_gap, full_gap, no_adapter_gap)  # fmt: skip
+        rounded = [m for m in learner.model.modules() if isinstance(m, lora.RoundedLinear)]
+        assert len(rounded) == (0 if sync_dtype == "fp32" else 2 * len(lora.lora_layers(learner.model)))
+        assert lora.round_adapters(learner.model, sync_dtype) == len(rounded)  # again: the same ones, none added
+        if rounded:  # the rounding matters: the fp32 masters' forward misses the engine by far more than 1e-5
+            for module in rounded:
+                module.sync_dtype = "fp32"
+            master_gap = _max_gap(learner.model, completions)
+            for module in rounded:
+                module.sync_dtype = sync_dtype
+            print(f"lora {sync_dtype}: the fp32 masters' gap {master_gap:.2e}")
+            assert master_gap > 10 * max(aligned_gap, 1e-7), (master_gap, aligned_gap)
 
         _perturb_adapters(learner.model, seed=1)
         learner._publish(2)
@@ -138,11 +155,15 @@ def test_learner_logp_equals_the_engines_with_adapters_and_late_workers_catch_up
         learner.close()
 
 
-def test_resume_restores_the_adapters_and_final_is_a_peft_directory_of_the_original_model(tmp_path):
+@pytest.mark.parametrize("sync_dtype", ["fp32", "int8"])
+def test_resume_restores_the_adapters_and_final_is_a_peft_directory_of_the_original_model(tmp_path, sync_dtype):
+    """int8 adapters: final/ holds the rounded values the model ran (peft gives its log-probs) and the fp32 masters
+    beside them, which resume restores."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    learner, model_dir = _learner()  # quant.uaq.scale = 1.5: the saved A of q/k/v/gate/up carry the factor
+    overrides = (f"model.lora.sync_dtype={sync_dtype}",)
+    learner, model_dir = _learner(*overrides)  # quant.uaq.scale = 1.5: the saved A of q/k/v/gate/up carry the factor
     try:
         _perturb_adapters(learner.model)
         for param in learner.model.parameters():
@@ -161,7 +182,8 @@ def test_resume_restores_the_adapters_and_final_is_a_peft_directory_of_the_origi
     finally:
         learner.close()
     assert (tmp_path / "final" / "adapter_config.json").is_file() and not (tmp_path / "final" / "config.json").exists()
-    cfg = load_config(None, ["model.path=builtin:micro", "model.lora.rank=4", "quant.scheme=int8"])
+    assert (tmp_path / "final" / lora.MASTER_FILE).is_file() == (sync_dtype != "fp32")
+    cfg = load_config(None, ["model.path=builtin:micro", "model.lora.rank=4", "quant.scheme=int8", *overrides])
     checkpoint = str(tmp_path / "ckpt")
     resumed = Learner(
         to_dict(LearnerSections.pick(cfg)), model_dir, "tcp://127.0.0.1:9", resume_dir=checkpoint, start_version=1
@@ -184,13 +206,15 @@ def test_resume_restores_the_adapters_and_final_is_a_peft_directory_of_the_origi
     assert not any("lora" in name for name, _ in merged.named_parameters()) and merged_dir.endswith("final-merged")
     torch.testing.assert_close(_logp(merged, prompt, response), trained_fp32_logp, rtol=0, atol=1e-5)
     assert (tmp_path / "final-merged" / "tokenizer_config.json").is_file()
+    assert not (tmp_path / "final-merged" / lora.MASTER_FILE).exists()
     with pytest.raises(FileNotFoundError, match="not a peft adapter directory"):
         lora.merge_adapters(model_dir, tmp_path / "final-merged", tmp_path / "again")
 
 
 def test_lora_config_rules():
-    with pytest.raises(ConfigError, match="learner.world_size=1"):
-        load_config(None, ["model.lora.rank=8", "learner.world_size=2"])
+    load_config(None, ["model.lora.rank=8", "learner.world_size=2"])  # LoRA under FSDP2 (test_lora_fsdp.py)
+    with pytest.raises(ConfigError, match="model.lora.sync_dtype"):
+        load_config(None, ["model.lora.rank=8", "model.lora.sync_dtype=fp8"])
     with pytest.raises(ConfigError, match="lora_base=rollout"):
         load_config(None, ["model.lora.rank=8", "quant.scheme=none", "learner.lora_base=rollout"])
     with pytest.raises(ConfigError, match="merge_lora=true"):

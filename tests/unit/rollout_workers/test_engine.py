@@ -208,7 +208,7 @@ def test_n_samples_share_one_prefill_and_match_hf(tmp_path):
     engine = engine_for(model, tmp_path)
     prefills = []
     original = engine._prompts
-    engine._prompts = lambda groups, first: prefills.append(len(groups)) or original(groups, first)
+    engine._prompts = lambda groups, *rest: prefills.append(len(groups)) or original(groups, *rest)
     prompts = [p for p in PROMPTS[:3] for _ in range(4)]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=11))
     assert prefills == [3]  # one prefill row per distinct prompt
@@ -468,7 +468,8 @@ def test_the_embedded_engine_answers_the_whole_engine_protocol(tmp_path):
     engine = engine_for(make_model(tmp_path, "llama"), tmp_path, max_seq_len=64)
     assert isinstance(engine, Engine)
     assert engine.stop_token_ids == (1,) and engine.max_seq_len == 64  # the model's eos_token_id; min(64, 128)
-    assert (engine.version, engine.swaps, engine.build_errors, engine.stats()) == (-1, 0, 0, {})
+    counters = {"prefill_tokens": 0, "prefix_cached_tokens": 0, "prefix_hits": 0}  # the prefix cache's
+    assert (engine.version, engine.swaps, engine.build_errors, engine.stats()) == (-1, 0, 0, counters)
     engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))  # swaps version 0 in
     assert (engine.version, engine.swaps) == (0, 1)
     engine.close()

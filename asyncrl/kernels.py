@@ -1,0 +1,115 @@
+"""Compile the embedded engine's C++ kernels once per machine, in the driver, before the rollout workers start.
+
+The rollout workers load small C++ libraries (`rollout_workers/embedded/csrc/*.cpp`, built and cached by
+`native_build.py`). Built inside the workers, a first run sat for 10-60 s (2 cores, with or without neighbours)
+with nothing on the console, every worker compiling the same files at once. `compile_kernels` builds the ones the
+config will load (`kernel_sources`), two at a time, with a line per kernel and its elapsed time on a terminal
+(`console.KernelBuilds`) and plain lines elsewhere; the workers then find them in the cache. A second start finds
+every one cached and prints nothing. A kernel that does not compile is not fatal, as in the workers: its error
+(the kernel, the compiler and the compiler's own message) and the slower path the engine runs instead are printed
+to stderr, and the run goes on. Torch-free: the driver imports no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.console import KernelBuilds
+from rollout_workers.embedded.native_build import KernelBuildError, build_library, compiler, kernel_target
+
+FALLBACKS = {
+    "fused_decode.cpp": "torch ops for RMSNorm, RoPE, decode attention and the fp32 linears (more per-token work)",
+    "weight_only.cpp": "weight-only linears dequantized tile by tile with torch (several times slower)",
+    "int8_gemm.cpp": "int8 linears on oneDNN's u8 x s8 GEMM, or on the torch reference where oneDNN is inexact",
+    "fp8_gemm.cpp": "FP8 linears on the torch reference (e4m3 values as fp32, torch's matmul)",
+    "lora_gemm.cpp": "LoRA adapters on torch's GEMMs",
+}
+"""What the engine runs instead of each library when it is missing (each kernel module's own fallback)."""
+PARALLEL_BUILDS = 2
+"""Compiles at once (each is one single-threaded compiler process): the machines here have 2 cores."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """One kernel's outcome: compiled now (`seconds`), found in the cache, or failed (`error`)."""
+
+    source_name: str
+    cached: bool
+    seconds: float = 0.0
+    error: str = ""
+
+
+def kernel_sources(cfg: Any) -> tuple[str, ...]:
+    """The `csrc/` sources the rollout workers of `cfg` will load: none off the embedded engine on CPU; else the
+    fused decode ops and the weight-only / fp32 row kernels (every CPU engine), and the scheme's and LoRA's."""
+    rollout = cfg.rollout
+    if rollout.backend != "embedded" or not str(rollout.device).startswith("cpu"):
+        return ()
+    sources = ["fused_decode.cpp", "weight_only.cpp"]
+    scheme = cfg.quant.scheme
+    if scheme == "int8":
+        sources.append("int8_gemm.cpp")
+    if scheme in ("fp8", "fp8_trunc"):
+        sources.append("fp8_gemm.cpp")
+    if cfg.model.lora.rank > 0:
+        sources.append("lora_gemm.cpp")
+    return tuple(sources)
+
+
+def compile_kernels(cfg: Any, sources: tuple[str, ...] | None = None, out: Any = None) -> list[KernelBuild]:
+    """Build every kernel of `sources` (default `kernel_sources(cfg)`) missing from the cache, showing progress on
+    the console (`logging.console` and a terminal: a bar per kernel; else plain lines, or `out(line)` where given).
+    Returns each kernel's outcome; failures are printed to stderr with the fallback the engine will run."""
+    sources = kernel_sources(cfg) if sources is None else sources
+    if not sources:
+        return []
+    try:
+        targets = [kernel_target(name) for name in sources]
+    except RuntimeError as err:  # no compiler on the machine: every library falls back
+        failed = [KernelBuild(name, False, 0.0, str(err)) for name in sources]
+        _report_failures(failed)
+        return failed
+    missing = [target.source_name for target in targets if not target.cached]
+    results = {target.source_name: KernelBuild(target.source_name, True) for target in targets if target.cached}
+    if missing:
+        view = KernelBuilds(cfg.logging.console, out)
+        view.start(missing, compiler())
+        try:
+            with ThreadPoolExecutor(max_workers=PARALLEL_BUILDS, thread_name_prefix="kernel-build") as pool:
+                for build in pool.map(lambda name: _build(name, view), missing):
+                    results[build.source_name] = build
+        finally:
+            view.close()
+    outcome = [results[name] for name in sources]
+    _report_failures([build for build in outcome if build.error])
+    return outcome
+
+
+def _build(source_name: str, view: KernelBuilds) -> KernelBuild:
+    view.compiling(source_name)
+    start = time.monotonic()
+    try:
+        build_library(source_name)
+    except (KernelBuildError, OSError, RuntimeError) as err:
+        message = (
+            f"{err.compiler_name}: {err.message}"
+            if isinstance(err, KernelBuildError)
+            else f"{type(err).__name__}: {err}"
+        )
+        view.finished(source_name, time.monotonic() - start, error="see below")
+        return KernelBuild(source_name, False, time.monotonic() - start, message)
+    seconds = time.monotonic() - start
+    view.finished(source_name, seconds)
+    return KernelBuild(source_name, False, seconds)
+
+
+def _report_failures(failures: list[KernelBuild]) -> None:
+    for build in failures:
+        fallback = FALLBACKS.get(build.source_name, "its torch fallback")
+        message = "\n    ".join(build.error.splitlines())
+        print(f"asyncrl: kernel {build.source_name} did not compile:\n    {message}\n  the rollout engine runs "
+              f"{fallback} instead (slower); set $CXX to another C++ compiler to retry", file=sys.stderr)  # fmt: skip

@@ -1,0 +1,111 @@
+"""Weight versions handed to the embedded engine: checked on the caller's thread, built on the decode thread.
+
+`stage` (any thread) turns a published `WeightUpdate` into the forward's weight map and checks it against the
+model; a newer staged version replaces an older one not yet built. `advance` (the decode thread, between two steps)
+builds the staged version (`ModelWeights.build_in_parts`: fusing q/k/v and gate/up, prepacking int8) for up to a
+time budget and returns it once complete, so that a build neither pauses decoding nor fights it for the GIL from
+another thread. A version whose build fails is dropped (the exception propagates; the running version stays).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight
+from quant_sync.update import WeightUpdate
+from rollout_workers.embedded.model import ArchConfig, ModelWeights, check_weight_shapes, required_weight_names
+from rollout_workers.embedded.weight_only import GroupQuantized
+
+SCALE_SUFFIX = "_scale"
+
+
+def build_weight_map(update: WeightUpdate) -> dict[str, torch.Tensor | QuantizedWeight | GroupQuantized]:
+    """Published tensors -> the forward's weight map: `X.weight` + `X.weight_scale` pairs become QuantizedWeight
+    (W8A8) or GroupQuantized (weight-only: the engine multiplies by them without dequantizing a copy)."""
+    weights: dict[str, torch.Tensor | QuantizedWeight | GroupQuantized] = {}
+    for name, tensor in update.tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        scale = update.tensors.get(name + SCALE_SUFFIX)
+        if scale is not None and update.scheme in WEIGHT_ONLY_BITS:
+            weights[name] = GroupQuantized(q=tensor, scale=scale, scheme=update.scheme)
+        elif scale is not None:
+            weights[name] = QuantizedWeight(q=tensor, scale=scale, scheme=update.scheme)
+        else:
+            weights[name] = tensor.to(torch.float32)
+    return weights
+
+
+class StagedVersions:
+    """The newest staged version and its build in progress (see the module docstring). Thread-safe for `stage`."""
+
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device):
+        self.arch, self.dtype, self.device = arch, dtype, device
+        self._lock = threading.Lock()
+        self._staged: tuple[int, dict] | None = None
+        self._building: tuple[int, Iterator[ModelWeights | None]] | None = None
+        self._build_s = 0.0
+        self.last_build_s = 0.0
+        """Decode-thread time the last completed build took (summed over its slices)."""
+
+    @property
+    def pending(self) -> bool:
+        return self._staged is not None
+
+    def stage(self, update: WeightUpdate) -> None:
+        """Check `update` against the model (KeyError / ValueError naming the weight) and stage it if newer."""
+        weight_map = build_weight_map(update)
+        missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
+        if missing:
+            raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
+        try:
+            check_weight_shapes(self.arch, weight_map)
+        except ValueError as err:
+            raise ValueError(f"version {update.version} does not fit the model: {err}") from None
+        with self._lock:
+            if self._staged is None or update.version > self._staged[0]:
+                self._staged = (update.version, weight_map)
+
+    def advance(self, running_version: int, budget_s: float) -> tuple[int, ModelWeights] | None:
+        """Build the staged version for up to `budget_s` seconds; (version, weights) once complete, else None. A
+        version not newer than `running_version` is dropped."""
+        with self._lock:
+            staged = self._staged
+        if staged is None:
+            return None
+        version, weight_map = staged
+        if version <= running_version:
+            self._drop(staged)
+            return None
+        if self._building is None or self._building[0] != version:
+            self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map, self.dtype, self.device))
+            self._build_s = 0.0
+        started = time.perf_counter()
+        part = None
+        try:
+            for part in self._building[1]:
+                if part is not None:
+                    break
+                if time.perf_counter() >= started + budget_s:
+                    return None
+        except Exception:  # a version that cannot be built is dropped; the running one stays
+            self._building = None
+            self._drop(staged)
+            raise
+        finally:
+            self._build_s += time.perf_counter() - started
+        self._building = None
+        self.last_build_s = self._build_s
+        self._drop(staged)
+        if part is None:  # the build ended without weights (cannot happen with build_in_parts): drop the version
+            return None
+        return version, part
+
+    def _drop(self, staged: tuple[int, dict]) -> None:
+        with self._lock:
+            if self._staged is staged:
+                self._staged = None

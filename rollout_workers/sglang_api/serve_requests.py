@@ -1,0 +1,152 @@
+"""One sample of a `/generate` request inside `asyncrl serve` (service.py), and how its SGLang sampling parameters
+become the embedded engine's.
+
+- `ServeRequest` is what the scheduler thread tracks per sample: its prompt, parameters, random key, engine
+  sequence, finish reason and prompt log-probs.
+- `sample_keys` derives a request's per-sample random keys exactly as `EmbeddedEngine.generate` derives them for
+  the copies of a prompt, so a `sampling_seed` request and an engine `generate` with that seed draw the same tokens.
+- `check_prompt` holds the checks that need the model (vocabulary, context length, `logit_bias` ids); the rest of
+  SGLang's `verify()` is in schemas.py.
+- `engine_params` maps SGLang's parameters onto `rollout_workers.engine.SamplingParams`: temperature 0 is top-k 1
+  at temperature 1 (SGLang's greedy), stop tokens are the request's plus EOS unless `ignore_eos`, and the penalties
+  and `logit_bias` pass through (applied by rollout_workers/embedded/penalties.py, SGLang's formulas).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rollout_workers.sglang_api import protocol
+from rollout_workers.sglang_api.protocol import BadRequest
+from rollout_workers.sglang_api.schemas import GenerateRequest, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_workers.engine import SamplingParams as EngineSamplingParams
+
+
+@dataclass(eq=False)
+class ServeRequest:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    key: int
+    """The sample's random key (the engine's per-sample derivation)."""
+    started: float = field(default_factory=time.time)
+    seq: Any = None
+    done: Future = field(default_factory=Future)
+    """Resolved by the scheduler thread when the request finishes or is aborted."""
+    finish: dict[str, Any] | None = None
+    retractions: int = 0
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    """The first prompt position given an input log-prob (-1: the last one), with `return_logprob`."""
+    top_logprobs_num: int = 0
+    input_logprobs: list[float | None] = field(default_factory=list)
+    """Per prompt token from `logprob_start_len` on (SGLang's: the first one is always None)."""
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    adapter: Any = None
+    """The request's LoRA adapter (lora_serve.py), None for the base model."""
+
+    def settle(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def request_groups(
+    request: GenerateRequest, tokenizer: Any, vocab_size: int, max_seq_len: int, generator: torch.Generator
+) -> list[list[ServeRequest]]:
+    """A checked `/generate` request -> one group per prompt: its `n` samples (tokenized, checked, keyed, named)."""
+    groups = []
+    n = request.sampling[0].n
+    for b, (prompt, sampling) in enumerate(zip(request.prompts, request.sampling)):
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt(ids, sampling, vocab_size, max_seq_len)
+        start = request.logprob_start_len[b] if request.logprob_start_len else -1
+        if request.return_logprob and start >= len(ids):
+            raise BadRequest(
+                f"logprob_start_len ({start}) is larger than the number of input tokens ({len(ids)}). "
+                "Request with a lower logprob_start_len."
+            )
+        keys = sample_keys(sampling.sampling_seed, n, generator)
+        top = request.top_logprobs_num[b] if request.top_logprobs_num else 0
+        extra = {"return_logprob": request.return_logprob, "logprob_start_len": start, "top_logprobs_num": top}
+        groups.append([ServeRequest(_rid(request, b, i), ids, sampling, key, **extra) for i, key in enumerate(keys)])
+    return groups
+
+
+def _rid(request: GenerateRequest, b: int, i: int) -> str:
+    """Sample i of prompt b: the id the request gave (per prompt, or per response in SGLang's order), or a new one."""
+    if request.rids is None:
+        return uuid.uuid4().hex
+    batch = len(request.prompts)
+    return request.rids[b if len(request.rids) == batch else i * batch + b]
+
+
+def sample_keys(seed: int | None, n: int, generator: torch.Generator) -> list[int]:
+    """The random keys of a request's n samples: from `seed` when given, else from the server's `generator`."""
+    import torch
+
+    from rollout_workers.embedded.engine import _splitmix64  # the engine's own sample-key derivation
+
+    source = torch.Generator().manual_seed(seed) if seed is not None else generator
+    base = int(torch.randint(0, 1 << 62, (1,), generator=source))
+    return [_splitmix64(base ^ _splitmix64(i + 1)) for i in range(n)]
+
+
+def check_prompt(ids: list[int], sampling: SamplingParams, vocab_size: int, max_seq_len: int) -> None:
+    """SGLang's checks of a tokenized prompt against the model (BadRequest, answered 400, names what is wrong)."""
+    if not ids:
+        raise BadRequest("input_ids cannot be empty.")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise BadRequest(f"input_ids must lie in [0, {vocab_size}) (the model's vocab_size)")
+    if len(ids) + sampling.max_new_tokens > max_seq_len:
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {max_seq_len} tokens. "
+            f"You requested a total of {len(ids) + sampling.max_new_tokens} tokens: {len(ids)} "
+            f"tokens from the input messages and {sampling.max_new_tokens} tokens for the completion."
+        )
+    for token in sampling.logit_bias_ids:
+        if not 0 <= token < vocab_size:
+            raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token}.")  # SGLang's words
+
+
+def engine_params(sampling: SamplingParams, eos_token_ids: tuple[int, ...]) -> EngineSamplingParams:
+    """The engine's parameters for one SGLang request (see the module docstring)."""
+    from rollout_workers.engine import SamplingParams as EngineSamplingParams
+
+    greedy = sampling.temperature < 1e-6  # SGLang: temperature 0 is top_k=1 at temperature 1
+    stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+    return EngineSamplingParams(
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=1.0 if greedy else sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=1 if greedy else max(sampling.top_k, 0),
+        stop_token_ids=tuple(sorted(stops)) or (-1,),  # (-1,): stop on nothing (the engine reads () as EOS)
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=sampling.logit_bias_ids,
+    )
+
+
+def stop_string_hits(requests: Iterable[ServeRequest], tokenizer: Any) -> list[ServeRequest]:
+    """The running requests whose decoded output now holds one of their `stop` strings, their finish reason set to
+    SGLang's `{"type": "stop", "matched": <the first string in the text>}` (the text is trimmed when answered)."""
+    ended = []
+    for req in requests:
+        stops = req.sampling.stop_strings
+        if not stops or req.seq is None or req.seq.completion is not None:
+            continue
+        text = tokenizer.decode(req.seq.response, skip_special_tokens=req.sampling.skip_special_tokens)
+        hits = [(text.find(stop), stop) for stop in stops if stop in text]
+        if hits:
+            req.finish = protocol.finish_stop(min(hits)[1])
+            ended.append(req)
+    return ended

@@ -1,0 +1,110 @@
+"""The driver's compile step for the engine's C++ kernels (asyncrl/kernels.py): the lines it prints off a terminal,
+nothing on a second start (the cache), a failing compile's message with the kernel, the compiler's words and the
+fallback, and which kernels a config needs. Real compiler runs, on a small source in a scratch `csrc/`."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+from asyncrl import console as console_module
+from asyncrl.kernels import compile_kernels, kernel_sources
+from common.config import load_config
+from rollout_workers.embedded import native_build
+
+SMALL_SOURCE = 'extern "C" int answer(void) { return 42; }\n'
+
+
+@pytest.fixture
+def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty kernel cache and a scratch `csrc/` holding `small.cpp` (compiles in well under a second)."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "small.cpp").write_text(SMALL_SOURCE)
+    monkeypatch.setattr(native_build, "CSRC", csrc)
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
+    return csrc
+
+
+def _cfg(*overrides: str):
+    return load_config("configs/dapo_int8.yaml", list(overrides))
+
+
+def test_a_cold_cache_prints_a_line_per_kernel_and_a_second_start_prints_nothing(scratch: Path) -> None:
+    lines: list[str] = []
+    first = compile_kernels(_cfg(), ("small.cpp",), out=lines.append)
+    assert lines[0].startswith("compiling the engine's C++ kernels with ") and lines[0].endswith(": small.cpp")
+    assert lines[1] == "compiling kernel small.cpp ..."
+    assert lines[2].startswith("compiled kernel small.cpp in ") and lines[2].endswith(" s")
+    assert len(lines) == 3
+    assert [(b.source_name, b.cached, b.error) for b in first] == [("small.cpp", False, "")]
+    library = native_build.kernel_target("small.cpp").path
+    assert ctypes.CDLL(str(library)).answer() == 42  # the library a worker loads
+    built_at = library.stat().st_mtime_ns
+
+    lines.clear()
+    second = compile_kernels(_cfg(), ("small.cpp",), out=lines.append)
+    assert lines == []
+    assert [(b.source_name, b.cached) for b in second] == [("small.cpp", True)]
+    assert native_build.build_library("small.cpp") == library  # the worker's call: no rebuild
+    assert library.stat().st_mtime_ns == built_at
+
+
+def test_an_edited_source_is_compiled_again(scratch: Path) -> None:
+    compile_kernels(_cfg(), ("small.cpp",), out=lambda line: None)
+    (scratch / "small.cpp").write_text(SMALL_SOURCE.replace("42", "43"))
+    assert not native_build.kernel_target("small.cpp").cached
+    lines: list[str] = []
+    compile_kernels(_cfg(), ("small.cpp",), out=lines.append)
+    assert lines[-1].startswith("compiled kernel small.cpp in ")
+    assert ctypes.CDLL(str(native_build.kernel_target("small.cpp").path)).answer() == 43
+
+
+def test_a_failing_compile_names_the_kernel_the_compilers_message_and_the_fallback(
+    scratch: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (scratch / "int8_gemm.cpp").write_text('extern "C" int broken(void) { return undeclared_name; }\n')
+    lines: list[str] = []
+    (build,) = compile_kernels(_cfg(), ("int8_gemm.cpp",), out=lines.append)
+    assert lines[-1] == "kernel int8_gemm.cpp failed: see below"
+    assert "undeclared_name" in build.error and "error" in build.error and not build.cached
+    err = capsys.readouterr().err
+    assert "asyncrl: kernel int8_gemm.cpp did not compile:" in err
+    assert "undeclared_name" in err  # the compiler's own message
+    assert "oneDNN's u8 x s8 GEMM" in err and "instead (slower)" in err  # the engine's fallback
+    with pytest.raises(native_build.KernelBuildError, match="int8_gemm.cpp") as raised:  # the worker's side
+        native_build.build_library("int8_gemm.cpp")
+    assert "undeclared_name" in raised.value.message
+
+
+def test_without_a_compiler_every_kernel_reports_its_fallback(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setenv("PATH", str(scratch))  # no c++, g++ or clang++ here
+    builds = compile_kernels(_cfg(), ("small.cpp", "fused_decode.cpp"), out=lambda line: None)
+    assert all("no C++ compiler found" in build.error for build in builds)
+    err = capsys.readouterr().err
+    assert "kernel fused_decode.cpp did not compile" in err and "torch ops for RMSNorm" in err
+
+
+def test_on_a_terminal_a_bar_per_kernel_ends_with_its_time(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(console_module, "is_terminal", lambda enabled: enabled)
+    compile_kernels(_cfg(), ("small.cpp",))
+    out = capsys.readouterr().out
+    assert "compiling the engine's C++ kernels" in out and "compiled kernel small.cpp in" in out
+
+
+def test_the_kernels_a_config_needs() -> None:
+    assert kernel_sources(_cfg()) == ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp")
+    assert kernel_sources(_cfg("quant.scheme=fp8")) == ("fused_decode.cpp", "weight_only.cpp", "fp8_gemm.cpp")
+    assert kernel_sources(_cfg("quant.scheme=w4a16", "model.lora.rank=8")) == (
+        "fused_decode.cpp", "weight_only.cpp", "lora_gemm.cpp",
+    )  # fmt: skip
+    assert kernel_sources(_cfg("rollout.device=cuda")) == ()
+    for name in ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", "fp8_gemm.cpp", "lora_gemm.cpp"):
+        assert (native_build.CSRC / name).is_file()
