@@ -48,6 +48,7 @@ from quant_sync.export import (
     base_weight_name,
     encode_adapter,
     export_rollout_tensors,
+    pack_adapters,
     round_adapter,
 )
 from quant_sync.uaq import NORM_TO_LINEARS, quant_error_by_type
@@ -280,7 +281,7 @@ class Adapters:
             publisher.publish(version, tensors, self.scheme, pin=True)
             self.base_version = version
         else:
-            tensors = adapters
+            tensors = pack_adapters(adapters)  # one buffer: the workers' fetch handles 2 tensors, not ~5 per linear
             publisher.publish(version, tensors, self.scheme, base=self.base_version)
         return {
             **self.base_quant_err,  # the frozen base's: the same every version

@@ -16,6 +16,9 @@ values the learner's forward uses (learner/lora.py).
 
 from __future__ import annotations
 
+import json
+import math
+
 import torch
 
 from common.config_schema import LORA_SYNC_DTYPES
@@ -35,6 +38,14 @@ A (r, in) and B (out, r) in `model.lora.sync_dtype`, and the scaling alpha / r a
 (learner/lora.py)."""
 LORA_SCALE = "_scale"
 """Suffix after `.lora_A` / `.lora_B` of an int8 adapter matrix's scales: float32, one per rank component (r,)."""
+LORA_PACKED, LORA_PACKED_INDEX = "lora.packed", "lora.packed_index"
+"""An adapter-only version published as ONE buffer (`pack_adapters`): `lora.packed` (int8 bytes: every adapter
+tensor's bytes at a 4-byte-aligned offset) and `lora.packed_index` (int8 bytes: UTF-8 JSON
+[[name, dtype, shape, offset], ...]); `decode_adapters` turns them back into views, one per tensor."""
+_PACK_ALIGN = 4
+"""Each tensor's offset in the packed buffer: a multiple of the largest element size (float32), so that every
+tensor is a view of the buffer."""
+_PACK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 _RANK_DIM = {LORA_A: 0, LORA_B: 1}
 """The dimension of each adapter matrix that runs over the rank: A (r, in), B (out, r). int8 keeps one scale per
 rank component, so A's row i and B's column i, the two halves of rank component i, each get their own."""
@@ -127,15 +138,75 @@ def round_adapter(weight: torch.Tensor, part: str, sync_dtype: str) -> torch.Ten
     return weight.detach().to(torch.float32)
 
 
+def pack_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An adapter-only version's tensors (`<linear>.lora_A`, `.lora_B`, their `_scale`s, `.lora_scaling`) as one
+    buffer and its index (`LORA_PACKED`, `LORA_PACKED_INDEX`): the publisher and the subscriber then handle two
+    tensors instead of ~5 per linear (one header entry, one checksum per chunk, one map). The bytes are the same
+    values; `decode_adapters` unpacks them. Raises ValueError naming a tensor that is not an adapter's."""
+    entries, offset = [], 0
+    for name, value in tensors.items():
+        dtype = str(value.dtype).removeprefix("torch.")
+        if not name.endswith((LORA_A, LORA_B, LORA_SCALING, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)):
+            raise ValueError(f"pack_adapters: {name} is not a LoRA adapter tensor")
+        if dtype not in _PACK_DTYPES:
+            raise ValueError(f"pack_adapters: {name} has dtype {dtype}, expected one of {', '.join(_PACK_DTYPES)}")
+        entries.append([name, dtype, list(value.shape), offset])
+        offset += -(-value.nbytes // _PACK_ALIGN) * _PACK_ALIGN
+    packed = torch.zeros(offset, dtype=torch.int8)
+    for (_, _, _, start), value in zip(entries, tensors.values()):
+        flat = value.detach().contiguous().reshape(-1).view(torch.int8)
+        packed[start : start + flat.numel()] = flat
+    index = torch.frombuffer(bytearray(json.dumps(entries, separators=(",", ":")).encode()), dtype=torch.int8)
+    return {LORA_PACKED: packed, LORA_PACKED_INDEX: index}
+
+
+def _unpack_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with `LORA_PACKED` and its index replaced by one view per adapter tensor (no copy)."""
+    packed, index = tensors.get(LORA_PACKED), tensors.get(LORA_PACKED_INDEX)
+    if packed is None and index is None:
+        return tensors
+    if packed is None or index is None or packed.dtype != torch.int8 or index.dtype != torch.int8:
+        raise ValueError(f"{LORA_PACKED} and {LORA_PACKED_INDEX} travel together, both int8")
+    try:
+        entries = json.loads(index.numpy().tobytes().decode())
+        unpacked = {name: value for name, value in tensors.items() if name not in (LORA_PACKED, LORA_PACKED_INDEX)}
+        flat = packed.reshape(-1)
+        if flat.numel() % _PACK_ALIGN:
+            raise ValueError(f"the buffer's {flat.numel()} bytes are not a multiple of {_PACK_ALIGN}")
+        typed = {name: flat.view(dtype) for name, dtype in _PACK_DTYPES.items()}  # the whole buffer, per dtype
+        for name, dtype_name, shape, start in entries:
+            whole = typed[dtype_name]
+            size, nbytes = whole.element_size(), math.prod(shape) * whole.element_size()
+            if type(start) is not int or start < 0 or start % _PACK_ALIGN or start + nbytes > flat.numel():
+                raise ValueError(f"{name} lies outside the buffer ({start}, {nbytes} bytes)")
+            if name in unpacked or not isinstance(name, str) or min(shape, default=0) < 0:
+                raise ValueError(f"{name!r} twice or with a negative size")
+            strides, step = [], 1
+            for dim in reversed(shape):  # contiguous strides: one as_strided view per tensor, no copy
+                strides.append(step)
+                step *= dim
+            unpacked[name] = whole.as_strided(shape, strides[::-1], whole.storage_offset() + start // size)
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
+        raise ValueError(f"{LORA_PACKED_INDEX}: malformed packed adapters ({err!r})") from None
+    return unpacked
+
+
 def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A published version's tensors with every LoRA matrix in float32 (int8 ones dequantized with their scales,
-    which are dropped); the other entries are the same objects. Raises ValueError naming a matrix without its
-    scales, or scales without their matrix."""
+    which are dropped; a packed version, `pack_adapters`, unpacked first); the other entries are the same objects.
+    Raises ValueError naming a matrix without its scales, or scales without their matrix, or a bad packed index.
+
+    The int8 matrices of one part and shape (e.g. every (r, hidden) A) are dequantized together: one stacked
+    `q * scale` per group instead of one per matrix (a version holds ~100 small matrices, so the per-call overhead
+    dominated the subscriber's fetch), each result a contiguous view of its group's. Elementwise the same
+    float32 multiply, so the values are bit for bit `round_adapter`'s."""
+    tensors = _unpack_adapters(tensors)
     if not any(name.endswith((LORA_A, LORA_B, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)) for name in tensors):
         return tensors
     decoded: dict[str, torch.Tensor] = {}
+    groups: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for name, value in tensors.items():
-        part = next((p for p in (LORA_A, LORA_B) if name.endswith(p)), None)
+        part = LORA_A if name.endswith(LORA_A) else LORA_B if name.endswith(LORA_B) else None
         if name.endswith(LORA_A + LORA_SCALE) or name.endswith(LORA_B + LORA_SCALE):
             if name[: -len(LORA_SCALE)] not in tensors:
                 raise ValueError(f"{name}: LoRA scales without their matrix {name[: -len(LORA_SCALE)]}")
@@ -149,7 +220,18 @@ def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
                 got = None if scale is None else (scale.dtype, tuple(scale.shape))
                 raise ValueError(f"{name}: an int8 LoRA matrix needs float32 scales {name + LORA_SCALE} of shape "
                                  f"({rank},), got {got}")  # fmt: skip
-            decoded[name] = _dequantize_per_rank(value, scale, part)
+            decoded[name] = value  # a placeholder, keeping the order of `tensors`; replaced below
+            groups.setdefault((part, tuple(value.shape)), []).append((name, value, scale))
         else:
             decoded[name] = value if value.dtype == torch.float32 else value.to(torch.float32)
+    for (part, _), members in groups.items():
+        if len(members) == 1:
+            name, q, scale = members[0]
+            decoded[name] = _dequantize_per_rank(q, scale, part)
+            continue
+        qs = torch.stack([q for _, q, _ in members])
+        scales = torch.stack([scale for _, _, scale in members])
+        shaped = scales[:, :, None] if _RANK_DIM[part] == 0 else scales[:, None, :]
+        for (name, _, _), value in zip(members, (qs * shaped).unbind(0)):  # contiguous views of one product
+            decoded[name] = value
     return decoded

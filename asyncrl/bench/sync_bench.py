@@ -14,8 +14,9 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
 - `max_gap_over_median`: largest gap between two decode steps during the sync phase over the median gap (worst).
 - `lora_sync_bytes_vs_full` (~100M config): the bytes of an adapter-only version (rank-16 LoRA on every decoder
   linear in `LORA_SYNC_DTYPE`, as learner/lora.py publishes it with that `model.lora.sync_dtype`:
-  `engine_bench.lora_adapter_tensors`) over the full INT8 version the main job publishes (LM head quantized), both
-  built in this run; metrics `big_lora16_<dtype>_version_bytes` give every sync dtype's bytes.
+  `engine_bench.lora_adapter_tensors`, packed into one buffer by `quant_sync.export.pack_adapters`) over the
+  full INT8 version the main job publishes (LM head quantized), both built in this run; metrics
+  `big_lora16_<dtype>_version_bytes` give every sync dtype's bytes.
 - `lora_publish_s`, `lora_tok_s_during_sync_vs_steady` (~100M config): the two phases again with LoRA, the workers
   decoding with rank-16 adapters on every decoder linear: the INT8 base is pinned once, then only adapter versions
   are published, two adapter sets alternating. `lora_publish_s` is the latency above (hand-off until every worker
@@ -179,16 +180,16 @@ def _lora_sync(model: torch.nn.Module) -> dict[str, float]:
     """Bytes and publish-call seconds of an adapter-only LoRA version against the full INT8 one (no workers)."""
     from asyncrl.bench.engine_bench import LORA_RANK, lora_adapter_tensors
     from common.config_schema import LORA_SYNC_DTYPES
-    from quant_sync.export import export_rollout_tensors
+    from quant_sync.export import export_rollout_tensors, pack_adapters
     from quant_sync.transport import WeightPublisher
 
     state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
     full = export_rollout_tensors(state, SCHEME, quantize_head=True)
     dtype_bytes = {
-        dtype: float(sum(t.nbytes for t in lora_adapter_tensors(state, sync_dtype=dtype).values()))
+        dtype: float(sum(t.nbytes for t in pack_adapters(lora_adapter_tensors(state, sync_dtype=dtype)).values()))
         for dtype in LORA_SYNC_DTYPES
     }
-    adapters = lora_adapter_tensors(state, sync_dtype=LORA_SYNC_DTYPE)
+    adapters = pack_adapters(lora_adapter_tensors(state, sync_dtype=LORA_SYNC_DTYPE))  # as learner/lora.py sends
     full_bytes = sum(t.numel() * t.element_size() for t in full.values())
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
     publisher = WeightPublisher()
@@ -247,6 +248,7 @@ def _rate(stamps: list[float], tokens: list[int], start: float, end: float) -> f
 
 def run(quick: bool) -> BenchResult:
     from asyncrl.bench.engine_bench import BIG_SHAPE, LORA_RANK, _random_llama, _tiny_model, lora_adapter_tensors
+    from quant_sync.export import pack_adapters
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -259,7 +261,8 @@ def run(quick: bool) -> BenchResult:
             metrics.update(_lora_sync(big))
             metrics.update(_measure("big", big, big_dir, quick))
             state = big.state_dict()
-            adapters = [lora_adapter_tensors(state, seed=seed, sync_dtype=LORA_SYNC_DTYPE) for seed in (0, 1)]
+            adapters = [pack_adapters(lora_adapter_tensors(state, seed=seed, sync_dtype=LORA_SYNC_DTYPE))
+                        for seed in (0, 1)]  # fmt: skip
             metrics.update(_measure(f"big_lora{LORA_RANK}", big, big_dir, quick, adapters=adapters))
     finally:
         torch.set_num_threads(threads)

@@ -20,8 +20,13 @@ A scheduler runs one `step` at a time:
   layout is built (between steps, a layer at a time, within half a step). `in_place`: in-flight
   sequences keep the K/V computed with older weights. `retract`: their K/V is recomputed with the new weights
   before the next decode step.
-- `prompt_logprobs` scores every position of a prompt (SGLang's input log-probs); a sequence can record the top-k
-  of each distribution it draws from (`top_logprobs_num`) and keep its stop tokens out until `min_new_tokens`.
+- Prompt log-probs (SGLang's input log-probs) come from the prefill that admits a prompt: `submit(...,
+  prompt_logprobs_from=p)` runs the LM head and log-softmax over the final hidden states of positions p.. of just
+  that prompt's row, a chunk of positions at a time (scoring.py), and stores them on its sequences. Such a prompt
+  uses at most the first p positions of a prefix-cache hit (a cached position has no hidden state to score), so
+  its scores are a cold prefill's to rounding. `max_new_tokens=0` sequences are prefilled (and scored) and end in
+  the step they join, with no token drawn. A sequence can record the top-k of each distribution it draws from
+  (`top_logprobs_num`) and keep its stop tokens out until `min_new_tokens`.
 - Sampling is by inverse CDF with one uniform per (sequence, step) from a counter-based hash of the call's seed
   and the sequence's index, so a sequence's samples do not depend on what else is in the batch.
 """
@@ -58,7 +63,7 @@ from rollout_workers.embedded.sampling import (  # noqa: F401 - re-exported: _un
     record_top,
     uniforms,
 )
-from rollout_workers.embedded.scoring import prompt_logprobs
+from rollout_workers.embedded.scoring import score_positions
 from rollout_workers.embedded.sequence import Sequence, _Group
 from rollout_workers.embedded.staging import SCALE_SUFFIX, StagedVersions, build_weight_map  # noqa: F401
 from rollout_workers.engine import Completion, SamplingParams
@@ -189,30 +194,28 @@ class EmbeddedEngine:
         keys: list[int],
         top_logprobs_num: int = 0,
         min_new_tokens: int = 0,
+        prompt_logprobs_from: int = -1,
+        prompt_logprobs_temperature: float = 1.0,
     ) -> list[Sequence]:
         """Queue len(keys) samples of one prompt (one shared prefill); returns their sequences. With
         `top_logprobs_num` k > 0 each sampled token also records the k most likely tokens of its distribution; with
-        `min_new_tokens` m no stop token is drawn before the m-th token."""
+        `min_new_tokens` m no stop token is drawn before the m-th token. With `prompt_logprobs_from` p >= 0 the
+        prefill also scores prompt tokens p + 1.. (`Sequence.prompt_logp`, with k > 0 `prompt_top_logprobs`) under
+        `log_softmax(logits / prompt_logprobs_temperature)`."""
         self._check(prompt, params)
+        if not -1 <= prompt_logprobs_from < len(prompt):
+            raise ValueError(f"prompt_logprobs_from ({prompt_logprobs_from}) must lie in [-1, {len(prompt)}) "
+                             "(the prompt's length)")  # fmt: skip
+        if prompt_logprobs_temperature <= 0:
+            raise ValueError(f"prompt_logprobs_temperature must be > 0 (got {prompt_logprobs_temperature})")
         stop_ids = frozenset(params.stop_token_ids or self.arch.eos_token_ids)
-        extra = {"top_logprobs_num": top_logprobs_num, "min_new_tokens": min_new_tokens}
+        extra = {"top_logprobs_num": top_logprobs_num, "min_new_tokens": min_new_tokens,
+                 "prompt_logprobs_from": prompt_logprobs_from,
+                 "prompt_logprobs_temperature": prompt_logprobs_temperature}  # fmt: skip
         samples = [Sequence(list(prompt), len(prompt), params, stop_ids, key, **extra) for key in keys]
         for start in range(0, len(samples), self.max_batch):
             self._queue.append(_Group(list(prompt), samples[start : start + self.max_batch]))
         return samples
-
-    @torch.inference_mode()
-    def prompt_logprobs(self, prompt: list[int], temperature: float = 1.0) -> torch.Tensor:
-        """Log-probs (S, V) fp32 of the next token at every position of `prompt` under the running weights:
-        row p is `log_softmax(logits_p / temperature)`, the distribution token p + 1 is scored by (the same
-        convention as the behavior log-probs). The prompt's rows of the prefill, kept for every position instead of
-        the last; its K/V goes nowhere (the samples' prefill writes theirs), so it can run between any two steps."""
-        if self._weights is None:
-            raise RuntimeError("the engine has no weights yet: stage a version before scoring")
-        if not prompt or max(prompt) >= self.arch.vocab_size or min(prompt) < 0:
-            raise ValueError(f"prompt token ids must be non-empty and lie in [0, {self.arch.vocab_size}) (vocab_size)")
-        with self._device_scope():
-            return prompt_logprobs(self.arch, self._weights, self.dtype, prompt, temperature)
 
     @torch.inference_mode()
     def abort(self, sequences: list[Sequence]) -> list[Sequence]:
@@ -253,6 +256,8 @@ class EmbeddedEngine:
     def _check(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise ValueError("empty prompt: the embedded engine needs at least one prompt token")
+        if params.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (got {params.max_new_tokens})")
         if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the engine's "
                              f"max sequence length ({self.max_seq_len}, max_position_embeddings "
@@ -322,15 +327,46 @@ class EmbeddedEngine:
             positions = torch.tensor([len(seq.tokens) - 1 for seq in decoding])
             running = (tokens, positions)
         prompts = self._prompts(joining, len(decoding), self._cache) if joining else None  # type: ignore[arg-type]
+        scoring = any(group.samples and group.samples[0].prompt_logprobs_from >= 0 for group in joining)
+        hidden: list[torch.Tensor] | None = [] if scoring else None
         # one forward for both: the joining prompts ride along with the decode step (see model.forward_step)
-        logits = forward_step(self.arch, weights, self._cache, running, prompts)  # type: ignore[arg-type]
+        logits = forward_step(self.arch, weights, self._cache, running, prompts, prompt_hidden=hidden)  # type: ignore
         assert logits is not None
         if prompts is not None:  # one row per prompt -> one per sample (n samples share a prompt's prefill)
             logits = torch.cat((logits[: len(decoding)], logits[len(decoding) :][prompts.slot_rows]))
-        finished = self._sample(logits, version)
+        if hidden:
+            self._score_prompts(weights, joining, prompts, hidden[0])  # type: ignore[arg-type]
+        unsampled = [row for row, seq in enumerate(self._active) if seq.params.max_new_tokens == 0]
+        if unsampled:  # scoring-only sequences: prefilled, no token drawn
+            ended = [self._active[row] for row in unsampled]
+            for seq in ended:
+                seq.completion = Completion(response_ids=[], behav_logp=[], versions=[], finish="length")
+            rows = [row for row, seq in enumerate(self._active) if seq.params.max_new_tokens > 0]
+            sampled = [self._active[row] for row in rows]
+            finished = ended + (self._sample(logits[torch.tensor(rows)], version, sampled) if rows else [])
+        else:
+            finished = self._sample(logits, version)
         self._retire(finished)
         self._step_seconds = 0.8 * self._step_seconds + 0.2 * (time.perf_counter() - started)
         return finished
+
+    def _score_prompts(
+        self, weights: ModelWeights, groups: list[_Group], prompts: Prompts, hidden: torch.Tensor
+    ) -> None:
+        """Prompt log-probs of the groups that ask for them, from their prefill's hidden states (M, S, hidden)."""
+        for row, group in enumerate(groups):
+            first = group.samples[0] if group.samples else None
+            if first is None or first.prompt_logprobs_from < 0:
+                continue
+            begin = first.prompt_logprobs_from
+            offset = 0 if prompts.starts is None else int(prompts.starts[row])
+            assert offset <= begin, "a scored prompt's prefix-cache hit must end at or before its first scored position"
+            states = hidden[row, begin - offset : len(group.prompt) - 1 - offset]
+            values, tops = score_positions(weights.head, states, group.prompt[begin + 1 :],
+                                           first.prompt_logprobs_temperature, first.top_logprobs_num,
+                                           self.arch.vocab_size)  # fmt: skip
+            for seq in group.samples:
+                seq.prompt_logp, seq.prompt_top_logprobs = values, tops
 
     def _ensure_cache(self, slots: int) -> KVCache:
         cache = self._cache
@@ -367,6 +403,10 @@ class EmbeddedEngine:
         slot = first_slot
         for row, group in enumerate(groups):
             entry, starts[row] = self.prefix_cache.match(group.prompt) if self.prefix_cache_enabled else (None, 0)
+            score_from = group.samples[0].prompt_logprobs_from if group.samples else -1
+            if 0 <= score_from < starts[row]:  # a scored position needs its hidden state: prefill from there on
+                starts[row] = score_from
+                entry = entry if score_from > 0 else None
             for seq in group.samples:
                 seq.kv_swaps, seq.cached_tokens = self.swaps, starts[row]
                 if entry is not None:
@@ -397,9 +437,10 @@ class EmbeddedEngine:
         for seq in self._active:
             seq.kv_swaps = self.swaps
 
-    def _sample(self, logits: torch.Tensor, version: int) -> list[Sequence]:
-        """Draw one token per active sequence from its logits row; append token, log-prob, version."""
-        active = self._active
+    def _sample(self, logits: torch.Tensor, version: int, active: list[Sequence] | None = None) -> list[Sequence]:
+        """Draw one token per active sequence (or per one of `active`) from its logits row; append token, log-prob,
+        version."""
+        active = self._active if active is None else active
         by_params: dict[int, list[int]] = {}
         for row, seq in enumerate(active):
             by_params.setdefault(id(seq.params), []).append(row)

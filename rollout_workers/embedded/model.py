@@ -430,8 +430,11 @@ def forward_step(
     decoding: tuple[torch.Tensor, torch.Tensor] | None = None,
     prompts: Prompts | None = None,
     need_logits: bool = True,
+    prompt_hidden: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """One forward over decode tokens and prompts together; returns logits (N + M, V): decode rows, then prompts.
+    With `prompt_hidden` (a list) the final-norm hidden states of the prompt rows (M, S, hidden) are appended to it
+    (column j of row r: position `starts[r] + j`), for prompt log-probs (scoring.py).
 
     `decoding` = (tokens (N,), positions (N,)): the next token of the sequences in cache slots 0..N-1, at those
     positions (= the cache index each is written to). `prompts` run from position 0 and write their K/V into their
@@ -469,6 +472,8 @@ def forward_step(
             attn.append(out.transpose(1, 2).reshape(m * seq, arch.num_heads * arch.head_dim))
         next_norm = weights.layers[i + 1].input_norm if i + 1 < len(weights.layers) else weights.norm
         x, h = _mlp_block(arch, layer, x, torch.cat(attn) if len(attn) > 1 else attn[0], next_norm, fused)
+    if prompt_hidden is not None and prompts is not None:
+        prompt_hidden.append(h[n:].view(m, seq, -1))
     if not need_logits:
         return None
     last = [h[:n]] if decoding is not None else []  # h: the final norm of every row

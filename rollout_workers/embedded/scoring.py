@@ -1,42 +1,36 @@
-"""Prompt log-probs of the embedded engine (SGLang's input log-probs): one forward over a prompt, every position's
-next-token distribution kept; its K/V goes nowhere, so it can run between any two scheduler steps."""
+"""Prompt log-probs of the embedded engine (SGLang's input log-probs), from the prefill that admits a prompt: the
+final-norm hidden states of the prompt positions asked for go through the LM head and a log-softmax, a chunk of
+positions at a time (no [positions x vocab] tensor of the whole prompt, let alone of the batch, is held)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from rollout_workers.embedded.model import (
-    ArchConfig,
-    ModelWeights,
-    _heads,
-    _mlp_block,
-    linear,
-    low_rank_linear,
-    rms_norm,
-    rope_tables,
-)
+from rollout_workers.embedded.model import linear
+
+SCORE_CHUNK_ELEMENTS = 1 << 22
+"""Logits scored at once: positions per chunk = this // vocab_size (at least 1), 16 MiB of fp32."""
 
 
-@torch.inference_mode()
-def prompt_logprobs(
-    arch: ArchConfig, weights: ModelWeights, dtype: torch.dtype, prompt: list[int], temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-probs (S, V) fp32 of the next token at every position of `prompt`: row p is
-    `log_softmax(logits_p / temperature)` (`EmbeddedEngine.prompt_logprobs`). Tensors are made on the default
-    device (the engine's, in its device scope)."""
-    seq = len(prompt)
-    tokens = torch.tensor(prompt, dtype=torch.long)
-    cos, sin = (table.to(dtype)[None, None] for table in rope_tables(arch, seq))
-    sin = torch.cat((-sin[..., : arch.head_dim // 2], sin[..., arch.head_dim // 2 :]), -1)
-    x = weights.embed[tokens]
-    h = rms_norm(x, weights.layers[0].input_norm, arch.rms_norm_eps)
-    for i, layer in enumerate(weights.layers):
-        qkv = low_rank_linear(h, layer.qkv, layer.qkv_bias, layer.qkv_lora)
-        q, k, v = _heads(arch, layer, qkv.view(1, seq, -1), cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=arch.num_kv_heads != arch.num_heads)
-        attn = out.transpose(1, 2).reshape(seq, arch.num_heads * arch.head_dim)
-        next_norm = weights.layers[i + 1].input_norm if i + 1 < len(weights.layers) else weights.norm
-        x, h = _mlp_block(arch, layer, x, attn, next_norm, False)
-    logits = linear(h, weights.head, None).to(torch.float32)
-    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1).cpu()
+def score_positions(
+    head: object, hidden: torch.Tensor, targets: list[int], temperature: float, top_k: int, vocab_size: int
+) -> tuple[list[float], list[list[tuple[float, int]]]]:
+    """Log-probs of `targets[i]` under `log_softmax(head(hidden[i]) / temperature)` (fp32), and with `top_k` > 0 the
+    k most likely (log-prob, token) of each row. `hidden` (P, hidden_size): final-norm states; row i's
+    distribution is the one `targets[i]` is scored by (the next token)."""
+    if hidden.shape[0] != len(targets):
+        raise ValueError(f"score_positions: {hidden.shape[0]} hidden rows for {len(targets)} targets")
+    if temperature <= 0:
+        raise ValueError(f"score_positions: temperature must be > 0, got {temperature}")
+    chunk = max(1, SCORE_CHUNK_ELEMENTS // vocab_size)
+    values: list[float] = []
+    tops: list[list[tuple[float, int]]] = []
+    target_ids = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+    for begin in range(0, len(targets), chunk):
+        logits = linear(hidden[begin : begin + chunk], head, None).to(torch.float32)
+        logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+        values += logp.gather(1, target_ids[begin : begin + chunk, None]).squeeze(1).tolist()
+        if top_k > 0:
+            top_values, top_ids = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
+            tops += [list(zip(v, i)) for v, i in zip(top_values.tolist(), top_ids.tolist())]
+    return values, tops

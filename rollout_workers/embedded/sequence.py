@@ -26,6 +26,13 @@ class Sequence:
     """Its stop tokens cannot be drawn (their logits are -inf) before it has this many tokens (SGLang's)."""
     cached_tokens: int = 0
     """Prompt tokens whose K/V came from the prefix cache instead of its prefill (SGLang's `cached_tokens`)."""
+    prompt_logprobs_from: int = -1
+    """With p >= 0, the prefill that admits it scores the prompt from position p on: `prompt_logp[i]` is the
+    log-prob of `tokens[p + 1 + i]` under `log_softmax(logits / prompt_logprobs_temperature)` at position p + i,
+    `prompt_top_logprobs[i]` that distribution's `top_logprobs_num` most likely (log-prob, token). -1: not scored."""
+    prompt_logprobs_temperature: float = 1.0
+    prompt_logp: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     kv_swaps: int = -1
     """The engine's `swaps` when its K/V was computed (at admission, or a retract): kept at retirement if current."""
 

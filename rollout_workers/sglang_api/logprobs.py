@@ -1,4 +1,5 @@
-"""SGLang's log-prob fields for `asyncrl serve`: prompt scoring (`input_token_logprobs`, `input_top_logprobs`) and
+"""SGLang's log-prob fields for `asyncrl serve`: prompt log-probs (`input_token_logprobs`, `input_top_logprobs`, which
+the engine's prefill scores, `EmbeddedEngine.submit(prompt_logprobs_from=...)`) and
 the `[logprob, token_id, text or None]` triples of `meta_info` (SGLang's `convert_logprob_style`).
 
 SGLang's shapes (`managers/scheduler_output_processor_mixin.py`): input entries cover `input_ids[start:]`, the first
@@ -27,30 +28,22 @@ def start_position(req: _LogprobRequest) -> int:
     return req.logprob_start_len if req.logprob_start_len >= 0 else len(req.prompt) - 1
 
 
-def score_prompt(engine: Any, group: list[Any]) -> None:
-    """Set the input log-probs of a group of samples of one prompt (on the scheduler thread, before it joins): the
-    first entry None, then every later prompt token's log-prob under the sampling temperature (1 when greedy)."""
-    import torch
+def scored_from(req: _LogprobRequest) -> int:
+    """The prompt position the engine's prefill scores from for this request (`EmbeddedEngine.submit`'s
+    `prompt_logprobs_from`), -1 when it needs no scoring (no `return_logprob`, or only the always-None entry)."""
+    if not req.return_logprob:
+        return -1
+    start = start_position(req)
+    return start if start + 1 < len(req.prompt) else -1
 
-    first = group[0]
-    if not first.return_logprob:
-        return
-    prompt = first.prompt
-    start = start_position(first)
-    values: list[float | None] = [None]
-    tops: list[list[tuple[float, int]] | None] = [None]
-    if start + 1 < len(prompt):
-        greedy = first.sampling.temperature < 1e-6
-        logp = engine.prompt_logprobs(prompt, 1.0 if greedy else first.sampling.temperature)
-        rows = logp[start : len(prompt) - 1]  # row p scores token p + 1
-        targets = torch.tensor(prompt[start + 1 :])
-        values += rows.gather(1, targets[:, None]).squeeze(1).tolist()
-        if first.top_logprobs_num > 0:
-            k = min(first.top_logprobs_num, rows.shape[-1])
-            top_values, top_ids = torch.topk(rows, k, dim=-1)
-            tops += [list(zip(v, i)) for v, i in zip(top_values.tolist(), top_ids.tolist())]
-    for req in group:
-        req.input_logprobs, req.input_top_logprobs = values, tops
+
+def input_logprobs(req: _LogprobRequest) -> tuple[list[float | None], list[list[tuple[float, int]] | None]]:
+    """The request's input log-probs and top ones: the first entry None, then those its sequence's prefill scored
+    (`Sequence.prompt_logp`); what `req.input_logprobs` holds when it never reached the engine."""
+    seq = getattr(req, "seq", None)
+    if seq is None:
+        return req.input_logprobs, req.input_top_logprobs
+    return [None, *seq.prompt_logp], [None, *seq.prompt_top_logprobs]
 
 
 def logprob_meta(
@@ -70,11 +63,12 @@ def logprob_meta(
         return None if pairs is None else [entry(logp, token) for logp, token in pairs]
 
     start = start_position(req)
+    values, tops = input_logprobs(req)
     meta: dict[str, Any] = {
-        "input_token_logprobs": [entry(lp, t) for lp, t in zip(req.input_logprobs, req.prompt[start:])],
+        "input_token_logprobs": [entry(lp, t) for lp, t in zip(values, req.prompt[start:])],
         "output_token_logprobs": [entry(lp, t) for lp, t in zip(logps, tokens)],
     }
     if req.top_logprobs_num > 0:
-        meta["input_top_logprobs"] = [top(pairs) for pairs in req.input_top_logprobs]
+        meta["input_top_logprobs"] = [top(pairs) for pairs in tops]
         meta["output_top_logprobs"] = [top(pairs) for pairs in output_top[: len(tokens)]]
     return meta

@@ -14,9 +14,10 @@
   recomputed with the new weights, `in_place`: kept), otherwise after the running requests finish (new ones wait),
   as SGLang does. Each update gets a new integer version; `weight_version` labels are kept as given.
 - Every output token carries the version that computed it: `meta_info.weight_versions` (our extension).
-- With `return_logprob`, prompt log-probs from `logprob_start_len` on are scored before the request joins
-  (`EmbeddedEngine.prompt_logprobs`, one forward over the prompt; none for the default -1), top-k ones with
-  `top_logprobs_num`. `stop` strings end a request once its decoded output holds one (checked after every step);
+- With `return_logprob`, prompt log-probs from `logprob_start_len` on are scored by the prefill that admits the
+  request (`EmbeddedEngine.submit(prompt_logprobs_from=...)`, no forward of their own; none for the default -1),
+  top-k ones with `top_logprobs_num`; `max_new_tokens=0` requests are that prefill alone. `stop` strings end a
+  request once its decoded output holds one (checked after every step);
   a stream's client going away aborts its requests (`abort_requests`, streaming.py).
 - A request with `sampling_params.sampling_seed = s` draws sample i exactly as `EmbeddedEngine.generate` with seed
   s draws the i-th copy of its prompt, so the two can be compared token for token.
@@ -40,7 +41,7 @@ from queue import Empty, Queue
 from typing import Any
 
 from rollout_workers.sglang_api import protocol
-from rollout_workers.sglang_api.logprobs import logprob_meta, score_prompt
+from rollout_workers.sglang_api.logprobs import logprob_meta, scored_from
 from rollout_workers.sglang_api.lora_serve import LoraAdapters, resolve_adapters
 from rollout_workers.sglang_api.schemas import GenerateRequest, SamplingParams
 from rollout_workers.sglang_api.serve_requests import ServeRequest, engine_params, request_groups, stop_string_hits
@@ -373,16 +374,10 @@ class ModelService:
         while self._waiting and (self.lora is None or self.lora.admit(self._waiting[0][0])):  # LoRA: one adapter a step
             group = self._waiting.pop(0)
             first = group[0]
-            try:
-                score_prompt(self.engine, group)
-            except Exception as err:  # a failed scoring fails its request, not the scheduler
-                traceback.print_exc()
+            score_from = scored_from(first)
+            if first.sampling.max_new_tokens == 0 and score_from < 0:  # nothing to compute
                 for req in group:
-                    req.finish = protocol.finish_abort(f"prompt scoring failed: {err}", 500)
-                    req.settle()
-                continue
-            if first.sampling.max_new_tokens == 0:
-                for req in group:
+                    req.input_logprobs, req.input_top_logprobs = [None], [None]
                     req.finish = protocol.finish_length(0)
                     req.settle()
                 continue
@@ -392,6 +387,8 @@ class ModelService:
                 [req.key for req in group],
                 top_logprobs_num=first.top_logprobs_num if first.return_logprob else 0,
                 min_new_tokens=first.sampling.min_new_tokens,
+                prompt_logprobs_from=score_from,
+                prompt_logprobs_temperature=1.0 if first.sampling.temperature < 1e-6 else first.sampling.temperature,
             )
             for req, seq in zip(group, seqs):
                 req.seq = seq

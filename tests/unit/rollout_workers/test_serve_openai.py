@@ -341,7 +341,7 @@ def test_model_path_and_weight_version_after_a_disk_update(base_url, model_dir, 
 
 @pytest.mark.parametrize("scheme", ["none", "int8"])
 def test_prompt_scoring_agrees_with_the_prefill_that_samples(model_dir, scheme):
-    """The last row of `prompt_logprobs` is the distribution the prefill samples the first token from."""
+    """Scoring prompt + sampled token from the prompt's last position gives the sampled token's behavior log-prob."""
     from quant_sync.update import WeightUpdate
     from rollout_workers.embedded.engine import EmbeddedEngine
     from rollout_workers.engine import SamplingParams
@@ -351,6 +351,11 @@ def test_prompt_scoring_agrees_with_the_prefill_that_samples(model_dir, scheme):
     engine.stage_weights(WeightUpdate(0, rollout_tensors(read_tensors(model_dir), scheme), scheme))
     for seed in (1, 2, 3):
         (out,) = engine.generate([PROMPT], SamplingParams(max_new_tokens=1, seed=seed, temperature=0.7))
-        scored = engine.prompt_logprobs(PROMPT, temperature=0.7)
-        assert scored.shape == (len(PROMPT), engine.arch.vocab_size)
-        assert scored[-1, out.response_ids[0]].item() == pytest.approx(out.behav_logp[0], abs=1e-5)
+        params = SamplingParams(max_new_tokens=0, temperature=0.7)
+        start = len(PROMPT) - 1
+        (seq,) = engine.submit(PROMPT + out.response_ids, params, [0], prompt_logprobs_from=start,
+                               prompt_logprobs_temperature=0.7)  # fmt: skip
+        while seq.completion is None:
+            engine.step()
+        assert seq.completion.response_ids == [] and len(seq.prompt_logp) == 1
+        assert seq.prompt_logp[0] == pytest.approx(out.behav_logp[0], abs=1e-5)

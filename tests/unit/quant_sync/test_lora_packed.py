@@ -1,0 +1,99 @@
+"""Adapter-only versions packed into one buffer (`pack_adapters`, as learner/lora.py publishes them) decode to the
+very tensors the unpacked version decodes to, bit for bit, also through a real publisher and subscriber; a bad
+packed index is refused with a message naming it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from quant_sync.export import (
+    LORA_A,
+    LORA_B,
+    LORA_PACKED,
+    LORA_PACKED_INDEX,
+    LORA_SCALING,
+    decode_adapters,
+    encode_adapter,
+    export_rollout_tensors,
+    pack_adapters,
+)
+from quant_sync.transport import WeightPublisher, WeightSubscriber
+
+LINEARS = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.down_proj")
+SHAPES = {LINEARS[0]: (40, 40), LINEARS[1]: (24, 40), LINEARS[2]: (40, 56)}  # (out, in)
+
+
+def _adapters(sync_dtype: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen, tensors = torch.Generator().manual_seed(seed), {}
+    for linear, (out, inp) in SHAPES.items():
+        matrices = {LORA_A: torch.randn(4, inp, generator=gen), LORA_B: 0.01 * torch.randn(out, 4, generator=gen)}
+        for part, matrix in matrices.items():
+            for suffix, value in encode_adapter(matrix, part, sync_dtype).items():
+                tensors[linear + part + suffix] = value
+        tensors[linear + LORA_SCALING] = torch.tensor([2.0])
+    return tensors
+
+
+@pytest.mark.parametrize("sync_dtype", ["fp32", "bf16", "int8"])
+def test_packed_adapters_decode_to_the_unpacked_values_bit_for_bit(sync_dtype):
+    tensors = _adapters(sync_dtype)
+    packed = pack_adapters(tensors)
+    assert set(packed) == {LORA_PACKED, LORA_PACKED_INDEX} and packed[LORA_PACKED].dtype == torch.int8
+    assert packed[LORA_PACKED].numel() < sum(t.nbytes for t in tensors.values()) + 4 * len(tensors)
+    expected, got = decode_adapters(tensors), decode_adapters(packed)
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype == torch.float32 and torch.equal(got[name], value), name
+    base = {"model.norm.weight": torch.ones(40)}  # entries beside the packed ones stay as they are
+    assert decode_adapters({**base, **packed})["model.norm.weight"] is base["model.norm.weight"]
+
+
+def test_a_bad_packed_version_is_refused_naming_what_is_wrong():
+    packed = pack_adapters(_adapters("int8"))
+    with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
+        pack_adapters({"model.norm.weight": torch.ones(4)})
+    with pytest.raises(ValueError, match="travel together"):
+        decode_adapters({LORA_PACKED: packed[LORA_PACKED]})
+    entries = json.loads(packed[LORA_PACKED_INDEX].numpy().tobytes())
+    entries[0][3] = packed[LORA_PACKED].numel()  # past the buffer's end
+    index = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.int8)
+    with pytest.raises(ValueError, match="malformed packed adapters.*outside the buffer"):
+        decode_adapters({**packed, LORA_PACKED_INDEX: index})
+    with pytest.raises(ValueError, match="malformed packed adapters"):
+        decode_adapters({**packed, LORA_PACKED_INDEX: torch.tensor([1, 2, 3], dtype=torch.int8)})
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "zmq"])
+def test_packed_adapter_versions_reach_the_subscriber_unpacked_and_decoded(use_shm):
+    gen = torch.Generator().manual_seed(1)
+    state = {linear + ".weight": torch.randn(*shape, generator=gen) for linear, shape in SHAPES.items()}
+    base = export_rollout_tensors(state, "int8")
+    publisher, updates = WeightPublisher(chunk_bytes=256), []
+    subscriber = None
+    try:
+        publisher.publish(0, {**base, **_adapters("int8", seed=0)}, "int8", pin=True)
+        publisher.publish(1, pack_adapters(_adapters("int8", seed=1)), "int8", base=0)
+        subscriber = WeightSubscriber(publisher.endpoint, updates.append, 0.01, use_shm=use_shm)
+        assert subscriber.wait_for(1, 10) and subscriber.rejected == 0, subscriber.last_error
+        tensors = updates[-1].tensors
+        assert LORA_PACKED not in tensors and LORA_PACKED_INDEX not in tensors
+        for name, value in decode_adapters(_adapters("int8", seed=1)).items():
+            assert torch.equal(tensors[name], value), name
+        assert torch.equal(tensors[LINEARS[0] + ".weight"], base[LINEARS[0] + ".weight"])
+        bad = pack_adapters(_adapters("int8", seed=2))
+        bad[LORA_PACKED_INDEX] = torch.tensor([1, 2, 3], dtype=torch.int8)  # refused, never applied
+        publisher.publish(2, bad, "int8", base=0)
+        deadline = time.monotonic() + 10
+        while subscriber.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert subscriber.rejected >= 1 and "malformed packed adapters" in subscriber.last_error
+        publisher.publish(3, pack_adapters(_adapters("int8", seed=3)), "int8", base=0)
+        assert subscriber.wait_for(3, 10) and all(update.version != 2 for update in updates)
+    finally:
+        if subscriber is not None:
+            subscriber.close()
+        publisher.close()
