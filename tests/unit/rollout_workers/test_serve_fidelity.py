@@ -7,13 +7,12 @@ memory-occupation routes)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 
 import pytest
 import requests
 import torch
+from serve_process import serve
 
 from common.builtin_model import resolve_model_path
 
@@ -28,14 +27,9 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def base_url(model_dir):
-    command = [sys.executable, "-m", "asyncrl.cli", "serve", model_dir, "--port", "0", "--quant", "int8"]
-    command += ["--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN), "--seed", "1"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "ready on http://" in line, proc.stderr.read()[-3000:]
-    yield line.split("ready on ", 1)[1].split()[0]
-    proc.terminate()
-    proc.wait(timeout=10)
+    args = ["--quant", "int8", "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN), "--seed", "1"]
+    with serve(model_dir, *args) as url:
+        yield url
 
 
 def generate(base_url: str, body: dict) -> requests.Response:

@@ -5,12 +5,10 @@ get their own; bad loads, unknown adapters and unloads are answered in SGLang's 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import requests
 import torch
+from serve_process import serve
 
 from common.builtin_model import resolve_model_path
 from rollout_workers.sglang_api.lora_serve import resolve_adapters
@@ -43,14 +41,10 @@ def peft_adapter(model_dir: str, out_dir, rank: int, seed: int, targets=("q_proj
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    command = [sys.executable, "-m", "asyncrl.cli", "serve", model_dir, "--port", "0", "--quant", "none",
-               "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "ready on http://" in line, proc.stderr.read()[-3000:]
-    yield line.split("ready on ", 1)[1].split()[0]
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serve(
+        model_dir, "--quant", "none", "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"
+    ) as url:
+        yield url
 
 
 def post(url: str, path: str, body: dict) -> requests.Response:

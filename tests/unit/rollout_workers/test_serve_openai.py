@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
 import torch
+from serve_process import serve
 
 from common.builtin_model import resolve_model_path
 
@@ -39,14 +38,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def base_url(model_dir):
-    command = [sys.executable, "-m", "asyncrl.cli", "serve", model_dir, "--port", "0", "--quant", "none"]
-    command += ["--weight-version", "v7"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "ready on http://" in line, proc.stderr.read()[-3000:]
-    yield line.split("ready on ", 1)[1].split()[0]
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serve(model_dir, "--quant", "none", "--weight-version", "v7") as url:
+        yield url
 
 
 def generate(base_url: str, body: dict) -> requests.Response:

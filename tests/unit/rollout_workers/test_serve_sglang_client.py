@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from serve_process import serve
 
 from common.builtin_model import cache_root, resolve_model_path
 
@@ -39,13 +40,8 @@ def sglang_client() -> object:
 @pytest.fixture(scope="module")
 def server():
     model_dir = resolve_model_path("builtin:micro", log=lambda *a: None)
-    command = [sys.executable, "-m", "asyncrl.cli", "serve", str(model_dir), "--port", "0", "--quant", "int8"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "ready on http://" in line, proc.stderr.read()[-3000:]
-    yield line.split("ready on ", 1)[1].split()[0], Path(model_dir)
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serve(model_dir, "--quant", "int8") as url:
+        yield url, Path(model_dir)
 
 
 def test_sglangs_wait_for_server_and_runtime_endpoint_work_against_asyncrl_serve(sglang_client, server):

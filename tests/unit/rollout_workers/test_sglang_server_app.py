@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import requests
+from serve_process import serve
 
 from common.builtin_model import resolve_model_path
 from rollout_workers.sglang_api.server_app import MAX_BODY_BYTES
@@ -23,13 +22,8 @@ PROMPT = [3, 4, 10, 5, 12]
 @pytest.fixture(scope="module")
 def base_url():
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *a: None))
-    command = [sys.executable, "-m", "asyncrl.cli", "serve", model_dir, "--port", "0", "--quant", "int8"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "ready on http://" in line, proc.stderr.read()[-3000:]
-    yield line.split("ready on ", 1)[1].split()[0]
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serve(model_dir, "--quant", "int8") as url:
+        yield url
 
 
 def test_many_requests_waiting_while_paused_do_not_block_continue(base_url):
