@@ -1,6 +1,6 @@
 """The `asyncrl` command line. Parses config before importing torch or ray, so bad input fails in well under a second.
 
-asyncrl up CONFIG [key=value ...]     train (a local Ray cluster unless ray.address is set)
+asyncrl up CONFIG [key=value ...]     train (local processes, or Ray when ray.address is set or ray.launcher=ray)
 asyncrl up --resume RUN [key=value]   continue runs/<name> from its latest checkpoint
 asyncrl up --resume auto CONFIG [...]  continue the newest run of CONFIG if it holds a checkpoint, else start afresh
 asyncrl status [RUN] [--json]         a running job: step, workers and their versions, buffer, staleness, errors
@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
     bench.add_argument("--quick", action="store_true", help="a short run (smoke test), same metrics")
     bench.add_argument("--seeds", type=int, default=None, help="seeds of the accuracy comparisons (bench e2e only)")
+    bench.add_argument("--workloads", default=None, help="bench e2e only: comma-separated, of builtin,decode,smol "
+                       "(default builtin,decode; smol: SmolLM2-135M-Instruct against TRL, issue 26)")  # fmt: skip
+    bench.add_argument("--steps", type=int, default=None, help="bench e2e only: steps of every workload")
+    bench.add_argument("--contenders", default=None, help="bench e2e only: only these (trl,async,sync,fp32,best)")
     probe = sub.add_parser("probe", help="measure each quant scheme's rollout mismatch on a model, before training")
     from asyncrl.probe import add_arguments as probe_arguments  # torch-free: argparse only
 
@@ -148,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         except KeyError as err:
             print(f"asyncrl: {err.args[0]}", file=sys.stderr)
             return 2
-        result = bench(args.quick) if args.seeds is None else bench(args.quick, seeds=args.seeds)
+        e2e_options = {"seeds": args.seeds, "workloads": args.workloads, "steps": args.steps,
+                       "contenders": args.contenders}  # fmt: skip
+        options = {key: value for key, value in e2e_options.items() if value is not None}
+        if options and args.name != "e2e":
+            print(f"asyncrl: --{' --'.join(options)}: bench e2e only", file=sys.stderr)
+            return 2
+        result = bench(args.quick, **options)
         print_table(result)
         if args.json_path:
             write_json(result, args.json_path)

@@ -1,10 +1,10 @@
 """`asyncrl up`: start the services, then loop {take a batch, train, publish weights, log, checkpoint}.
 
-    buffer (process, ZMQ) <--lease / push-- rollout workers (Ray actors, always generating)
+    buffer (process, ZMQ) <--lease / push-- rollout workers (actors, always generating)
           |                                        ^
           | FetchBatch(step k)                     | quantized weights, version k+1 (quant_sync, ZMQ)
           v                                        |
-    learner (Ray actor) --train step k------------+
+    learner (actor) --train step k----------------+
 
 | loop | waits for | unblocked by |
 |---|---|---|
@@ -14,9 +14,10 @@
 | driver | the learner's step metrics | the learner finishing step k |
 
 The driver starts step k + 1 as soon as step k returns and logs step k while it runs, unless the boundary needs the
-learner idle (a checkpoint, an evaluation, live changes, a stop, the last step: `_boundary_work`). Ray starts on a
-thread while the driver starts the buffer (`raycluster.connect_in_background`); the start-up's milestones are the
-`startup` event in metrics.jsonl (`asyncrl/startup.py`).
+learner idle (a checkpoint, an evaluation, live changes, a stop, the last step: `_boundary_work`). The actors are
+Ray actors or child processes of the driver (`ray.launcher`, `common.actors`: `local` needs no Ray on one machine);
+under Ray, Ray starts on a thread while the driver starts the buffer (`raycluster.connect_in_background`). The
+start-up's milestones are the `startup` event in metrics.jsonl (`asyncrl/startup.py`).
 
 While a step runs (`_wait_step`) the driver serves the control socket, restarts dead workers and a dead buffer process
 (`asyncrl/supervise.py`) and runs the stall watchdog (`asyncrl/watchdog.py`); whatever ends the run early, its last
@@ -41,6 +42,7 @@ from asyncrl.operations import Operations, OperationsSections
 from asyncrl.startup import StartupClock
 from asyncrl.supervise import BufferSupervisor, WorkerPool
 from asyncrl.watchdog import RunFailed, Watchdog, actor_death, failure
+from common import actors
 from common.config import Config, live_update, to_dict
 from learner.sections import LearnerSections
 from rollout_workers.reward_pool import RewardMetrics
@@ -147,17 +149,19 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     buffers = BufferSupervisor(
         to_dict(cfg), run_dir, logger.event, logger.info, resume_step=start_step if resume is not None else None
     )
-    ray_start = raycluster.RayStart()
+    ray_start, launcher = raycluster.RayStart(), actors.resolve_launcher(cfg.ray)
+    actors.use(launcher)
     try:
         # Ray starts on a thread while this one starts the buffer and imports the actors' classes (both ~1 s)
-        ray_start = raycluster.connect_in_background(cfg.ray, warn=logger.info)
+        if launcher == "ray":
+            ray_start = raycluster.connect_in_background(cfg.ray, warn=logger.info)
         buffers.start()
         clock.mark("buffer_ready")
         import learner.group  # noqa: F401  (the actors' classes, pickled by reference; neither imports torch here)
         import rollout_workers.worker  # noqa: F401
 
         ray_start.wait()
-        clock.mark("ray_ready")
+        clock.mark("ray_ready")  # at once under `ray.launcher=local`
         signals.install()  # again: ray.init on the main thread (a cluster joined) replaces the SIGTERM handler
         watchdog = Watchdog(cfg.train.stall_timeout_s, start_step, logger.event, logger.info)
         for restarts in range(cfg.learner.max_restarts + 1):
@@ -171,11 +175,13 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
         signals.restore()
-        import ray
-
+        actors.shutdown()  # local actors still there (a failed run); none under Ray
         ray_start.settle()  # a start still under way ends first, or its cluster would be left behind
-        if ray.is_initialized():
-            ray.shutdown()
+        if launcher == "ray":
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
         ray_start.close()
         buffers.stop()
         logger.close()
@@ -227,8 +233,6 @@ def _train(
     watchdog: Watchdog,
     parts: dict[str, Any],
 ) -> dict[str, Any]:
-    import ray
-
     from asyncrl.evaluate import Evaluator
     from learner.group import LearnerGroup
 
@@ -269,7 +273,7 @@ def _train(
                 logger.info(f"stopping now, without finishing step {step} (no step for "
                             f"{time.monotonic() - watchdog.last_step_at:.0f} s)")  # fmt: skip
                 break
-            metrics, refs = ray.get(refs)[0], []
+            metrics, refs = actors.get(refs)[0], []
             step += 1
             if not _boundary_work(cfg, ops, signals, step):  # the learner trains the next step during the logging
                 refs = learner.train_step_async(step)
@@ -321,25 +325,21 @@ def _wait_step(refs: list[Any], ops: Operations, pool: WorkerPool, buffers: Buff
                signals: StopSignals) -> bool:  # fmt: skip
     """Wait for the step in flight, serving the control socket and supervising the workers, the buffer and the
     watchdog in slices (at least once a step); True once it is done, False if a stop cannot wait for it."""
-    import ray
-
     while True:
         ops.control.poll(ops.handle)
         pool.poll()
         buffers.poll()
         watchdog.check(pool, ops.buffer.stats, buffers.alive)
-        if ray.wait(refs[:1], timeout=WAIT_SLICE_S)[0]:  # returns as soon as the step is done
+        if actors.wait(refs[:1], timeout=WAIT_SLICE_S)[0]:  # returns as soon as the step is done
             return True
         if len(refs) > 1:  # a rank that died leaves rank 0 waiting in a collective: its error is raised here
-            ray.get(ray.wait(refs[1:], num_returns=len(refs) - 1, timeout=0)[0])
+            actors.get(actors.wait(refs[1:], num_returns=len(refs) - 1, timeout=0)[0])
         if watchdog.stop_now(ops.stop_requested(signals.requested)):
             return False
 
 
 def _learner_died(err: BaseException) -> bool:
-    import ray
-
-    return isinstance(err, ray.exceptions.RayActorError) and "Learner" in str(err)
+    return isinstance(err, actors.died_errors()) and "Learner" in str(err)
 
 
 def _restart_learner(
@@ -353,14 +353,12 @@ def _restart_learner(
 ) -> tuple[Path | None, Watchdog]:
     """A learner rank died: kill the learner group and the workers, restart the buffer rewound to the latest checkpoint
     (as `--resume` does); the next `_train` starts them again from it. Returns (checkpoint, a fresh watchdog)."""
-    import ray
-
     failed_step = watchdog.step
     learner, pool, evaluator = parts.get("learner"), parts.get("pool"), parts.get("evaluator")
     workers = [w.handle for w in pool.workers.values()] if pool is not None else []
     evaluators = [evaluator.actor] if evaluator is not None and evaluator.actor is not None else []
     for actor in [*(learner.ranks if learner is not None else []), *workers, *evaluators]:
-        ray.kill(actor)  # the workers too: they subscribed to the dead learner's weight publisher
+        actors.kill(actor)  # the workers too: they subscribed to the dead learner's weight publisher
     if learner is not None and learner.store_dir:
         shutil.rmtree(learner.store_dir, ignore_errors=True)
     checkpoint_dir = checkpoint.latest(run_dir)

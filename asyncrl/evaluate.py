@@ -158,8 +158,7 @@ class Evaluator:
         self.actor: Any = None
 
     def _start(self) -> None:
-        import ray
-
+        from common import actors
         from common.config import to_dict
         from rollout_workers.sections import WorkerSections
 
@@ -168,13 +167,12 @@ class Evaluator:
             options["resources"] = dict(self.cfg.ray.worker_resources)
         model_dir, buffer_endpoint, weights_endpoint = self.args
         sections = to_dict(WorkerSections.pick(self.cfg))
-        self.actor = ray.remote(**options)(EvalWorker).remote(sections, EVAL_WORKER_ID, model_dir, buffer_endpoint)
-        ray.get(self.actor.subscribe.remote(weights_endpoint))
+        self.actor = actors.remote(EvalWorker, **options).remote(sections, EVAL_WORKER_ID, model_dir, buffer_endpoint)
+        actors.get(self.actor.subscribe.remote(weights_endpoint))
 
     def run(self, step: int, logger: Any) -> dict[str, float]:
         """Evaluate the weights after `step` train steps (version `step`); logged as an `eval` event and returned."""
-        import ray
-
+        from common import actors
         from common.tasks import make_source
 
         held_out = make_source(self.cfg.data).eval_set()
@@ -184,7 +182,7 @@ class Evaluator:
             metrics["eval/acc_greedy"] = self.learner.evaluate(prompts, answers, self.cfg.rollout.max_new_tokens)
         if self.actor is None:
             self._start()
-        metrics.update(ray.get(self.actor.evaluate.remote(step, prompts, answers, self.cfg.eval.samples)))
+        metrics.update(actors.get(self.actor.evaluate.remote(step, prompts, answers, self.cfg.eval.samples)))
         logger.event("eval", after_steps=step, problems=len(prompts), **metrics)
         shown_keys = [key for key in metrics if any(part in key for part in ("@", "acc", "tool"))]
         shown = ", ".join(f"{key[5:]} {metrics[key]:.3f}" for key in shown_keys)
@@ -193,12 +191,12 @@ class Evaluator:
 
     def close(self) -> None:
         """Stop the evaluator (its engine and reward process), then its actor; nothing if it never started."""
-        import ray
+        from common import actors
 
         if self.actor is None:
             return
         try:
-            ray.get(self.actor.stop.remote(), timeout=60)
+            actors.get(self.actor.stop.remote(), timeout=60)
         finally:
-            ray.kill(self.actor)
+            actors.kill(self.actor)
             self.actor = None

@@ -172,23 +172,28 @@ class Operations:
         return {"added": added, "removed": removed}
 
     def _check_local_capacity(self, count: int) -> None:
-        import ray
+        from common import actors
 
         ray_cfg = self.sections.ray
         need = {"CPU": ray_cfg.learner_cpus + count * ray_cfg.worker_cpus}
         for name, amount in ray_cfg.worker_resources.items():
             need[name] = need.get(name, 0.0) + count * amount
-        total = ray.cluster_resources()
+        if actors.launcher() == "local":  # the same logical CPUs as a local Ray cluster would declare
+            total = {"CPU": float(ray_cfg.local_cpus())}
+        else:
+            import ray
+
+            total = ray.cluster_resources()
         for name, amount in need.items():
             have = total.get(name, 0.0)
             if amount <= have + 1e-9:
                 continue
             if name != "CPU":
                 raise ControlError(f"{count} rollout workers need {amount:g} {name} (`ray.worker_resources`) but the "
-                                   f"local Ray cluster has {have:g}")  # fmt: skip
+                                   f"local cluster has {have:g}")  # fmt: skip
             most = int((have - ray_cfg.learner_cpus) / ray_cfg.worker_cpus + 1e-9) if ray_cfg.worker_cpus else 0
             raise ControlError(
-                f"{count} rollout workers need {amount:g} logical CPUs but the local Ray cluster declares {have:g} "
+                f"{count} rollout workers need {amount:g} logical CPUs but the local cluster declares {have:g} "
                 f"(`ray.num_cpus` {ray_cfg.num_cpus} x `ray.local_oversubscribe` {ray_cfg.local_oversubscribe:g}): at "
                 f"most {most} workers of `ray.worker_cpus`={ray_cfg.worker_cpus:g} fit. For more, restart with "
                 f"`asyncrl down`, then `asyncrl up --resume RUN ray.local_oversubscribe=...` (or a smaller "
@@ -197,12 +202,12 @@ class Operations:
 
     def _kill_pending(self, removed: list[str]) -> None:
         """A removed worker that Ray never placed is killed: its `stop` would wait for resources that may never come."""
-        import ray
+        from common import actors
 
         for worker_id in removed:
             worker = self.pool.workers.get(worker_id)
             if worker is not None and worker.started is not None and actor_pending(worker.handle):
-                ray.kill(worker.handle)
+                actors.kill(worker.handle)
 
     def set(self, items: Any) -> dict[str, Any]:
         if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
@@ -254,13 +259,7 @@ class Operations:
 
 
 def actor_pending(handle: Any) -> bool:
-    """Whether Ray has not yet placed the actor `handle`: it waits for a node with the resources it asks for. Read
-    from the GCS actor table (`ray._private.state`: the public state API needs the dashboard, which a local cluster
-    does not start); False when the table cannot be read."""
-    try:
-        from ray._private import state
+    """Whether Ray has not yet placed the actor `handle` (`common.actors.is_pending`; never for a local actor)."""
+    from common import actors
 
-        record = state.actors(handle._actor_id.hex())
-    except Exception:  # a Ray without this table, or a GCS that does not answer: `status` still answers, `starting`
-        return False
-    return isinstance(record, dict) and record.get("State") in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")
+    return actors.is_pending(handle)

@@ -8,7 +8,7 @@ first step is done (`StartupClock.log`), so that a slow start-up says where its 
 | `driver_imports` | the driver's modules are imported and the config is loaded (`run` begins) |
 | `inputs_checked` | dataset rows, model directory, tokenizer and keys checked |
 | `buffer_ready` | the buffer service answered READY |
-| `ray_ready` | `ray.init` returned (a local cluster started, or a remote one joined) |
+| `ray_ready` | `ray.init` returned (a local cluster started, or a remote one joined); at once with `launcher=local` |
 | `actors_created` | the learner and the rollout worker actors were asked for (their processes start now) |
 | `learner_ready` | the learner has its model and published version 0 |
 | `workers_running` | every rollout worker has built its engine, has version 0 and generates |
@@ -75,8 +75,12 @@ class StartupClock:
                 "cpu_s": process_tree_cpu_s()}  # fmt: skip
 
 
-PROCESS_KINDS = (("ray::Learner", "learner"), ("ray::RolloutWorker", "rollout_workers"), ("-m buffer", "buffer"))
-"""(command-line mark, kind) of the processes `process_tree_cpu_s` names; other descendants are Ray's (`ray`)."""
+PROCESS_KINDS = (
+    ("ray::Learner", "learner"), ("actor:Learner", "learner"), ("ray::RolloutWorker", "rollout_workers"),
+    ("actor:RolloutWorker", "rollout_workers"), ("-m buffer", "buffer"),
+)  # fmt: skip
+"""(command-line mark, kind) of the processes `process_tree_cpu_s` names: Ray actors (`ray::Class`) and local ones
+(`common.actor_host actor:Class`); other descendants are Ray's (`ray`)."""
 
 
 def process_tree_cpu_s(root_pid: int | None = None) -> dict[str, float]:

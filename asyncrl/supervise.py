@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import actors
 from common.config import RayConfig, to_dict
 from rollout_workers.sections import WorkerSections
 
@@ -62,7 +63,7 @@ class _Worker:
     started: Any  # ObjectRef of start(), None once it returned
     state: str = "starting"  # starting | running | stopping
     pid: int = 0
-    node: str = ""  # Ray node id
+    node: str = ""  # Ray node id ("" for a local actor)
     stats: dict[str, Any] = field(default_factory=dict)
     stats_ref: Any = None
     stop_ref: Any = None
@@ -79,10 +80,8 @@ class WorkerPool:
         event: Callable[..., None],
     ) -> None:
         """Every worker is given `sections`; `ray_cfg` sizes their actors. `weights_endpoint`: the publisher's
-        endpoint, or a Ray ObjectRef of it (workers then start up while the learner still does; each worker's `start`
+        endpoint, or a ref of it (workers then start up while the learner still does; each worker's `start`
         waits for the ref)."""
-        import ray
-
         from rollout_workers.worker import RolloutWorker
 
         self.rollout = sections.rollout  # max_restarts, restart_backoff_s
@@ -90,7 +89,7 @@ class WorkerPool:
         options: dict[str, Any] = {"num_cpus": ray_cfg.worker_cpus, "max_concurrency": 4}
         if ray_cfg.worker_resources:
             options["resources"] = dict(ray_cfg.worker_resources)
-        self.actor_cls = ray.remote(**options)(RolloutWorker)
+        self.actor_cls = actors.remote(RolloutWorker, **options)
         self.event = event
         self.workers: dict[str, _Worker] = {}
         self.generation: dict[int, int] = {}  # slot -> restarts of that slot
@@ -108,14 +107,12 @@ class WorkerPool:
         `meanwhile` runs after the actors are created and before waiting for them (the driver waits for the learner
         there, so that a learner that fails to start is reported as such, not as a worker that never started).
         """
-        import ray
-
         for _ in range(count):
             self._spawn(self._free_slot())
         if meanwhile is not None:
             meanwhile()
         for worker in list(self.workers.values()):
-            ray.get(worker.started)
+            actors.get(worker.started)
             self._mark_running(worker)
 
     def active(self) -> list[_Worker]:
@@ -154,40 +151,40 @@ class WorkerPool:
         return worker
 
     def _mark_running(self, worker: _Worker) -> None:
-        import ray
-
         worker.started = None
         if worker.state == "stopping":  # scaled down while it started: it stops now (its loop ends by itself)
             return
         worker.state = "running"
-        worker.pid, worker.node = ray.get([worker.handle.pid.remote(), worker.handle.node_id.remote()])
+        if actors.launcher() == "local":  # no Ray node; `node_id` would import Ray in the worker (about 1 CPU-s)
+            worker.pid, worker.node = actors.get(worker.handle.pid.remote()), ""
+        else:
+            worker.pid, worker.node = actors.get([worker.handle.pid.remote(), worker.handle.node_id.remote()])
         self.event("worker_started", worker=worker.worker_id, pid=worker.pid, node=worker.node)
 
     # -- supervision --------------------------------------------------------------------------------------------
 
     def poll(self) -> None:
         """One round of supervision (non-blocking); raises SupervisionError past `rollout.max_restarts` crashes."""
-        import ray
-
+        errors = (*actors.died_errors(), *actors.task_errors(), RuntimeError)
         now = time.monotonic()
         for worker in list(self.workers.values()):
             try:
                 if worker.started is not None and _ready(worker.started):
-                    ray.get(worker.started)
+                    actors.get(worker.started)
                     self._mark_running(worker)
                 if worker.stats_ref is not None and _ready(worker.stats_ref):
                     ref, worker.stats_ref = worker.stats_ref, None
-                    worker.stats = ray.get(ref)
+                    worker.stats = actors.get(ref)
                     if worker.state == "running" and not worker.stats.get("alive", True):
-                        ray.kill(worker.handle)
+                        actors.kill(worker.handle)
                         raise RuntimeError(f"its loop died: {worker.stats.get('last_error', '')}")
                 if worker.stop_ref is not None and _ready(worker.stop_ref):
                     ref, worker.stop_ref = worker.stop_ref, None
-                    worker.stats = ray.get(ref)
+                    worker.stats = actors.get(ref)
                     self._retire(worker)
-                    ray.kill(worker.handle)
+                    actors.kill(worker.handle)
                     self.event("worker_stopped", worker=worker.worker_id)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, RuntimeError) as err:
+            except errors as err:
                 self._crashed(worker, err, now)
         if now >= self._next_stats:
             self._next_stats = now + STATS_EVERY_S
@@ -225,13 +222,11 @@ class WorkerPool:
 
     def refresh(self, timeout_s: float = 10.0) -> None:
         """Fresh stats of every running worker (blocking, at a step boundary); failures are left to `poll`."""
-        import ray
-
         running = [w for w in self.workers.values() if w.state == "running"]
         for worker in running:
             if worker.stats_ref is None:
                 worker.stats_ref = worker.handle.stats.remote()
-        ray.wait([w.stats_ref for w in running], num_returns=len(running), timeout=timeout_s)
+        actors.wait([w.stats_ref for w in running], num_returns=len(running), timeout=timeout_s)
         self._next_stats = 0.0
         self.poll()
 
@@ -260,16 +255,14 @@ class WorkerPool:
 
     def stop_all(self, timeout_s: float = 120.0) -> list[dict[str, Any]]:
         """Stop every worker (each finishes and pushes its batch); their final stats."""
-        import ray
-
         workers = list(self.workers.values())
         refs = [w.stop_ref if w.stop_ref is not None else w.handle.stop.remote() for w in workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready, _ = actors.wait(refs, num_returns=len(refs), timeout=timeout_s)
         out = []
         for worker, ref in zip(workers, refs):
             try:
-                stats = ray.get(ref) if ref in ready else worker.stats
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                stats = actors.get(ref) if ref in ready else worker.stats
+            except (*actors.died_errors(), *actors.task_errors()):
                 stats = worker.stats
             out.append(stats)
         self.restarts.clear()
@@ -277,9 +270,7 @@ class WorkerPool:
 
 
 def _ready(ref: Any) -> bool:
-    import ray
-
-    ready, _ = ray.wait([ref], timeout=0)
+    ready, _ = actors.wait([ref], timeout=0)
     return bool(ready)
 
 

@@ -68,11 +68,11 @@ def failure(err: BaseException, step: int, run_dir: Path) -> RunFailed:
         return RunFailed(f"{_one_line(str(err))}; the run stopped {where}")
     if isinstance(err, KeyboardInterrupt):
         return RunFailed(f"stopped at once ({_one_line(str(err)) or 'interrupted'}) {where}", exit_code=130)
-    import ray
+    from common import actors
 
-    if isinstance(err, ray.exceptions.RayActorError):
+    if isinstance(err, actors.died_errors()):
         return RunFailed(f"{actor_death(str(err))}; the run stopped {where}")
-    if isinstance(err, ray.exceptions.RayTaskError):
+    if isinstance(err, actors.task_errors()):
         cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else None
         what = f"{type(cause).__name__}: {_one_line(str(cause))}" if cause is not None else _one_line(str(err))
         process = _process_name(getattr(err, "function_name", ""))
@@ -96,8 +96,9 @@ def _process_name(function_name: str) -> str:
 
 
 def actor_death(message: str) -> str:
-    """`the learner (pid 123) died: <Ray's exit detail>` from a RayActorError's text (its format is Ray's; Ray does not
-    say which signal ended the process: its parent is the raylet)."""
+    """`the learner (pid 123) died: <exit detail>` from a RayActorError's text (its format is Ray's; Ray does not
+    say which signal ended the process: its parent is the raylet) or a local actor's ActorDiedError (the same
+    fields; its exit detail names the signal: the driver is its parent)."""
     klass = re.search(r"class_name:\s*(\w+)", message)
     pid = re.search(r"(?:pid[=:]|Worker PID:)\s*(\d+)", message, flags=re.IGNORECASE)
     process = _process_name(klass.group(1) if klass else "Learner" if "Learner" in message else "")

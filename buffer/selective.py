@@ -135,9 +135,11 @@ def rollout_metrics(stats: dict[str, Any], last: dict[str, float]) -> dict[str, 
 
     `rollout/filtered_share`: groups filtered for zero variance / groups completed (pushed and resolved: admitted,
     filtered or dropped as stale) over the interval (NaN when none completed); `rollout/skipped_prompts`: problems
-    skipped at lease time over the interval; `rollout/skip_tracked_prompts`: prompts with a streak now.
+    skipped at lease time over the interval; `rollout/screened_prompts`: leases that workers resolved ungenerated
+    over the interval (`algo.skip_predicted`, rollout_workers/screening.py); `rollout/skip_tracked_prompts`: prompts
+    with a streak now.
     """
-    keys = ("filtered_groups", "completed_groups", "skipped_prompts")
+    keys = ("filtered_groups", "completed_groups", "skipped_prompts", "screened_groups")
     totals = {key: float(stats.get(key, 0)) for key in keys}
     delta = {key: totals[key] - last.get(key, 0.0) for key in keys}
     last.update(totals)
@@ -145,5 +147,6 @@ def rollout_metrics(stats: dict[str, Any], last: dict[str, float]) -> dict[str, 
     return {
         "rollout/filtered_share": delta["filtered_groups"] / completed if completed > 0 else math.nan,
         "rollout/skipped_prompts": delta["skipped_prompts"],
+        "rollout/screened_prompts": delta["screened_groups"],
         "rollout/skip_tracked_prompts": float(stats.get("skip_tracked_prompts", 0)),
     }

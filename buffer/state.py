@@ -8,6 +8,7 @@ Life of a group (its id is `g<index>` of the problem it was leased for, the same
       │      deadline   ▼  │ reissued first
       │               returned            push: filtered (all rewards equal) or already stale ──▶ resolved, counted
       └──zero-variance streak, not drawn (algo.skip_zero_variance, buffer/selective.py)──▶ skipped, counted
+    leased ──empty push (algo.skip_predicted, rollout_workers/screening.py)──▶ screened, counted
 
 A push of a returned (expired) lease is still accepted; whichever push of a group id comes first is admitted and
 any later one is answered `duplicate`, so a group is trained at most once. Live groups for the throttle
@@ -205,6 +206,8 @@ class BufferState:
                 self.counters["duplicate_groups"] += 1
                 return PushReply(True, "duplicate")
             return self._reject("unknown_group")
+        if not msg.uids:
+            return self._screen(group)
         reason = self._check_group(msg, lease)
         if reason:
             return self._reject(reason)
@@ -231,6 +234,18 @@ class BufferState:
         if self.journal is not None:
             self.journal.append_admit(msg.payload)
         return PushReply(True, "")
+
+    def _screen(self, group: str) -> PushReply:
+        """An empty push: the worker resolved the lease without generating it (`algo.skip_predicted`,
+        rollout_workers/screening.py), which only dynamic sampling makes a saving (else it is refused: `empty_group`).
+        Counted as `screened_groups`, not as completed; the prompt's streak is left as it is."""
+        if not self.filter_groups:
+            return self._reject("empty_group")
+        self.leased.pop(group, None)
+        self.returned.pop(group, None)
+        self.counters["screened_groups"] += 1
+        self.log_record({"k": "done", "g": [group], "why": "screened"})
+        return PushReply(True, "screened")
 
     def queued_bytes(self) -> int:
         """Bytes of the queued groups' payloads: what a journal snapshot would have to copy."""
@@ -331,6 +346,7 @@ class BufferState:
             "filtered_groups",
             "completed_groups",
             "skipped_prompts",
+            "screened_groups",
             "expired_leases",
             "dead_workers",
             "dead_worker_leases",

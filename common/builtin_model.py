@@ -11,8 +11,8 @@ distribution (its greedy answer is mostly right, its temperature-1 samples solve
 verifier's reward tells RL which samples were right.
 
 `builtin:tiny-outliers` (OutlierRecipe) is tiny reparametrized to carry a few outlier activation channels, as real
-LLMs do: the same function in fp32, but per-token activation quantization (W8A8 rollout) bites (ALGORITHMS.md
-"Outlier channels"). It is built from the cached tiny in seconds.
+LLMs do: the same function in fp32, but per-token activation quantization (W8A8 rollout) bites
+(docs/algorithms.md, "Outlier channels"). It is built from the cached tiny in seconds.
 
 `builtin:tiny-tool` (common/builtin_tool.py) adds the characters `[]{}` to the vocabulary and is warmed up to call a
 calculator, for `data.task=arith_tool` (multi-turn episodes, issue 21).

@@ -64,6 +64,7 @@ def validate(cfg: Config) -> Config:
     _check_compute(cfg)  # the rules run in this order: a config breaking several is told of the first
     _check_data(cfg)
     _check_selective_rollout(cfg.algo)
+    _check_predictive_skip(cfg)
     if cfg.loss.dual_clip and cfg.loss.dual_clip <= 1.0:
         raise ConfigError(f"`loss.dual_clip` must be 0 (off) or > 1, got {cfg.loss.dual_clip}")
     # `learner.prox=behav` with a mismatch weighting is allowed (the QuRL eq. 3 baseline): every weight is then 1.
@@ -165,6 +166,30 @@ def _check_selective_rollout(algo: AlgoConfig) -> None:
         )
 
 
+def skip_predicted_on(algo: AlgoConfig, backend: str, custom_reward: bool, multi_turn: bool) -> bool:
+    """Whether predictive selective rollout is on (`algo.skip_predicted`, null resolved: with `algo.filter_groups`,
+    the embedded engine (it scores the answer in its prefill), the task's own reward (whose reference answer scores
+    1) and single-turn episodes (the prompt is the lease's))."""
+    if algo.skip_predicted is not None:
+        return algo.skip_predicted
+    return algo.filter_groups and backend == "embedded" and not custom_reward and not multi_turn
+
+
+def _check_predictive_skip(cfg: Config) -> None:
+    """`algo.skip_predicted=true` needs what its prediction stands on (`skip_predicted_on`)."""
+    if not cfg.algo.skip_predicted:
+        return
+    needs = {
+        "`algo.filter_groups=true` (it skips groups that dynamic sampling would drop)": cfg.algo.filter_groups,
+        "`rollout.backend=embedded` (the answer is scored in its prefill)": cfg.rollout.backend == "embedded",
+        "the task's own reward (`reward.fn`/`reward.fns` empty: its reference answer scores 1)": not cfg.reward.specs(),
+        "single-turn episodes (`env.fn` empty)": not cfg.env.fn,
+    }
+    missing = [need for need, ok in needs.items() if not ok]
+    if missing:
+        raise ConfigError(f"`algo.skip_predicted=true` needs {'; '.join(missing)}; or leave it null (auto)")
+
+
 def _check_data(cfg: Config) -> None:
     if cfg.data.task == "jsonl" and not cfg.data.path:
         raise ConfigError("data.task=jsonl needs `data.path` (a JSONL file with prompt and answer fields)")
@@ -188,6 +213,11 @@ def _check_optim_and_resources(cfg: Config) -> None:
         for name, amount in amounts.items():
             if not amount > 0:
                 raise ConfigError(f"`{key}.{name}` must be a positive amount of that resource, got {amount}")
+    if cfg.ray.launcher == "local" and (cfg.ray.address or cfg.ray.worker_resources or cfg.ray.learner_resources):
+        raise ConfigError(
+            "`ray.launcher=local` starts every actor on this machine: it takes no `ray.address` and no "
+            "`ray.worker_resources` / `ray.learner_resources` (set `ray.launcher=ray` or `auto` for a Ray cluster)"
+        )
 
 
 def _check_model(cfg: Config) -> None:

@@ -56,9 +56,9 @@ TURN_REWARDS = ("sum", "last", "max")
 @dataclass(kw_only=True, slots=True)
 class LoraConfig:
     rank: int = in_range(0, 1024, default=0)
-    """LoRA rank r of every adapter (ALGORITHMS.md, "LoRA on a frozen quantized base"); 0: off, the whole model
-    trains. On: the base weights are frozen, only the adapters get gradients and optimizer state, and each new
-    weight version publishes only the adapters."""
+    """LoRA rank r of every adapter (docs/algorithms.md, "LoRA on a frozen quantized base"); 0: off, the whole
+    model trains. On: the base weights are frozen, only the adapters get gradients and optimizer state, and each
+    new weight version publishes only the adapters."""
     alpha: float = in_range(1e-6, default=32.0)
     """LoRA alpha: the adapter's output is scaled by alpha / rank."""
     dropout: float = in_range(0.0, 0.99, default=0.0)
@@ -300,7 +300,7 @@ class TbpoConfig:
 @dataclass(kw_only=True, slots=True)
 class KlConfig:
     coef: float = in_range(0.0, default=0.0)
-    """Weight beta of the KL penalty against the frozen initial model (ALGORITHMS.md, "KL and entropy terms"):
+    """Weight beta of the KL penalty against the frozen initial model (docs/algorithms.md, "KL and entropy terms"):
     loss += beta * agg(k); 0: off, and no reference model is built."""
     estimator: str = one_of(KL_ESTIMATORS, default="k3")
     """Per-token estimator of KL(pi_theta || pi_ref) (Schulman), with log r = lref - lc: `k1` = -log r, `k2` =
@@ -325,7 +325,8 @@ class LossConfig:
     tbpo: TbpoConfig = field(default_factory=TbpoConfig)
     kl: KlConfig = field(default_factory=KlConfig)
     entropy_coef: float = in_range(0.0, default=0.0)
-    """Weight of the entropy bonus over response tokens: loss -= entropy_coef * agg(H) (ALGORITHMS.md); 0: off."""
+    """Weight of the entropy bonus over response tokens: loss -= entropy_coef * agg(H); 0: off (docs/algorithms.md,
+    "KL and entropy terms")."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -348,6 +349,15 @@ class AlgoConfig:
     """Selective rollout: lease probability of a prompt after one zero-variance group (GRESO's p_e); z in a row: ^z."""
     skip_min_prob: float = in_range(0.01, 1.0, default=0.05)
     """Selective rollout: the floor of the lease probability, so no prompt is skipped for ever."""
+    skip_predicted: bool | None = None
+    """Predictive selective rollout: before generating a group, the worker scores the reference answer (one prefill
+    of prompt + answer + end token) and, when the policy's probability that all `train.group_size` samples give it,
+    p_ans ** G, is at least `algo.skip_predicted_above`, generates the group only with probability
+    `algo.skip_min_prob` (else resolves it unsampled: `rollout/screened_prompts`). null (default): on iff
+    `algo.filter_groups` with the embedded engine, the task's own reward and single-turn; true needs those."""
+    skip_predicted_above: float = in_range(0.0, 1.0, default=0.4)
+    """Predictive selective rollout: the predicted probability of an all-correct group (p_ans ** G) from which a
+    prompt is skipped."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
@@ -360,9 +370,15 @@ class LearnerConfig:
     not with `loss.weighting=acrl`)."""
     minibatches: int = in_range(1, default=1)
     """PPO minibatches (optimizer steps) per learner step."""
-    micro_batch_tokens: int = in_range(1, default=512)
-    """Token budget of one forward/backward micro-batch: its rows x their longest prompt + response, in tokens. 512:
-    on CPU the step's time is within a few percent from 512 to 16384 and its peak memory lowest at 512 (issue 26)."""
+    micro_batch_tokens: int = in_range(0, default=0)
+    """Token budget of one forward/backward micro-batch: its rows x their longest prompt + response (with
+    `learner.share_prefix`, its packed groups x the longest), in tokens. 0: from the model's shape, the tokens whose
+    saved activations fit `learner.batch.AUTO_ACTIVATION_BYTES` (SmolLM2-135M: about 510; the built-in tiny model:
+    the whole batch; `learner.batch.micro_batch_budget`)."""
+    share_prefix: bool = True
+    """Run each group's common prefix (its prompt) through the model once per micro-batch, not once per response:
+    the group's responses packed into one row with a block mask (`learner/packing.py`); the same log-probs to fp32
+    rounding, with fewer tokens to compute (2-3x fewer on GRPO groups of 8 with short responses)."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)
@@ -370,7 +386,7 @@ class LearnerConfig:
     threads_max: int = in_range(0, default=0)
     """The high count of `learner.threads_policy` (at most the cores the learner may run on); 0: those cores."""
     threads_policy: str = one_of(THREADS_POLICIES, default="measured")
-    """The learner's torch threads per step (ALGORITHMS.md, "Learner threads"; one rank only, with more every rank
+    """The learner's torch threads per step (docs/algorithms.md, "Learner threads"; one rank only, with more every rank
     keeps `learner.threads`): `fixed` (`learner.threads`); `throttled` (the high count for a step after the buffer
     refused a lease, else `learner.threads`); `measured` (when the learner is the bound, a few steps at each count,
     then the one with fewer loop seconds per trained sample, checked again every 50 steps)."""
@@ -478,6 +494,11 @@ class CheckpointConfig:
 class RayConfig:
     address: str = ""
     """Ray cluster address (`auto` or host:port); empty starts a local cluster."""
+    launcher: str = one_of(("auto", "ray", "local"), default="auto")
+    """What starts the learner, rollout worker and evaluator actors: `ray` (Ray actors; a local Ray cluster when
+    `ray.address` is empty), `local` (child processes of the driver serving calls over a private ZMQ socket: no Ray
+    on one machine, a shorter start-up; common/local_actors.py) or `auto` (`local` when `ray.address` and the custom
+    resources are empty, else `ray`)."""
     num_cpus: int = in_range(1, default=2)
     """Cores of the local cluster; it declares `ray.num_cpus * ray.local_oversubscribe` logical CPUs to Ray."""
     local_oversubscribe: float = in_range(1.0, 64.0, default=4.0)

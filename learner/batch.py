@@ -16,6 +16,7 @@ import torch
 
 from common.wire import Trajectory
 from learner.logprobs import response_logp
+from learner.packing import packed_micro_batches
 
 
 @dataclass(slots=True)
@@ -67,7 +68,7 @@ def collate(groups: list[list[Trajectory]], pad_id: int) -> Batch:
         response_ids[i, :r] = input_ids[i, p : p + r]
         if t.loss_mask is None:
             mask[i, :r] = 1.0
-        else:  # a multi-turn episode: observation tokens are context only (ALGORITHMS.md "Loss mask")
+        else:  # a multi-turn episode: observation tokens are context only (docs/algorithms.md, "Loss mask")
             mask[i, :r] = torch.from_numpy(t.loss_mask.astype("float32"))
         behav[i, :r] = torch.from_numpy(t.behav_logp.copy())
         versions[i, :r] = torch.from_numpy(t.versions.astype("int64"))
@@ -95,11 +96,50 @@ def overlong_shaping(lengths: torch.Tensor, truncated: torch.Tensor, max_len: in
     return torch.where(truncated, torch.full_like(penalty, -1.0), penalty)
 
 
-def micro_batches(batch: Batch, lo: int, hi: int, token_budget: int) -> list[tuple[int, int]]:
-    """Split rows lo..hi-1 into consecutive ranges whose padded size (rows x longest sequence) fits the budget.
+AUTO_ACTIVATION_BYTES = 700 * 2**20
+"""`learner.micro_batch_tokens=0`: the activation bytes a micro-batch may save for backward (estimated per token by
+`activation_bytes_per_token`). SmolLM2-135M: about 510 tokens (the bench's SmolLM row, shared prompts: two groups per
+micro-batch, MFU 0.63 and peak RSS 2.8 GB; one group, 280 tokens: 0.56 and 2.8 GB); the built-in tiny model: about
+16,000 tokens, the whole batch in one micro-batch (each micro-batch costs a forward's and a backward's fixed overhead,
+most of the step on a model that small)."""
+FALLBACK_MICRO_BATCH_TOKENS = 512
+"""The budget of `learner.micro_batch_tokens=0` for a model without a Llama-style config (no layer count or sizes)."""
 
-    A single row longer than the budget still forms its own micro-batch (it cannot be split).
+
+def activation_bytes_per_token(config: object) -> int:
+    """Estimated fp32 bytes a decoder saves for backward per token: per layer about 10 hidden-size tensors (norms,
+    q/k/v, attention output, residuals) and 4 intermediate-size ones (gate, up, their activation and product)."""
+    hidden, inter = int(config.hidden_size), int(config.intermediate_size)  # type: ignore[attr-defined]
+    return 4 * int(config.num_hidden_layers) * (10 * hidden + 4 * inter)  # type: ignore[attr-defined]
+
+
+def micro_batch_budget(token_budget: int, model: torch.nn.Module) -> int:
+    """`learner.micro_batch_tokens` resolved: itself when > 0, else `AUTO_ACTIVATION_BYTES` over the model's
+    `activation_bytes_per_token` (at least 64 tokens)."""
+    if token_budget > 0:
+        return token_budget
+    config = getattr(model, "config", None)
+    try:
+        per_token = activation_bytes_per_token(config)
+    except (AttributeError, TypeError):
+        return FALLBACK_MICRO_BATCH_TOKENS
+    return max(64, AUTO_ACTIVATION_BYTES // max(per_token, 1))
+
+
+def micro_batches(
+    batch: Batch, lo: int, hi: int, token_budget: int, share_prefix: bool = False
+) -> list[tuple[int, int]]:
+    """Split rows lo..hi-1 into consecutive ranges whose padded size (rows x longest sequence) fits the budget; with
+    `share_prefix`, where sharing pays, ranges of whole groups whose packed size fits it (`learner.packing`).
+
+    A single row longer than the budget still forms its own micro-batch (it cannot be split). A budget <= 0 (the
+    unresolved `learner.micro_batch_tokens=0`) is `FALLBACK_MICRO_BATCH_TOKENS`: `micro_batch_budget` resolves it.
     """
+    token_budget = token_budget if token_budget > 0 else FALLBACK_MICRO_BATCH_TOKENS
+    if share_prefix:
+        packed = packed_micro_batches(batch.input_ids, batch.attention_mask, batch.group_index, lo, hi, token_budget)
+        if packed is not None:
+            return packed
     lengths = batch.attention_mask[lo:hi].sum(-1).tolist()
     ranges: list[tuple[int, int]] = []
     start, longest = lo, 0
@@ -121,9 +161,13 @@ def rank_rows(lo: int, hi: int, rank: int, world: int) -> tuple[int, int]:
     return lo + n * rank // world, lo + n * (rank + 1) // world
 
 
-def token_logp(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logp(
+    model: torch.nn.Module, batch: Batch, temperature: float, share_prefix: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, T) of the response tokens under `model` (at the rollout temperature), with grad, and entropies
-    (B, T); 0 on padding. The LM head runs at the response tokens only, in chunks (`learner.logprobs`)."""
+    (B, T); 0 on padding. The LM head runs at the response tokens only, in chunks (`learner.logprobs`); with
+    `share_prefix` (`learner.share_prefix`), each group's common prefix runs once (`learner.packing`)."""
     return response_logp(
-        model, batch.input_ids, batch.attention_mask, batch.response_pos, batch.response_ids, batch.mask, temperature
-    )
+        model, batch.input_ids, batch.attention_mask, batch.response_pos, batch.response_ids, batch.mask, temperature,
+        groups=batch.group_index if share_prefix else None,
+    )  # fmt: skip

@@ -1,4 +1,5 @@
-"""The learner as the driver sees it: `learner.world_size` ranks as Ray actors behind one blocking interface.
+"""The learner as the driver sees it: `learner.world_size` ranks as actors behind one blocking interface (Ray actors
+or local ones, `ray.launcher`: `common.actors`).
 
 Every rank is a `learner.trainer.Learner` actor; they meet in a torch.distributed process group at a rendezvous
 address hosted here. Calls go to all ranks at once (FSDP2's collectives need every rank) and the answer comes from
@@ -16,6 +17,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from common import actors
 from common.config import RayConfig, to_dict
 from learner.sections import LearnerSections
 
@@ -97,8 +99,6 @@ class LearnerGroup:
         start_version: int = 0,
     ):
         """Start `sections.learner.world_size` ranks, each given `sections`; `ray_cfg` sizes their actors."""
-        import ray
-
         world = sections.learner.world_size
         self.store, address, self.store_dir = None, "", ""
         if world > 1:  # torch.distributed: imported only where there is more than one rank
@@ -109,7 +109,7 @@ class LearnerGroup:
             else:  # one machine: a file store, no port
                 self.store_dir = tempfile.mkdtemp(prefix="asyncrl-rdzv-")
                 address = local_rendezvous(self.store_dir)
-        actor = ray.remote(**actor_options(ray_cfg, world))(LearnerActor)
+        actor = actors.remote(LearnerActor, **actor_options(ray_cfg, world))
         section_values = to_dict(sections)
         self.ranks = [
             actor.remote(section_values, model_dir, buffer_endpoint, rank=rank, rendezvous=address,
@@ -118,24 +118,20 @@ class LearnerGroup:
         ]  # fmt: skip
 
     def _all(self, method: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
+        return actors.get([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
 
     def weights_endpoint_ref(self) -> Any:
-        """A Ray ObjectRef of the publisher's endpoint, ready once rank 0 has published version 0."""
+        """A ref of the publisher's endpoint, ready once rank 0 has published version 0."""
         return self.ranks[0].weights_endpoint.remote()
 
     def weights_endpoint(self) -> str:
-        import ray
-
-        return ray.get(self.ranks[0].weights_endpoint.remote())
+        return actors.get(self.ranks[0].weights_endpoint.remote())
 
     def train_step(self, step: int) -> dict[str, float]:
         return self._all("train_step", step)
 
     def train_step_async(self, step: int) -> list[Any]:
-        """Start train step `step` on every rank; the refs (rank 0's result first) for `ray.wait` / `ray.get`."""
+        """Start train step `step` on every rank; the refs (rank 0's result first) for `actors.wait` / `actors.get`."""
         return [rank.train_step.remote(step) for rank in self.ranks]
 
     def save_checkpoint(self, out_dir: str) -> str:

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from learner.packing import pack_groups
+
 LOGITS_CHUNK_ELEMENTS = 2**24
 """Logits per chunk (rows x vocabulary): 64 MiB in fp32; backward holds a few tensors of this size at a time."""
 PLAIN_HEAD_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -73,17 +75,20 @@ def response_logp(
     response_ids: torch.Tensor,
     mask: torch.Tensor,
     temperature: float,
+    groups: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, T) of `response_ids` at `response_pos` of `input_ids` under `model` at `temperature`, with
     grad, and entropies (B, T) without (with, inside `entropy_with_grad`); both 0 where `mask` is 0.
 
     input_ids, attention_mask: (B, S); response_pos (position of each response token), response_ids, mask: (B, T).
+    `groups` (B,): the rows' group ids, to run each group's shared prefix once (`learner.packing`); None: row by row.
     """
     if not _plain_head(model) or not bool(mask.any()):
         return full_logits_logp(model, input_ids, attention_mask, response_pos, response_ids, mask, temperature)
+    args = (input_ids, attention_mask, response_pos, response_ids, mask, temperature, groups)
     if _is_fsdp(model):
-        return _fsdp_method(model)(input_ids, attention_mask, response_pos, response_ids, mask, temperature)
-    return _loss_positions_logp(model, input_ids, attention_mask, response_pos, response_ids, mask, temperature)
+        return _fsdp_method(model)(*args)
+    return _loss_positions_logp(model, *args)
 
 
 def _loss_positions_logp(
@@ -94,15 +99,28 @@ def _loss_positions_logp(
     response_ids: torch.Tensor,
     mask: torch.Tensor,
     temperature: float,
+    groups: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder body once, the head at the N loss positions in chunks; `response_logp`'s result."""
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = hidden.last_hidden_state  # (B, S, H)
+    """The decoder body once (each group's shared prefix once, when `groups` are given and it pays: `learner.packing`),
+    the head at the N loss positions in chunks; `response_logp`'s result."""
+    decoder = model.get_decoder()
+    packed = None
+    if groups is not None:
+        packed = pack_groups(input_ids, attention_mask, groups, getattr(model.config, "_attn_implementation", None))
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
     positions = (response_pos[rows, cols] - 1).clamp_min(0)  # the hidden state at p - 1 predicts token p
-    logp, entropy = head_logp(
-        model.get_output_embeddings(), hidden[rows, positions], response_ids[rows, cols], temperature
-    )
+    if packed is None:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        picked = hidden[rows, positions]  # (N, H) of hidden (B, S, H)
+    else:
+        hidden = decoder(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            use_cache=False,
+        ).last_hidden_state  # (P, L, H)
+        picked = hidden.reshape(-1, hidden.shape[-1])[packed.flat_index[rows, positions]]  # (N, H)
+    logp, entropy = head_logp(model.get_output_embeddings(), picked, response_ids[rows, cols], temperature)
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     return zeros.index_put((rows, cols), logp), zeros.index_put((rows, cols), entropy)
 

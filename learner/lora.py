@@ -1,4 +1,4 @@
-"""LoRA on a frozen base (`model.lora.rank > 0`, ALGORITHMS.md "LoRA on a frozen quantized base").
+"""LoRA on a frozen base (`model.lora.rank > 0`, docs/algorithms.md, "LoRA on a frozen quantized base").
 
     HF model --(learner.lora_base=rollout: make_rollout_aligned)--> peft LoRA adapters on `model.lora.targets`
       version 0:   the quantized base + the adapters, pinned at the publisher (late workers fetch it)

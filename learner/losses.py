@@ -12,7 +12,7 @@ table `learner.weightings.WEIGHTINGS`:
 Notation (ALGORITHMS.md): lb behavior (rollout) log-prob, lp proximal, lc current; r = exp(lc - lp) is the PPO
 ratio, w = exp(lp - lb) the mismatch weight.
 
-Two optional regularizers are added to either kind (ALGORITHMS.md, "KL and entropy terms"), aggregated like the
+Two optional regularizers are added to either kind (docs/algorithms.md, "KL and entropy terms"), aggregated like the
 policy loss (`regularizer_agg`):
 
 - KL penalty, `loss.kl.coef` = beta > 0: `+ beta * agg(k)` with k a per-token estimator of KL(pi_theta || pi_ref)

@@ -1,4 +1,5 @@
-"""Learning-rate schedules of `optim.sched` (ALGORITHMS.md): constant, cosine, length_decay.
+"""Learning-rate schedules of `optim.sched`: constant, cosine, length_decay (ALGORITHMS.md, "Length-decay LR";
+docs/algorithms.md, "Optimizer and LR schedules" and "Length-decay LR: details").
 
 Steps are the trainer's 0-based train steps; call `lr(step, mean_response_len)` once per step, in order, before
 that step's update (length_decay is stateful). A repeated call for the same step returns the same value.

@@ -39,6 +39,11 @@ RECHECK_STEPS = 50
 """Steps a trial's decision holds before the policy checks again."""
 BOUND_WAIT_SHARE = 0.25
 """The learner is the bound when it waited for its batch at most this share of the previous step's training time."""
+SPLIT_PARAMS = 20_000_000
+"""`measured` starts at the high count, before its first trial, for a model of at least this many parameters: its
+GEMMs split well over threads (a learner step on 2 threads: 1.5x faster at 100M parameters, 1.9x at 135M) and a run
+of a few steps (or one that never settles a trial) should not spend them all on one thread. Below it, the low count:
+on the built-in 0.8M model a second thread made the loop slower."""
 CLEAR_RATIO = 2.0
 """A trial ends early once both counts have run and one's median loop time is this many times the other's: a clear
 case (oversubscribed threads on a loaded machine make a step 10x slower) costs one slow step, not `TRIAL_STEPS`."""
@@ -59,14 +64,14 @@ class ThreadsPolicy:
     loop time is known (at the next step's fetch) `record(seconds_per_sample)`.
     """
 
-    def __init__(self, policy: str, low: int, high: int):
+    def __init__(self, policy: str, low: int, high: int, parameters: int = 0):
         if policy not in THREADS_POLICIES:
             raise ValueError(f"learner.threads_policy must be one of {', '.join(THREADS_POLICIES)}, got {policy!r}")
         if low < 1:
             raise ValueError(f"learner.threads must be >= 1, got {low}")
         self.policy, self.low, self.high = policy, low, max(low, high)
-        self.decided = low
-        """The count a finished trial chose (`measured`)."""
+        self.decided = self.high if parameters >= SPLIT_PARAMS else low
+        """The count a finished trial chose (`measured`); before the first, the model size's prior (`SPLIT_PARAMS`)."""
         self.trial: list[int] = []  # the counts of the running trial's remaining steps
         self.timings: dict[int, list[float]] = {}  # the running trial's loop seconds per sample, by count
         self.next_check = WARMUP_STEPS

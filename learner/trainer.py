@@ -112,6 +112,7 @@ class Learner:
         self.threads_policy = ThreadsPolicy(  # one rank only: with FSDP2 every rank keeps learner.threads
             learner.threads_policy if learner.world_size == 1 else "fixed", learner.threads,
             min(learner.threads_max, cores) if learner.threads_max else cores,
+            parameters=sum(param.numel() for param in self.model.parameters()),
         )  # fmt: skip
         self.loop_mark: tuple[float, int] | None = None  # the end of the last step's fetch and its trained samples
         self.last_train_s = 0.0  # the last step's training seconds (perf/train_s)

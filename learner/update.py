@@ -6,6 +6,7 @@
                                                            or `loglinear`: AReaL's interpolation between lb and
                                                            each micro-batch's own detached lc, by token version)
       -> for each PPO minibatch: this rank's rows, in micro-batches of at most `learner.micro_batch_tokens`
+         (whole groups, each group's shared prompt computed once: `learner.share_prefix`, learner/packing.py)
            loss of a micro-batch = policy_loss(micro) * its share of the minibatch's normalizer
            backward(loss * loss_scale * world_size)   (FSDP2 averages over ranks; the factor makes it a sum)
          unscale, clip the global grad norm, AdamW step, unless the loss or the gradient is not finite
@@ -32,7 +33,7 @@ import torch
 from common.config import AlgoConfig, LearnerConfig, LossConfig, PrecisionConfig, QuantConfig, RolloutConfig
 from common.config_rules import head_quantized
 from learner.acrl import AcrlReference
-from learner.batch import Batch, micro_batches, overlong_shaping, rank_rows, token_logp
+from learner.batch import Batch, micro_batch_budget, micro_batches, overlong_shaping, rank_rows, token_logp
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
 from learner.logprobs import entropy_with_grad
 from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
@@ -83,10 +84,12 @@ def timed(seconds: dict[str, float] | None, phase: str) -> Iterator[None]:
             seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
-def _plan(batch: Batch, lo: int, hi: int, learner: LearnerConfig, ranks: Dist) -> tuple[list[tuple[int, int]], int]:
+def _plan(
+    model: torch.nn.Module, batch: Batch, lo: int, hi: int, learner: LearnerConfig, ranks: Dist
+) -> tuple[list[tuple[int, int]], int]:
     """This rank's micro-batches of rows lo..hi-1 and the number every rank runs (the max over ranks)."""
     mine = rank_rows(lo, hi, ranks.rank, ranks.world)
-    plan = micro_batches(batch, *mine, learner.micro_batch_tokens)
+    plan = micro_batches(batch, *mine, micro_batch_budget(learner.micro_batch_tokens, model), learner.share_prefix)
     count = int(all_reduce_(torch.tensor([len(plan)]), ranks, op="max"))
     return plan, count
 
@@ -103,11 +106,11 @@ def proximal_logp(
     """lp and entropy (B, T) with the weights at the start of the step; each rank computes its rows, then a sum."""
     prox = torch.zeros_like(batch.behav_logp)
     entropy = torch.zeros_like(batch.behav_logp)
-    plan, count = _plan(batch, 0, batch.rows, learner, ranks)
+    plan, count = _plan(model, batch, 0, batch.rows, learner, ranks)
     for i in range(count):
         lo, hi = plan[i] if i < len(plan) else (0, 1)  # past this rank's rows: a forward for FSDP's collectives
         with autocast(precision.train):
-            logp, ent = token_logp(model, batch.select(lo, hi), rollout.temperature)
+            logp, ent = token_logp(model, batch.select(lo, hi), rollout.temperature, learner.share_prefix)
         if i < len(plan):
             prox[lo:hi], entropy[lo:hi] = logp, ent
     return all_reduce_(prox, ranks), all_reduce_(entropy, ranks)
@@ -125,7 +128,8 @@ def prox_from_training_forward(learner: LearnerConfig, loss: LossConfig) -> bool
 
 
 def loglinear_alpha(versions: torch.Tensor, version: int) -> torch.Tensor:
-    """AReaL's interpolation weight (B, T) of each token for `learner.prox = loglinear` (ALGORITHMS.md).
+    """AReaL's interpolation weight (B, T) of each token for `learner.prox = loglinear` (docs/algorithms.md,
+    "Proximal log-probs: details").
 
     `alpha = clamp((v_prox - v_behav) / (v_cur - v_behav), 0, 1)` with `v_cur = version` (the weights the step starts
     from) and `v_prox = v_cur - 1`; a token generated at `v_cur` (or later) gets 1: its lp is the current log-prob.
@@ -157,9 +161,9 @@ def _param_sums(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     new_flat, old_flat = new.reshape(-1), old.reshape(-1)
     for lo in range(0, new_flat.numel(), NORM_CHUNK_ELEMENTS):
         chunk = slice(lo, lo + NORM_CHUNK_ELEMENTS)
-        fresh, prior = new_flat[chunk].double(), old_flat[chunk].double()
-        sums[0] += (fresh - prior).pow(2).sum()
-        sums[1] += prior.pow(2).sum()
+        prior = old_flat[chunk].double()
+        delta = new_flat[chunk].double().sub_(prior)
+        sums += torch.stack((torch.dot(delta, delta), torch.dot(prior, prior)))  # fewer ops than pow + sum
     return sums
 
 
@@ -203,6 +207,10 @@ def _update_sums(
     return sums
 
 
+SNAPSHOT_MAX_BYTES = 64 * 2**20
+"""Weights up to this size take norm_update's snapshot and one optimizer step instead of `step_measuring_update`: the
+copy costs little memory, and one step call per parameter costs more than the copy (builtin:tiny's optimizer phase:
+10.9 against 7.0 CPU ms). A 135M model's 0.54 GB of weights steps per parameter (no snapshot alongside AdamW)."""
 PER_PARAMETER_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 """Optimizers whose update of a parameter reads only that parameter's gradient and state, stepped one parameter at a
 time by `step_measuring_update` (exact types: a subclass may override `step`)."""
@@ -319,7 +327,7 @@ def minibatch_backward(
     """
     loss_cfg = sections.loss
     normalizer = max(loss_normalizer(batch.mask[rows[0] : rows[1]], loss_cfg), 1.0)
-    plan, count = _plan(batch, *rows, sections.learner, ranks)
+    plan, count = _plan(model, batch, *rows, sections.learner, ranks)
     loss_sum = torch.zeros(())
     metric_sums: dict[str, float] = {}
     for i in range(count):
@@ -328,7 +336,7 @@ def minibatch_backward(
         micro = batch.select(lo, hi)
         entropy_grad = entropy_with_grad(loss_cfg.entropy_coef > 0)  # the entropy bonus needs H's gradient
         with timed(seconds, "forward"), autocast(sections.precision.train), entropy_grad:
-            cur_logp, entropy = token_logp(model, micro, sections.rollout.temperature)
+            cur_logp, entropy = token_logp(model, micro, sections.rollout.temperature, sections.learner.share_prefix)
         if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
             with timed(seconds, "backward"):
                 (scaler.scale_loss(cur_logp.nan_to_num(0.0, 0.0, 0.0).sum()) * 0.0).backward()
@@ -420,15 +428,17 @@ def train_on_batch(
     # With several minibatches, the weights and AdamW state the step starts from (to undo the step when a later
     # minibatch is not finite, and for norm_update), taken before the first optimizer step changes them: after the
     # first backward, never alongside its activations. With one, a skip comes before any change and norm_update's
-    # sums come from the optimizer step itself (`step_measuring_update`; other optimizers: the snapshot).
+    # sums come from the optimizer step itself (`step_measuring_update`; other optimizers, small models: the snapshot).
     before: list[torch.Tensor] | None = None
     optim_before: dict | None = None
     update_sums: torch.Tensor | None = None  # (4,) this rank's sums of norm_update (all, quantized), one-minibatch step
     # norm_update/quantized: over the weights quant_sync quantizes; a learner's bundle carries `quant`
     quant = sections.quant if isinstance(sections, LearnerSections) else None
     quantized = frozenset() if quant is None else quantized_parameter_ids(model, quant, sections.rollout)
-    # FSDP2 ranks keep the snapshot: it is of their shards only, and the per-parameter step is not tested on DTensors
+    # FSDP2 ranks keep the snapshot: it is of their shards only, and the per-parameter step is not tested on DTensors;
+    # so does a small model (`SNAPSHOT_MAX_BYTES`), whose snapshot costs less than a step call per parameter
     measure_step = learner.minibatches == 1 and ranks.world == 1 and steps_per_parameter(optimizer)
+    measure_step = measure_step and sum(p.numel() * p.element_size() for p in model.parameters()) > SNAPSHOT_MAX_BYTES
     params = [p for p in model.parameters() if p.requires_grad]
     clip = optim.grad_clip if optim.grad_clip > 0 else math.inf
     metrics: dict[str, float] = {"loss_scale": scaler.scale}

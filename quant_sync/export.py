@@ -22,6 +22,7 @@ import math
 import torch
 
 from common.config_schema import LORA_SYNC_DTYPES
+from quant_sync.adapter_buffers import Entry, plan_for
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, quantize_weight, quantize_weight_only
 
 QUANTIZED_LINEARS = (
@@ -142,22 +143,78 @@ def pack_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An adapter-only version's tensors (`<linear>.lora_A`, `.lora_B`, their `_scale`s, `.lora_scaling`) as one
     buffer and its index (`LORA_PACKED`, `LORA_PACKED_INDEX`): the publisher and the subscriber then handle two
     tensors instead of ~5 per linear (one header entry, one checksum per chunk, one map). The bytes are the same
-    values; `decode_adapters` unpacks them. Raises ValueError naming a tensor that is not an adapter's."""
-    entries, offset = [], 0
+    values; `decode_adapters` unpacks them. Raises ValueError naming a tensor that is not an adapter's.
+
+    The index lists the tensors in the caller's order; their bytes are placed in the engine's order
+    (`_placement_key`): the int8 matrices of one part and shape back to back by layer and linear, their scales
+    likewise, so that a worker dequantizes each such group with one multiply from the buffer itself
+    (`adapter_buffers.PackedPlan`). Each B travels transposed (its B^T's bytes, row-major, marked by a fifth index
+    field 1): the layout the engine runs, so that no one transposes it on the worker."""
+    entries, sizes, values = [], [], []
     for name, value in tensors.items():
         dtype = str(value.dtype).removeprefix("torch.")
         if not name.endswith((LORA_A, LORA_B, LORA_SCALING, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)):
             raise ValueError(f"pack_adapters: {name} is not a LoRA adapter tensor")
         if dtype not in _PACK_DTYPES:
             raise ValueError(f"pack_adapters: {name} has dtype {dtype}, expected one of {', '.join(_PACK_DTYPES)}")
-        entries.append([name, dtype, list(value.shape), offset])
-        offset += -(-value.nbytes // _PACK_ALIGN) * _PACK_ALIGN
+        transposed = name.endswith(LORA_B) and value.dim() == 2
+        entries.append([name, dtype, list(value.shape), 0, 1] if transposed else [name, dtype, list(value.shape), 0])
+        sizes.append(-(-value.nbytes // _PACK_ALIGN) * _PACK_ALIGN)
+        values.append(value.detach().t() if transposed else value.detach())
+    offset = 0
+    for position in sorted(range(len(entries)), key=lambda i: _placement_key(entries[i][0], tensors)):
+        entries[position][3] = offset
+        offset += sizes[position]
     packed = torch.zeros(offset, dtype=torch.int8)
-    for (_, _, _, start), value in zip(entries, tensors.values()):
-        flat = value.detach().contiguous().reshape(-1).view(torch.int8)
+    for (_, _, _, start, *_), value in zip(entries, values):
+        flat = value.contiguous().reshape(-1).view(torch.int8)
         packed[start : start + flat.numel()] = flat
     index = torch.frombuffer(bytearray(json.dumps(entries, separators=(",", ":")).encode()), dtype=torch.int8)
     return {LORA_PACKED: packed, LORA_PACKED_INDEX: index}
+
+
+_LINEAR_POSITION = {name.removesuffix(".weight"): position for position, name in enumerate(QUANTIZED_LINEARS)}
+
+
+def _placement_key(name: str, tensors: dict[str, torch.Tensor]) -> tuple:
+    """Where `pack_adapters` places a tensor: A matrices, A scales, B matrices, B scales, then the rest; within
+    each, by the matrix's dtype and shape, then layer and linear (q, k, v, o, gate, up, down: a fused group's
+    members adjacent), so that every (part, shape) group and its scales lie back to back in one order."""
+    kinds = ((LORA_A, 0), (LORA_A + LORA_SCALE, 1), (LORA_B, 2), (LORA_B + LORA_SCALE, 3))
+    kind, matrix = next(((k, name.removesuffix(LORA_SCALE)) for suffix, k in kinds if name.endswith(suffix)), (4, name))
+    linear = matrix.removesuffix(LORA_A).removesuffix(LORA_B)
+    value = tensors.get(matrix, tensors[name])
+    layer, position = 1 << 30, len(_LINEAR_POSITION)
+    parts = linear.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        layer, position = int(parts[2]), _LINEAR_POSITION.get(parts[3], position)
+    return kind, str(value.dtype), tuple(value.shape), layer, position, name
+
+
+def _packed_entries(packed: torch.Tensor, index: torch.Tensor) -> list[tuple[str, str, tuple[int, ...], int, bool]]:
+    """The packed index's entries (name, dtype, shape, byte offset, whether the bytes hold the transpose), each
+    checked to lie inside the buffer; raises ValueError naming what is wrong."""
+    if packed.dtype != torch.int8 or index.dtype != torch.int8:
+        raise ValueError(f"{LORA_PACKED} and {LORA_PACKED_INDEX} travel together, both int8")
+    try:
+        entries, seen = [], set()
+        numel = packed.numel()
+        if numel % _PACK_ALIGN:
+            raise ValueError(f"the buffer's {numel} bytes are not a multiple of {_PACK_ALIGN}")
+        for name, dtype_name, shape, start, *layout in json.loads(index.numpy().tobytes().decode()):
+            transposed = layout == [1]
+            if layout not in ([], [0], [1]) or (transposed and len(shape) != 2):
+                raise ValueError(f"{name}: layout {layout} (a fifth field 1 marks a transposed matrix)")
+            nbytes = math.prod(shape) * _PACK_DTYPES[dtype_name].itemsize
+            if type(start) is not int or start < 0 or start % _PACK_ALIGN or start + nbytes > numel:
+                raise ValueError(f"{name} lies outside the buffer ({start}, {nbytes} bytes)")
+            if name in seen or not isinstance(name, str) or min(shape, default=0) < 0:
+                raise ValueError(f"{name!r} twice or with a negative size")
+            seen.add(name)
+            entries.append((name, dtype_name, tuple(shape), start, transposed))
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
+        raise ValueError(f"{LORA_PACKED_INDEX}: malformed packed adapters ({err!r})") from None
+    return entries
 
 
 def _unpack_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -165,29 +222,22 @@ def _unpack_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     packed, index = tensors.get(LORA_PACKED), tensors.get(LORA_PACKED_INDEX)
     if packed is None and index is None:
         return tensors
-    if packed is None or index is None or packed.dtype != torch.int8 or index.dtype != torch.int8:
+    if packed is None or index is None:
         raise ValueError(f"{LORA_PACKED} and {LORA_PACKED_INDEX} travel together, both int8")
-    try:
-        entries = json.loads(index.numpy().tobytes().decode())
-        unpacked = {name: value for name, value in tensors.items() if name not in (LORA_PACKED, LORA_PACKED_INDEX)}
-        flat = packed.reshape(-1)
-        if flat.numel() % _PACK_ALIGN:
-            raise ValueError(f"the buffer's {flat.numel()} bytes are not a multiple of {_PACK_ALIGN}")
-        typed = {name: flat.view(dtype) for name, dtype in _PACK_DTYPES.items()}  # the whole buffer, per dtype
-        for name, dtype_name, shape, start in entries:
-            whole = typed[dtype_name]
-            size, nbytes = whole.element_size(), math.prod(shape) * whole.element_size()
-            if type(start) is not int or start < 0 or start % _PACK_ALIGN or start + nbytes > flat.numel():
-                raise ValueError(f"{name} lies outside the buffer ({start}, {nbytes} bytes)")
-            if name in unpacked or not isinstance(name, str) or min(shape, default=0) < 0:
-                raise ValueError(f"{name!r} twice or with a negative size")
-            strides, step = [], 1
-            for dim in reversed(shape):  # contiguous strides: one as_strided view per tensor, no copy
-                strides.append(step)
-                step *= dim
-            unpacked[name] = whole.as_strided(shape, strides[::-1], whole.storage_offset() + start // size)
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as err:
-        raise ValueError(f"{LORA_PACKED_INDEX}: malformed packed adapters ({err!r})") from None
+    entries = _packed_entries(packed, index)
+    unpacked = {name: value for name, value in tensors.items() if name not in (LORA_PACKED, LORA_PACKED_INDEX)}
+    flat = packed.reshape(-1)
+    typed = {name: flat.view(dtype) for name, dtype in _PACK_DTYPES.items()}  # the whole buffer, per dtype
+    for name, dtype_name, shape, start, transposed in entries:
+        if name in unpacked:
+            raise ValueError(f"{LORA_PACKED_INDEX}: malformed packed adapters ({name!r} twice)")
+        whole = typed[dtype_name]
+        strides, step = [], 1
+        for dim in reversed(shape):  # contiguous strides: one as_strided view per tensor, no copy
+            strides.append(step)
+            step *= dim
+        strides = [1, shape[0]] if transposed else strides[::-1]  # transposed: a view of the stored (r, out)
+        unpacked[name] = whole.as_strided(shape, strides, whole.storage_offset() + start // whole.element_size())
     return unpacked
 
 
@@ -199,7 +249,14 @@ def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     The int8 matrices of one part and shape (e.g. every (r, hidden) A) are dequantized together: one stacked
     `q * scale` per group instead of one per matrix (a version holds ~100 small matrices, so the per-call overhead
     dominated the subscriber's fetch), each result a contiguous view of its group's. Elementwise the same
-    float32 multiply, so the values are bit for bit `round_adapter`'s."""
+    float32 multiply, so the values are bit for bit `round_adapter`'s.
+
+    A packed version of int8 matrices whose groups lie back to back (as `pack_adapters` places them) decodes with
+    one multiply per group straight from the buffer into a reused float32 buffer (`adapter_buffers.PackedPlan`):
+    no stacking, no fresh allocation, B's values laid out transposed (B a transposed view), the same values."""
+    fast = _decode_planned(tensors)
+    if fast is not None:
+        return fast
     tensors = _unpack_adapters(tensors)
     if not any(name.endswith((LORA_A, LORA_B, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)) for name in tensors):
         return tensors
@@ -235,3 +292,32 @@ def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         for (name, _, _), value in zip(members, (qs * shaped).unbind(0)):  # contiguous views of one product
             decoded[name] = value
     return decoded
+
+
+def _decode_planned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """`decode_adapters` of a packed version through its cached `PackedPlan`; None where none fits (the generic
+    path then decodes it, or names what is wrong)."""
+    packed, index = tensors.get(LORA_PACKED), tensors.get(LORA_PACKED_INDEX)
+    if packed is None or index is None or packed.dtype != torch.int8 or index.dtype != torch.int8:
+        return None
+    others = {name: value for name, value in tensors.items() if name not in (LORA_PACKED, LORA_PACKED_INDEX)}
+    if any(name.endswith((LORA_A, LORA_B, LORA_SCALING, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)) for name in others):
+        return None  # adapter tensors beside the packed ones: the generic path checks them together
+    plan = plan_for(index, packed.numel(), lambda: [_plan_entry(*entry) for entry in _packed_entries(packed, index)])
+    if plan is None:
+        return None
+    decoded = plan.decode(packed)
+    if not others:
+        return decoded
+    if any(name in others for name in decoded):
+        raise ValueError(f"{LORA_PACKED_INDEX}: malformed packed adapters (a name beside the packed ones)")
+    return {**others, **decoded}
+
+
+def _plan_entry(name: str, dtype_name: str, shape: tuple[int, ...], start: int, transposed: bool) -> Entry:
+    for suffix, role in ((LORA_A + LORA_SCALE, "A_scale"), (LORA_B + LORA_SCALE, "B_scale"), (LORA_A, "A"),
+                         (LORA_B, "B")):  # fmt: skip
+        if name.endswith(suffix):
+            matrix = name.removesuffix(LORA_SCALE) if role.endswith("_scale") else ""
+            return Entry(name, role, _PACK_DTYPES[dtype_name], shape, start, matrix, transposed)
+    return Entry(name, "", _PACK_DTYPES[dtype_name], shape, start, transposed=transposed)

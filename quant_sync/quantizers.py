@@ -1,4 +1,5 @@
-"""Quantizers: the one implementation of rollout weight/activation quantization (ALGORITHMS.md, "Quantized rollout").
+"""Quantizers: the one implementation of rollout weight/activation quantization (ALGORITHMS.md, "Quantized rollout";
+docs/algorithms.md, "Quantized rollout: details").
 
 Pure functions shared by the engine (quantized execution), quant_sync (publication) and the learner (metrics and,
 later, the rollout-aligned forward). Weights are quantized per output channel (row of an (out, in) matrix),

@@ -99,6 +99,11 @@ class WeightSubscriber:
         self.via_shm = 0
         self.last_fetch_s = 0.0
         """Seconds from a new version's header to its verified tensors (the last one fetched)."""
+        self.last_fetch_cpu_s = 0.0
+        """This thread's CPU seconds over the same span (`time.thread_time`: what the fetch costs the machine, which
+        wall time under load does not say)."""
+        self.last_update_cpu_s = 0.0
+        """This thread's CPU seconds in `on_update` for the last version taken (the engine's `stage_weights`)."""
         self.last_update_t = 0.0
         """`time.monotonic()` when `on_update` returned for the last version taken (the engine has it staged)."""
         self.base: WeightUpdate | None = None
@@ -133,6 +138,7 @@ class WeightSubscriber:
                     socket = self._connect()
                     continue
                 if update is not None and update.version > self.have:
+                    cpu = time.thread_time()
                     try:
                         self._on_update(update)
                     except Exception as err:  # a version the engine cannot take (missing or misshapen weights)
@@ -141,6 +147,7 @@ class WeightSubscriber:
                     self.have = update.version
                     self.received += 1
                     self.last_update_t = time.monotonic()
+                    self.last_update_cpu_s = time.thread_time() - cpu
                 elif time.monotonic() - asked < LONG_POLL_MS / 2000:  # answered without waiting: do not spin
                     self._stop.wait(self._poll_s)
         finally:
@@ -169,7 +176,7 @@ class WeightSubscriber:
         socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "get", "have": have, "wait_ms": LONG_POLL_MS}))
         try:
             frame = self._recv(socket)[0]
-            started = time.perf_counter()  # the fetch proper, without the long poll's wait
+            started, cpu = time.perf_counter(), time.thread_time()  # the fetch proper, without the long poll's wait
             manifest = parse_header(frame.bytes)
         except PayloadError as err:
             self._reject(err)
@@ -192,6 +199,7 @@ class WeightSubscriber:
                 return None
             update = WeightUpdate(manifest.version, {**self.base.tensors, **update.tensors}, manifest.scheme)
         self.last_fetch_s = time.perf_counter() - started
+        self.last_fetch_cpu_s = time.thread_time() - cpu
         return update
 
     def _fetch_base(self, socket: zmq.Socket, version: int) -> bool:

@@ -1,4 +1,5 @@
-"""UAQ, update-aware quantization (QuRL sec. 4.3; ALGORITHMS.md): a one-time, function-preserving reparametrization.
+"""UAQ, update-aware quantization (QuRL sec. 4.3): a one-time, function-preserving reparametrization (ALGORITHMS.md,
+"UAQ: update-aware quantization"; docs/algorithms.md, "UAQ: details").
 
 For every decoder layer: multiply the input RMSNorm weight by `s` and divide the q/k/v projection weights by `s`;
 likewise the post-attention RMSNorm and the gate/up projections. RMSNorm output feeds those projections linearly,

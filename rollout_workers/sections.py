@@ -27,7 +27,7 @@ from common.config import (
     TrainConfig,
 )
 from common.config_bundle import SectionBundle
-from common.config_schema import EnvConfig
+from common.config_schema import AlgoConfig, EnvConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,3 +59,5 @@ class WorkerSections(EngineSections):
     """User reward functions and their timeout (rollout_workers/reward_pool.py); none: the task's own reward."""
     env: EnvConfig
     """Multi-turn episodes (rollout_workers/episodes.py); `env.fn` empty: single-turn."""
+    algo: AlgoConfig
+    """`skip_predicted*` and `skip_min_prob`: predictive selective rollout (rollout_workers/screening.py)."""

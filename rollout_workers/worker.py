@@ -19,6 +19,7 @@ uses its engine only through the `Engine` protocol (rollout_workers/engine.py).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import traceback
@@ -35,6 +36,14 @@ from rollout_workers.sections import WorkerSections
 if TYPE_CHECKING:
     from quant_sync.transport import WeightSubscriber
     from rollout_workers.engine import Engine
+    from rollout_workers.screening import AnswerScreen
+
+
+MAX_REFILLS = 4
+"""Most extra lease requests the loop makes to refill a batch that predictive selective rollout screened."""
+MAX_REFILL_FACTOR = 8
+"""A refill asks for at most this many times the missing groups (the missing ones over the share of screened prompts
+kept lately), so that prompts are screened several per engine step rather than one or two."""
 
 
 class RolloutWorker:
@@ -110,6 +119,28 @@ class RolloutWorker:
             self.episodes = EpisodeRunner(
                 self.sections.env, self.engine, self.tokenizer, self.encode_prompt, self.params, self.counters, seed
             )
+        self.screen = self._answer_screen()  # predictive selective rollout (rollout_workers/screening.py), or None
+        self._kept_share = 1.0  # share of screened prompts kept for generation, lately (sizes the loop's refills)
+
+    def _answer_screen(self) -> AnswerScreen | None:
+        """The predictive selective rollout of `algo.skip_predicted` (null resolved by `skip_predicted_on`), or None."""
+        from common.config_rules import skip_predicted_on
+        from rollout_workers.embedded.engine import EmbeddedEngine
+        from rollout_workers.screening import AnswerScreen
+
+        sections = self.sections
+        custom_reward, multi_turn = bool(sections.reward.specs()), bool(sections.env.fn)
+        if not skip_predicted_on(sections.algo, sections.rollout.backend, custom_reward, multi_turn):
+            return None
+        if not isinstance(self.engine, EmbeddedEngine):  # the config rules allow it with the embedded engine only
+            raise ValueError("`algo.skip_predicted` needs `rollout.backend=embedded`")
+        tokenizer = self.tokenizer
+        return AnswerScreen(
+            group_size=sections.train.group_size, above=sections.algo.skip_predicted_above,
+            min_prob=sections.algo.skip_min_prob, seed=sections.train.seed,
+            encode_answer=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+            reward=self.source.reward,
+        )  # fmt: skip
 
     def start(self, weights_endpoint: str = "") -> bool:
         """Subscribe to the learner's publisher, wait for version 0, then run the rollout loop and the heartbeat."""
@@ -175,6 +206,7 @@ class RolloutWorker:
             "weights_error": subscriber.last_error if subscriber is not None else "",
             "build_errors": self.engine.build_errors,
             "reward_metrics": {key: list(total) for key, total in list(self.rewards.metric_sums.items())},
+            **(self.screen.stats() if self.screen is not None else {}),
             "reward_first_error": self.rewards.first_error,  # the driver logs the run's first one
             **self.engine.stats(),
         }
@@ -196,7 +228,9 @@ class RolloutWorker:
                     self._stop.wait(max(retry_after, 0.01))
                     continue
                 try:
-                    groups = self.rollout(leases)
+                    if self.screen is not None:  # screened prompts resolved at once, the batch refilled
+                        leases = self._screen_and_refill(client, leases)
+                    groups = self.rollout(leases, screen=False) if leases else []
                 except Exception:  # keep the worker alive; the leases expire and return to the pool
                     self.counters["errors"] += 1
                     self.last_error = traceback.format_exc(limit=3)
@@ -220,7 +254,7 @@ class RolloutWorker:
                 self.last_error = f"group {lease.group} refused: {err}"
                 return
             if reply.accepted:
-                self.counters["groups_pushed"] += 1
+                self.counters["groups_pushed"] += bool(trajectories)  # an empty one: screened, not generated
                 return
             if reply.reason != "backpressure":
                 self.counters["groups_refused"] += 1
@@ -228,6 +262,51 @@ class RolloutWorker:
                 return
             if self._stop.wait(0.2):
                 return
+
+    def _screen_and_refill(self, client: BufferClient, leases: list[PromptLease]) -> list[PromptLease]:
+        """Predictive selective rollout in the loop: screen the leased prompts, resolve the screened ones in the buffer
+        at once (empty pushes), and lease again, up to MAX_REFILLS times, until `rollout.groups_per_lease` prompts are
+        left to generate or the buffer gives none, so that the engine's batches stay as full as without screening
+        (an engine step has a fixed cost: a batch of one group costs nearly what a batch of two does)."""
+        wanted = self.sections.rollout.groups_per_lease
+        kept: list[PromptLease] = []
+        for refill in range(MAX_REFILLS + 1):
+            decided = self.rollout_screen(leases)
+            for lease, trajectories in decided:
+                if trajectories is None:
+                    kept.append(lease)
+                else:
+                    self._push(client, lease, trajectories)
+            share = sum(trajectories is None for _, trajectories in decided) / max(len(decided), 1)
+            self._kept_share = 0.8 * self._kept_share + 0.2 * share  # of screened prompts, lately
+            if len(kept) >= wanted or refill == MAX_REFILLS or self._stop.is_set():
+                break
+            missing = wanted - len(kept)
+            try:
+                leases, _ = client.lease(
+                    min(math.ceil(missing / max(self._kept_share, 1e-3)), MAX_REFILL_FACTOR * missing)
+                )
+            except (BufferUnavailable, BufferRequestError):
+                break
+            if not leases:
+                break
+        return kept
+
+    def rollout_screen(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory] | None]]:
+        """Each lease with None (to generate) or [] (screened out: resolve it with an empty push), in lease order; every
+        lease is to generate without `algo.skip_predicted` or when its prompt does not fit the engine (`rollout`
+        counts and skips it)."""
+        if self.screen is None:
+            return [(lease, None) for lease in leases]
+        prompt_ids = [self.encode_prompt(lease.prompt) for lease in leases]
+        limit, max_new_tokens = self.engine.max_seq_len, self.sections.rollout.max_new_tokens
+        fits = [bool(ids) and (limit is None or len(ids) + max_new_tokens <= limit) for ids in prompt_ids]
+        kept = iter(self.screen.keep(
+            self.engine,  # type: ignore[arg-type]  # an EmbeddedEngine (`_answer_screen`)
+            [lease for lease, ok in zip(leases, fits) if ok], [ids for ids, ok in zip(prompt_ids, fits) if ok],
+            self.params,
+        ) if any(fits) else [])  # fmt: skip
+        return [(lease, None if not ok or next(kept) else []) for lease, ok in zip(leases, fits)]
 
     def _prompt_fits(self, lease: PromptLease, ids: list[int]) -> bool:
         """Whether the engine can generate for this prompt (not empty, room for max_new_tokens); counted if not."""
@@ -245,10 +324,20 @@ class RolloutWorker:
         )
         return False
 
-    def rollout(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
-        """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch)."""
+    def rollout(self, leases: list[PromptLease], screen: bool = True) -> list[tuple[PromptLease, list[Trajectory]]]:
+        """Generate `group_size` responses for each leased prompt and score them (all prompts in one batch). With
+        `algo.skip_predicted` (and `screen`; the loop screens first itself, `_screen_and_refill`) a prompt screened out
+        (rollout_workers/screening.py) comes back with no trajectories, ungenerated: its empty push resolves it in the
+        buffer."""
         if self.episodes is not None:  # multi-turn: the environment makes the prompt
             return self._rollout_episodes(leases)
+        screened: list[tuple[PromptLease, list[Trajectory]]] = []
+        if screen and self.screen is not None:
+            decided = self.rollout_screen(leases)
+            screened = [(lease, []) for lease, trajectories in decided if trajectories is not None]
+            leases = [lease for lease, trajectories in decided if trajectories is None]
+            if not leases:
+                return screened
         group_size = self.sections.train.group_size
         prompt_ids = [self.encode_prompt(lease.prompt) for lease in leases]  # chat template: common.tasks.chat
         fits = [self._prompt_fits(lease, ids) for lease, ids in zip(leases, prompt_ids)]
@@ -256,7 +345,7 @@ class RolloutWorker:
             leases = [lease for lease, ok in zip(leases, fits) if ok]
             prompt_ids = [ids for ids, ok in zip(prompt_ids, fits) if ok]
             if not leases:
-                return []
+                return screened
         batch = [ids for ids in prompt_ids for _ in range(group_size)]
         started = time.time()
         completions = self.engine.generate(batch, self.params)
@@ -291,7 +380,7 @@ class RolloutWorker:
                     )
                 )
             out.append((lease, trajectories))
-        return out
+        return screened + out
 
     def _rollout_episodes(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
         """Multi-turn: `group_size` episodes per leased prompt (rollout_workers/episodes.py), rewarded by their

@@ -13,27 +13,35 @@ max new tokens, temperature, learning rate, clipping and token-mean loss, no KL,
 in the JSON's `details.trl_settings`. After the runs, `asyncrl.bench.e2e_fairness` re-reads what every contender
 actually trained on (TRL's reward log, asyncrl's buffer journal) and fails the bench on any other prompt or reward.
 
-Workloads: `builtin` (the built-in task and model: overhead-bound; accuracy over `seeds` seeds, held-out greedy
-accuracy of every final model by one shared evaluation) and `decode` (a random ~100M-parameter Llama, 128 new
-tokens: throughput only). `quick` (CI) runs a few steps, one seed, a small decode model, and on the built-in
-workload only the contenders the ratios need (TRL, asyncrl asynchronous). The figures and the bound are defined
-in `asyncrl.bench.e2e_metrics`; the ratios carry the issue's names (`e2e_metrics.RATIO_NAMES`).
+Workloads (`workloads`, default `DEFAULT_WORKLOADS`): `builtin` (the built-in task and model: overhead-bound;
+accuracy over `seeds` seeds, held-out greedy accuracy of every final model by one shared evaluation), `decode` (a
+random ~100M-parameter Llama, 128 new tokens: throughput only) and, opt-in (`asyncrl bench e2e --workloads smol`),
+`smol`: issue 26's real-model run, SmolLM2-135M-Instruct on 345 chat-rendered "What is a ± b?" problems (8 prompts
+x 8 samples, 16 new tokens, lr 2e-5, 20 steps, one seed unless `seeds` is given; `asyncrl.bench.e2e_smol`), the
+held-out split scored by the math reward and by a last-number check. It downloads and converts the model once
+(93 MB, ~30 s) and takes about 15 minutes a contender on 2 cores. `quick` (CI) runs a few steps, one seed, a small
+decode model, the smol workload with a tiny random model (no download), and on the built-in and smol workloads only
+the contenders the ratios need (TRL, asyncrl asynchronous); `steps` sets every workload's steps, `contenders`
+keeps only the named ones. The figures and the bound are defined in `asyncrl.bench.e2e_metrics`; the ratios carry
+the issues' names (`e2e_metrics.RATIO_NAMES`, `SMOL_RATIO_NAMES`), those of the workloads that ran.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import BenchResult
 from asyncrl.bench import e2e_metrics as figures_of
-from asyncrl.bench.e2e_runs import ASYNCRL_CONTENDERS, Run, load_asyncrl_config, run_asyncrl, run_trl
+from asyncrl.bench.e2e_runs import ASYNCRL_CONTENDERS, CONTENDERS, Run, load_asyncrl_config, run_asyncrl, run_trl
 from asyncrl.bench.e2e_workloads import (
     FULL_DECODE_SHAPE,
     QUICK_DECODE_SHAPE,
@@ -54,12 +62,20 @@ DECODE_GROUPS = 4
 """Prompts per step on the decode workload: x 8 samples x 128 tokens, a 100M-model step takes a minute or more on 2
 cores (the learner's backward alone 50-70 s), so the full run takes 4 steps (1 warm-up, 3 steady) of each."""
 RUN_TIMEOUT_S = {True: 900.0, False: 3600.0}
+WORKLOADS = ("builtin", "decode", "smol")
+DEFAULT_WORKLOADS = ("builtin", "decode")
+"""What `asyncrl bench e2e` runs without `--workloads` (smol is opt-in: a download and about an hour)."""
+SMOL_SHAPE = {"steps": 20, "groups_per_step": 8, "group_size": 8, "max_new_tokens": 16}
+"""Issue 26's run: 8 prompts x 8 samples, 16 new tokens, 20 steps (T = 1 and the rest from the config)."""
+SMOL_LR = 2e-5
+SMOL_QUICK_STEPS = 3
 
 
-def missing_packages() -> list[str]:
-    """The `asyncrl[bench]` packages this bench needs that cannot be imported here."""
+def missing_packages(gguf: bool = False) -> list[str]:
+    """The `asyncrl[bench]` packages this bench needs that cannot be imported here (`gguf`: also the GGUF reader
+    that the smol workload's model conversion needs)."""
     missing = []
-    for name in ("trl", "datasets"):
+    for name in ("trl", "datasets", *(("gguf",) if gguf else ())):
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):  # a module blocked in sys.modules has no spec
@@ -69,32 +85,56 @@ def missing_packages() -> list[str]:
     return missing
 
 
-def _workloads(quick: bool, work: Path) -> list[Workload]:
+def _workloads(quick: bool, work: Path, names: Sequence[str], steps: int | None) -> list[Workload]:
     config = load_asyncrl_config(str(CONFIG_PATH))
-    builtin = Workload(
-        name="builtin", model_dir=builtin_model_dir(), steps=4 if quick else 60,
-        groups_per_step=config.train.groups_per_step, group_size=config.train.group_size,
-        max_new_tokens=config.rollout.max_new_tokens, learns=True,
-    )  # fmt: skip
-    shape = QUICK_DECODE_SHAPE if quick else FULL_DECODE_SHAPE
-    decode_dir = build_decode_model(work / "decode_model", shape, DECODE_NEW_TOKENS)
-    decode = Workload(
-        name="decode", model_dir=decode_dir, steps=3 if quick else 4, groups_per_step=DECODE_GROUPS,
-        group_size=config.train.group_size, max_new_tokens=DECODE_NEW_TOKENS, learns=False,
-    )  # fmt: skip
-    return [builtin, decode]
+    workloads = []
+    for name in names:
+        if name == "builtin":
+            workloads.append(Workload(
+                name="builtin", model_dir=builtin_model_dir(), steps=4 if quick else 60,
+                groups_per_step=config.train.groups_per_step, group_size=config.train.group_size,
+                max_new_tokens=config.rollout.max_new_tokens, learns=True,
+            ))  # fmt: skip
+        elif name == "decode":
+            shape = QUICK_DECODE_SHAPE if quick else FULL_DECODE_SHAPE
+            workloads.append(Workload(
+                name="decode", model_dir=build_decode_model(work / "decode_model", shape, DECODE_NEW_TOKENS),
+                steps=3 if quick else 4, groups_per_step=DECODE_GROUPS, group_size=config.train.group_size,
+                max_new_tokens=DECODE_NEW_TOKENS, learns=False,
+            ))  # fmt: skip
+        else:
+            workloads.append(_smol_workload(quick, work))
+    return [replace(workload, steps=steps) for workload in workloads] if steps else workloads
 
 
-def _contenders(workload: Workload, quick: bool) -> list[str]:
-    if workload.name == "builtin":
-        return ["trl", "async"] if quick else ["trl", *ASYNCRL_CONTENDERS]
-    return ["trl", "async", "sync", "fp32"]  # `best` filters zero-variance groups: a random model has only those
+def _smol_workload(quick: bool, work: Path) -> Workload:
+    """Issue 26's shape on SmolLM2-135M-Instruct (quick: a tiny random model), its dataset written into `work`."""
+    from asyncrl.bench import e2e_smol
+
+    model_dir = e2e_smol.build_quick_model(work / "smol_model") if quick else e2e_smol.smol_model_dir()
+    train_path = e2e_smol.write_dataset(model_dir, work / "smol_data")
+    # The prompts are rendered with the chat template already: text prompts and no system prompt are encoded as plain
+    # text (data.chat_template=auto), as TRL encodes a text prompt
+    overrides = ("data.task=jsonl", f"data.path={train_path}", f"optim.lr={SMOL_LR}")
+    shape = {**SMOL_SHAPE, "steps": SMOL_QUICK_STEPS} if quick else SMOL_SHAPE
+    return Workload(name="smol", model_dir=model_dir, learns=True, overrides=overrides,
+                    heldout_path=str(train_path.with_name("heldout.jsonl")), **shape)  # fmt: skip
+
+
+def _contenders(workload: str, quick: bool, only: Sequence[str] | None) -> list[str]:
+    if workload == "builtin":
+        contenders = ["trl", "async"] if quick else ["trl", *ASYNCRL_CONTENDERS]
+    elif workload == "smol":
+        contenders = ["trl", "async"] if quick else ["trl", "async", "sync", "fp32"]
+    else:
+        contenders = ["trl", "async", "sync", "fp32"]  # `best` filters zero-variance groups: a random model's all are
+    return [name for name in contenders if only is None or name in only]
 
 
 def _trl_settings(workload: Workload, seed: int, out_dir: Path) -> dict[str, Any]:
     from asyncrl.bench.e2e_trl import trl_settings
 
-    config = load_asyncrl_config(str(CONFIG_PATH))
+    config = load_asyncrl_config(str(CONFIG_PATH), workload.overrides)
     if config.loss.agg != "token_mean" or config.algo.adv != "grpo":
         raise ValueError(f"{CONFIG_PATH}: TRL's shape is set for loss.agg=token_mean and algo.adv=grpo")
     return trl_settings(
@@ -110,11 +150,13 @@ def _run_one(workload: Workload, contender: str, seed: int, work: Path, prompts_
     timeout_s = RUN_TIMEOUT_S[quick]
     if contender == "trl":
         settings = _trl_settings(workload, seed, work / "trl" / f"{workload.name}-trl-s{seed}")
-        return run_trl(settings, workload, data_config(), seed, work, prompts_path, timeout_s)
+        data = data_config(overrides=workload.overrides)
+        return run_trl(settings, workload, data, seed, work, prompts_path, timeout_s)
     return run_asyncrl(str(CONFIG_PATH), workload, contender, seed, work, timeout_s)
 
 
-def _run_all(workloads: list[Workload], seeds: int, work: Path, quick: bool) -> dict[str, list[Run]]:
+def _run_all(workloads: list[Workload], seeds: dict[str, int], work: Path, quick: bool,
+             only: Sequence[str] | None) -> dict[str, list[Run]]:  # fmt: skip
     """Every contender of every workload, one process at a time; runs keyed `<workload>_<contender>`."""
     from rich.console import Console
 
@@ -124,9 +166,9 @@ def _run_all(workloads: list[Workload], seeds: int, work: Path, quick: bool) -> 
         steps_dumped = 3 * workload.steps + 8  # asyncrl runs ahead, and `best` drops zero-variance groups
         dumped = Workload(**{**asdict(workload), "steps": steps_dumped})
         prompts_path = work / f"{workload.name}_prompts.jsonl"
-        dump_prompts(dumped, data_config(), prompts_path)
-        contenders = _contenders(workload, quick)
-        for seed in range(seeds if workload.learns else 1):
+        dump_prompts(dumped, data_config(overrides=workload.overrides), prompts_path)
+        contenders = _contenders(workload.name, quick, only)
+        for seed in range(seeds[workload.name]):
             for contender in contenders[seed % len(contenders) :] + contenders[: seed % len(contenders)]:
                 started, load_before = time.monotonic(), os.getloadavg()[0]
                 console.print(f"bench e2e: {workload.name} {contender} seed {seed} (load {load_before:.1f}) ...")
@@ -149,62 +191,112 @@ def _check_and_evaluate(workloads: list[Workload], runs: dict[str, list[Run]], w
     checked: dict[str, float] = {}
     for workload in workloads:
         tokenizer = AutoTokenizer.from_pretrained(workload.model_dir)
+        data = data_config(overrides=workload.overrides)
         rows = [json.loads(line) for line in (work / f"{workload.name}_prompts.jsonl").read_text().splitlines()]
         for key in [k for k in runs if k.startswith(f"{workload.name}_")]:
             checked[f"{key}_samples_checked"] = float(
-                sum(check_run(run, workload, rows, data_config(), tokenizer) for run in runs[key])
+                sum(check_run(run, workload, rows, data, tokenizer) for run in runs[key])
             )
             for run in runs[key]:
                 if workload.learns and run.final_dir:
-                    run.heldout_acc = heldout_greedy_accuracy(
-                        run.final_dir, workload.model_dir, data_config(), workload.max_new_tokens
-                    )
+                    _evaluate(run, workload, data)
+        if workload.heldout_path:  # where the contenders started from
+            base = _heldout(workload, workload.model_dir)
+            checked[f"{workload.name}_base_heldout_acc"] = base["math"]
+            checked[f"{workload.name}_base_heldout_last_number_acc"] = base["last_number"]
     return checked
 
 
-def run(quick: bool, seeds: int | None = None, work_dir: str | None = None) -> BenchResult:
-    """The whole bench (see the module doc); `seeds` defaults to 3 (1 with `quick`); runs are kept in `work_dir`."""
-    missing = missing_packages()
+def _heldout(workload: Workload, model_dir: str) -> dict[str, float]:
+    from asyncrl.bench.e2e_smol import heldout_scores, read_heldout
+
+    return heldout_scores(model_dir, workload.model_dir, read_heldout(workload.heldout_path), workload.max_new_tokens)
+
+
+def _evaluate(run: Run, workload: Workload, data: Any) -> None:
+    """The shared held-out evaluation of a run's final model: the workload's held-out file scored twice, or the
+    task's own held-out set."""
+    if workload.heldout_path:
+        scores = _heldout(workload, run.final_dir)
+        run.heldout_acc, run.heldout_last_number_acc = scores["math"], scores["last_number"]
+    else:
+        run.heldout_acc = heldout_greedy_accuracy(run.final_dir, workload.model_dir, data, workload.max_new_tokens)
+
+
+def _names(given: str | Sequence[str] | None, valid: Sequence[str], default: Sequence[str], what: str) -> list[str]:
+    """`given` (a comma-separated string or a sequence of names) checked against `valid`; `default` when None."""
+    if given is None:
+        return list(default)
+    names = [name.strip() for name in (given.split(",") if isinstance(given, str) else given) if name.strip()]
+    unknown = [name for name in names if name not in valid]
+    if unknown or not names:
+        raise SystemExit(f"asyncrl bench e2e: unknown {what} {', '.join(unknown) or '(none given)'}; "
+                         f"valid: {', '.join(valid)}")  # fmt: skip
+    return list(dict.fromkeys(names))
+
+
+def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
+        workloads: str | Sequence[str] | None = None, steps: int | None = None,
+        contenders: str | Sequence[str] | None = None) -> BenchResult:  # fmt: skip
+    """The whole bench (see the module doc). `seeds`: of the learning workloads (default 3 on builtin, 1 on smol,
+    1 with `quick`); `workloads` (names or "a,b"; default `DEFAULT_WORKLOADS`); `steps`: every workload's steps
+    instead of its own; `contenders`: only these (default each workload's); runs are kept in `work_dir`."""
+    names = _names(workloads, WORKLOADS, DEFAULT_WORKLOADS, "workload")
+    only = None if contenders is None else _names(contenders, CONTENDERS, CONTENDERS, "contender")
+    if steps is not None and steps < 2:
+        raise SystemExit(f"asyncrl bench e2e: --steps must be at least 2 (a warm-up and a steady step), got {steps}")
+    empty = [name for name in names if not _contenders(name, quick, only)]
+    if empty:
+        raise SystemExit(f"asyncrl bench e2e: no contender of --contenders runs on workload {', '.join(empty)} "
+                         f"(its contenders: {', '.join(_contenders(empty[0], quick, None))})")  # fmt: skip
+    missing = missing_packages(gguf="smol" in names and not quick)
     if missing:
         raise SystemExit(f"asyncrl bench e2e needs {' and '.join(missing)}: {INSTALL_HINT}")
-    seeds = seeds or (1 if quick else 3)
+    per_workload = {"builtin": seeds or (1 if quick else 3), "smol": seeds or 1, "decode": 1}
     Path("runs").mkdir(exist_ok=True)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="bench-e2e-", dir="runs")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    workloads = _workloads(quick, work)
-    decode_params = parameter_count(workloads[1].model_dir)
+    chosen = _workloads(quick, work, names, steps)
+    decode_dirs = [workload.model_dir for workload in chosen if workload.name == "decode"]
+    decode_params = parameter_count(decode_dirs[0]) if decode_dirs else 0
     try:
-        runs = _run_all(workloads, seeds, work, quick)
-        checked = _check_and_evaluate(workloads, runs, work)
+        runs = _run_all(chosen, per_workload, work, quick, only)
+        checked = _check_and_evaluate(chosen, runs, work)
     finally:
-        shutil.rmtree(workloads[1].model_dir, ignore_errors=True)  # 400 MB of random weights
-    return _result(workloads, runs, checked, decode_params, seeds, work)
+        for model_dir in decode_dirs:
+            shutil.rmtree(model_dir, ignore_errors=True)  # 400 MB of random weights
+    seeds_run = {workload.name: per_workload[workload.name] for workload in chosen}
+    return _result(chosen, runs, checked, decode_params, seeds_run, work)
 
 
 def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict[str, float], decode_params: int,
-            seeds: int, work: Path) -> BenchResult:  # fmt: skip
+            seeds: dict[str, int], work: Path) -> BenchResult:  # fmt: skip
     from asyncrl.bench.e2e_table import print_contenders
 
     figures = {key: figures_of.contender_figures(key_runs) for key, key_runs in runs.items()}
-    decode = workloads[1]
     cores = len(os.sched_getaffinity(0))
-    bound_s = figures_of.bound_step_s(runs["decode_sync"][0], decode.samples_per_step, cores)
     metrics = {f"{key}_{name}": value for key, values in figures.items() for name, value in values.items()}
     metrics.update(checked)
     metrics["max_load_1m"] = max(max(run.load_1m) for key_runs in runs.values() for run in key_runs)
-    metrics.update(
-        target_train_acc=figures_of.TARGET_ACC, cores=float(cores), decode_params=float(decode_params),
-        decode_bound_step_s=bound_s,
-        decode_bound_vs_trl_samples_s=figures["decode_trl"]["steady_step_s"] / bound_s,
-    )  # fmt: skip
+    metrics.update(target_train_acc=figures_of.TARGET_ACC, cores=float(cores))
+    bound_s = math.nan
+    decode = next((workload for workload in workloads if workload.name == "decode"), None)
+    if decode is not None and "decode_sync" in runs:
+        bound_s = figures_of.bound_step_s(runs["decode_sync"][0], decode.samples_per_step, cores)
+        trl_step_s = figures.get("decode_trl", {}).get("steady_step_s", math.nan)
+        metrics.update(decode_params=float(decode_params), decode_bound_step_s=bound_s,
+                       decode_bound_vs_trl_samples_s=trl_step_s / bound_s)  # fmt: skip
     ratios = figures_of.ratios(figures, bound_s)
+    learning = {workload.name for workload in workloads if workload.learns}
     details = {
         "work_dir": str(work),
         "seeds": seeds,
         "workloads": [asdict(w) for w in workloads],
         "trl_settings": {key: runs[key][0].settings for key in runs if key.endswith("_trl")},
         "asyncrl_argv": {key: runs[key][0].settings["argv"] for key in runs if not key.endswith("_trl")},
-        "accuracy_curves": {key: figures_of.accuracy_curve(r) for key, r in runs.items() if key.startswith("builtin")},
+        "accuracy_curves": {
+            key: figures_of.accuracy_curve(r) for key, r in runs.items() if key.split("_", 1)[0] in learning
+        },
         "runs": {key: [run.to_json() for run in key_runs] for key, key_runs in runs.items()},
     }
     print_contenders(figures, ratios)

@@ -7,7 +7,9 @@ Read from what each side recorded, not from what it was told:
   response token ids, the reward the worker computed) and the `consume` record naming the step that trained it.
 
 For every trained sample the check recomputes the reward with `make_source(data).reward` on the decoded response
-and compares it with the recorded one, and compares the prompt with the dumped row of its index. Prompts per step:
+and compares it with the recorded one, and compares the prompt with the dumped row of its index (asyncrl's as the
+tokenizer shows both: the trained prompt ids and the row's text, encoded, decoded without special tokens, so that a
+prompt rendered with a chat template, whose markers are special tokens, compares as its text). Prompts per step:
 TRL's step k must be dumped rows k*G .. k*G+G-1, each `group_size` times, in order; a synchronous asyncrl run
 (max_lag 0) trains exactly those G problems at step k; an asynchronous one trains problems leased up to max_lag
 steps ahead, so only "each index once, from the dumped stream" holds there.
@@ -86,10 +88,14 @@ def check_run(run: Run, workload: Workload, rows: list[dict[str, Any]], data: Da
     where = f"{run.workload}/{run.contender}/seed {run.seed}"
     if not samples:
         raise FairnessError(f"{where}: no trained samples recorded")
+    shown: dict[int, str] = {}
     for sample in samples:
         if sample.prompt_index >= 0:
             row = by_index.get(sample.prompt_index)
-            if row is None or row["prompt"] != sample.prompt:
+            if row is not None and sample.prompt_index not in shown:
+                ids = tokenizer(row["prompt"])["input_ids"]
+                shown[sample.prompt_index] = tokenizer.decode(ids, skip_special_tokens=True)
+            if row is None or shown[sample.prompt_index] != sample.prompt:
                 raise FairnessError(f"{where}: problem {sample.prompt_index} was {sample.prompt!r}, not the dump's")
         if source.reward(sample.response, sample.answer) != sample.reward:
             raise FairnessError(f"{where}: reward {sample.reward} for {sample.response!r} (answer {sample.answer!r})")

@@ -13,6 +13,10 @@ Per run (`run_figures`):
 - `time_to_acc_s` (`steps_to_acc`): from launch to the end of the first step at which the mean train accuracy
   of the last `ROLLING_STEPS` steps reaches `TARGET_ACC`, fixed before any run; nan when never reached.
 
+- `heldout_acc`: held-out greedy accuracy of the final model by the workload's reward; on the smol workload also
+  `heldout_last_number_acc` (the same answers by a plain last-number check) and `heldout_gaming_gap`, the absolute
+  difference of the two (a policy that games the reward opens it).
+
 Over seeds, each figure's mean (`<figure>` or `<figure>_mean`) and, for the accuracy figures, `_std` (the sample
 standard deviation; 0 with one seed).
 
@@ -44,7 +48,19 @@ RATIO_NAMES = (
     "async_vs_sync_samples_s",
     "int8_vs_fp32_e2e",
 )
-ACCURACY_FIGURES = ("time_to_acc_s", "steps_to_acc", "final_train_acc", "heldout_acc")
+"""The ratios of the default workloads (builtin and decode)."""
+SMOL_RATIO_NAMES = ("e2e_vs_trl_samples_s_smol", "e2e_smol_gaming_gap")
+"""The smol workload's: steady trained samples/s, asyncrl asynchronous over TRL; the largest held-out gaming gap
+(|accuracy by the math reward - by the last number|) over the contenders."""
+RATIO_WORKLOADS = {
+    **dict.fromkeys(RATIO_NAMES[:3], "builtin"),
+    **dict.fromkeys(RATIO_NAMES[3:], "decode"),
+    **dict.fromkeys(SMOL_RATIO_NAMES, "smol"),
+}
+"""The workload each ratio is of: a ratio is written when its workload ran."""
+ACCURACY_FIGURES = (
+    "time_to_acc_s", "steps_to_acc", "final_train_acc", "heldout_acc", "heldout_last_number_acc", "heldout_gaming_gap",
+)  # fmt: skip
 
 
 def warmup_steps(steps: int) -> int:
@@ -87,6 +103,8 @@ def run_figures(run: Run) -> dict[str, float]:
         rolling[-1] if not math.isnan(rolling[-1]) else statistics.fmean(row.accuracy for row in rows)
     )
     figures["heldout_acc"] = run.heldout_acc
+    figures["heldout_last_number_acc"] = run.heldout_last_number_acc
+    figures["heldout_gaming_gap"] = abs(run.heldout_acc - run.heldout_last_number_acc)
     return figures
 
 
@@ -128,13 +146,15 @@ def bound_step_s(sync_run: Run, samples_per_step: int, cores: int) -> float:
 
 
 def ratios(figures: dict[str, dict[str, float]], bound_s: float) -> dict[str, float]:
-    """The issue's ratios from `figures[<workload>_<contender>]`; nan where a figure is missing (never reached)."""
+    """The issues' ratios from `figures[<workload>_<contender>]`, those of the workloads that ran
+    (`RATIO_WORKLOADS`); nan where a figure is missing (never reached, a contender not run)."""
 
     def fig(key: str, name: str) -> float:
         return figures.get(key, {}).get(name, math.nan)
 
     decode_async_step_s = fig("decode_async", "steady_step_s")
-    return {
+    gaps = [values["heldout_gaming_gap_mean"] for key, values in figures.items() if key.startswith("smol_")]
+    every = {
         "e2e_vs_trl_time_to_acc": fig("builtin_trl", "time_to_acc_s_mean") / fig("builtin_async", "time_to_acc_s_mean"),
         "e2e_vs_trl_steady_samples_s_builtin": fig("builtin_async", "steady_samples_s")
         / fig("builtin_trl", "steady_samples_s"),
@@ -143,4 +163,8 @@ def ratios(figures: dict[str, dict[str, float]], bound_s: float) -> dict[str, fl
         "e2e_fraction_of_bound_decode": bound_s / decode_async_step_s,
         "async_vs_sync_samples_s": fig("decode_async", "steady_samples_s") / fig("decode_sync", "steady_samples_s"),
         "int8_vs_fp32_e2e": fig("decode_async", "steady_samples_s") / fig("decode_fp32", "steady_samples_s"),
+        "e2e_vs_trl_samples_s_smol": fig("smol_async", "steady_samples_s") / fig("smol_trl", "steady_samples_s"),
+        "e2e_smol_gaming_gap": math.nan if not gaps or any(math.isnan(g) for g in gaps) else max(gaps),
     }
+    ran = {key.split("_", 1)[0] for key in figures}
+    return {name: value for name, value in every.items() if RATIO_WORKLOADS[name] in ran}

@@ -71,6 +71,9 @@ class Run:
     final_dir: str = ""
     """The final model for the shared held-out evaluation ("" when not saved)."""
     heldout_acc: float = math.nan
+    """Held-out greedy accuracy of the final model by the workload's reward (the shared evaluation)."""
+    heldout_last_number_acc: float = math.nan
+    """The same answers scored by a plain last-number check (the smol workload; nan elsewhere)."""
     launched_unix: float = math.nan
     """When the contender's process was launched (unix s): `end_s` is measured from here."""
     load_1m: tuple[float, float] = (math.nan, math.nan)
@@ -117,6 +120,7 @@ def asyncrl_overrides(workload: Workload, contender: str, seed: int, runs_dir: P
         f"checkpoint.final={'true' if workload.learns else 'false'}",
         f"logging.dir={runs_dir}",
         f"logging.name={name}",
+        *workload.overrides,
         *ASYNCRL_CONTENDERS[contender],
     ]
 
@@ -201,7 +205,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def load_asyncrl_config(config_path: str) -> Config:
+def load_asyncrl_config(config_path: str, overrides: tuple[str, ...] | list[str] = ()) -> Config:
     from common.config import load_config
 
-    return load_config(config_path, [])
+    return load_config(config_path, list(overrides))

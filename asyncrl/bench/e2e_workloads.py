@@ -6,6 +6,8 @@ and the number of steps. Temperature, learning rate and the loss settings come f
 (`configs/dapo_int8.yaml`) and are copied into TRL's `GRPOConfig` by `asyncrl.bench.e2e_trl`.
 
 - `builtin`: the built-in arithmetic task and `builtin:tiny` (overhead-bound: a 0.8M-parameter model, 8 tokens).
+- `smol` (opt-in): SmolLM2-135M-Instruct on 345 chat-rendered "What is a ± b?" problems, `data.task=jsonl`, the
+  math reward, a held-out split scored twice (issue 26; `asyncrl.bench.e2e_smol`).
 - `decode`: a random Llama-family model of about 100M parameters (hidden 1024, 9 layers) with the built-in
   tokenizer, >= 128 new tokens per sample. A random model learns nothing: throughput only. Its tokenizer's EOS is
   an added token (id = the model's vocab size) that the model cannot emit, so every sample runs to max_new_tokens
@@ -57,17 +59,24 @@ class Workload:
     max_new_tokens: int
     learns: bool
     """Whether accuracy means anything (False for the random decode model: throughput only)."""
+    overrides: tuple[str, ...] = ()
+    """asyncrl config overrides of the workload (its task, learning rate, ...): every asyncrl contender applies them,
+    and TRL's settings and the shared reward are read from the config with them applied."""
+    heldout_path: str = ""
+    """A JSONL file of held-out problems (`e2e_smol.write_dataset`) scored by `e2e_smol.heldout_scores`; "" for
+    the built-in task's own held-out set (`heldout_greedy_accuracy`)."""
 
     @property
     def samples_per_step(self) -> int:
         return self.groups_per_step * self.group_size
 
 
-def data_config(eval_size: int = 256) -> DataConfig:
-    """The task section every contender uses (the built-in arithmetic task, the config's defaults)."""
+def data_config(eval_size: int = 256, overrides: tuple[str, ...] | list[str] = ()) -> DataConfig:
+    """The task section every contender uses: the built-in arithmetic task with the config's defaults, or the
+    workload's (`Workload.overrides`: only its `data.` keys are read)."""
     from common.config import load_config
 
-    data = load_config(None, []).data
+    data = load_config(None, [item for item in overrides if item.startswith("data.")]).data
     data.eval_size = eval_size
     return data
 

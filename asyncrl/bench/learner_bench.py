@@ -15,17 +15,28 @@ model's plus noise, so every weighting has real work: truncations, masks, clippi
 - `bf16_vs_fp32`: tokens/s of the loss+backward step under bf16 autocast over fp32 (fp16 reported as a metric).
   On CPUs without bf16 matrix units this is below 1: autocast adds casts and the GEMMs are not faster.
 - The SmolLM row (issue 26): a random-init model of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 KV
-  heads, intermediate 1536, vocab 49,152, tied embeddings), 64 sequences of 47 prompt + 16 response tokens, whole
-  learner steps (`train_on_batch`, then the publication and the metrics of `Learner.train_step`) on
-  `learner.threads` threads, in a fresh process that does nothing else (`SMOL_OVERRIDES`: the learner settings).
+  heads, intermediate 1536, vocab 49,152, tied embeddings), 8 groups of 8 sequences of 47 prompt (one per group)
+  + 16 response tokens, whole learner steps (`train_on_batch`, then the publication and the metrics of
+  `Learner.train_step`) on `learner.threads` threads, in a fresh process that does nothing else (`SMOL_OVERRIDES`:
+  the learner settings).
   `learner_peak_rss_gb_smol`: that process's `ru_maxrss` after its first step, in GB (1e9 bytes); after its last
   step (the third without --quick), when AdamW's state lives through forward and backward, `smol_peak_rss_gb_steady`.
   `learner_mfu_smol`: model FLOP/s of a step over the FLOP/s of a large fp32 `torch.mm` on as many threads in that
   process, both per busy second (CPU seconds / threads: on a shared machine, wall seconds include the time other
   processes held the cores; `smol_mfu_wall` is the wall-clock figure). Model FLOPs (`smol_model_flops`): 2 per
-  parameter and token forward, 4 backward, the decoder body at every prompt + response token, the LM head at loss
+  parameter and token forward, 4 backward, the decoder body at every prompt + response token (with
+  `learner.share_prefix`, each group's prompt once: the tokens the decoder must run on), the LM head at loss
   positions only; attention scores (2% of the body at 63 tokens) and recomputation are not counted. The step is
   split into proximal pass, forward, backward, optimizer, metrics and publish (`smol_<phase>_s`).
+  `bf16_vs_fp32_smol`: busy seconds of the row's step in fp32 over one in bf16 (`precision.train`), same process,
+  model, AdamW state and batch: after its steps the row runs one step in the other precision (`smol_step_busy_s_<p>`;
+  the row's own is its steady step, with --quick its only one; a row in fp16 has none). Where the CPU has no bf16
+  dot-product instructions (AVX512_BF16, AMX) it is below 1 (docs/precision.md).
+- The built-in row (issues 26, 27): whole learner steps of builtin:tiny (0.8M parameters) on a batch of the built-in
+  task's shape (configs/dapo_int8.yaml: 16 groups x 8 samples of 5-7 prompt and 2-4 response tokens), in this
+  process on one thread: `builtin_step_busy_s` (CPU seconds of the best step; `_median_s` the median), its phases
+  (`builtin_<phase>_s`, wall), micro-batches and the tokens the decoder ran on (`builtin_model_tokens`, against
+  `builtin_padded_tokens` row by row). No ratio: `asyncrl bench e2e` compares the whole loop with TRL.
 
 Contenders alternate within every round and each reports its best round (machines here are noisy; the minimum
 is the least disturbed measurement of the same work). `python -m asyncrl.bench.learner_bench --rows smol` runs the
@@ -39,6 +50,7 @@ import resource
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from asyncrl.bench import BenchResult
@@ -52,10 +64,14 @@ SMOL_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads"
               "intermediate_size": 1536, "vocab_size": 49152}  # fmt: skip
 SMOL_GROUPS, SMOL_GROUP_SIZE, SMOL_PROMPT_LEN, SMOL_RESPONSE_LEN = 8, 8, 47, 16
 SMOL_OVERRIDES: tuple[str, ...] = ()
-"""The learner settings of the SmolLM row that differ from the defaults: none. The default `learner.micro_batch_tokens`
-(512: micro-batches of 8 sequences) was chosen on this row. Measured here (busy-second MFU, first-step / steady RSS
-in GB): 16384 (one micro-batch) 0.77, 7.7 / 9.8; 1024 0.79, 3.9 / 5.7; 512 0.77, 3.4 / 4.6; 256 0.70, 3.4 / 4.0."""
+"""The learner settings of the SmolLM row that differ from the defaults: none. Row by row (`learner.share_prefix=false`)
+`learner.micro_batch_tokens` measured here (busy-second MFU, first-step / steady RSS in GB): 16384 (one micro-batch)
+0.77, 7.7 / 9.8; 1024 0.79, 3.9 / 5.7; 512 0.77, 3.4 / 4.6; 256 0.70, 3.4 / 4.0. The default (0) derives about 510
+tokens from this shape (`learner.batch.micro_batch_budget`): with shared prompts, two groups per micro-batch (0.63,
+2.8 GB; 256-280 tokens, one group: 0.56, 2.8 GB)."""
 PHASES_SMOL = ("proximal", "forward", "backward", "optimizer", "metrics", "publish")
+SMOL_COMPARED = {"fp32": "bf16", "bf16": "fp32"}
+"""`bf16_vs_fp32_smol`: after its steps the SmolLM row runs one step in the other of these precisions."""
 GEMM_SIZE = 2048  # the peak: a (GEMM_SIZE x GEMM_SIZE) @ (GEMM_SIZE x GEMM_SIZE) fp32 torch.mm
 
 
@@ -299,13 +315,16 @@ def _smol_model() -> torch.nn.Module:
 
 
 def _smol_batch():
-    """64 responses of 16 tokens after 47-token prompts; behavior log-probs near a random model's (-log V)."""
+    """8 groups of 8 responses of 16 tokens after the group's 47-token prompt (GRPO: a group samples one prompt);
+    behavior log-probs near a random model's (-log V)."""
     from learner.batch import Batch
 
     gen = torch.Generator().manual_seed(0)
     n, vocab = SMOL_GROUPS * SMOL_GROUP_SIZE, SMOL_SHAPE["vocab_size"]
     seq_len, resp_len = SMOL_PROMPT_LEN + SMOL_RESPONSE_LEN, SMOL_RESPONSE_LEN
     input_ids = torch.randint(1, vocab, (n, seq_len), generator=gen)
+    prompts = torch.randint(1, vocab, (SMOL_GROUPS, SMOL_PROMPT_LEN), generator=gen)
+    input_ids[:, :SMOL_PROMPT_LEN] = prompts.repeat_interleave(SMOL_GROUP_SIZE, 0)
     behav = -torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn((n, resp_len), generator=gen)
     rewards = torch.randint(0, 2, (n,), generator=gen).float()
     return Batch(
@@ -323,16 +342,30 @@ def _smol_batch():
     )
 
 
-def smol_model_flops(model: torch.nn.Module, batch, proximal_pass: bool) -> float:  # noqa: ANN001 - Batch
+def smol_model_flops(
+    model: torch.nn.Module,
+    batch,  # noqa: ANN001 - Batch
+    proximal_pass: bool,
+    share_prefix: bool = False,
+) -> float:
     """Model FLOPs of one learner step: 6 x (P_body x T_all + P_head x T_loss), x 4/3 with a proximal forward.
 
     P_body: parameters besides the embeddings and the LM head; P_head = vocab x hidden (the head's GEMM, tied or
-    not); T_all: prompt + response tokens; T_loss: response tokens (where the loss is). 2 FLOPs per parameter and
-    token forward, 4 backward; a separate no-grad proximal forward adds 2 more.
+    not); T_all: prompt + response tokens, with `share_prefix` (`learner.share_prefix`) each group's shared prefix
+    once (the tokens the decoder must run on: `learner.packing`); T_loss: response tokens (where the loss is). 2
+    FLOPs per parameter and token forward, 4 backward; a separate no-grad proximal forward adds 2 more.
     """
+    from learner.packing import pays, shared_prefixes
+
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     body = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
-    per_pass = body * float(batch.attention_mask.sum()) + head.numel() * float(batch.mask.sum())
+    tokens = float(batch.attention_mask.sum())
+    if share_prefix:
+        lengths = batch.attention_mask.sum(-1).tolist()
+        runs, prefixes = shared_prefixes(batch.input_ids, lengths, batch.group_index)
+        if pays(runs, prefixes, batch.attention_mask.numel()):
+            tokens -= sum((hi - lo - 1) * prefix for (lo, hi), prefix in zip(runs, prefixes))
+    per_pass = body * tokens + head.numel() * float(batch.mask.sum())
     return (6.0 + (2.0 if proximal_pass else 0.0)) * per_pass
 
 
@@ -382,21 +415,27 @@ def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noq
     first step (the row's) and after all of them (the steady state: AdamW's state lives through the step)."""
     from quant_sync.publisher import WeightPublisher
 
-    config = load_config(None, [f"rollout.max_new_tokens={SMOL_RESPONSE_LEN}", "rollout.temperature=1.0",
-                                "algo.overlong.len=4", "loss.weighting=tis", "loss.cap=2.0", "loss.eps_high=0.28",
-                                "quant.scheme=int8", "optim.lr=2e-5", *overrides])  # fmt: skip
+    settings = [f"rollout.max_new_tokens={SMOL_RESPONSE_LEN}", "rollout.temperature=1.0", "algo.overlong.len=4",
+                "loss.weighting=tis", "loss.cap=2.0", "loss.eps_high=0.28", "quant.scheme=int8", "optim.lr=2e-5",
+                *overrides]  # fmt: skip
+    config = load_config(None, settings)
     sections = UpdateSections.pick(config)
+    other = SMOL_COMPARED.get(config.precision.train)
     torch.set_num_threads(sections.learner.threads)
     peaks = [_gemm_peak_flops(5)]
     model, batch = _smol_model(), _smol_batch()
     optim = sections.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=0.0)
     publisher = WeightPublisher()
-    runs, rss_gb = [], []
+    runs, rss_gb, busy = [], [], {}
     try:
         for version in range(steps):
             runs.append(_smol_step(model, optimizer, batch, sections, config.quant.scheme, publisher, version))
             rss_gb.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)  # KiB on Linux
+        if other is not None:  # bf16_vs_fp32_smol: one more step in the other precision (same model, AdamW, batch)
+            compared = UpdateSections.pick(load_config(None, [*settings, f"precision.train={other}"]))
+            busy = {config.precision.train: min(run["busy"] for run in runs[1:] or runs)}
+            busy[other] = _smol_step(model, optimizer, batch, compared, config.quant.scheme, publisher, steps)["busy"]
     finally:
         publisher.close()
     peaks.append(_gemm_peak_flops(5))
@@ -409,9 +448,10 @@ def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noq
             "peak_wall": max(p[0] for p in peaks),
             "peak_busy": max(p[1] for p in peaks),
             "rss_gb": rss_gb,
-            "flops": smol_model_flops(model, batch, bool(steady["proximal_pass"])),
+            "flops": smol_model_flops(model, batch, bool(steady["proximal_pass"]), learner.share_prefix),
             "threads": learner.threads,
             "micro_batch_tokens": learner.micro_batch_tokens,
+            "precision_busy": busy,
         }
     )
 
@@ -452,11 +492,119 @@ def _smol(quick: bool, overrides: tuple[str, ...] = SMOL_OVERRIDES) -> tuple[dic
         "learner_mfu_smol": flops / steady["busy"] / out["peak_busy"],
         "learner_peak_rss_gb_smol": out["rss_gb"][0],
     }
+    if busy := out["precision_busy"]:  # a row in fp16 has no such comparison
+        metrics.update({f"smol_step_busy_s_{precision}": seconds for precision, seconds in busy.items()})
+        ratios["bf16_vs_fp32_smol"] = busy["fp32"] / busy["bf16"]
     return metrics, ratios
 
 
-ROWS = ("weightings", "fsdp", "smol")
-"""The bench's parts: weighting overheads and precisions, FSDP2 against one process, the SmolLM row."""
+BUILTIN_GROUPS, BUILTIN_GROUP_SIZE, BUILTIN_MAX_NEW_TOKENS = 16, 8, 8
+BUILTIN_CONFIG = (f"rollout.max_new_tokens={BUILTIN_MAX_NEW_TOKENS}", "rollout.temperature=1.0", "algo.overlong.len=4",
+                  "loss.weighting=tis", "loss.cap=2.0", "loss.eps_high=0.28", "quant.scheme=int8", "optim.lr=1e-4",
+                  "learner.threads=1")  # fmt: skip
+"""configs/dapo_int8.yaml's learner settings (the built-in task of `asyncrl bench e2e`), on one thread."""
+
+
+def _builtin_batch(tokenizer, seed: int = 0):  # noqa: ANN001 - a Hugging Face tokenizer
+    """16 groups of 8 responses to arithmetic prompts as the built-in task draws them (`a+b=` or `a-b=`, operands of
+    1-2 digits, BOS + 4-6 characters), each response 1-3 digits and the end token, as the warmed-up model answers
+    (2.8 tokens on average in `asyncrl bench e2e`); behavior log-probs near the model's."""
+    import random
+
+    from common.wire import Trajectory
+    from learner.batch import collate
+
+    rng = random.Random(seed)
+
+    def number() -> int:
+        return rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(10, 99)
+
+    groups = []
+    for g in range(BUILTIN_GROUPS):
+        a, b, op = number(), number(), rng.choice("+-")
+        a, b = (b, a) if op == "-" and a < b else (a, b)
+        prompt = np.asarray(tokenizer(f"{a}{op}{b}=")["input_ids"], dtype=np.int32)
+        group = []
+        for i in range(BUILTIN_GROUP_SIZE):
+            digits = str(rng.randint(0, 10 ** rng.randint(1, 3) - 1))
+            response = np.asarray(tokenizer(digits, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                                  dtype=np.int32)  # fmt: skip
+            n = len(response)
+            reward = float(rng.random() < 0.5)
+            group.append(Trajectory(
+                uid=f"{g}/{i}", group=str(g), prompt_index=g, prompt_ids=prompt, response_ids=response,
+                behav_logp=np.asarray([-0.5 * rng.random() for _ in range(n)], dtype=np.float32),
+                versions=np.zeros(n, dtype=np.int32), reward=reward, correct=reward > 0, finish="stop",
+                worker="bench", t_start=0.0, t_end=0.0,
+            ))  # fmt: skip
+        groups.append(group)
+    return collate(groups, tokenizer.pad_token_id or 0)
+
+
+def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, float]]:
+    """The built-in row: whole learner steps (as `_smol_step`) of builtin:tiny on a batch of the built-in task's shape
+    (configs/dapo_int8.yaml: 16 groups x 8 samples), in this process on `learner.threads`; the best and the median
+    step over the measured steps, in busy (CPU) seconds and wall seconds, and the best step's phases."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.builtin_model import resolve_model_path
+    from learner.batch import micro_batch_budget, micro_batches
+    from learner.packing import pack_groups
+    from quant_sync.publisher import WeightPublisher
+    from quant_sync.uaq import apply_uaq
+
+    config = load_config(None, [*BUILTIN_CONFIG, *overrides])
+    sections = UpdateSections.pick(config)
+    model_dir = resolve_model_path("builtin:tiny")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    apply_uaq(model, config.quant.uaq.scale)
+    model.train()
+    batch = _builtin_batch(AutoTokenizer.from_pretrained(model_dir))
+    optim = sections.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(sections.learner.threads)
+    publisher = WeightPublisher()
+    warmup, measured = (2, 8) if quick else (3, 30)
+    runs = []
+    try:
+        for version in range(warmup + measured):
+            runs.append(_smol_step(model, optimizer, batch, sections, config.quant.scheme, publisher, version))
+    finally:
+        publisher.close()
+        torch.set_num_threads(threads)
+    runs = runs[warmup:]
+    best = min(runs, key=lambda run: run["busy"])
+    budget = micro_batch_budget(sections.learner.micro_batch_tokens, model)
+    plan = micro_batches(batch, 0, batch.rows, budget, sections.learner.share_prefix)
+    packed = [pack_groups(batch.input_ids[lo:hi], batch.attention_mask[lo:hi], batch.group_index[lo:hi],
+                          model.config._attn_implementation) if sections.learner.share_prefix else None
+              for lo, hi in plan]  # fmt: skip
+    model_tokens = sum(
+        (hi - lo) * int(batch.attention_mask[lo:hi].sum(-1).max()) if pk is None else pk.tokens
+        for (lo, hi), pk in zip(plan, packed)
+    )
+    metrics = {f"builtin_{phase}_s": best[phase] for phase in PHASES_SMOL}
+    metrics.update(
+        {
+            "builtin_step_busy_s": best["busy"],
+            "builtin_step_busy_median_s": statistics.median(run["busy"] for run in runs),
+            "builtin_step_s": min(run["total"] for run in runs),
+            "builtin_step_median_s": statistics.median(run["total"] for run in runs),
+            "builtin_micro_batches": float(len(plan)),
+            "builtin_model_tokens": float(model_tokens),  # tokens the decoder ran on, padding included
+            "builtin_padded_tokens": float(batch.attention_mask.numel()),  # rows x longest row
+            "builtin_real_tokens": float(batch.attention_mask.sum()),
+        }
+    )
+    return metrics, {}
+
+
+ROWS = ("weightings", "fsdp", "smol", "builtin")
+"""The bench's parts: weighting overheads and precisions, FSDP2 against one process, the SmolLM row, the built-in
+task's learner step."""
 
 
 def run(quick: bool, rows: tuple[str, ...] = ROWS, smol_overrides: tuple[str, ...] = ()) -> BenchResult:
@@ -480,6 +628,7 @@ def run(quick: bool, rows: tuple[str, ...] = ROWS, smol_overrides: tuple[str, ..
     for row, part in (
         ("fsdp", lambda: _fsdp(rounds=2 if quick else 6)),
         ("smol", lambda: _smol(quick, SMOL_OVERRIDES + smol_overrides)),
+        ("builtin", lambda: _builtin(quick, smol_overrides)),
     ):
         if row in rows:
             part_metrics, part_ratios = part()
@@ -497,7 +646,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.bench.learner_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (smoke test), same metrics")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to run (default: all)")
-    parser.add_argument("--smol-set", nargs="*", default=[], metavar="KEY=VALUE", help="SmolLM row config overrides")
+    parser.add_argument("--smol-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides of the SmolLM and built-in rows")  # fmt: skip
     parser.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
     result = run(args.quick, tuple(args.rows), tuple(args.smol_set))

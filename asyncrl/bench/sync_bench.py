@@ -27,6 +27,11 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
   the subscriber's handing the version to the engine (publish call, long-poll wake-up, /dev/shm map, checksums,
   decoding, `stage_weights`), `to_step` from there to the start of the decode step that swaps it in (waiting for the
   running step; earlier build slices), `first_step` that step (the rest of the build, then the step itself).
+  In CPU seconds, which a loaded machine does not inflate (medians over every worker's swap):
+  `<phase>_worker_fetch_cpu_median_s` and `..._stage_cpu_median_s` (the subscriber thread: fetch and decode, then
+  `stage_weights`), `..._swap_step_cpu_median_s` (the decode step that swapped the version in, its build included)
+  against `..._steady_step_cpu_median_s`; `<phase>_tok_per_cpu_s_ratio_worst_worker` is tokens per CPU second of
+  the worker process during sync over steady (the ratio above without the other processes' share of the cores).
 
 Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
 workers for the cores, which is part of what is measured.
@@ -121,6 +126,7 @@ def _measure(
         time.sleep(steady_s)
         sync_start = time.monotonic()
         latencies, fetch_s, build_s, version = [], [], [], publisher.version
+        cpu_s: dict[str, list[float]] = {"fetch": [], "stage": [], "swap_step": []}
         split: dict[str, list[float]] = {"to_staged": [], "to_step": [], "first_step": []}
         while time.monotonic() - sync_start < sync_s:
             version += 1
@@ -134,6 +140,8 @@ def _measure(
                     last = event["t"]
                     fetch_s.append(event["fetch_s"])
                     build_s.append(event["build_s"])
+                    for key in cpu_s:
+                        cpu_s[key].append(event[f"{key.removeprefix('swap_')}_cpu_s"])
                     split["to_staged"].append(event["staged_t"] - handed_off)
                     split["to_step"].append(event["step_start_t"] - event["staged_t"])
                     split["first_step"].append(event["t"] - event["step_start_t"])
@@ -150,8 +158,12 @@ def _measure(
                 process.kill()
         publisher.close()
         inbox.close(0)
-    steady_rate, sync_rate, gap_ratio, steady_gap_ratio = [], [], [], []
-    for worker_stamps, worker_tokens in stamps:
+    steady_rate, sync_rate, gap_ratio, steady_gap_ratio, cpu_ratio, steady_step_cpu = [], [], [], [], [], []
+    for worker_stamps, worker_tokens, worker_cpu in stamps:
+        steady_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, steady_start, steady_start + steady_s)
+        sync_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, sync_start, sync_end)
+        cpu_ratio.append(sync_cpu / max(steady_cpu, 1e-9))
+        steady_step_cpu.append(_median_step_cpu(worker_stamps, worker_cpu, steady_start, steady_start + steady_s))
         steady_rate.append(_rate(worker_stamps, worker_tokens, steady_start, steady_start + steady_s))
         sync_rate.append(_rate(worker_stamps, worker_tokens, sync_start, sync_end))
         gap_ratio.append(_gap_ratio(worker_stamps, sync_start, sync_end))
@@ -173,6 +185,12 @@ def _measure(
         f"{name}_steady_max_gap_over_median": max(steady_gap_ratio),  # the same statistic with nothing published
         f"{name}_publish_vs_memcpy": max(0.0, latency - LATENCY_ALLOWANCE_S) / memcpy_s,
         **{f"{name}_latency_{phase}_s": statistics.median(values) for phase, values in split.items()},
+        # CPU seconds (thread time; load on the machine does not inflate them): the subscriber's fetch and
+        # stage_weights, the decode step that swapped a version in (its build included) against a steady step
+        **{f"{name}_worker_{key}_cpu_median_s": statistics.median(values) for key, values in cpu_s.items()},
+        f"{name}_worker_steady_step_cpu_median_s": statistics.median(steady_step_cpu),
+        # tokens per CPU second of the worker process (all its threads) during sync over steady (worst worker)
+        f"{name}_tok_per_cpu_s_ratio_worst_worker": min(cpu_ratio),
     }
 
 
@@ -226,14 +244,27 @@ def _next(inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]
 
 def _collect_stamps(
     inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]
-) -> list[tuple[list[float], list[int]]]:
-    """Each worker's step stamps and tokens, from the `done` report it sends when terminated."""
+) -> list[tuple[list[float], list[int], list[float]]]:
+    """Each worker's step stamps, tokens and process CPU seconds, from the `done` report it sends when terminated."""
     done = {e["worker"]: e for e in events if e["event"] == "done"}
     while len(done) < 2:
         event = _next(inbox, events, workers)
         if event["event"] == "done":
             done[event["worker"]] = event
-    return [(done[w]["stamps"], done[w]["tokens"]) for w in sorted(done)]
+    return [(done[w]["stamps"], done[w]["tokens"], done[w]["cpu"]) for w in sorted(done)]
+
+
+def _per_cpu_second(stamps: list[float], tokens: list[int], cpu: list[float], start: float, end: float) -> float:
+    """Tokens decoded by the steps ending in [start, end] per CPU second the worker process spent on them."""
+    inside = [i for i, t in enumerate(stamps) if start <= t <= end and i > 0]
+    if not inside:
+        return 0.0
+    return sum(tokens[i] for i in inside) / max(cpu[inside[-1]] - cpu[inside[0] - 1], 1e-9)
+
+
+def _median_step_cpu(stamps: list[float], cpu: list[float], start: float, end: float) -> float:
+    steps = [cpu[i] - cpu[i - 1] for i, t in enumerate(stamps) if start <= t <= end and i > 0]
+    return statistics.median(steps) if steps else 0.0
 
 
 def _gap_ratio(stamps: list[float], start: float, end: float) -> float:

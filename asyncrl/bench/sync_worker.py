@@ -6,13 +6,17 @@ the bench over a ZMQ PUSH socket with msgpack messages:
 
     {"event": "ready", "worker"}                        once version `first_version` (default 0) runs
     {"event": "swap", "worker", "version", "t",         when a new version runs (t: time.monotonic(), system-wide,
-     "fetch_s", "build_s", "staged_t", "step_start_t"}   at the end of its first step; fetch: header to verified
-                                                        tensors, on the subscriber thread; build: on the decode
+     "fetch_s", "build_s", "staged_t", "step_start_t",   at the end of its first step; fetch: header to verified
+     "fetch_cpu_s", "stage_cpu_s", "step_cpu_s"}         tensors, on the subscriber thread; build: on the decode
                                                         thread, over its slices; staged_t: when the subscriber had
                                                         handed it to the engine; step_start_t: when its first step
-                                                        began, the swap being that step's first act)
-    {"event": "done", "worker", "stamps", "tokens"}     on SIGTERM (or at its deadline): every step's end time
-                                                        (time.monotonic()) and the tokens decoded in that step
+                                                        began, the swap being that step's first act; *_cpu_s: thread
+                                                        CPU seconds of the fetch, of `stage_weights` and of that
+                                                        first step, build included)
+    {"event": "done", "worker", "stamps", "tokens",     on SIGTERM (or at its deadline): every step's end time
+     "cpu"}                                             (time.monotonic()), the tokens decoded in that step, and
+                                                        the process's CPU seconds at its end (time.process_time():
+                                                        every thread, the subscriber's too)
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stamps: list[float] = []
     tokens: list[int] = []
+    cpu: list[float] = []
     for index in range(spec["batch"]):  # staggered lengths: one sequence finishes (and one joins) at a time
         submit(longest // 2 + (index * longest) // (2 * spec["batch"]) + 1)
     report.send(msgpack.packb({"event": "ready", "worker": worker}))
@@ -63,20 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + spec["seconds"]
     while not stopping and time.monotonic() < deadline:
         active = engine.num_active
-        step_start = time.monotonic()
+        step_start, step_cpu = time.monotonic(), time.thread_time()
         finished = engine.step()
         stamps.append(time.monotonic())
         tokens.append(active)
+        cpu.append(time.process_time())
+        step_cpu = time.thread_time() - step_cpu
         for _ in finished:
             submit(longest)
         if engine.version != version:
             version = engine.version
             swap = {"event": "swap", "worker": worker, "version": version, "t": stamps[-1]}
             swap.update(fetch_s=subscriber.last_fetch_s, build_s=engine.last_build_s,
-                        staged_t=subscriber.last_update_t, step_start_t=step_start)  # fmt: skip
+                        staged_t=subscriber.last_update_t, step_start_t=step_start,
+                        fetch_cpu_s=subscriber.last_fetch_cpu_s, stage_cpu_s=subscriber.last_update_cpu_s,
+                        step_cpu_s=step_cpu)  # fmt: skip
             report.send(msgpack.packb(swap))
     subscriber.close()
-    report.send(msgpack.packb({"event": "done", "worker": worker, "stamps": stamps, "tokens": tokens}))
+    report.send(msgpack.packb({"event": "done", "worker": worker, "stamps": stamps, "tokens": tokens, "cpu": cpu}))
     report.close()
     return 0
 

@@ -9,17 +9,20 @@ LoRA adapters (learner/lora.py) ride on top of any form: `low_rank_linear(x, wei
 `y = Q(W) x + s * B (A x)`, the low-rank product over all rows at once; `stack_low_rank` stacks the adapters of a
 fused group (q/k/v, gate/up) into one `LowRank`: their A matrices one above the other (one pass over x gives every
 member's `A x`), each member's `s * B` adding into its own output columns. In fp32 on an AVX-512 CPU this runs
-csrc/lora_gemm.cpp (both products in one call, register tiles, B in panels of 32 columns), else torch's GEMMs.
+csrc/lora_gemm.cpp (both products in one call, register tiles, B^T in panels of 32 columns), else torch's GEMMs.
+Adapters the subscriber decoded (quant_sync/adapter_buffers.py) run in place: an adapter version copies no value.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from quant_sync.adapter_buffers import is_plan_buffer, panels_of
 from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantized_linear
 from rollout_workers.embedded import fused_decode
 from rollout_workers.embedded.fp8_linear import PackedFp8, fp8_linear, prepare_fp8
@@ -78,16 +81,18 @@ class PackedFp32:
 
 @dataclass(slots=True)
 class LowRank:
-    """LoRA adapters in the engine's form: `s * B (A x)` = `(x A^T) b_t` with `b_t = (s * B)^T`. For a fused group
-    the members' A are stacked (sum of ranks, in), so one GEMM gives every member's `A x`; each member's `b_t` then
-    adds its own output columns in place. A member without an adapter has none: its columns get exactly nothing."""
+    """LoRA adapters in the engine's form: `s * B (A x)` = `s * (x A^T) b_t` with `b_t = B^T`. For a fused group the
+    members' A are stacked (sum of ranks, in), so one GEMM gives every member's `A x`; each member's `b_t` then
+    adds its own output columns in place, times its own `s`. A member without an adapter has none: its columns get
+    exactly nothing."""
 
     a: torch.Tensor  # (R, in): the stacked A (`F.linear(x, a)`: peft's own first product, bit for bit)
-    b_t: tuple[torch.Tensor, ...]  # per member with an adapter: (r_i, out_i)
+    b_t: tuple[torch.Tensor, ...]  # per member with an adapter: B^T (r_i, out_i), contiguous where the kernel runs
+    scalings: tuple[float, ...]  # per member with an adapter: its s (alpha / r)
     ranks: tuple[tuple[int, int], ...]  # per member: its columns of F.linear(x, a)
     cols: tuple[tuple[int, int], ...]  # per member: its output columns
-    native: tuple[ctypes.Array, ctypes.Array, ctypes.Array] | None = None  # lr_apply's member arrays (fp32, CPU)
-    panels: tuple[torch.Tensor, ...] = ()  # per member: b_t in lr_apply's panels of 32 columns (_panels)
+    native: tuple[ctypes.Array, ...] | None = None  # lr_apply's member arrays (fp32, CPU): ranks, cols, panels, s
+    panels: tuple[torch.Tensor, ...] = ()  # per member: b_t in lr_apply's panels of 32 columns (`panels_of`, _panels)
 
 
 def stack_low_rank(
@@ -96,11 +101,16 @@ def stack_low_rank(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> LowRank | None:
-    """(A (r, in), B (out, r), scaling) per member of a fused group (None: no adapter) -> one LowRank, or None."""
+    """(A (r, in), B (out, r), scaling) per member of a fused group (None: no adapter) -> one LowRank, or None.
+
+    Adapters the subscriber decoded into its pooled buffers (`quant_sync.adapter_buffers.is_plan_buffer`) run as
+    they are: a group's A are adjacent rows there (one view spans them), each B is a transposed view of a
+    contiguous B^T and has its panels beside it (`panels_of`), so an adapter version builds without copying a
+    value. Any other tensors are copied (their owner may change them later)."""
     if len(adapters) != len(out_features):
         raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
     device = device or torch.device("cpu")
-    a_parts, scaled_bs, ranks, cols = [], [], [], []
+    a_parts, bs, b_ts, scalings, ranks, cols = [], [], [], [], [], []
     row = col = 0
     for adapter, out in zip(adapters, out_features):
         if adapter is not None:
@@ -109,41 +119,74 @@ def stack_low_rank(
                 raise ValueError(
                     f"stack_low_rank: B {tuple(b.shape)} does not fit A {tuple(a.shape)} and {out} outputs"
                 )
-            a_parts.append(a.to(torch.float32))
-            scaled_bs.append((b.to(torch.float32) * scaling).to(device=device, dtype=dtype))  # s * B (out, r)
+            a_parts.append(a)
+            bs.append(b)
+            b_ts.append(_as_engine_tensor(b.t(), dtype, device))  # B^T (r, out)
+            scalings.append(float(scaling))
             ranks.append((row, row + a.shape[0]))
             cols.append((col, col + out))
             row += a.shape[0]
         col += out
     if not a_parts:
         return None
-    a = torch.cat(a_parts).contiguous().to(device=device, dtype=dtype)
-    b_ts = [scaled.t() for scaled in scaled_bs]  # views: (s * B)^T, read by torch's addmm_ (no copy per version)
-    native = None
+    a = _adjacent_rows(a_parts, dtype, device)
+    if a is None:
+        a = torch.cat([part.to(device=device, dtype=dtype) for part in a_parts]).contiguous()
+    fields = {"a": a, "b_t": tuple(b_ts), "scalings": tuple(scalings), "ranks": tuple(ranks), "cols": tuple(cols)}
     if device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None:
-        flat_ranks = (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair])
-        flat_cols = (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair])
-        panels = tuple(_panels(scaled) for scaled in scaled_bs)
-        pointers = (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels])
-        native = (flat_ranks, flat_cols, pointers)
-        return LowRank(a=a, b_t=tuple(b_ts), ranks=tuple(ranks), cols=tuple(cols), native=native, panels=panels)
-    return LowRank(a=a, b_t=tuple(b_ts), ranks=tuple(ranks), cols=tuple(cols))
+        panels = tuple(_decoded_panels(b, b_t) for b, b_t in zip(bs, b_ts))
+        native = (
+            (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
+            (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
+            (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
+            (ctypes.c_float * len(scalings))(*scalings),
+        )
+        return LowRank(**fields, native=native, panels=panels)
+    return LowRank(**fields)
 
 
-def _panels(scaled_b: torch.Tensor) -> torch.Tensor:
-    """b_t = (s * B)^T (rank, n) as csrc/lora_gemm.cpp streams it, made from s * B (n, rank): (ceil(n / 32), rank, 32),
-    panel t = columns 32t to 32t + 31 of b_t (zeros past n), so the kernel reads each panel in order. One padded copy
-    and one reorder (no transposed copy of B first)."""
-    n, rank = scaled_b.shape
-    padded = F.pad(scaled_b, (0, 0, 0, -n % 32)) if n % 32 else scaled_b.contiguous()
-    return padded.view(-1, 32, rank).transpose(1, 2).contiguous()
+def _decoded_panels(b: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """B's panels as the subscriber decoded them beside it (`panels_of`), else made from `b_t` (B^T)."""
+    panels = panels_of(b)
+    return panels if panels is not None and panels.is_contiguous() else _panels(b_t)
+
+
+def _panels(b_t: torch.Tensor) -> torch.Tensor:
+    """B^T (rank, n) as csrc/lora_gemm.cpp streams it: (ceil(n / 32), rank, 32), panel t = columns 32t to 32t + 31
+    (zeros past n), so the kernel reads each panel in order (one padded copy)."""
+    rank, n = b_t.shape
+    padded = F.pad(b_t, (0, -n % 32)) if n % 32 else b_t
+    return padded.view(rank, -1, 32).transpose(0, 1).contiguous()
+
+
+def _as_engine_tensor(value: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`value` as the engine runs it: contiguous, in `dtype` on `device`; a decoded buffer's view as it is."""
+    if value.dtype == dtype and value.device == device and value.is_contiguous() and is_plan_buffer(value):
+        return value
+    return torch.empty(value.shape, dtype=dtype, device=device).copy_(value)
+
+
+def _adjacent_rows(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """One view over `parts` stacked row-wise, where they lie back to back in a decoded buffer; else None."""
+    first = parts[0]
+    if not is_plan_buffer(first) or first.dtype != dtype or first.device != device:
+        return None
+    pointer = first.data_ptr()
+    for part in parts:
+        if not part.is_contiguous() or part.dim() != 2 or part.shape[1] != first.shape[1] or part.data_ptr() != pointer:
+            return None
+        if part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        pointer += part.nbytes
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
 
 
 def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    if lib.lr_abi_version() != 1:
+    if lib.lr_abi_version() != 2:
         raise ValueError("lora_gemm library: unexpected ABI version")
-    lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
     lib.lr_apply.restype = ctypes.c_int
     return lib
 
@@ -155,6 +198,17 @@ def _native_lora() -> ctypes.CDLL | None:
     """csrc/lora_gemm.cpp where it builds and the CPU has AVX-512F (else None: torch's GEMMs run the adapters)."""
     lib = _LORA_LIBRARY.get()
     return lib if lib is not None and lib.lr_has_avx512f() else None
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's float32 scratch of at least `numel` values for lr_apply's `low` (x A^T), kept across calls."""
+    held = getattr(_SCRATCH, "low", None)
+    if held is None or held.numel() < numel:
+        held = _SCRATCH.low = torch.empty(max(numel, 1 << 12), dtype=torch.float32)
+    return held
 
 
 def low_rank_linear(
@@ -176,12 +230,12 @@ def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.
         out = out.contiguous()
     rows = x.reshape(-1, x.shape[-1])
     if adapter.native is not None and rows.dtype == out.dtype == torch.float32 and rows.stride(-1) == 1:
-        lib = _native_lora()
-        low = torch.empty(rows.shape[0], adapter.a.shape[0], dtype=torch.float32)
-        ranks, cols, b_ts = adapter.native
+        lib = _LORA_LIBRARY.lib  # loaded: `native` is only made where it is (its AVX-512F check in lr_apply itself)
+        low = _scratch(rows.shape[0] * adapter.a.shape[0])  # (rows, R), written before it is read
+        ranks, cols, b_ts, scalings = adapter.native
         done = lib.lr_apply(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
-                            adapter.a.shape[0], low.data_ptr(), len(adapter.b_t), ranks, cols, b_ts, out.data_ptr(),
-                            out.shape[-1])  # fmt: skip
+                            adapter.a.shape[0], low.data_ptr(), len(adapter.b_t), ranks, cols, b_ts, scalings,
+                            out.data_ptr(), out.shape[-1])  # fmt: skip
         if done != 0:
             raise RuntimeError("lora_gemm: lr_apply refused (no AVX-512F on this CPU), yet its adapters were packed")
         return out
@@ -189,11 +243,10 @@ def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.
     if low.dtype != out.dtype:
         low = low.to(out.dtype)
     flat = out.view(-1, out.shape[-1])
-    for (r0, r1), (c0, c1), b_t in zip(adapter.ranks, adapter.cols, adapter.b_t):
+    for (r0, r1), (c0, c1), b_t, scaling in zip(adapter.ranks, adapter.cols, adapter.b_t, adapter.scalings):
         target = flat if c1 - c0 == flat.shape[1] else flat[:, c0:c1]
-        target.addmm_(
-            low if r1 - r0 == low.shape[1] else low[:, r0:r1], b_t if b_t.dtype == out.dtype else b_t.to(out.dtype)
-        )
+        part = low if r1 - r0 == low.shape[1] else low[:, r0:r1]
+        target.addmm_(part, b_t if b_t.dtype == out.dtype else b_t.to(out.dtype), alpha=scaling)
     return out
 
 

@@ -302,25 +302,28 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
 
 def _check_adapter_shapes(weights: dict[str, Linear], expected: dict[str, tuple[int, ...]]) -> None:
     """Every LoRA tensor sits on a decoder linear, comes with its two partners, and fits it: A (r, in), B (out, r),
-    scaling (1,), all float."""
-    for name in weights:
-        suffix = next((s for s in (LORA_A, LORA_B, LORA_SCALING) if name.endswith(s)), None)
-        if suffix is None:
-            continue
-        linear_name = name[: -len(suffix)]
+    scaling (1,), all float. Each adapted linear is checked once (an adapter version holds ~170 such tensors)."""
+    suffixes = (LORA_A, LORA_B, LORA_SCALING)
+    linears = dict.fromkeys(
+        name.removesuffix(LORA_A).removesuffix(LORA_B).removesuffix(LORA_SCALING)
+        for name in weights
+        if name.endswith(suffixes)
+    )
+    for linear_name in linears:
         shape = expected.get(linear_name + ".weight")
         if shape is None or len(shape) != 2:
+            name = next(linear_name + s for s in suffixes if linear_name + s in weights)
             raise ValueError(f"{name}: a LoRA tensor on {linear_name}, which is not a decoder linear of the model")
-        parts = [weights.get(linear_name + s) for s in (LORA_A, LORA_B, LORA_SCALING)]
+        parts = [weights.get(linear_name + s) for s in suffixes]
         if any(not isinstance(part, torch.Tensor) or not part.is_floating_point() for part in parts):
             raise ValueError(f"{linear_name}: LoRA needs float {LORA_A}, {LORA_B} and {LORA_SCALING} tensors together")
         a, b, scaling = parts
         rank = a.shape[0]  # type: ignore[union-attr]
-        want = {LORA_A: (rank, shape[1]), LORA_B: (shape[0], rank), LORA_SCALING: (1,)}
-        for part, suffix in zip(parts, (LORA_A, LORA_B, LORA_SCALING)):
-            if tuple(part.shape) != want[suffix] or rank < 1:  # type: ignore[union-attr]
+        want = ((rank, shape[1]), (shape[0], rank), (1,))
+        for part, suffix, wanted in zip(parts, suffixes, want):
+            if part.shape != wanted or rank < 1:  # type: ignore[union-attr]
                 raise ValueError(f"{linear_name}{suffix} has shape {list(part.shape)}, the model needs "  # type: ignore
-                                 f"{list(want[suffix])}")  # fmt: skip
+                                 f"{list(wanted)}")  # fmt: skip
 
 
 def _kind(weight: Linear) -> str:

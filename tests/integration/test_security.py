@@ -55,7 +55,7 @@ def test_a_default_run_listens_on_loopback_only_and_its_ray_wants_a_token(tmp_pa
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"), f"logging.dir={tmp_path}",
          "logging.name=sec", "model.path=builtin:micro", "train.steps=400", "data.eval_size=0",
-         "checkpoint.final=false"],
+         "checkpoint.final=false", "ray.launcher=ray"],  # Ray's token (issue 23); local actors have no port
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "up.err").open("w"),
     )  # fmt: skip
     try:

@@ -1,7 +1,9 @@
 // LoRA's low-rank product for the embedded engine (rollout_workers/embedded/linears.py, add_low_rank):
 //   low = x A^T          (rows x R: one pass over x for every member of a fused group, A stacked)
-//   out[:, cols_i] += low[:, ranks_i] b_t_i   (each member into its own output columns, in place)
+//   out[:, cols_i] += s_i * (low[:, ranks_i] bt_i)   (each member into its own output columns, in place)
 // in fp32 with AVX-512F register tiles (explicit FMAs; summation order differs from MKL's: ~1e-7 relative).
+// bt_i is member i's B^T (rank_i, n_i), unscaled, in panels of 32 columns (the subscriber decodes them so:
+// quant_sync/adapter_buffers.py); s_i multiplies each output tile once, as peft scales its output (not B).
 // Plain C ABI for ctypes. lr_apply returns 0 when done, -1 when this CPU lacks AVX-512F (the caller's torch path).
 #include <cstdint>
 #include <immintrin.h>
@@ -47,12 +49,14 @@ __attribute__((target("avx512f"))) void a_rows(const float* x, int64_t xs, const
     for (; j < r; ++j) a_tile<MR, 1>(x, xs, a + j * k, k, low + j, ls);
 }
 
-// out[m, c] += sum_q low[m, q] * bt[q, c] for a tile of MR rows, over all n columns. bp is b_t packed in panels of
-// 32 columns (linears.py packs it: panel t holds bt[:, 32t : 32t + 32] row after row, zero-padded), so each panel streams in
-// order; the last panel's columns past n are computed on zeros and masked off at the store.
+// out[m, c] += s * sum_q low[m, q] * bt[q, c] for a tile of MR rows, over all n columns. bp is bt packed in panels
+// of 32 columns (panel t holds bt[:, 32t : 32t + 32] row after row, zero-padded: quant_sync/adapter_buffers.py
+// writes them, or linears.py's _panels), so each panel streams in order (16 rows of bt read side by side, or masked
+// loads, ran 10-20% slower); the last panel's columns past n are computed on zeros and masked off at the store.
 template <int MR>
 __attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, const float* bp, int64_t rank, int64_t n,
-                                               float* out, int64_t os) {
+                                               float s, float* out, int64_t os) {
+    const __m512 sv = _mm512_set1_ps(s);
     for (int64_t c = 0; c < n; c += 32) {
         const float* panel = bp + (c / 32) * rank * 32;
         __m512 acc[MR][2];
@@ -71,10 +75,10 @@ __attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, con
         const int64_t left = n - c;
         const __mmask16 m0 = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
         const __mmask16 m1 = left >= 32 ? (__mmask16)0xFFFF : left <= 16 ? (__mmask16)0 : (__mmask16)((1u << (left - 16)) - 1u);
-        for (int i = 0; i < MR; ++i) {
+        for (int i = 0; i < MR; ++i) {  // out + s * acc, as peft scales its output (not B)
             float* o = out + i * os + c;
-            _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), acc[i][0]));
-            _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), acc[i][1]));
+            _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_mul_ps(acc[i][0], sv)));
+            _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_mul_ps(acc[i][1], sv)));
         }
     }
 }
@@ -83,17 +87,16 @@ __attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, con
 
 extern "C" {
 
-int lr_abi_version(void) { return 1; }
-
+int lr_abi_version(void) { return 2; }
 
 int lr_has_avx512f(void) { return has_avx512f() ? 1 : 0; }
 
 // x (rows, k) row stride xs; a (R, k) contiguous; low (rows, R) scratch; members: ranks [2 * n_members] (first and
-// end row of A), cols [2 * n_members] (first and end output column), out (rows, *)
-// row stride os; bps[i]: member i's b_t (rank_i, n_i) packed in panels (b_rows).
+// end row of A), cols [2 * n_members] (first and end output column), bps[i]: member i's B^T (rank_i, n_i) in panels
+// (b_rows), scalings[i] its s; out (rows, *) row stride os.
 int lr_apply(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a, int64_t r, float* low,
-             int64_t n_members, const int64_t* ranks, const int64_t* cols, const float* const* bps, float* out,
-             int64_t os) {
+             int64_t n_members, const int64_t* ranks, const int64_t* cols, const float* const* bps,
+             const float* scalings, float* out, int64_t os) {
     if (!has_avx512f()) return -1;
     int64_t m = 0;
     for (; m + 4 <= rows; m += 4) a_rows<4>(x + m * xs, xs, a, k, r, low + m * r, r);
@@ -101,8 +104,9 @@ int lr_apply(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a
     for (int64_t i = 0; i < n_members; ++i) {
         const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
         int64_t mm = 0;
-        for (; mm + 4 <= rows; mm += 4) b_rows<4>(low + mm * r + r0, r, bps[i], rank, n, out + mm * os + c0, os);
-        for (; mm < rows; ++mm) b_rows<1>(low + mm * r + r0, r, bps[i], rank, n, out + mm * os + c0, os);
+        for (; mm + 4 <= rows; mm += 4)
+            b_rows<4>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
+        for (; mm < rows; ++mm) b_rows<1>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
     }
     return 0;
 }

@@ -24,7 +24,10 @@ from learner.update import train_on_batch
 TOL = {"rtol": 0.0, "atol": 1e-6}
 
 
-def whole_sequence_logp(model: torch.nn.Module, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_sequence_logp(
+    model: torch.nn.Module, batch: Batch, temperature: float, share_prefix: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row whatever `share_prefix` says (the learner's signature)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     pos = (batch.response_pos - 1).clamp_min(0)  # logits at position p predict token p + 1
     picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])) / temperature  # (B, T, V)

@@ -72,3 +72,24 @@ def test_an_optimizer_that_may_not_step_per_parameter_keeps_the_snapshot_path():
     result = train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
     delta, base = _update_sums(model, before).tolist()
     assert Recording.calls == 1 and result.metrics["norm_update"] == delta / base > 0
+
+
+def test_a_small_model_snapshots_and_steps_once_with_the_same_update(monkeypatch):
+    """Under `SNAPSHOT_MAX_BYTES` the step is one optimizer call against a snapshot: the same weights, the same sums."""
+    import learner.update as update
+
+    outcomes = {}
+    for limit in (0, 2**30):  # 0: per parameter (as a large model); 1 GiB: the tiny model snapshots
+        monkeypatch.setattr(update, "SNAPSHOT_MAX_BYTES", limit)
+        calls = []
+        model = tiny_model()
+        batch = with_behavior(tiny_batch(), model)
+        cfg = tiny_config("loss.weighting=tis")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer.register_step_pre_hook(lambda *_, calls=calls: calls.append(1))
+        result = train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
+        outcomes[limit] = (len(calls), result.metrics["norm_update"], [p.detach().clone() for p in model.parameters()])
+    (steps_measured, measured, weights_measured), (steps_snapshot, snapshot, weights_snapshot) = outcomes.values()
+    assert steps_measured == len(weights_measured) and steps_snapshot == 1
+    assert measured == snapshot > 0
+    assert all(torch.equal(a, b) for a, b in zip(weights_measured, weights_snapshot))

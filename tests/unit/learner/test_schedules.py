@@ -1,4 +1,5 @@
-"""LR schedules (ALGORITHMS.md, length-decay paper alg. 1): warmup, cosine, length_decay."""
+"""LR schedules (docs/algorithms.md, "Optimizer and LR schedules"; length-decay paper alg. 1): warmup, cosine,
+length_decay."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.threads import RECHECK_STEPS, TRIAL_STEPS, WARMUP_STEPS, ThreadsPolicy
+from learner.threads import RECHECK_STEPS, SPLIT_PARAMS, TRIAL_STEPS, WARMUP_STEPS, ThreadsPolicy
 
 
 def _run(policy: ThreadsPolicy, steps: range, loop_s: dict[int, float], learner_bound: bool = True) -> list[int]:
@@ -25,6 +25,17 @@ def test_measured_tries_both_counts_interleaved_then_keeps_the_faster_loop(loop_
     assert counts[WARMUP_STEPS : WARMUP_STEPS + 2 * TRIAL_STEPS] == [1, 2] * TRIAL_STEPS
     assert counts[WARMUP_STEPS + 2 * TRIAL_STEPS :] == [faster] * 5
     assert policy.decided == faster
+
+
+def test_measured_starts_a_large_model_on_the_high_count_and_still_lets_the_trial_decide():
+    big = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS)
+    small = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS - 1)
+    assert _run(small, range(WARMUP_STEPS), {1: 0.2, 2: 0.3}) == [1] * WARMUP_STEPS
+    counts = _run(big, range(WARMUP_STEPS + 2 * TRIAL_STEPS + 3), {1: 0.2, 2: 0.3})
+    assert counts[:WARMUP_STEPS] == [2] * WARMUP_STEPS  # the prior: a large model's GEMMs split over threads
+    assert counts[-3:] == [1] * 3  # the trial measured one thread faster here, and it wins over the prior
+    fixed = ThreadsPolicy("fixed", low=1, high=2, parameters=SPLIT_PARAMS)
+    assert fixed.threads(0, learner_bound=True) == 1  # only `measured` has a prior
 
 
 def test_measured_checks_again_after_recheck_steps_and_follows_a_change():

@@ -97,3 +97,79 @@ def test_packed_adapter_versions_reach_the_subscriber_unpacked_and_decoded(use_s
         if subscriber is not None:
             subscriber.close()
         publisher.close()
+
+
+def test_int8_versions_decode_into_reused_buffers_never_one_still_held():
+    """The planned decoder (`adapter_buffers.PackedPlan`) writes each version into a pooled float32 buffer that no
+    tensor references any more: a version still held keeps its values while later ones decode; once dropped, its
+    buffer is written again (no fresh allocation)."""
+    import gc
+
+    from quant_sync import adapter_buffers
+
+    gc.collect()  # earlier tests' versions of the same layout: freed now, not midway
+    versions = [pack_adapters(_adapters("int8", seed=seed)) for seed in range(4)]
+    expected = [decode_adapters(_adapters("int8", seed=seed)) for seed in range(4)]  # the generic decoder
+    name_a, name_b = LINEARS[0] + LORA_A, LINEARS[2] + LORA_B
+    first = decode_adapters(versions[0])
+    assert adapter_buffers.is_plan_buffer(first[name_a]) and not adapter_buffers.is_plan_buffer(expected[0][name_a])
+    assert first[name_b].shape == (40, 4) and first[name_b].t().is_contiguous()  # B: a view of its B^T
+    for linear in LINEARS:  # B^T in panels of 32 columns beside it (the engine kernel's layout), padding zero
+        b_t = expected[0][linear + LORA_B].t()
+        padded = torch.nn.functional.pad(b_t, (0, -b_t.shape[1] % 32))
+        want = padded.view(b_t.shape[0], -1, 32).transpose(0, 1)
+        assert torch.equal(adapter_buffers.panels_of(first[linear + LORA_B]), want), linear
+    assert adapter_buffers.panels_of(expected[0][name_b]) is None  # not a decoded buffer's
+    held = {name: value.clone() for name, value in first.items()}
+    second = decode_adapters(versions[1])  # `first` is still held: another buffer
+    assert first[name_a].untyped_storage().data_ptr() != second[name_a].untyped_storage().data_ptr()
+    for name, value in held.items():
+        assert torch.equal(first[name], value), name  # not overwritten
+    for name, value in expected[1].items():
+        assert torch.equal(second[name], value), name
+    storage = first[name_a].untyped_storage().data_ptr()
+    del first
+    third = decode_adapters(versions[2])  # `first` dropped: its buffer is taken again
+    assert third[name_a].untyped_storage().data_ptr() == storage
+    for name, value in expected[2].items():
+        assert torch.equal(third[name], value), name
+
+
+def test_a_packed_index_out_of_the_engines_order_still_decodes_exactly():
+    """An index whose matrices do not lie back to back (another packer's placement) takes the generic decoder."""
+    tensors = _adapters("int8", seed=5)
+    packed = pack_adapters(tensors)
+    entries = [entry[:4] for entry in json.loads(packed[LORA_PACKED_INDEX].numpy().tobytes())]  # B as (out, r)
+    buffer = torch.zeros(packed[LORA_PACKED].numel() + 4 * len(entries), dtype=torch.int8)
+    offset = 0
+    for entry in reversed(entries):  # the same tensors, each 4 bytes after the previous one's end, in reverse order
+        value = tensors[entry[0]].reshape(-1).view(torch.int8)
+        buffer[offset : offset + value.numel()] = value
+        entry[3] = offset
+        offset += -(-(value.numel() + 4) // 4) * 4
+    index = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.int8)
+    got = decode_adapters({LORA_PACKED: buffer, LORA_PACKED_INDEX: index})
+    for name, value in decode_adapters(tensors).items():
+        assert torch.equal(got[name], value), name
+
+
+def test_a_packed_index_with_b_untransposed_decodes_exactly_through_the_plan():
+    """pack_adapters' placement, but each B's bytes as (out, r) (no fifth index field): the plan reads B strided."""
+    from quant_sync import adapter_buffers
+
+    tensors = _adapters("int8", seed=6)
+    packed = pack_adapters(tensors)
+    entries = [entry[:4] for entry in json.loads(packed[LORA_PACKED_INDEX].numpy().tobytes())]
+    buffer = packed[LORA_PACKED].clone()
+    for name, _, _, start in entries:
+        if name.endswith(LORA_B):
+            value = tensors[name].reshape(-1).view(torch.int8)
+            buffer[start : start + value.numel()] = value
+    index = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.int8)
+    got = decode_adapters({LORA_PACKED: buffer, LORA_PACKED_INDEX: index})
+    assert adapter_buffers.is_plan_buffer(got[LINEARS[0] + LORA_B])
+    for name, value in decode_adapters(tensors).items():
+        assert torch.equal(got[name], value), name
+    b_t = got[LINEARS[1] + LORA_B].t()
+    want = torch.nn.functional.pad(b_t, (0, -b_t.shape[1] % 32)).view(b_t.shape[0], -1, 32).transpose(0, 1)
+    assert torch.equal(adapter_buffers.panels_of(got[LINEARS[1] + LORA_B]), want)

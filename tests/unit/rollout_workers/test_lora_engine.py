@@ -190,3 +190,36 @@ def test_the_native_low_rank_kernel_equals_the_reference_on_ragged_shapes(rows):
     assert torch.equal(got[:, 52:68], base[:, 52:68])  # the member without an adapter: untouched
     torch_path = add_low_rank(x, base.clone(), dataclasses.replace(stacked, native=None))
     torch.testing.assert_close(torch_path, got, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoded_adapter_version_builds_without_copies_and_runs_like_plain_tensors():
+    """int8 adapters decoded from a packed version (the subscriber's path) are run in place: the stacked A of q/k/v
+    is one view over the decoded A's, each B^T the decoded buffer itself; the logits equal those of the same values
+    handed over as plain tensors (copied), bit for bit."""
+    from asyncrl.bench.engine_bench import lora_adapter_tensors
+    from quant_sync.export import decode_adapters, pack_adapters
+    from rollout_workers.embedded.engine import build_weight_map
+    from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
+
+    model_dir, model = _micro()
+    base = export_rollout_tensors(model.state_dict(), "int8", quantize_head=True)
+    encoded = lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=3)
+    decoded, plain = decode_adapters(pack_adapters(encoded)), decode_adapters(encoded)
+    engine = EmbeddedEngine(model_dir, seed=0)
+    built = {kind: ModelWeights.build(engine.arch, build_weight_map(WeightUpdate(1, {**base, **adapters}, "int8")))
+             for kind, adapters in (("decoded", decoded), ("plain", plain))}  # fmt: skip
+    q = "model.layers.0.self_attn.q_proj"
+    fast, copied = built["decoded"].layers[0].qkv_lora, built["plain"].layers[0].qkv_lora
+    assert fast.a.shape == (12, engine.arch.hidden_size) and fast.a.data_ptr() == decoded[q + LORA_A].data_ptr()
+    assert fast.b_t[0].data_ptr() == decoded[q + LORA_B].data_ptr() and torch.equal(fast.b_t[0], plain[q + LORA_B].t())
+    assert copied.a.data_ptr() != plain[q + LORA_A].data_ptr() and torch.equal(fast.a, copied.a)
+    if fast.native is not None:  # the kernel's panels of B^T: the decoded ones, equal to those made from a copy
+        assert fast.panels[0].untyped_storage().data_ptr() == decoded[q + LORA_B].untyped_storage().data_ptr()
+        assert all(torch.equal(p_fast, p_copy) for p_fast, p_copy in zip(fast.panels, copied.panels))
+    tokens = torch.tensor([PROMPTS[0]])
+    logits = []
+    for weights in built.values():
+        cache = KVCache(engine.arch, slots=1, max_len=16)
+        lengths, slots = torch.tensor([tokens.shape[1]]), torch.tensor([0])
+        logits.append(prefill(engine.arch, weights, cache, tokens, lengths, torch.tensor([0]), slots))
+    assert torch.equal(logits[0], logits[1])

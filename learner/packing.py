@@ -1,0 +1,198 @@
+"""Shared-prompt packing: each group's common prefix runs through the decoder once, not once per response.
+
+The responses of a group (GRPO: G samples of one prompt) begin with the same prompt tokens, and under the causal
+mask a position's hidden state depends only on the tokens up to it: the prompt's hidden states are the same in every
+row of the group. Packing computes them once per packed row:
+
+    rows of group g (shared prefix P)          packed row of group g
+      P r_1 . .                                  P r_1 r_2 ... r_G      position ids: P at 0..|P|-1, each r_i
+      P r_2 .           ------------------->                            from |P| on (its positions in its own row)
+      ...                                        mask: r_i's tokens see P and r_i's earlier tokens (causal in the
+      P r_G . . .                                packed order), nothing of the other r_j
+
+The shared prefix is the longest common prefix of the group's rows (the prompt, and more when every response starts
+alike); each row keeps the rest of its tokens (its suffix). A packed token attends to exactly the keys it attends to
+in its own row, at the same positions (RoPE reads the position ids), so every hidden state is the unpacked one up to
+the summation order inside the attention (rounding). The decoder body runs on sum_g (|P_g| + sum_i |suffix_i|)
+tokens instead of rows x longest row: 2.2x fewer on the built-in task (7-token prompts, ~3-token responses, groups of
+8), 2.9x fewer on SmolLM-shaped GRPO (47 + 16 tokens, groups of 8). A packed row's attention grows with its length
+squared, so a group's suffixes are split over several packed rows (each with the prefix) past `MAX_ROW_TOKENS` (or
+the longest row, if longer). Backward: the gather of the loss positions' hidden states adds the gradients of every row
+that reads a shared position into it, the sum over rows of the unpacked gradients.
+
+Packing pays only where groups share a prefix: `pack_groups` returns None (the caller runs the rows as they are) when
+it would save less than `MIN_SAVING` of the padded tokens, or when the model's attention is neither `eager` nor
+`sdpa` (a packed row needs a dense 4-D mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_ROW_TOKENS = 512
+"""A packed row's length past which a group's suffixes go on in another packed row (its attention is length^2)."""
+MIN_SAVING = 0.1
+"""The share of the padded tokens (rows x longest row) that sharing must save for `pack_groups` to pack."""
+DENSE_MASK_ATTENTION = ("eager", "sdpa")
+"""Attention implementations that take a dense 4-D mask: bool for sdpa, additive float (0 / dtype min) for eager."""
+
+
+@dataclass(slots=True)
+class PackedRows:
+    """The packed layout of a batch's rows (P packed rows of L tokens) and where each row's positions went."""
+
+    input_ids: torch.Tensor  # (P, L) long, 0 past a packed row's end
+    position_ids: torch.Tensor  # (P, L) long: each token's position in its own row
+    attention_mask: torch.Tensor  # (P, 1, L, L): bool (True: attend), or additive float for eager attention
+    flat_index: torch.Tensor  # (B, S) long: index of row b's position s in the packed tokens flattened to (P * L,)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the decoder runs on, padding included: P x L."""
+        return int(self.input_ids.numel())
+
+
+def _runs(group_index: list[int]) -> list[tuple[int, int]]:
+    """Consecutive rows of equal group id, as (lo, hi) ranges."""
+    runs, start = [], 0
+    for row in range(1, len(group_index) + 1):
+        if row == len(group_index) or group_index[row] != group_index[start]:
+            runs.append((start, row))
+            start = row
+    return runs
+
+
+def _common_prefix(input_ids: torch.Tensor, lo: int, hi: int, shortest: int) -> int:
+    """Length of the longest common prefix of rows lo..hi-1 (at most `shortest`, the shortest row's length)."""
+    head = input_ids[lo:hi, :shortest]
+    same = (head == head[:1]).all(0)  # (shortest,) positions where every row agrees
+    return int(same.long().cumprod(0).sum())
+
+
+def shared_prefixes(
+    input_ids: torch.Tensor, lengths: list[int], group_index: torch.Tensor
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """The runs of consecutive rows of one group (lo, hi) and each run's shared prefix length (0 for a single row)."""
+    runs = _runs(group_index.tolist())
+    prefixes = []
+    for lo, hi in runs:
+        shortest = int(min(lengths[lo:hi]))
+        prefixes.append(_common_prefix(input_ids, lo, hi, shortest) if hi - lo > 1 else 0)
+    return runs, prefixes
+
+
+def pays(runs: list[tuple[int, int]], prefixes: list[int], padded_tokens: int) -> bool:
+    """Whether sharing these prefixes saves at least `MIN_SAVING` of `padded_tokens` (rows x longest row)."""
+    saved = sum((hi - lo - 1) * prefix for (lo, hi), prefix in zip(runs, prefixes))
+    return saved >= MIN_SAVING * padded_tokens
+
+
+def packed_micro_batches(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, group_index: torch.Tensor, lo: int, hi: int, budget: int
+) -> list[tuple[int, int]] | None:
+    """Rows lo..hi-1 in consecutive ranges of whole groups whose packed size (groups x the longest packed group) fits
+    `budget` tokens; a group over the budget alone is split into ranges of prefix + suffixes within it. None where
+    packing does not pay on these rows (`pays`): the caller plans them unpacked."""
+    if hi - lo < 2:
+        return None
+    lengths = attention_mask[lo:hi].sum(-1).tolist()
+    runs, prefixes = shared_prefixes(input_ids[lo:hi], lengths, group_index[lo:hi])
+    if not pays(runs, prefixes, (hi - lo) * int(max(lengths))):
+        return None
+    ranges: list[tuple[int, int]] = []
+    start, count, longest = lo, 0, 0  # the open range: its first row, its groups, its longest packed group
+    for (run_lo, run_hi), prefix in zip(runs, prefixes):
+        size = prefix + sum(int(n) - prefix for n in lengths[run_lo:run_hi])
+        if count and (count + 1) * max(longest, size) > budget:
+            ranges.append((start, lo + run_lo))
+            start, count, longest = lo + run_lo, 0, 0
+        if size <= budget or count:
+            count, longest = count + 1, max(longest, size)
+            continue
+        piece_lo, piece = run_lo, prefix  # one group over the budget: split it by rows
+        for row in range(run_lo, run_hi):
+            suffix = int(lengths[row]) - prefix
+            if row > piece_lo and piece + suffix > budget:
+                ranges.append((lo + piece_lo, lo + row))
+                piece_lo, piece = row, prefix
+            piece += suffix
+        ranges.append((lo + piece_lo, lo + run_hi))
+        start = lo + run_hi
+    if hi > start:
+        ranges.append((start, hi))
+    return ranges
+
+
+def pack_groups(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    attn_implementation: str | None,
+    mask_dtype: torch.dtype = torch.float32,
+) -> PackedRows | None:
+    """The packed layout of right-padded rows `input_ids`, `attention_mask` (B, S) of groups `group_index` (B,), or
+    None where packing would save less than `MIN_SAVING` of B x S or the attention takes no dense mask.
+
+    `mask_dtype`: the dtype of eager attention's additive mask (the attention scores' dtype).
+    """
+    if attn_implementation not in DENSE_MASK_ATTENTION or input_ids.shape[0] < 2:
+        return None
+    rows, seq_len = input_ids.shape
+    lengths = attention_mask.sum(-1).tolist()
+    runs, prefixes = shared_prefixes(input_ids, lengths, group_index)
+    if not pays(runs, prefixes, rows * seq_len):
+        return None
+    cap = max(MAX_ROW_TOKENS, int(max(lengths)))
+    # Each packed row: (the rows of its suffixes, the shared prefix's length); the prefix's tokens are its first row's.
+    packed: list[tuple[list[int], int]] = []
+    for (lo, hi), prefix in zip(runs, prefixes):
+        size = cap + 1
+        for row in range(lo, hi):
+            suffix = int(lengths[row]) - prefix
+            if size + suffix > cap:  # the group's first row (size starts past the cap), or a full packed row
+                packed.append(([], prefix))
+                size = prefix
+            packed[-1][0].append(row)
+            size += suffix
+    width = max(prefix + sum(int(lengths[row]) - prefix for row in members) for members, prefix in packed)
+    source = [0] * (len(packed) * width)  # each packed token's index in input_ids flattened to (B * S,)
+    positions = [0] * len(source)
+    segments = [-1] * len(source)  # 0: the shared prefix, k: the k-th suffix, -1: padding
+    flat_index = [0] * (rows * seq_len)  # each row position's index in the packed tokens flattened to (P * L,)
+    for p, (members, prefix) in enumerate(packed):
+        at = p * width
+        for q in range(prefix):
+            source[at + q], positions[at + q], segments[at + q] = members[0] * seq_len + q, q, 0
+        for row in members:
+            flat_index[row * seq_len : row * seq_len + prefix] = range(p * width, p * width + prefix)
+        at += prefix
+        for k, row in enumerate(members, start=1):
+            end = int(lengths[row])
+            for q in range(prefix, end):
+                source[at], positions[at], segments[at] = row * seq_len + q, q, k
+                flat_index[row * seq_len + q] = at
+                at += 1
+    shape = (len(packed), width)
+    segment = torch.tensor(segments).view(shape)
+    allowed = _mask(segment)
+    if attn_implementation == "eager":
+        mask = torch.zeros(allowed.shape, dtype=mask_dtype).masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+    else:
+        mask = allowed
+    ids = input_ids.reshape(-1)[torch.tensor(source).view(shape)] * (segment >= 0)
+    return PackedRows(
+        input_ids=ids,
+        position_ids=torch.tensor(positions).view(shape),
+        attention_mask=mask[:, None],
+        flat_index=torch.tensor(flat_index).view(rows, seq_len),
+    )
+
+
+def _mask(segment: torch.Tensor) -> torch.Tensor:
+    """(P, L, L) bool: query j attends key k iff k <= j and k is in the shared prefix or in j's own segment."""
+    width = segment.shape[1]
+    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    query, key = segment[:, :, None], segment[:, None, :]
+    return causal & ((key == 0) | (key == query))

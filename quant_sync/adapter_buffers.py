@@ -1,0 +1,246 @@
+"""Int8 adapter versions decoded straight into reused float32 buffers (the worker's side of `pack_adapters`).
+
+A LoRA run publishes an adapter version every train step, each with the same packed index (names, shapes, offsets);
+only the bytes change. `PackedPlan` reads that index once (`plan_for` caches it): `pack_adapters` places the int8
+matrices of one part and shape back to back (by layer, then q, k, v, o, gate, up, down), their float32 scales too,
+and B as the bytes of B^T, so each such group dequantizes with ONE `torch.mul` from the received buffer into a
+float32 buffer of the plan: A as (count, r, in), B transposed as (count, r, out) (B^T), and B^T once more in panels
+of 32 columns (count, ceil(out / 32), r, 32), the layout the engine's low-rank kernel streams (csrc/lora_gemm.cpp;
+`panels_of`). Every
+matrix is a view of it: A a (r, in) view, B a transposed (out, r) view. The values are the generic decoder's bit for
+bit (the same float32 multiply `q * scale`, elementwise).
+
+The float32 buffers are reused across versions: a plan keeps up to BUFFER_SETS of them and writes a version into one
+whose storage nothing else references any more (every view of it dropped: the engine no longer runs that version,
+nothing staged or queued holds it); when all are held, a fresh one is allocated. So a version costs no fresh
+allocation (14 MB of page faults on the ~100M config) and no copy after this one: the engine
+(rollout_workers/embedded/linears.py, `stack_low_rank`) runs views of these buffers as they are (`is_plan_buffer`,
+`panels_of`): a fused group's A are adjacent rows, each B^T has its panels. Any other tensor it copies, since its
+owner may write it later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BUFFER_SETS = 4
+"""float32 buffers a plan keeps: the version the engine runs, one staged, one queued at the subscriber, the one
+being decoded."""
+PLANS_KEPT = 2
+"""Packed layouts whose plans (and buffers) are kept (a run publishes one)."""
+_PLANS: OrderedDict[tuple[bytes, int], PackedPlan | None] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+PANEL = 32
+"""Columns of B^T per panel (csrc/lora_gemm.cpp's tile width)."""
+_POOLED: dict[int, weakref.ref[torch.Tensor]] = {}
+"""The data pointer of every pooled buffer's storage -> the buffer, weakly (`is_plan_buffer`; a dead one stays
+until a new buffer takes its address)."""
+_PANELS: dict[int, dict[int, tuple[int, int, int]]] = {}
+"""The data pointer of a pooled buffer's storage -> {float32 index of a B^T: (index of its panels, rank, out)}."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One packed tensor as the plan needs it: `role` "A" or "B" (an adapter matrix), "A_scale" / "B_scale" (the
+    scales of `matrix`), or "" (any other tensor, e.g. a `.lora_scaling`)."""
+
+    name: str
+    role: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the packed buffer
+    matrix: str = ""  # a scale's matrix
+    transposed: bool = False  # the bytes hold the matrix's transpose (row-major)
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    transposed: bool  # B: written as B^T
+    source_transposed: bool  # B: its bytes hold B^T (pack_adapters): no strided read
+    count: int
+    rank: int
+    other: int  # A: in features; B: out features
+    q_start: int  # byte offset of the first int8 matrix
+    s_start: int  # float32 index of the first scale
+    out_start: int  # float32 index in a buffer
+    panel_start: int = 0  # B: float32 index of the first member's panels in a buffer
+
+    @property
+    def panels(self) -> int:
+        return -(-self.other // PANEL)
+
+
+def _storage_users(tensor: torch.Tensor) -> int | None:
+    """How many tensors reference `tensor`'s storage (None where this torch cannot say)."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    return None if counter is None else int(counter(tensor.untyped_storage()._cdata))
+
+
+def is_plan_buffer(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a view of a plan's pooled buffer: written only by its plan, and only once no tensor
+    references it any more, so a holder may run it without a copy."""
+    return tensor.device.type == "cpu" and _pooled(tensor.untyped_storage().data_ptr()) is not None
+
+
+def _pooled(pointer: int) -> torch.Tensor | None:
+    held = _POOLED.get(pointer)
+    return None if held is None else held()
+
+
+def panels_of(b: torch.Tensor) -> torch.Tensor | None:
+    """The panels (ceil(out / 32), r, 32) of a decoded B (out, r) (its B^T in panels of 32 columns, zero-padded: the
+    layout csrc/lora_gemm.cpp streams), a view of the same pooled buffer; None for any other tensor."""
+    if b.device.type != "cpu" or b.dim() != 2:
+        return None
+    pointer = b.untyped_storage().data_ptr()
+    buffer = _pooled(pointer)
+    if buffer is None:
+        return None
+    where = _PANELS.get(pointer, {}).get((b.data_ptr() - buffer.data_ptr()) // 4)
+    if where is None or b.dtype != torch.float32 or b.shape != (where[2], where[1]) or b.stride() != (1, where[2]):
+        return None
+    start, rank, out = where
+    count = -(-out // PANEL)
+    return buffer[start : start + count * rank * PANEL].view(count, rank, PANEL)
+
+
+class PackedPlan:
+    """How every version with one packed index decodes (see the module docstring)."""
+
+    def __init__(self, groups: list[_Group], outputs: list[tuple[str, int, int, tuple[int, ...]]], numel: int):
+        self.groups = groups
+        self.outputs = outputs  # (name, group, member, _): a matrix; (name, -1, float32 index, shape): a view as is
+        self.numel = numel
+        self._buffers: list[tuple[torch.Tensor, int | None]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def build(cls, entries: list[Entry]) -> PackedPlan | None:
+        """The plan of this index, or None where it does not fit one (matrices not int8, a group not back to back,
+        scales missing or misshapen): the generic decoder then handles it (and names what is wrong)."""
+        scale_entries = [entry for entry in entries if entry.role in ("A_scale", "B_scale")]
+        scales = {entry.matrix: entry for entry in scale_entries}
+        matrices = [entry for entry in entries if entry.role in ("A", "B")]
+        if len(scales) != len(scale_entries) or set(scales) != {entry.name for entry in matrices}:
+            return None
+        members: dict[tuple[str, tuple[int, ...], bool], list[tuple[Entry, Entry]]] = {}
+        for entry in matrices:
+            scale = scales[entry.name]
+            if entry.dtype != torch.int8 or len(entry.shape) != 2 or scale.dtype != torch.float32:
+                return None
+            rank = entry.shape[0] if entry.role == "A" else entry.shape[1]
+            if scale.shape != (rank,) or scale.role != entry.role + "_scale" or rank < 1:
+                return None
+            if entry.transposed and entry.role != "B":
+                return None
+            members.setdefault((entry.role, entry.shape, entry.transposed), []).append((entry, scale))
+        groups, where, out_start = [], {}, 0
+        for (role, shape, source_transposed), pairs in members.items():
+            pairs.sort(key=lambda pair: pair[0].start)
+            rank, other = (shape[0], shape[1]) if role == "A" else (shape[1], shape[0])
+            (first_matrix, first_scale) = pairs[0]
+            for j, (matrix, scale) in enumerate(pairs):
+                if (
+                    matrix.start != first_matrix.start + j * rank * other
+                    or scale.start != first_scale.start + j * 4 * rank
+                ):
+                    return None  # not back to back in one order: no single multiply
+                where[matrix.name] = (len(groups), j)
+            q_start, s_start = first_matrix.start, first_scale.start // 4
+            group = _Group(role == "B", source_transposed, len(pairs), rank, other, q_start, s_start, out_start)
+            out_start += len(pairs) * rank * other
+            if group.transposed:
+                group = dataclasses.replace(group, panel_start=out_start)
+                out_start += len(pairs) * group.panels * rank * PANEL
+            groups.append(group)
+        outputs = []
+        for entry in entries:
+            if entry.role in ("A", "B"):
+                outputs.append((entry.name, *where[entry.name], ()))
+            elif not entry.role:
+                if entry.dtype != torch.float32:
+                    return None
+                outputs.append((entry.name, -1, entry.start // 4, entry.shape))
+        return cls(groups, outputs, out_start)
+
+    def decode(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The version's tensors (in index order, scales dropped): matrices as float32 views of a pooled buffer,
+        other float32 tensors as views of `packed` (the received buffer, int8, as `pack_adapters` made it)."""
+        flat = packed.reshape(-1)
+        whole = flat.view(torch.float32)
+        with self._lock:  # two threads must not pick the same free buffer
+            buffer = self._take()
+            views = []
+            for group in self.groups:
+                size = group.count * group.rank * group.other
+                q = flat[group.q_start : group.q_start + size]
+                scale = whole[group.s_start : group.s_start + group.count * group.rank].view(group.count, group.rank, 1)
+                out = buffer[group.out_start : group.out_start + size].view(group.count, group.rank, group.other)
+                if group.transposed:  # B^T (count, r, out): B^T[j, n] = B[n, j] = q[n, j] * scale[j]
+                    source = q.view(group.count, group.rank, group.other)  # pack_adapters: B^T's bytes
+                    if not group.source_transposed:  # another packer's B (count, out, r): a strided read
+                        source = q.view(group.count, group.other, group.rank).transpose(1, 2)
+                    torch.mul(source, scale, out=out)
+                    views.append(out.transpose(1, 2).unbind(0))
+                    self._write_panels(buffer, group, source, scale)
+                else:  # A (count, r, in); A[j, k] = q[j, k] * scale[j]
+                    torch.mul(q.view(group.count, group.rank, group.other), scale, out=out)
+                    views.append(out.unbind(0))
+        return {
+            name: views[group][member] if group >= 0 else whole[member : member + math.prod(shape)].view(shape)
+            for name, group, member, shape in self.outputs
+        }
+
+    @staticmethod
+    def _write_panels(buffer: torch.Tensor, group: _Group, source: torch.Tensor, scale: torch.Tensor) -> None:
+        """B^T (count, r, out) into its panels (count, ceil(out / 32), r, 32): full panels in one multiply, the last
+        partial one in another (its padding columns stay the zeros the buffer was made with)."""
+        full, rest = divmod(group.other, PANEL)
+        size = group.count * group.panels * group.rank * PANEL
+        panels = buffer[group.panel_start : group.panel_start + size].view(group.count, group.panels, group.rank, PANEL)
+        if full:
+            target = panels[:, :full].permute(0, 2, 1, 3)  # (count, r, full, 32)
+            torch.mul(source[:, :, : full * PANEL].unflatten(2, (full, PANEL)), scale[:, :, :, None], out=target)
+        if rest:
+            torch.mul(source[:, :, full * PANEL :], scale, out=panels[:, full, :, :rest])
+
+    def _take(self) -> torch.Tensor:
+        for buffer, idle in self._buffers:
+            if idle is not None and _storage_users(buffer) == idle:
+                return buffer
+        buffer = torch.zeros(self.numel, dtype=torch.float32)  # zeros: the panels' padding
+        if len(self._buffers) < BUFFER_SETS:
+            self._buffers.append((buffer, _storage_users(buffer)))
+            pointer = buffer.untyped_storage().data_ptr()
+            _POOLED[pointer] = weakref.ref(buffer)
+            _PANELS[pointer] = {
+                group.out_start + j * group.rank * group.other: (
+                    group.panel_start + j * group.panels * group.rank * PANEL, group.rank, group.other
+                )
+                for group in self.groups if group.transposed for j in range(group.count)
+            }  # fmt: skip
+        return buffer
+
+
+def plan_for(index: torch.Tensor, nbytes: int, entries: Callable[[], list[Entry]]) -> PackedPlan | None:
+    """The cached plan of a packed index (its bytes and the buffer's size as the key); `entries()` (the index parsed
+    and checked, as `Entry`s) is called only for an index not seen before."""
+    key = (index.numpy().tobytes(), nbytes)
+    with _PLANS_LOCK:
+        if key in _PLANS:
+            _PLANS.move_to_end(key)
+            return _PLANS[key]
+    plan = PackedPlan.build(entries())
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan

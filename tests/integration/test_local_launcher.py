@@ -1,0 +1,113 @@
+"""`asyncrl up` with `ray.launcher=local`: the learner, the rollout workers and the evaluator are child processes of
+the driver (common/local_actors.py), no Ray process starts, and the driver's restart paths work as under Ray: a
+SIGKILLed rollout worker is restarted under a fresh identity, a SIGKILLed learner is restarted from the latest
+checkpoint, and every group is trained once; `asyncrl status` and `scale` answer; the evaluator runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+from test_operations import ROOT, SMALL, assert_trained_once, cli, records, start_up, wait_for
+from test_security import is_loopback, listening
+
+LOCAL = ("ray.launcher=local",)
+RAY_PROCESSES = ("raylet", "gcs_server", "ray::")
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def command_line(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in records(run_dir) if "loss" in r]
+
+
+def steps_after_restart(run_dir: Path) -> list[dict]:
+    rows = records(run_dir)
+    at = next((i for i, r in enumerate(rows) if r.get("event") == "learner_restarted"), len(rows))
+    return [r for r in rows[at:] if "loss" in r]
+
+
+@pytest.mark.slow
+def test_local_actors_train_evaluate_and_report_start_up_without_ray(tmp_path):
+    proc = cli_up(
+        tmp_path, "logging.name=e", "train.steps=3", "data.eval_size=4", "train.eval_every=2", "eval.samples=2"
+    )
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    rows = records(tmp_path / "e")
+    assert steps(tmp_path / "e") == [0, 1, 2]
+    assert [r["after_steps"] for r in rows if r.get("event") == "eval"] == [2, 3]
+    startup = next(r for r in rows if r.get("event") == "startup")
+    assert startup["cpu_s"]["learner"] > 0 and startup["cpu_s"]["rollout_workers"] > 0  # local actors, by kind
+    started = [r for r in rows if r.get("event") == "worker_started"]
+    assert started and all(r["node"] == "" and r["pid"] > 0 for r in started)
+    assert "Started a local Ray instance" not in out
+
+
+@pytest.mark.slow
+def test_killed_local_worker_and_learner_are_restarted_every_group_trained_once(tmp_path):
+    run_dir = tmp_path / "k"
+    proc = cli_up(tmp_path, "logging.name=k", "train.steps=100000", "checkpoint.every=3", "buffer.worker_timeout_s=2",
+                  "rollout.restart_backoff_s=0.2", "logging.console=false")  # fmt: skip
+    try:
+        wait_for(lambda: len(steps(run_dir)) >= 1, 120, "the first step", proc)
+        tree = [psutil.Process(proc.pid), *descendants(proc.pid)]
+        assert not [p for p in tree if any(name in command_line(p) for name in RAY_PROCESSES)]
+        assert [p for p in tree if "actor:LearnerActor" in command_line(p)]
+        wide = [row for row in listening(tree) if not is_loopback(row[1])]
+        assert wide == [], f"listening beyond loopback: {wide}"  # the actors' sockets are ipc:// paths
+        status = cli(tmp_path, "status", str(run_dir), "--json")
+        assert status.returncode == 0, status.stderr
+        assert {w["state"] for w in json.loads(status.stdout)["workers"]} <= {"running", "starting"}
+        victim = next(r for r in records(run_dir) if r.get("event") == "worker_started")
+        os.kill(victim["pid"], signal.SIGKILL)
+        crash = wait_for(lambda: next((r for r in records(run_dir) if r.get("event") == "worker_crashed"), None),
+                         120, "the worker crash", proc)  # fmt: skip
+        later = crash["time"]
+        restarted = lambda: [r for r in records(run_dir) if r.get("event") == "worker_started" and r["time"] > later]  # noqa: E731
+        wait_for(restarted, 120, "the worker restart", proc)
+        wait_for(lambda: len(steps(run_dir)) >= 5, 120, "five steps", proc)
+        learner = next(p for p in descendants(proc.pid) if "actor:LearnerActor" in command_line(p))
+        learner.send_signal(signal.SIGKILL)
+        event = wait_for(lambda: [r for r in records(run_dir) if r.get("event") == "learner_restarted"], 120,
+                         "the learner restart", proc)[0]  # fmt: skip
+        wait_for(lambda: len(steps_after_restart(run_dir)) >= event["steps_redone"] + 2, 180,
+                 "steps after the restart", proc)  # fmt: skip
+        scaled = cli(tmp_path, "scale", "rollout=3", "--run", str(run_dir))
+        assert scaled.returncode == 0, scaled.stderr
+        down = cli(tmp_path, "down", str(run_dir))
+        assert down.returncode == 0, down.stderr
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert crash["worker"] == victim["worker"] and str(victim["pid"]) in crash["error"]
+    assert str(learner.pid) in event["error"] and "killed by SIGKILL" in event["error"]
+    assert event["from_step"] % 3 == 0 and event["steps_redone"] == event["step"] - event["from_step"]
+    after = steps_after_restart(run_dir)
+    assert [r["step"] for r in after] == list(range(event["from_step"], event["from_step"] + len(after)))
+    assert_trained_once(run_dir, after[-1]["step"] + 1)
+    pids = [learner.pid] + [r["pid"] for r in records(run_dir) if r.get("event") == "worker_started"]
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def cli_up(tmp_path: Path, *overrides: str):
+    return start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", *SMALL, *LOCAL,
+                    *overrides)  # fmt: skip

@@ -1,0 +1,50 @@
+"""Classes for tests/unit/common/test_local_actors.py: a local actor's class must be importable by its child."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+class Counter:
+    def __init__(self, start: int) -> None:
+        self.value = start
+        self.released = threading.Event()
+
+    def add(self, amount: int) -> int:
+        self.value += amount
+        return self.value
+
+    def fail(self) -> None:
+        raise ValueError("bad input 7")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    def block(self) -> str:
+        """Returns once `release` was called: only a threaded actor (max_concurrency > 1) gets there."""
+        if not self.released.wait(120):
+            return "never released"
+        return "released"
+
+    def release(self) -> None:
+        self.released.set()
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def exit(self, code: int) -> None:
+        os._exit(code)
+
+
+class BrokenInit:
+    def __init__(self) -> None:
+        raise KeyError("no such model")

@@ -1,0 +1,157 @@
+"""Local actors (`ray.launcher: local`): real child processes serving calls over ZMQ through `common.actors`, the
+interface the driver uses under both launchers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from local_actor_probes import BrokenInit, Counter
+
+from asyncrl.watchdog import actor_death
+from common import actors
+from common.config import load_config
+
+
+@pytest.fixture
+def local():
+    actors.use("local")
+    yield
+    actors.shutdown()
+    actors.use("ray")
+
+
+def test_calls_run_in_order_and_a_ref_is_an_argument(local):
+    counter = actors.remote(Counter, num_cpus=1).remote(10)
+    refs = [counter.add.remote(n) for n in (1, 2, 3)]
+    assert actors.get(refs) == [11, 13, 16]
+    assert actors.get(counter.add.remote(refs[0])) == 27  # waits for the ref, then sends its value
+    other = actors.remote(Counter).remote(0)
+    assert actors.get(other.add.remote(counter.add.remote(1)), timeout=60) == 28
+    ready, not_ready = actors.wait(refs, num_returns=3, timeout=60)
+    assert ready == refs and not_ready == []
+    assert actors.get(counter.pid.remote()) != os.getpid()
+
+
+def test_a_method_error_names_the_method_and_keeps_the_actor(local):
+    counter = actors.remote(Counter).remote(1)
+    with pytest.raises(actors.task_errors()) as caught:
+        actors.get(counter.fail.remote())
+    err = caught.value
+    assert isinstance(err.cause, ValueError) and "bad input 7" in str(err.cause)
+    assert err.function_name == "Counter.fail" and err.pid == actors.get(counter.pid.remote())
+    assert "Traceback" in str(err) and "bad input 7" in str(err)
+    assert actors.get(counter.add.remote(1)) == 2  # the actor goes on, as a Ray actor does
+
+
+def test_kill_fails_calls_in_flight_and_later_ones(local):
+    counter = actors.remote(Counter).remote(0)
+    pid = actors.get(counter.pid.remote())
+    in_flight = counter.sleep.remote(600)
+    actors.kill(counter)
+    for ref in (in_flight, counter.add.remote(1)):
+        with pytest.raises(actors.died_errors()) as caught:
+            actors.get(ref, timeout=60)
+        assert "class_name: Counter" in str(caught.value) and f"pid={pid}" in str(caught.value)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_process_that_exits_is_an_actor_death(local):
+    counter = actors.remote(Counter).remote(0)
+    pid = actors.get(counter.pid.remote())
+    with pytest.raises(actors.died_errors()) as caught:
+        actors.get(counter.exit.remote(3), timeout=60)
+    assert "exit code 3" in str(caught.value)
+    assert actor_death(str(caught.value)).startswith(
+        f"a Ray actor of the run (pid {pid}) died (the process ended with exit code 3"
+    )
+    other = actors.remote(Counter).remote(0)
+    os.kill(actors.get(other.pid.remote()), signal.SIGKILL)  # from outside, as the OOM killer or a user would
+    with pytest.raises(actors.died_errors(), match="killed by SIGKILL"):
+        actors.get(other.add.remote(1), timeout=60)
+
+
+def test_a_constructor_error_is_the_actor_death(local):
+    broken = actors.remote(BrokenInit).remote()
+    with pytest.raises(actors.died_errors(), match="constructor raised KeyError: KeyError: 'no such model'"):
+        actors.get(broken.anything.remote(), timeout=60)
+
+
+def test_max_concurrency_runs_calls_on_threads(local):
+    threaded = actors.remote(Counter, max_concurrency=2).remote(0)
+    blocked = threaded.block.remote()  # returns only once `release` ran beside it
+    actors.get(threaded.release.remote(), timeout=60)
+    assert actors.get(blocked, timeout=60) == "released"
+
+
+def test_threads_follow_num_cpus_as_in_ray(local, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert actors.get(actors.remote(Counter, num_cpus=0.5).remote(0).env.remote("OMP_NUM_THREADS")) == "1"
+    assert actors.get(actors.remote(Counter, num_cpus=2).remote(0).env.remote("OMP_NUM_THREADS")) == "2"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's value wins
+    assert actors.get(actors.remote(Counter, num_cpus=2).remote(0).env.remote("OMP_NUM_THREADS")) == "3"
+
+
+def test_refusals_name_what_is_wrong(local):
+    with pytest.raises(ValueError, match="need a Ray cluster"):
+        actors.remote(Counter, resources={"rollout_node": 1})
+    with pytest.raises(TypeError, match="runtime_env"):
+        actors.remote(Counter, runtime_env={})
+
+
+def test_actors_end_with_the_driver(tmp_path: Path):
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from common import actors\nfrom local_actor_probes import Counter\n"
+        "actors.use('local')\nc = actors.remote(Counter).remote(0)\n"
+        "print(actors.get(c.pid.remote()), flush=True)\nimport time; time.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parent)], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        child = psutil.Process(int(driver.stdout.readline()))
+        driver.kill()  # SIGKILL: no atexit, no shutdown
+        child.wait(60)  # the child watches its parent and exits
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+def test_output_reaches_the_driver_with_the_actor_prefix(tmp_path: Path):
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from common import actors\nfrom local_actor_probes import Counter\n"
+        "actors.use('local')\nc = actors.remote(Counter).remote(0)\n"
+        "actors.get(c.say.remote('hello from the actor'))\nprint('PID', actors.get(c.pid.remote()), flush=True)\n"
+        "actors.shutdown()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pid = done.stdout.split("PID ")[1].split()[0]
+    assert f"(Counter pid={pid}) hello from the actor" in done.stdout
+
+
+def test_auto_is_local_on_one_machine():
+    assert actors.resolve_launcher(load_config(None, ["ray.launcher=auto"]).ray) == "local"
+    assert actors.resolve_launcher(load_config(None, ["ray.launcher=auto", "ray.address=auto"]).ray) == "ray"
+    with_resources = load_config(None, ["ray.launcher=auto", "ray.worker_resources={rollout_node: 0.1}"])
+    assert actors.resolve_launcher(with_resources.ray) == "ray"
+    assert actors.resolve_launcher(load_config(None, ["ray.launcher=ray"]).ray) == "ray"
+
+
+def test_wait_returns_what_is_ready_by_the_timeout(local):
+    counter = actors.remote(Counter, max_concurrency=2).remote(0)
+    blocked, quick = counter.block.remote(), counter.add.remote(5)
+    ready, not_ready = actors.wait([blocked, quick], num_returns=1, timeout=120)
+    assert ready == [quick] and not_ready == [blocked]
+    assert actors.wait([blocked], timeout=0) == ([], [blocked])
+    with pytest.raises(TimeoutError):
+        actors.get(blocked, timeout=0)
+    counter.release.remote()
+    assert actors.get(blocked, timeout=60) == "released"
