@@ -69,11 +69,13 @@ def warmup_steps(steps: int) -> int:
 
 
 def rolling_accuracy(accuracies: list[float], window: int = ROLLING_STEPS) -> list[float]:
-    """Mean of the last `window` steps at each step (nan until `window` steps exist)."""
-    return [
-        statistics.fmean(accuracies[k + 1 - window : k + 1]) if k + 1 >= window else math.nan
-        for k in range(len(accuracies))
-    ]
+    """Mean of the last `window` steps at each step (nan until `window` steps exist). A step without an accuracy
+    (nan: `acc/mean` of a step after which no response was generated) is left out of its windows."""
+    rolling = []
+    for k in range(len(accuracies)):
+        known = [acc for acc in accuracies[max(0, k + 1 - window) : k + 1] if not math.isnan(acc)]
+        rolling.append(statistics.fmean(known) if k + 1 >= window and known else math.nan)
+    return rolling
 
 
 def run_figures(run: Run) -> dict[str, float]:
@@ -100,7 +102,9 @@ def run_figures(run: Run) -> dict[str, float]:
     figures["time_to_acc_s"] = rows[reached].end_s if reached is not None else math.nan
     figures["steps_to_acc"] = float(reached + 1) if reached is not None else math.nan
     figures["final_train_acc"] = (
-        rolling[-1] if not math.isnan(rolling[-1]) else statistics.fmean(row.accuracy for row in rows)
+        rolling[-1]
+        if not math.isnan(rolling[-1])
+        else _mean(row.accuracy for row in rows if not math.isnan(row.accuracy))
     )
     figures["heldout_acc"] = run.heldout_acc
     figures["heldout_last_number_acc"] = run.heldout_last_number_acc

@@ -161,7 +161,8 @@ def _asyncrl_row(record: dict[str, Any], launched: float, samples_per_step: int,
     return StepRow(
         step=int(record["step"]),
         end_s=record["time"] - launched,
-        accuracy=record[accuracy_key],
+        # null: no response was generated since the previous step (a learner faster than its workers)
+        accuracy=math.nan if record.get(accuracy_key) is None else record[accuracy_key],
         trained_samples=samples_per_step,
         generated_samples=record["rollout/samples"],
         generated_tokens=record["perf/rollout_tok_s"] * record["perf/step_s"],

@@ -130,6 +130,14 @@ def test_time_to_accuracy_uses_a_rolling_mean_fixed_before_the_run() -> None:
     assert figures["launch_s"] == 10.0 and figures["steady_step_s"] == 1.0 and figures["gen_per_trained"] == 1.0
 
 
+def test_a_step_without_an_accuracy_is_left_out_of_the_rolling_mean() -> None:
+    # a fast learner can train two steps with no response generated between them: acc/mean is null
+    rolling = rolling_accuracy([0.8, math.nan, 0.8, 0.9, 0.9, math.nan, math.nan, math.nan, math.nan, math.nan])
+    assert all(math.isnan(value) for value in rolling[:4])
+    assert rolling[4:9] == pytest.approx([0.85, 2.6 / 3, 2.6 / 3, 0.9, 0.9])
+    assert math.isnan(rolling[9])  # a whole window without one: no figure, not a made-up one
+
+
 def test_bench_refuses_without_trl_and_names_the_extra() -> None:
     code = "import sys; sys.modules['trl'] = None; from asyncrl.cli import main; sys.exit(main(['bench', 'e2e']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
