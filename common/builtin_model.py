@@ -141,7 +141,7 @@ def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
     if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(target):  # concurrent processes (parallel tests, several runs) build it once, the others wait
+    with build_lock(target):  # concurrent processes (parallel tests, several runs) build it once, the others wait
         if _complete(target):
             return target
         _remove_abandoned_builds(target.parent, name)
@@ -150,7 +150,7 @@ def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
 
 
 @contextlib.contextmanager
-def _build_lock(target: Path) -> Iterator[None]:
+def build_lock(target: Path) -> Iterator[None]:
     """An exclusive lock on `target`'s build (a lock file beside it), released when its process ends."""
     import fcntl
 

