@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from common.wire import Trajectory
@@ -47,42 +48,40 @@ class Batch:
 
 
 def collate(groups: list[list[Trajectory]], pad_id: int) -> Batch:
+    """Pad the groups' trajectories (group-major) into one `Batch`: filled in numpy, row by row where a row has its
+    own length, and turned into tensors once (per-row torch ops cost 5 ms of a 70 ms built-in step)."""
     trajs = [t for group in groups for t in group]
-    group_index = torch.tensor([g for g, group in enumerate(groups) for _ in group])
-    seq_len = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
-    resp_len = max(len(t.response_ids) for t in trajs)
-    n = len(trajs)
-    input_ids = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, seq_len), dtype=torch.long)
-    response_pos = torch.zeros((n, resp_len), dtype=torch.long)
-    response_ids = torch.zeros((n, resp_len), dtype=torch.long)
-    mask = torch.zeros((n, resp_len))
-    behav = torch.zeros((n, resp_len))
-    versions = torch.zeros((n, resp_len), dtype=torch.long)
+    group_index = np.fromiter((g for g, group in enumerate(groups) for _ in group), dtype=np.int64, count=len(trajs))
+    prompt_lens = np.fromiter((len(t.prompt_ids) for t in trajs), dtype=np.int64, count=len(trajs))
+    resp_lens = np.fromiter((len(t.response_ids) for t in trajs), dtype=np.int64, count=len(trajs))
+    n, seq_len, resp_len = len(trajs), int((prompt_lens + resp_lens).max()), int(resp_lens.max())
+    input_ids = np.full((n, seq_len), pad_id, dtype=np.int64)
+    mask = np.zeros((n, resp_len), dtype=np.float32)
+    behav = np.zeros((n, resp_len), dtype=np.float32)
+    versions = np.zeros((n, resp_len), dtype=np.int64)
     for i, t in enumerate(trajs):
-        p, r = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, :p] = torch.from_numpy(t.prompt_ids.astype("int64"))
-        input_ids[i, p : p + r] = torch.from_numpy(t.response_ids.astype("int64"))
-        attention[i, : p + r] = 1
-        response_pos[i, :r] = torch.arange(p, p + r)
-        response_ids[i, :r] = input_ids[i, p : p + r]
-        if t.loss_mask is None:
-            mask[i, :r] = 1.0
-        else:  # a multi-turn episode: observation tokens are context only (docs/algorithms.md, "Loss mask")
-            mask[i, :r] = torch.from_numpy(t.loss_mask.astype("float32"))
-        behav[i, :r] = torch.from_numpy(t.behav_logp.copy())
-        versions[i, :r] = torch.from_numpy(t.versions.astype("int64"))
+        p, r = prompt_lens[i], resp_lens[i]
+        input_ids[i, :p] = t.prompt_ids
+        input_ids[i, p : p + r] = t.response_ids
+        # a multi-turn episode: observation tokens are context only (docs/algorithms.md, "Loss mask")
+        mask[i, :r] = 1.0 if t.loss_mask is None else t.loss_mask
+        behav[i, :r] = t.behav_logp
+        versions[i, :r] = t.versions
+    in_response = np.arange(resp_len)[None, :] < resp_lens[:, None]  # (B, T)
+    response_pos = np.where(in_response, prompt_lens[:, None] + np.arange(resp_len)[None, :], 0)
+    response_ids = np.where(in_response, np.take_along_axis(input_ids, response_pos, axis=1), 0)
+    attention = (np.arange(seq_len)[None, :] < (prompt_lens + resp_lens)[:, None]).astype(np.int64)
     return Batch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        response_pos=response_pos,
-        response_ids=response_ids,
-        mask=mask,
-        behav_logp=behav,
-        versions=versions,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention),
+        response_pos=torch.from_numpy(response_pos),
+        response_ids=torch.from_numpy(response_ids),
+        mask=torch.from_numpy(mask),
+        behav_logp=torch.from_numpy(behav),
+        versions=torch.from_numpy(versions),
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         correct=torch.tensor([float(t.correct) for t in trajs]),
-        group_index=group_index,
+        group_index=torch.from_numpy(group_index),
         truncated=torch.tensor([t.finish == "length" for t in trajs]),
     )
 

@@ -26,6 +26,7 @@ from common.config import (
     PrecisionConfig,
     QuantConfig,
     RolloutConfig,
+    StalenessConfig,
     TrainConfig,
 )
 from common.config_bundle import SectionBundle
@@ -57,3 +58,5 @@ class LearnerSections(UpdateSections):
     quant: QuantConfig
     model: ModelConfig
     """Whether the model directory's own code may run (`model.trust_remote_code`)."""
+    staleness: StalenessConfig
+    """Only `max_lag`: a synchronous run (0) gives the learner every core (learner/threads.py)."""

@@ -19,6 +19,13 @@ trained sample (median over its trial steps) holds until the next check; a trial
 count when one is `CLEAR_RATIO` times slower. If generation is the bound at a check, `learner.threads` holds and the
 next step checks again.
 
+Two cases skip the trial and take `high`: a synchronous run (`staleness.max_lag=0`: the workers wait, idle, while
+the learner trains, so its threads take every core), and a model of at least `SPLIT_PARAMS` parameters while the
+learner is the bound and its threads at `high` kept at least `BUSY_SHARE` of their cores busy (`perf/learner_cpu_util`
+of the previous step): its GEMMs split well, so the low count only makes the bound slower (a trial's low step cost 12
+of 33 seconds of a 4-step run of the 100M decode workload of `asyncrl bench e2e`). When the high count's threads do
+not get their cores (another process holds them), the trial runs as for a small model.
+
 `high` is `learner.threads_max`, or with 0 the cores this process may run on (at most those). The loop seconds of
 step k run from the end of its batch's fetch to the end of the next one's: training, publication, the driver, and
 the wait for the next batch, which grows when the learner's threads starve the workers. So the trial measures the
@@ -44,6 +51,8 @@ SPLIT_PARAMS = 20_000_000
 GEMMs split well over threads (a learner step on 2 threads: 1.5x faster at 100M parameters, 1.9x at 135M) and a run
 of a few steps (or one that never settles a trial) should not spend them all on one thread. Below it, the low count:
 on the built-in 0.8M model a second thread made the loop slower."""
+BUSY_SHARE = 0.75
+"""A large model skips the trial while its learner at the high count kept at least this share of its threads busy."""
 CLEAR_RATIO = 2.0
 """A trial ends early once both counts have run and one's median loop time is this many times the other's: a clear
 case (oversubscribed threads on a loaded machine make a step 10x slower) costs one slow step, not `TRIAL_STEPS`."""
@@ -64,19 +73,22 @@ class ThreadsPolicy:
     loop time is known (at the next step's fetch) `record(seconds_per_sample)`.
     """
 
-    def __init__(self, policy: str, low: int, high: int, parameters: int = 0):
+    def __init__(self, policy: str, low: int, high: int, parameters: int = 0, synchronous: bool = False):
         if policy not in THREADS_POLICIES:
             raise ValueError(f"learner.threads_policy must be one of {', '.join(THREADS_POLICIES)}, got {policy!r}")
         if low < 1:
             raise ValueError(f"learner.threads must be >= 1, got {low}")
         self.policy, self.low, self.high = policy, low, max(low, high)
-        self.decided = self.high if parameters >= SPLIT_PARAMS else low
+        self.large = parameters >= SPLIT_PARAMS
+        self.synchronous = synchronous
+        self.decided = self.high if self.large or synchronous else low
         """The count a finished trial chose (`measured`); before the first, the model size's prior (`SPLIT_PARAMS`)."""
         self.trial: list[int] = []  # the counts of the running trial's remaining steps
         self.timings: dict[int, list[float]] = {}  # the running trial's loop seconds per sample, by count
         self.next_check = WARMUP_STEPS
         self.step = -1  # the step that last asked for its threads
         self.current: int | None = None  # its count: the one whose loop time `record` is given
+        self.busy_at_high = False  # the last step at the high count kept BUSY_SHARE of its threads busy
 
     def threads(self, step: int, throttled: bool = False, learner_bound: bool = False) -> int:
         """The torch threads of step `step`. `throttled`: the buffer refused a lease since the previous step (the
@@ -96,7 +108,12 @@ class ThreadsPolicy:
         return self.policy == "throttled" and self.high > self.low
 
     def _measured(self, step: int, learner_bound: bool) -> int:
-        if not self.trial and step >= self.next_check:
+        if self.synchronous:  # the workers idle while the learner trains: every core is the learner's
+            return self.high
+        if not self.trial and step >= self.next_check and self.large and learner_bound and self.busy_at_high:
+            self.decided = self.high  # GEMMs that split well, on cores they got: the low count only slows the bound
+            self.next_check = step + 1
+        elif not self.trial and step >= self.next_check:
             if learner_bound:  # compare the two counts on the loop's rate
                 self.trial = [self.low, self.high] * TRIAL_STEPS
                 self.timings = {self.low: [], self.high: []}
@@ -104,6 +121,11 @@ class ThreadsPolicy:
                 self.decided = self.low
                 self.next_check = step + 1
         return self.trial[0] if self.trial else self.decided
+
+    def record_util(self, cpu_util: float) -> None:
+        """The CPU use (busy cores, `perf/learner_cpu_util`) of the step that last asked for its threads."""
+        if self.current == self.high:
+            self.busy_at_high = cpu_util >= BUSY_SHARE * self.high
 
     def record(self, seconds_per_sample: float) -> None:
         """The loop seconds per trained sample of the step that last asked for its threads."""

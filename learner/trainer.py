@@ -113,6 +113,7 @@ class Learner:
             learner.threads_policy if learner.world_size == 1 else "fixed", learner.threads,
             min(learner.threads_max, cores) if learner.threads_max else cores,
             parameters=sum(param.numel() for param in self.model.parameters()),
+            synchronous=sections.staleness.max_lag == 0,
         )  # fmt: skip
         self.loop_mark: tuple[float, int] | None = None  # the end of the last step's fetch and its trained samples
         self.last_train_s = 0.0  # the last step's training seconds (perf/train_s)
@@ -227,6 +228,7 @@ class Learner:
             metrics["perf/prev_loop_s"] = loop_s
         # CPU seconds of every thread of this process over the step's wall seconds: 1.0 = one core busy throughout
         metrics["perf/learner_cpu_util"] = (time.process_time() - cpu_started) / max(time.monotonic() - started, 1e-9)
+        self.threads_policy.record_util(metrics["perf/learner_cpu_util"])
         return metrics
 
     def record_loop(self, fetched_at: float, samples: int) -> float | None:

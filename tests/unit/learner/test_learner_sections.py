@@ -14,7 +14,7 @@ def test_sections_travel_as_a_dict_and_come_back_equal():
     assert picked.loss is cfg.loss  # the root's own section objects
     values = to_dict(picked)
     assert sorted(values) == ["algo", "buffer", "data", "learner", "loss", "model", "optim", "precision", "quant",
-                              "rollout", "train"]  # fmt: skip
+                              "rollout", "staleness", "train"]  # fmt: skip
     rebuilt = LearnerSections.load(values)
     assert isinstance(rebuilt, UpdateSections) and to_dict(rebuilt) == values
     set_key(rebuilt, "optim.lr", 1e-4)  # a live change, as `asyncrl set` applies it
@@ -24,7 +24,7 @@ def test_sections_travel_as_a_dict_and_come_back_equal():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda v: v.update(staleness={}), "`staleness`: Key 'staleness' not in 'LearnerSections'"),  # root refused
+        (lambda v: v.update(logging={}), "`logging`: Key 'logging' not in 'LearnerSections'"),  # root refused
         (lambda v: v.pop("train"), "missing mandatory value: train"),
         (lambda v: v["loss"].update(cap="big"), "loss.cap"),
         (lambda v: v["loss"].update(cap=0.5), "value 0.5 for `loss.cap` is out of range"),

@@ -27,15 +27,44 @@ def test_measured_tries_both_counts_interleaved_then_keeps_the_faster_loop(loop_
     assert policy.decided == faster
 
 
-def test_measured_starts_a_large_model_on_the_high_count_and_still_lets_the_trial_decide():
+def test_measured_starts_a_large_model_on_the_high_count_and_still_lets_the_trial_decide_when_its_cores_are_busy():
     big = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS)
     small = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS - 1)
     assert _run(small, range(WARMUP_STEPS), {1: 0.2, 2: 0.3}) == [1] * WARMUP_STEPS
+    big.record_util(1.0)  # two threads kept only one core busy: another process holds the other
     counts = _run(big, range(WARMUP_STEPS + 2 * TRIAL_STEPS + 3), {1: 0.2, 2: 0.3})
     assert counts[:WARMUP_STEPS] == [2] * WARMUP_STEPS  # the prior: a large model's GEMMs split over threads
     assert counts[-3:] == [1] * 3  # the trial measured one thread faster here, and it wins over the prior
     fixed = ThreadsPolicy("fixed", low=1, high=2, parameters=SPLIT_PARAMS)
     assert fixed.threads(0, learner_bound=True) == 1  # only `measured` has a prior
+
+
+def _run_busy(policy: ThreadsPolicy, steps: range, cpu_util: float, learner_bound: bool = True) -> list[int]:
+    """Drive the policy with each step's CPU use (busy cores) instead of loop times."""
+    counts = []
+    for step in steps:
+        counts.append(policy.threads(step, learner_bound=learner_bound))
+        policy.record_util(cpu_util)
+        policy.record(0.2)
+    return counts
+
+
+def test_a_large_model_whose_threads_get_their_cores_keeps_the_high_count_without_a_trial():
+    big = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS)
+    assert _run_busy(big, range(WARMUP_STEPS + 20), cpu_util=1.9) == [2] * (WARMUP_STEPS + 20)
+    assert not big.trial
+    assert _run_busy(big, range(30, 35), cpu_util=1.9, learner_bound=False) == [1] * 5  # generation bound: low
+    small = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS - 1)
+    counts = _run_busy(small, range(WARMUP_STEPS + 2), cpu_util=1.9)
+    assert counts[WARMUP_STEPS:] == [1, 2]  # a small model's GEMMs may not split: it still measures both counts
+
+
+def test_a_synchronous_run_gives_the_learner_every_core_whatever_the_loop_does():
+    sync = ThreadsPolicy("measured", low=1, high=2, synchronous=True)
+    assert _run(sync, range(40), {1: 0.2, 2: 0.3}) == [2] * 40
+    assert _run(sync, range(40, 45), {1: 0.2, 2: 0.3}, learner_bound=False) == [2] * 5
+    fixed = ThreadsPolicy("fixed", low=1, high=2, synchronous=True)
+    assert fixed.threads(0) == 1  # `fixed` means fixed
 
 
 def test_measured_checks_again_after_recheck_steps_and_follows_a_change():
