@@ -75,6 +75,25 @@ def asyncrl_samples(run_dir: str, tokenizer: Any, answers: dict[int, str]) -> li
     return trained
 
 
+OWN_CONFIG = "best"
+"""The contender with asyncrl's own best config (not pinned to TRL's shape): it may train problems past the dump."""
+
+
+class _StreamAnswers(dict):
+    """Answers by problem index: the dump's, and past it the training stream's own (what `dump_prompts` writes)."""
+
+    def __init__(self, known: dict[int, str], source: Any):
+        super().__init__(known)
+        self.source = source
+
+    def __missing__(self, index: int) -> str:
+        self[index] = str(self.source.train(index).answer)
+        return self[index]
+
+    def get(self, index: int, default: str = "") -> str:  # type: ignore[override] - a missing index is computed
+        return self[index] if index >= 0 else default
+
+
 def check_run(run: Run, workload: Workload, rows: list[dict[str, Any]], data: DataConfig, tokenizer: Any) -> int:
     """Raise FairnessError unless `run` trained on the dumped prompts and its rewards are ours; samples checked."""
     from common.tasks import make_source
@@ -84,7 +103,10 @@ def check_run(run: Run, workload: Workload, rows: list[dict[str, Any]], data: Da
     if run.contender == "trl":
         samples = trl_samples(run.out_dir)
     else:
-        samples = asyncrl_samples(run.out_dir, tokenizer, {i: str(row["answer"]) for i, row in by_index.items()})
+        answers = {i: str(row["answer"]) for i, row in by_index.items()}
+        if run.contender == OWN_CONFIG:  # its dynamic sampling and screening read past the dump: the stream's rows
+            answers = _StreamAnswers(answers, source)
+        samples = asyncrl_samples(run.out_dir, tokenizer, answers)
     where = f"{run.workload}/{run.contender}/seed {run.seed}"
     if not samples:
         raise FairnessError(f"{where}: no trained samples recorded")
@@ -92,6 +114,10 @@ def check_run(run: Run, workload: Workload, rows: list[dict[str, Any]], data: Da
     for sample in samples:
         if sample.prompt_index >= 0:
             row = by_index.get(sample.prompt_index)
+            if row is None and run.contender == OWN_CONFIG:  # its dynamic sampling and screening read past the dump
+                problem = source.train(sample.prompt_index)  # the row the dump would hold (`dump_prompts`)
+                row = by_index[sample.prompt_index] = {"index": problem.index, "prompt": problem.prompt,
+                                                       "answer": problem.answer}  # fmt: skip
             if row is not None and sample.prompt_index not in shown:
                 ids = tokenizer(row["prompt"])["input_ids"]
                 shown[sample.prompt_index] = tokenizer.decode(ids, skip_special_tokens=True)

@@ -115,6 +115,17 @@ def test_fairness_check_fails_on_another_reward_or_prompt(quick, tmp_path: Path)
     shifted = [{**row, "prompt": "1+1="} if row["index"] == 3 else row for row in rows]
     with pytest.raises(FairnessError, match="problem 3"):
         check_run(async_run, workload, shifted, data_config(), tokenizer)
+    cut = rows[: workload.groups_per_step]  # a dump that ends before the problems of the run's later steps
+    with pytest.raises(FairnessError, match="not the dump's"):  # a pinned contender must train the dump's problems
+        check_run(async_run, workload, cut, data_config(), tokenizer)
+    own = Run(**{**_run(result, "builtin_async"), "rows": [], "contender": "best"})  # asyncrl's own config reads on
+    assert check_run(own, workload, cut, data_config(), tokenizer) == checked_async(result)
+    with pytest.raises(FairnessError, match="problem 3"):  # past the dump it reads the stream, before it the dump
+        check_run(own, workload, shifted, data_config(), tokenizer)
+
+
+def checked_async(result) -> int:  # noqa: ANN001 - a BenchResult
+    return int(result.metrics["builtin_async_samples_checked"])
 
 
 def test_time_to_accuracy_uses_a_rolling_mean_fixed_before_the_run() -> None:
