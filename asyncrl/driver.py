@@ -129,6 +129,10 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         raise StartupError(f"--resume {resume} needs `buffer.journal=true`: the buffer's queue is rebuilt from it")
     clock = StartupClock()
     clock.mark("driver_imports")
+    if actors.resolve_launcher(cfg.ray) == "local":  # the actors' fork server imports torch while the driver goes on
+        from common import zygote
+
+        zygote.start()
     quiet_libraries()
     with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
         model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))

@@ -77,10 +77,11 @@ class StartupClock:
 
 PROCESS_KINDS = (
     ("ray::Learner", "learner"), ("actor:Learner", "learner"), ("ray::RolloutWorker", "rollout_workers"),
-    ("actor:RolloutWorker", "rollout_workers"), ("-m buffer", "buffer"),
+    ("actor:RolloutWorker", "rollout_workers"), ("-m buffer", "buffer"), ("-m common.zygote", "zygote"),
 )  # fmt: skip
-"""(command-line mark, kind) of the processes `process_tree_cpu_s` names: Ray actors (`ray::Class`) and local ones
-(`common.actor_host actor:Class`); other descendants are Ray's (`ray`)."""
+"""(command-line mark, kind) of the processes `process_tree_cpu_s` names: Ray actors (`ray::Class`), local ones
+(`common.actor_host actor:Class`) and their fork server (`common.zygote`: the imports they share); other descendants
+are Ray's (`ray`)."""
 
 
 def process_tree_cpu_s(root_pid: int | None = None) -> dict[str, float]:

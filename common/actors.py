@@ -64,6 +64,10 @@ def use(launcher: str) -> None:
     if launcher not in ("ray", "local"):
         raise ValueError(f"launcher must be 'ray' or 'local', got {launcher!r}")
     _state["launcher"] = launcher
+    if launcher == "local":  # its torch imports overlap the driver's start-up (the buffer, the config's checks)
+        from common import zygote
+
+        zygote.start()
 
 
 def launcher() -> str:

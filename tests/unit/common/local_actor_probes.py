@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -24,6 +25,15 @@ class Counter:
 
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
+
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    def loaded(self, module: str) -> bool:
+        """Whether `module` was imported in this process (this class imports neither torch nor transformers)."""
+        return module in sys.modules
 
     def say(self, text: str) -> None:
         print(text, flush=True)

@@ -14,7 +14,7 @@ import pytest
 from local_actor_probes import BrokenInit, Counter
 
 from asyncrl.watchdog import actor_death
-from common import actors
+from common import actors, zygote
 from common.config import load_config
 
 
@@ -76,6 +76,25 @@ def test_a_process_that_exits_is_an_actor_death(local):
         actors.get(other.add.remote(1), timeout=60)
 
 
+def test_actors_fork_from_a_zygote_with_torch_imported_and_are_the_drivers_children(local):
+    counter = actors.remote(Counter).remote(0)
+    pid = actors.get(counter.pid.remote())
+    assert psutil.Process(pid).ppid() == os.getpid()  # reparented to the driver, which reads its exit status
+    assert actors.get(counter.loaded.remote("torch")) and actors.get(counter.loaded.remote("transformers"))
+    assert actors.get(counter.env.remote("OMP_NUM_THREADS")) is not None  # the environment the driver gave
+    zygote_pid = zygote.start().process.pid
+    assert psutil.Process(zygote_pid).ppid() == os.getpid() and zygote_pid != pid
+
+
+def test_without_the_zygote_an_actor_is_a_fresh_interpreter(local, monkeypatch):
+    monkeypatch.setattr(zygote, "_zygote", None)
+    monkeypatch.setattr(zygote, "_failed", True)  # as with ASYNCRL_ZYGOTE=0 or off Linux
+    counter = actors.remote(Counter).remote(0)
+    assert not actors.get(counter.loaded.remote("torch"))
+    assert psutil.Process(actors.get(counter.pid.remote())).ppid() == os.getpid()
+    assert actors.get(counter.add.remote(2)) == 2
+
+
 def test_a_constructor_error_is_the_actor_death(local):
     broken = actors.remote(BrokenInit).remote()
     with pytest.raises(actors.died_errors(), match="constructor raised KeyError: KeyError: 'no such model'"):
@@ -92,7 +111,9 @@ def test_max_concurrency_runs_calls_on_threads(local):
 def test_threads_follow_num_cpus_as_in_ray(local, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert actors.get(actors.remote(Counter, num_cpus=0.5).remote(0).env.remote("OMP_NUM_THREADS")) == "1"
-    assert actors.get(actors.remote(Counter, num_cpus=2).remote(0).env.remote("OMP_NUM_THREADS")) == "2"
+    two = actors.remote(Counter, num_cpus=2).remote(0)
+    assert actors.get(two.env.remote("OMP_NUM_THREADS")) == "2" and actors.get(two.torch_threads.remote()) == 2
+    assert actors.get(actors.remote(Counter, num_cpus=1).remote(0).torch_threads.remote()) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's value wins
     assert actors.get(actors.remote(Counter, num_cpus=2).remote(0).env.remote("OMP_NUM_THREADS")) == "3"
 
