@@ -105,8 +105,8 @@ def _descendants(driver_pid: int) -> list[psutil.Process]:
 
 def _named(process: psutil.Process, name: str) -> bool:
     try:
-        marks = (f"ray::{name}", f"actor:{name}")  # a Ray actor, or a local one (common/local_actors.py)
-        return f"ray::{name}" in process.name() or any(part.startswith(marks) for part in process.cmdline())
+        # a Ray actor, or a local one (common/local_actors.py; a forked one's command line is one string, setproctitle)
+        return f"ray::{name}" in process.name() or f"actor:{name}" in " ".join(process.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 
