@@ -112,6 +112,13 @@ def panels_of(b: torch.Tensor) -> torch.Tensor | None:
     return buffer[start : start + count * rank * PANEL].view(count, rank, PANEL)
 
 
+def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """out = q * scale (int8 q, float32 out and scale, broadcast), in two float passes: the same values as
+    `torch.mul(q, scale, out=out)`, whose mixed-dtype path is 3.9x slower (0.33 against 1.28 ms per million)."""
+    out.copy_(q)
+    out.mul_(scale)
+
+
 class PackedPlan:
     """How every version with one packed index decodes (see the module docstring)."""
 
@@ -188,11 +195,11 @@ class PackedPlan:
                     source = q.view(group.count, group.rank, group.other)  # pack_adapters: B^T's bytes
                     if not group.source_transposed:  # another packer's B (count, out, r): a strided read
                         source = q.view(group.count, group.other, group.rank).transpose(1, 2)
-                    torch.mul(source, scale, out=out)
+                    _dequantize_into(out, source, scale)
                     views.append(out.transpose(1, 2).unbind(0))
                     self._write_panels(buffer, group, source, scale)
                 else:  # A (count, r, in); A[j, k] = q[j, k] * scale[j]
-                    torch.mul(q.view(group.count, group.rank, group.other), scale, out=out)
+                    _dequantize_into(out, q.view(group.count, group.rank, group.other), scale)
                     views.append(out.unbind(0))
         return {
             name: views[group][member] if group >= 0 else whole[member : member + math.prod(shape)].view(shape)
@@ -208,9 +215,9 @@ class PackedPlan:
         panels = buffer[group.panel_start : group.panel_start + size].view(group.count, group.panels, group.rank, PANEL)
         if full:
             target = panels[:, :full].permute(0, 2, 1, 3)  # (count, r, full, 32)
-            torch.mul(source[:, :, : full * PANEL].unflatten(2, (full, PANEL)), scale[:, :, :, None], out=target)
+            _dequantize_into(target, source[:, :, : full * PANEL].unflatten(2, (full, PANEL)), scale[:, :, :, None])
         if rest:
-            torch.mul(source[:, :, full * PANEL :], scale, out=panels[:, full, :, :rest])
+            _dequantize_into(panels[:, full, :, :rest], source[:, :, full * PANEL :], scale)
 
     def _take(self) -> torch.Tensor:
         for buffer, idle in self._buffers:
