@@ -47,14 +47,18 @@ RATIO_NAMES = (
     "e2e_fraction_of_bound_decode",
     "async_vs_sync_samples_s",
     "int8_vs_fp32_e2e",
+    "generated_per_trained",
 )
-"""The ratios of the default workloads (builtin and decode)."""
+"""The ratios of the default workloads (builtin and decode). `generated_per_trained` is issue 26's: samples the
+workers generated per trained sample, on the built-in workload, by asyncrl's own config (the `best` contender:
+dynamic sampling and predictive selective rollout on); nan when that contender did not run (`--quick`)."""
 SMOL_RATIO_NAMES = ("e2e_vs_trl_samples_s_smol", "e2e_smol_gaming_gap")
 """The smol workload's: steady trained samples/s, asyncrl asynchronous over TRL; the largest held-out gaming gap
 (|accuracy by the math reward - by the last number|) over the contenders."""
 RATIO_WORKLOADS = {
     **dict.fromkeys(RATIO_NAMES[:3], "builtin"),
-    **dict.fromkeys(RATIO_NAMES[3:], "decode"),
+    **dict.fromkeys(RATIO_NAMES[3:7], "decode"),
+    "generated_per_trained": "builtin",
     **dict.fromkeys(SMOL_RATIO_NAMES, "smol"),
 }
 """The workload each ratio is of: a ratio is written when its workload ran."""
@@ -167,6 +171,7 @@ def ratios(figures: dict[str, dict[str, float]], bound_s: float) -> dict[str, fl
         "e2e_fraction_of_bound_decode": bound_s / decode_async_step_s,
         "async_vs_sync_samples_s": fig("decode_async", "steady_samples_s") / fig("decode_sync", "steady_samples_s"),
         "int8_vs_fp32_e2e": fig("decode_async", "steady_samples_s") / fig("decode_fp32", "steady_samples_s"),
+        "generated_per_trained": fig("builtin_best", "gen_per_trained"),
         "e2e_vs_trl_samples_s_smol": fig("smol_async", "steady_samples_s") / fig("smol_trl", "steady_samples_s"),
         "e2e_smol_gaming_gap": math.nan if not gaps or any(math.isnan(g) for g in gaps) else max(gaps),
     }

@@ -14,7 +14,7 @@ import pytest
 
 from asyncrl.bench import write_json
 from asyncrl.bench.e2e_fairness import FairnessError, asyncrl_samples, check_run, trl_samples
-from asyncrl.bench.e2e_metrics import RATIO_NAMES, rolling_accuracy, run_figures
+from asyncrl.bench.e2e_metrics import RATIO_NAMES, ratios, rolling_accuracy, run_figures
 from asyncrl.bench.e2e_runs import Run, StepRow
 from asyncrl.bench.e2e_workloads import data_config
 from common.tasks import make_source
@@ -40,7 +40,9 @@ def _run(result, key: str) -> dict:
 def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) -> None:
     result, _ = quick
     assert set(result.ratios) == set(RATIO_NAMES)
-    throughput = [name for name in RATIO_NAMES if name != "e2e_vs_trl_time_to_acc"]  # the target needs > 4 steps
+    throughput = [name for name in RATIO_NAMES if name != "e2e_vs_trl_time_to_acc"  # the target needs > 4 steps
+                  and name != "generated_per_trained"]  # fmt: skip  # asyncrl's own config: not run by --quick
+    assert math.isnan(result.ratios["generated_per_trained"])
     assert all(math.isfinite(result.ratios[name]) and result.ratios[name] > 0 for name in throughput)
     write_json(result, str(tmp_path / "e2e.json"))
     written = json.loads((tmp_path / "e2e.json").read_text())
@@ -186,3 +188,17 @@ def test_the_learners_core_share_follows_the_threads_it_logged_per_step() -> Non
     steps = [{"step": 0, "learner/threads": 1}, {"step": 1, "learner/threads": 2}, {"event": "eval"}]
     assert _learner_threads(steps, config) == 1.5  # the measured policy changed it between steps
     assert _learner_threads([{"step": 0}], config) == 1.0  # a run that logged none: the configured count
+
+
+def test_generated_per_trained_is_asyncrls_own_config_on_the_builtin_workload() -> None:
+    rows = [StepRow(step=k, end_s=1.0 + k, accuracy=0.5, trained_samples=128, generated_samples=170,
+                    generated_tokens=512) for k in range(5)]  # fmt: skip
+    runs = {  # asyncrl's own config generated 1.33 samples per trained one; the pinned async contender 1.0
+        "builtin_best": Run(workload="builtin", contender="best", seed=0, out_dir="", rows=rows,
+                            total_generated_samples=851.2, gen_core_s_per_sample=0.1),
+        "builtin_async": Run(workload="builtin", contender="async", seed=0, out_dir="", rows=rows,
+                             total_generated_samples=640, gen_core_s_per_sample=0.1),
+    }  # fmt: skip
+    written = ratios({key: run_figures(run) for key, run in runs.items()}, math.nan)
+    assert written["generated_per_trained"] == pytest.approx(851.2 / 640)
+    assert math.isnan(ratios({"builtin_async": run_figures(runs["builtin_async"])}, math.nan)["generated_per_trained"])
