@@ -129,10 +129,7 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         raise StartupError(f"--resume {resume} needs `buffer.journal=true`: the buffer's queue is rebuilt from it")
     clock = StartupClock()
     clock.mark("driver_imports")
-    if actors.resolve_launcher(cfg.ray) == "local":  # the actors' fork server imports torch while the driver goes on
-        from common import zygote
-
-        zygote.start()
+    actors.use(actors.resolve_launcher(cfg.ray))  # `local`: the fork server imports torch while the driver goes on
     quiet_libraries()
     with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
         model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
@@ -153,8 +150,7 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     buffers = BufferSupervisor(
         to_dict(cfg), run_dir, logger.event, logger.info, resume_step=start_step if resume is not None else None
     )
-    ray_start, launcher = raycluster.RayStart(), actors.resolve_launcher(cfg.ray)
-    actors.use(launcher)
+    ray_start, launcher = raycluster.RayStart(), actors.launcher()
     try:
         # Ray starts on a thread while this one starts the buffer and imports the actors' classes (both ~1 s)
         if launcher == "ray":

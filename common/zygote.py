@@ -68,7 +68,7 @@ class ForkedProcess:
                 try:
                     pid, status = os.waitpid(self.pid, os.WNOHANG)
                 except ChildProcessError:  # reaped elsewhere: its status is lost
-                    self.returncode = -signal.SIGKILL if self.returncode is None else self.returncode
+                    self.returncode = -signal.SIGKILL
                     return self.returncode
                 if pid == self.pid:
                     self.returncode = os.waitstatus_to_exitcode(status)

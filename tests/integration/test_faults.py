@@ -15,7 +15,17 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_operations import ENV, ROOT, SMALL, assert_trained_once, cli, records, start_up, wait_for
+from test_operations import (
+    ENV,
+    ROOT,
+    SMALL,
+    assert_trained_once,
+    down_and_wait,
+    kill_if_running,
+    records,
+    start_up,
+    wait_for,
+)
 
 from asyncrl.bench.chaos_faults import buffer_process as find_buffer_process
 from asyncrl.bench.chaos_faults import learner_processes
@@ -69,13 +79,9 @@ def test_buffer_killed_while_the_learner_waits_then_again_training_continues_eve
         second = wait_for(lambda: restarts(run_dir)[1:], 60, "the second restart", proc)[0]
         at = max(steps_logged(run_dir), default=0)
         wait_for(lambda: max(steps_logged(run_dir)) >= at + 3, 120, "steps after the restarts", proc)
-        down = cli(tmp_path, "down", str(run_dir))
-        assert down.returncode == 0, down.stderr
-        out, _ = proc.communicate(timeout=300)
+        down_and_wait(tmp_path, run_dir, proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+        kill_if_running(proc)
     assert first["exit"] == second["exit"] == "killed by SIGKILL" and [first["restarts"], second["restarts"]] == [1, 2]
     assert first["dead_pid"] == victim.pid and first["downtime_s"] > 0 and "replayed_groups" in first
     steps = steps_logged(run_dir)
@@ -178,13 +184,9 @@ def test_a_killed_learner_is_restarted_from_the_latest_checkpoint_every_group_tr
                          "the learner restart", proc)[0]  # fmt: skip
         wait_for(lambda: len(steps_after(run_dir, "learner_restarted")) >= event["steps_redone"] + 3, 180,
                  "steps after the restart", proc)  # fmt: skip
-        down = cli(tmp_path, "down", str(run_dir))
-        assert down.returncode == 0, down.stderr
-        out, _ = proc.communicate(timeout=300)
+        down_and_wait(tmp_path, run_dir, proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+        kill_if_running(proc)
     assert event["from_step"] % 3 == 0 and event["step"] >= event["from_step"] >= 3
     assert event["steps_redone"] == event["step"] - event["from_step"] and str(learner.pid) in event["error"]
     after = steps_after(run_dir, "learner_restarted")

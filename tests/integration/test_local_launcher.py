@@ -12,7 +12,17 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_operations import ROOT, SMALL, assert_trained_once, cli, records, start_up, wait_for
+from test_operations import (
+    ROOT,
+    SMALL,
+    assert_trained_once,
+    cli,
+    down_and_wait,
+    kill_if_running,
+    records,
+    start_up,
+    wait_for,
+)
 from test_security import is_loopback, listening
 
 LOCAL = ("ray.launcher=local",)
@@ -91,13 +101,9 @@ def test_killed_local_worker_and_learner_are_restarted_every_group_trained_once(
                  "steps after the restart", proc)  # fmt: skip
         scaled = cli(tmp_path, "scale", "rollout=3", "--run", str(run_dir))
         assert scaled.returncode == 0, scaled.stderr
-        down = cli(tmp_path, "down", str(run_dir))
-        assert down.returncode == 0, down.stderr
-        out, _ = proc.communicate(timeout=300)
+        down_and_wait(tmp_path, run_dir, proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+        kill_if_running(proc)
     assert crash["worker"] == victim["worker"] and str(victim["pid"]) in crash["error"]
     assert str(learner.pid) in event["error"] and "killed by SIGKILL" in event["error"]
     assert event["from_step"] % 3 == 0 and event["steps_redone"] == event["step"] - event["from_step"]

@@ -37,6 +37,21 @@ def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=tmp_path, timeout=60)  # fmt: skip
 
 
+def down_and_wait(tmp_path: Path, run_dir: Path, proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    """`asyncrl down` the run, wait for its driver to exit 0 and return its output."""
+    down = cli(tmp_path, "down", str(run_dir))
+    assert down.returncode == 0, down.stderr
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def kill_if_running(proc: subprocess.Popen) -> None:
+    """SIGKILL a run's process group (`start_up`) if its driver is still there: a test's cleanup."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
@@ -131,13 +146,9 @@ def test_killed_rollout_worker_is_restarted_and_every_group_is_trained_once(tmp_
         restart_step = max(r["step"] for r in records(run_dir) if "loss" in r)
         wait_for(lambda: max(r["step"] for r in records(run_dir) if "loss" in r) >= restart_step + 3, 120,
                  "steps after the restart", proc)  # fmt: skip
-        down = cli(tmp_path, "down", str(run_dir))
-        assert down.returncode == 0, down.stderr
-        out, _ = proc.communicate(timeout=300)
+        down_and_wait(tmp_path, run_dir, proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+        kill_if_running(proc)
     assert crash["worker"] == victim["worker"] and str(victim["pid"]) in crash["error"]
     assert restarted[0]["worker"] == victim["worker"] + ".1"  # a fresh identity for the buffer
     steps = len([r for r in records(run_dir) if "loss" in r])
@@ -183,13 +194,9 @@ def test_live_control_scale_set_status_and_down(tmp_path):
                          "steps after the change", proc)  # fmt: skip
         assert all(r["staleness/max"] == 0 for r in later), [r["staleness/max"] for r in later]
 
-        down = cli(tmp_path, "down", str(run_dir))
-        assert down.returncode == 0, down.stderr
-        out, _ = proc.communicate(timeout=120)
+        down_and_wait(tmp_path, run_dir, proc, timeout_s=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+        kill_if_running(proc)
     assert not (run_dir / "control.json").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_early"]
@@ -223,13 +230,9 @@ def test_scale_past_the_cores_on_the_default_config(tmp_path):
         wait_for(lambda: all(w["samples"] > 0 for w in workers()), 120, "samples from all 4 workers", proc)
         shown = cli(tmp_path, "status")
         assert shown.returncode == 0 and "workers (4):" in shown.stdout and shown.stdout.count(" running ") == 4
-        down = cli(tmp_path, "down", str(run_dir))
-        assert down.returncode == 0, down.stderr
-        out, _ = proc.communicate(timeout=180)
+        down_and_wait(tmp_path, run_dir, proc, timeout_s=180)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+        kill_if_running(proc)
     scales = [r for r in records(run_dir) if r.get("event") == "scale"]
     assert [(r["rollout"], r["added"]) for r in scales] == [(3, ["worker-2"]), (4, ["worker-3"])]
 
