@@ -5,6 +5,7 @@ not score 1 are never screened; a worker resolves screened leases through the bu
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -112,7 +113,17 @@ def test_skip_predicted_follows_filter_groups_and_needs_what_it_stands_on():
         load_config(None, ["algo.filter_groups=true", "algo.skip_predicted=true", "rollout.backend=sglang"])
 
 
-def test_a_worker_resolves_screened_leases_in_the_buffer_without_generating_them(tmp_path):
+SCREENED_RUN = [
+    "train.group_size=2", "train.groups_per_step=4", "staleness.max_lag=50", "algo.filter_groups=true",
+    "algo.skip_zero_variance=false", "algo.skip_predicted_above=0.0", "algo.skip_min_prob=0.25",
+]  # fmt: skip
+"""Every prompt predicted all-correct (threshold 0): a group is generated only when its draw is under the 0.25 floor."""
+
+
+@contextlib.contextmanager
+def screening_worker(tmp_path, *overrides: str):
+    """(config, a rollout worker on the built-in model at INT8 version 0, a buffer client), a real buffer process
+    behind both; the buffer is stopped at the end."""
     from transformers import AutoModelForCausalLM
 
     from buffer.client import BufferClient
@@ -123,11 +134,7 @@ def test_a_worker_resolves_screened_leases_in_the_buffer_without_generating_them
     from rollout_workers.sections import WorkerSections
     from rollout_workers.worker import RolloutWorker
 
-    overrides = [
-        "train.group_size=2", "train.groups_per_step=4", "staleness.max_lag=50", "algo.filter_groups=true",
-        "algo.skip_zero_variance=false", "algo.skip_predicted_above=0.0", "algo.skip_min_prob=0.25",
-    ]  # fmt: skip
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, [*SCREENED_RUN, *overrides])
     (tmp_path / "run").mkdir()
     proc, endpoint = start_service(to_dict(cfg), tmp_path / "run")
     client = BufferClient(endpoint, "w0", timeout_s=5.0)
@@ -136,6 +143,15 @@ def test_a_worker_resolves_screened_leases_in_the_buffer_without_generating_them
         worker = RolloutWorker(to_dict(WorkerSections.pick(cfg)), "w0", model_path, endpoint)
         model = AutoModelForCausalLM.from_pretrained(model_path)
         worker.engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+        yield cfg, worker, client
+        worker.stop()
+    finally:
+        client.close()
+        stop_service(proc)
+
+
+def test_a_worker_resolves_screened_leases_in_the_buffer_without_generating_them(tmp_path):
+    with screening_worker(tmp_path) as (cfg, worker, client):
         leases, _ = client.lease(8)
         groups = worker.rollout(leases)
         generated = [screen_draw(cfg.train.seed, lease.index) < 0.25 for lease in leases]  # above=0: all predicted
@@ -150,37 +166,10 @@ def test_a_worker_resolves_screened_leases_in_the_buffer_without_generating_them
         stats = client.stats()
         assert stats["screened_groups"] == generated.count(False) and stats["leased_groups"] == 0
         assert worker.counters["groups_pushed"] == sum(generated)
-        worker.stop()
-    finally:
-        client.close()
-        stop_service(proc)
 
 
 def test_the_worker_loop_resolves_screened_leases_at_once_and_refills_its_batch(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from buffer.client import BufferClient
-    from buffer.launcher import start_service, stop_service
-    from common.config import to_dict
-    from quant_sync.export import export_rollout_tensors
-    from quant_sync.update import WeightUpdate
-    from rollout_workers.sections import WorkerSections
-    from rollout_workers.worker import RolloutWorker
-
-    overrides = [
-        "train.group_size=2", "train.groups_per_step=4", "staleness.max_lag=50", "algo.filter_groups=true",
-        "algo.skip_zero_variance=false", "algo.skip_predicted_above=0.0", "algo.skip_min_prob=0.25",
-        "rollout.groups_per_lease=2",
-    ]  # fmt: skip
-    cfg = load_config(None, overrides)
-    (tmp_path / "run").mkdir()
-    proc, endpoint = start_service(to_dict(cfg), tmp_path / "run")
-    client = BufferClient(endpoint, "w0", timeout_s=5.0)
-    try:
-        model_path = str(resolve_model_path(cfg.model.path))
-        worker = RolloutWorker(to_dict(WorkerSections.pick(cfg)), "w0", model_path, endpoint)
-        model = AutoModelForCausalLM.from_pretrained(model_path)
-        worker.engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    with screening_worker(tmp_path, "rollout.groups_per_lease=2") as (cfg, worker, client):
         # every prompt is predicted all-correct (threshold 0): generated only when its draw is under the floor
         leases, _ = client.lease(2)
         kept = worker._screen_and_refill(client, leases)
@@ -192,7 +181,3 @@ def test_the_worker_loop_resolves_screened_leases_at_once_and_refills_its_batch(
         assert worker.counters["samples"] == 0  # nothing generated yet: the kept leases go to `rollout`
         groups = worker.rollout(kept, screen=False)
         assert [len(trajectories) for _, trajectories in groups] == [2] * len(kept)
-        worker.stop()
-    finally:
-        client.close()
-        stop_service(proc)
