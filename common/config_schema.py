@@ -379,6 +379,11 @@ class LearnerConfig:
     """Run each group's common prefix (its prompt) through the model once per micro-batch, not once per response:
     the group's responses packed into one row with a block mask (`learner/packing.py`); the same log-probs to fp32
     rounding, with fewer tokens to compute (2-3x fewer on GRPO groups of 8 with short responses)."""
+    skip_zero_adv: bool = True
+    """Rows whose advantage is exactly 0 (a group whose rewards are all equal) run their forward without grad and no
+    backward: every loss term is a multiple of the advantage, so their gradient is exactly 0 and the step's update is
+    unchanged; their log-probs, entropies and loss metrics are still computed. Applies with one learner rank and
+    without `loss.kl.coef` or `loss.entropy_coef` (terms that do not vanish with the advantage)."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)

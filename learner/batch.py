@@ -42,6 +42,10 @@ class Batch:
         values["attention_mask"] = values["attention_mask"][:, :seq_len]
         return Batch(**values)
 
+    def take(self, order: torch.Tensor) -> Batch:
+        """The rows in `order` (a permutation or subset of row indices), padding kept as it is."""
+        return Batch(**{f.name: getattr(self, f.name).index_select(0, order) for f in fields(self)})
+
     @property
     def rows(self) -> int:
         return int(self.input_ids.shape[0])

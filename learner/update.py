@@ -311,6 +311,45 @@ def micro_loss(
     )
 
 
+def skips_zero_adv(sections: UpdateSections, ranks: Dist) -> bool:
+    """Whether rows with a zero advantage may skip their backward (`learner.skip_zero_adv`): one rank (FSDP2's
+    ranks must run alike), and no loss term that survives a zero advantage (KL penalty, entropy bonus)."""
+    loss = sections.loss
+    return sections.learner.skip_zero_adv and ranks.world == 1 and loss.kl.coef <= 0 and loss.entropy_coef <= 0
+
+
+def forward_only_order(
+    adv: torch.Tensor, group_index: torch.Tensor, bounds: list[int]
+) -> tuple[torch.Tensor | None, list[int]]:
+    """The rows that need no backward (`learner.skip_zero_adv`) moved last within their minibatch
+    (`bounds[i]..bounds[i + 1] - 1`): the rows of every group whose advantages there are all exactly 0, the others
+    first, each part in its order (groups stay contiguous). Returns the row order (None where no row moves: the batch
+    stays as it is) and, per minibatch, the end of the rows that need a backward."""
+    order, grad_ends = [], []
+    live = torch.zeros(int(group_index.max()) + 1 if group_index.numel() else 1, dtype=torch.bool)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        groups = group_index[lo:hi]
+        live.zero_()
+        live[groups[adv[lo:hi] != 0]] = True
+        needs = live[groups]  # (hi - lo,) a row of a group with a nonzero advantage in this minibatch
+        rows = torch.arange(lo, hi)
+        order += [rows[needs], rows[~needs]]
+        grad_ends.append(lo + int(needs.sum()))
+    if grad_ends == bounds[1:]:
+        return None, grad_ends
+    return torch.cat(order), grad_ends
+
+
+def _reorder_inputs(inputs: StepInputs, order: torch.Tensor) -> None:
+    """`inputs`' per-row tensors in `order` (the batch's new row order); ACRL's Y_g are per group, kept."""
+    inputs.prox_logp = inputs.prox_logp.index_select(0, order)
+    inputs.adv = inputs.adv.index_select(0, order)
+    if inputs.prox_entropy is not None:
+        inputs.prox_entropy = inputs.prox_entropy.index_select(0, order)
+    if inputs.ref_logp is not None:
+        inputs.ref_logp = inputs.ref_logp.index_select(0, order)
+
+
 def minibatch_backward(
     model: torch.nn.Module,
     batch: Batch,
@@ -320,22 +359,36 @@ def minibatch_backward(
     scaler: LossScaler,
     ranks: Dist = SINGLE,
     seconds: dict[str, float] | None = None,
+    grad_end: int | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Forward, loss and backward of PPO minibatch `rows` on this rank (gradients accumulate in the parameters).
 
+    `grad_end` (one rank only): rows grad_end..hi-1 have a zero advantage (`forward_only_order`): their forward runs
+    without grad, their loss counts in the loss and its metrics, and they get no backward (their gradient is 0).
     Returns the minibatch's loss and its loss metrics, reduced over ranks; adds its phases' time to `seconds`.
     """
     loss_cfg = sections.loss
     normalizer = max(loss_normalizer(batch.mask[rows[0] : rows[1]], loss_cfg), 1.0)
-    plan, count = _plan(model, batch, *rows, sections.learner, ranks)
+    grad_end = rows[1] if grad_end is None else grad_end
+    if grad_end < rows[1] and ranks.world > 1:
+        raise ValueError("minibatch_backward: rows without a backward need one rank (FSDP2's ranks run alike)")
+    plan, count = _plan(model, batch, rows[0], grad_end, sections.learner, ranks) if grad_end > rows[0] else ([], 0)
+    budget = micro_batch_budget(sections.learner.micro_batch_tokens, model)
+    forward_only = micro_batches(batch, grad_end, rows[1], budget, sections.learner.share_prefix)
     loss_sum = torch.zeros(())
     metric_sums: dict[str, float] = {}
-    for i in range(count):
-        real = i < len(plan)
-        lo, hi = plan[i] if real else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
+    for i in range(count + len(forward_only)):
+        real = i < len(plan) or i >= count
+        no_grad = i >= count
+        lo, hi = (
+            forward_only[i - count] if no_grad
+            else plan[i] if real
+            else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
+        )  # fmt: skip
         micro = batch.select(lo, hi)
         entropy_grad = entropy_with_grad(loss_cfg.entropy_coef > 0)  # the entropy bonus needs H's gradient
-        with timed(seconds, "forward"), autocast(sections.precision.train), entropy_grad:
+        grad_mode = torch.no_grad() if no_grad else contextlib.nullcontext()
+        with timed(seconds, "forward"), autocast(sections.precision.train), entropy_grad, grad_mode:
             cur_logp, entropy = token_logp(model, micro, sections.rollout.temperature, sections.learner.share_prefix)
         if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
             with timed(seconds, "backward"):
@@ -348,14 +401,19 @@ def minibatch_backward(
                 alpha = loglinear_alpha(micro.versions, inputs.prox_version)
                 inputs.prox_logp[lo:hi] = loglinear_prox(micro.behav_logp, cur_logp, alpha)
             inputs.prox_entropy[lo:hi] = entropy.detach()
-        with timed(seconds, "forward"):
+        with timed(seconds, "forward"), grad_mode:
             out = micro_loss(micro, (lo, hi), cur_logp, inputs, sections.rollout, loss_cfg, entropy)
         share = loss_normalizer(micro.mask, loss_cfg) / normalizer  # this micro-batch's part of the mean
-        with timed(seconds, "backward"):
-            scaler.scale_loss(out.loss * (share * ranks.world)).backward()
+        if not no_grad:
+            with timed(seconds, "backward"):
+                scaler.scale_loss(out.loss * (share * ranks.world)).backward()
         loss_sum += out.loss.detach() * share
         for key, value in out.metrics.items():
             metric_sums[key] = metric_sums.get(key, 0.0) + value * share
+    if count == 0:  # every row forward-only: the zero gradient a backward would have left, for AdamW alike
+        for param in model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
     # Fixed per weighting; with several ranks, one without real micro-batches still reports every key (as zeros).
     keys = metric_names(loss_cfg) if ranks.world > 1 else sorted(metric_sums)
     packed = all_reduce_(torch.tensor([float(loss_sum)] + [metric_sums.get(k, 0.0) for k in keys]), ranks)
@@ -446,10 +504,19 @@ def train_on_batch(
         alpha = loglinear_alpha(batch.versions, version)  # type: ignore[arg-type] - checked above
         metrics["prox/loglinear_alpha"] = float((alpha * batch.mask).sum() / batch.mask.sum().clamp_min(1.0))
     bounds = torch.linspace(0, batch.rows, learner.minibatches + 1).long().tolist()
+    order, grad_ends = (None, bounds[1:])
+    if skips_zero_adv(sections, ranks):  # zero-advantage rows last in each minibatch: forward only
+        order, grad_ends = forward_only_order(inputs.adv, batch.group_index, bounds)
+        metrics["learner/forward_only_share"] = 1.0 - sum(e - lo for e, lo in zip(grad_ends, bounds)) / batch.rows
+    if order is not None:
+        batch = batch.take(order)
+        _reorder_inputs(inputs, order)
     skipped = False
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for (lo, hi), grad_end in zip(zip(bounds[:-1], bounds[1:]), grad_ends):
         optimizer.zero_grad(set_to_none=True)
-        loss_value, loss_metrics = minibatch_backward(model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds)
+        loss_value, loss_metrics = minibatch_backward(
+            model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds, grad_end
+        )
         with timed(seconds, "optimizer"):
             scaler.unscale_(params)
             grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree
@@ -471,7 +538,10 @@ def train_on_batch(
         metrics.update(loss_metrics)
     optimizer.zero_grad(set_to_none=True)
     trim_heap()  # the activations', gradients' and AdamW temporaries' pages, before the caller publishes (memory.py)
-    if from_forward:  # each rank filled its own rows
+    if from_forward:  # each rank filled its own rows (in the batch's order, restored if it was changed)
+        if order is not None:
+            restore = torch.argsort(order)
+            prox_logp, entropy = inputs.prox_logp[restore], inputs.prox_entropy[restore]  # type: ignore[index]
         prox_logp, entropy = all_reduce_(prox_logp, ranks), all_reduce_(entropy, ranks)
     if skipped:
         if before is not None:

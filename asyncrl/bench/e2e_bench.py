@@ -61,6 +61,9 @@ DECODE_NEW_TOKENS = 128
 DECODE_GROUPS = 4
 """Prompts per step on the decode workload: x 8 samples x 128 tokens, a 100M-model step takes a minute or more on 2
 cores (the learner's backward alone 50-70 s), so the full run takes 4 steps (1 warm-up, 3 steady) of each."""
+DECODE_OVERRIDES = ("learner.skip_zero_adv=false",)
+"""The random decode model earns no reward, so every advantage is 0 and `learner.skip_zero_adv` would skip every
+backward: the workload then measures no training at all. Off, the learner trains every row, as TRL does."""
 RUN_TIMEOUT_S = {True: 900.0, False: 3600.0}
 WORKLOADS = ("builtin", "decode", "smol")
 DEFAULT_WORKLOADS = ("builtin", "decode")
@@ -100,7 +103,7 @@ def _workloads(quick: bool, work: Path, names: Sequence[str], steps: int | None)
             workloads.append(Workload(
                 name="decode", model_dir=build_decode_model(work / "decode_model", shape, DECODE_NEW_TOKENS),
                 steps=3 if quick else 4, groups_per_step=DECODE_GROUPS, group_size=config.train.group_size,
-                max_new_tokens=DECODE_NEW_TOKENS, learns=False,
+                max_new_tokens=DECODE_NEW_TOKENS, learns=False, overrides=DECODE_OVERRIDES,
             ))  # fmt: skip
         else:
             workloads.append(_smol_workload(quick, work))
