@@ -551,6 +551,7 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
 
     from common.builtin_model import resolve_model_path
     from learner.batch import micro_batch_budget, micro_batches
+    from learner.logprobs import inputs_read
     from learner.packing import pack_groups
     from quant_sync.publisher import WeightPublisher
     from quant_sync.uaq import apply_uaq
@@ -579,12 +580,12 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
     best = min(runs, key=lambda run: run["busy"])
     budget = micro_batch_budget(sections.learner.micro_batch_tokens, model)
     plan = micro_batches(batch, 0, batch.rows, budget, sections.learner.share_prefix)
-    packed = [pack_groups(batch.input_ids[lo:hi], batch.attention_mask[lo:hi], batch.group_index[lo:hi],
-                          model.config._attn_implementation) if sections.learner.share_prefix else None
-              for lo, hi in plan]  # fmt: skip
+    read = [inputs_read(batch.input_ids[lo:hi], batch.attention_mask[lo:hi]) for lo, hi in plan]  # as the learner
+    packed = [pack_groups(ids, mask, batch.group_index[lo:hi], model.config._attn_implementation)
+              if sections.learner.share_prefix else None
+              for (lo, hi), (ids, mask) in zip(plan, read)]  # fmt: skip
     model_tokens = sum(
-        (hi - lo) * int(batch.attention_mask[lo:hi].sum(-1).max()) if pk is None else pk.tokens
-        for (lo, hi), pk in zip(plan, packed)
+        mask.shape[0] * int(mask.sum(-1).max()) if pk is None else pk.tokens for (_, mask), pk in zip(read, packed)
     )
     metrics = {f"builtin_{phase}_s": best[phase] for phase in PHASES_SMOL}
     metrics.update(

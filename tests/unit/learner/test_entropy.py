@@ -53,7 +53,8 @@ def test_the_entropy_with_grad_equals_a_direct_computation(rows_per_chunk, tempe
     grads = _grads(model)
     assert grads.keys() == expected_grads.keys()
     for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0.0, atol=1e-6 * float(grad.abs().max()) + 1e-9)
+        # the decoder runs without each row's last token (learner.logprobs.inputs_read): other GEMM shapes, rounding
+        torch.testing.assert_close(grads[name], grad, rtol=0.0, atol=4e-6 * float(grad.abs().max()) + 1e-9)
     # outside the block (loss.entropy_coef = 0): the same values, detached, no backward through them
     logp_plain, entropy_plain = token_logp(model, batch, temperature)
     assert not entropy_plain.requires_grad and torch.equal(entropy_plain, entropy.detach())

@@ -198,3 +198,20 @@ def test_fsdp2_ranks_give_the_single_process_log_probs_and_gradients(tmp_path):
         for shard in shards:
             tolerance = 1e-6 * float(param.grad.abs().max())
             torch.testing.assert_close(shard["grads"][name], param.grad, rtol=0.0, atol=tolerance)
+
+
+def test_the_decoder_runs_without_each_rows_last_token_and_the_log_probs_are_unchanged():
+    batch = tiny_batch(seed=6)
+    ids, mask = logprobs.inputs_read(batch.input_ids, batch.attention_mask)
+    lengths = batch.attention_mask.sum(-1)
+    assert mask.sum(-1).tolist() == (lengths - 1).tolist() and ids.shape[1] == int(lengths.max()) - 1
+    assert torch.equal(ids, batch.input_ids[:, : ids.shape[1]])
+    one = torch.tensor([[5, 0], [5, 6]]), torch.tensor([[1, 0], [1, 1]])  # a row of one token keeps it
+    assert logprobs.inputs_read(*one)[1].tolist() == [[1], [1]]
+    model = tiny_model(seed=6)
+    for share_prefix in (False, True):
+        logp, entropy = token_logp(model, batch, 1.0, share_prefix)
+        ref_logp, ref_entropy = whole_sequence_logp(model, batch, 1.0)
+        m = batch.mask.bool()
+        torch.testing.assert_close(logp[m], ref_logp[m], **TOL)
+        torch.testing.assert_close(entropy[m], ref_entropy[m], **TOL)
