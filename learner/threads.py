@@ -19,7 +19,8 @@ trained sample (median over its trial steps) holds until the next check; a trial
 count when one is `CLEAR_RATIO` times slower. If generation is the bound at a check, `learner.threads` holds and the
 next step checks again.
 
-Two cases skip the trial and take `high`: a synchronous run (`staleness.max_lag=0`: the workers wait, idle, while
+A model of fewer than `TINY_PARAMS` parameters keeps `learner.threads` with no trial. Two cases skip the trial
+and take `high`: a synchronous run (`staleness.max_lag=0`: the workers wait, idle, while
 the learner trains, so its threads take every core), and a model of at least `SPLIT_PARAMS` parameters while the
 learner is the bound and its threads at `high` kept at least `BUSY_SHARE` of their cores busy (`perf/learner_cpu_util`
 of the previous step): its GEMMs split well, so the low count only makes the bound slower (a trial's low step cost 12
@@ -51,6 +52,11 @@ SPLIT_PARAMS = 20_000_000
 GEMMs split well over threads (a learner step on 2 threads: 1.5x faster at 100M parameters, 1.9x at 135M) and a run
 of a few steps (or one that never settles a trial) should not spend them all on one thread. Below it, the low count:
 on the built-in 0.8M model a second thread made the loop slower."""
+TINY_PARAMS = 2_000_000
+"""`measured` keeps the low count, with no trial, for a model of fewer parameters (a count given; 0 is unknown): its
+GEMMs are too small to split, and a trial's steps at the high count only cost (the built-in 0.8M model, 60-step runs
+on 2 Zen 4 cores: 61-66 ms per loop step with `fixed` 1 thread, 83-99 ms with 2; `measured` spent its trial steps
+at 2 threads, 0.09-0.19 s each)."""
 BUSY_SHARE = 0.75
 """A large model skips the trial while its learner at the high count kept at least this share of its threads busy."""
 CLEAR_RATIO = 2.0
@@ -80,6 +86,7 @@ class ThreadsPolicy:
             raise ValueError(f"learner.threads must be >= 1, got {low}")
         self.policy, self.low, self.high = policy, low, max(low, high)
         self.large = parameters >= SPLIT_PARAMS
+        self.tiny = 0 < parameters < TINY_PARAMS
         self.synchronous = synchronous
         self.decided = self.high if self.large or synchronous else low
         """The count a finished trial chose (`measured`); before the first, the model size's prior (`SPLIT_PARAMS`)."""
@@ -110,6 +117,8 @@ class ThreadsPolicy:
     def _measured(self, step: int, learner_bound: bool) -> int:
         if self.synchronous:  # the workers idle while the learner trains: every core is the learner's
             return self.high
+        if self.tiny:  # GEMMs too small to split: a second thread only takes a core from the workers
+            return self.low
         if not self.trial and step >= self.next_check and self.large and learner_bound and self.busy_at_high:
             self.decided = self.high  # GEMMs that split well, on cores they got: the low count only slows the bound
             self.next_check = step + 1

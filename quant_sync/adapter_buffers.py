@@ -28,6 +28,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -112,6 +113,30 @@ def panels_of(b: torch.Tensor) -> torch.Tensor | None:
     return buffer[start : start + count * rank * PANEL].view(count, rank, PANEL)
 
 
+class Dequantizer(Protocol):
+    """One-pass int8 decoding into the plan's layouts (the engine's csrc/lora_gemm.cpp: `use_native`)."""
+
+    def rows(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def panels(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+_NATIVE: dict[str, Any] = {"provider": None, "dequantizer": None}
+
+
+def use_native(provider: Callable[[], Dequantizer | None] | None) -> None:
+    """Decode through `provider()`'s dequantizer, asked once, at the first packed version (None: torch's two passes).
+    The rollout worker's engine sets it: the library lives with the engine's kernels, beside this module's users."""
+    _NATIVE.update(provider=provider, dequantizer=None)
+
+
+def _dequantizer() -> Dequantizer | None:
+    provider = _NATIVE["provider"]
+    if provider is not None and _NATIVE["dequantizer"] is None:
+        _NATIVE["dequantizer"] = provider() or False  # False: asked, none here
+    return _NATIVE["dequantizer"] or None
+
+
 def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     """out = q * scale (int8 q, float32 out and scale, broadcast), in two float passes: the same values as
     `torch.mul(q, scale, out=out)`, whose mixed-dtype path is 3.9x slower (0.33 against 1.28 ms per million)."""
@@ -183,6 +208,7 @@ class PackedPlan:
         other float32 tensors as views of `packed` (the received buffer, int8, as `pack_adapters` made it)."""
         flat = packed.reshape(-1)
         whole = flat.view(torch.float32)
+        native = _dequantizer() if flat.is_contiguous() and flat.device.type == "cpu" else None
         with self._lock:  # two threads must not pick the same free buffer
             buffer = self._take()
             views = []
@@ -191,6 +217,15 @@ class PackedPlan:
                 q = flat[group.q_start : group.q_start + size]
                 scale = whole[group.s_start : group.s_start + group.count * group.rank].view(group.count, group.rank, 1)
                 out = buffer[group.out_start : group.out_start + size].view(group.count, group.rank, group.other)
+                if native is not None and (group.source_transposed or not group.transposed):
+                    rows = group.count * group.rank
+                    native.rows(q.view(rows, group.other), scale.view(rows), out.view(rows, group.other))
+                    views.append(out.transpose(1, 2).unbind(0) if group.transposed else out.unbind(0))
+                    if group.transposed:
+                        panels = buffer[group.panel_start : group.panel_start + group.count * group.panels
+                                        * group.rank * PANEL]  # fmt: skip
+                        native.panels(q.view(group.count, group.rank, group.other), scale.view(rows), panels)
+                    continue
                 if group.transposed:  # B^T (count, r, out): B^T[j, n] = B[n, j] = q[n, j] * scale[j]
                     source = q.view(group.count, group.rank, group.other)  # pack_adapters: B^T's bytes
                     if not group.source_transposed:  # another packer's B (count, out, r): a strided read

@@ -43,7 +43,9 @@ from typing import Any
 import torch
 
 from common.config import SWAP_MODES
+from quant_sync import adapter_buffers
 from quant_sync.update import WeightUpdate
+from rollout_workers.embedded.linears import native_dequantizer
 from rollout_workers.embedded.model import (
     DTYPES,
     ArchConfig,
@@ -96,6 +98,7 @@ class EmbeddedEngine:
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"rollout.swap_mode {swap_mode!r} is not one of {', '.join(SWAP_MODES)}")
+        adapter_buffers.use_native(native_dequantizer)  # int8 adapter versions decode in one native pass
         if precision not in DTYPES:
             raise ValueError(f"precision.rollout {precision!r} is not one of {', '.join(DTYPES)}")
         self.dtype = DTYPES[precision]

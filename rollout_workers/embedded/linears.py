@@ -184,14 +184,46 @@ def _adjacent_rows(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.
 
 def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    if lib.lr_abi_version() != 2:
+    if lib.lr_abi_version() != 3:
         raise ValueError("lora_gemm library: unexpected ABI version")
     lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
     lib.lr_apply.restype = ctypes.c_int
+    lib.lr_dequantize_rows.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.lr_dequantize_rows.restype = None
+    lib.lr_dequantize_panels.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.lr_dequantize_panels.restype = None
     return lib
 
 
 _LORA_LIBRARY = NativeLibrary("lora_gemm.cpp", _declare_lora)
+
+
+class NativeDequantizer:
+    """csrc/lora_gemm.cpp's one-pass int8 adapter decoding (`quant_sync.adapter_buffers.use_native`): each value
+    float(q) * s, bit for bit torch's `q.float() * s`, straight into the float32 layouts. ctypes releases the GIL
+    for the call, so the decode thread's Python runs meanwhile."""
+
+    def __init__(self, lib: ctypes.CDLL, avx512: bool) -> None:
+        self._lib, self.avx512 = lib, avx512
+
+    def rows(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        """out (rows, cols) = q (rows, cols) * scale (rows,) per row; all contiguous, on the CPU."""
+        self._lib.lr_dequantize_rows(q.data_ptr(), scale.data_ptr(), q.shape[0], q.shape[1], out.data_ptr(),
+                                     int(self.avx512))  # fmt: skip
+
+    def panels(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        """out (count, ceil(n / 32), r, 32): the panels of count B^T q (count, r, n) scaled per row by scale
+        (count * r,), zero past n; all contiguous."""
+        count, rank, n = q.shape
+        self._lib.lr_dequantize_panels(q.data_ptr(), scale.data_ptr(), count, rank, n, out.data_ptr(),
+                                       int(self.avx512))  # fmt: skip
+
+
+def native_dequantizer() -> NativeDequantizer | None:
+    """The decoder of int8 adapter versions where csrc/lora_gemm.cpp builds (any x86-64 CPU; its AVX-512 loops
+    where `lr_has_avx512f` says so, which `ASYNCRL_ISA_CAP=avx2` turns off), else None."""
+    lib = _LORA_LIBRARY.get()
+    return None if lib is None else NativeDequantizer(lib, bool(lib.lr_has_avx512f()))
 
 
 def _native_lora() -> ctypes.CDLL | None:

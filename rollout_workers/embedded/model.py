@@ -256,8 +256,10 @@ def required_weight_names(arch: ArchConfig) -> list[str]:
     return names
 
 
-def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
-    """Raise ValueError naming the first weight whose shape (or, in a fused group, kind) does not fit `arch`.
+def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> dict[str, tuple[int, ...]]:
+    """Raise ValueError naming the first weight whose shape (or, in a fused group, kind) does not fit `arch`; returns
+    the shape the model needs of every weight it may hold (LoRA adapters then check against it:
+    `check_adapter_shapes`).
 
     `weights` is a published weight map (`build_weight_map`) holding every `required_weight_names` entry.
     """
@@ -286,7 +288,7 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
             kinds = {_kind(weights[p + f"{prefix}{name}_proj.weight"]) for name in group}
             if len(kinds) > 1:
                 raise ValueError(f"{p}{prefix}{'/'.join(group)}_proj: mixed kinds {sorted(kinds)} cannot be fused")
-    _check_adapter_shapes(weights, expected)
+    check_adapter_shapes(weights, expected)
     for name, shape in expected.items():
         weight = weights.get(name)
         if weight is None:
@@ -298,9 +300,10 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> None:
             raise ValueError(f"{name}: scale of shape {list(weight.scale.shape)}, the model needs {[shape[0]]}")
         if isinstance(weight, GroupQuantized):
             weight.check_scale(name)
+    return expected
 
 
-def _check_adapter_shapes(weights: dict[str, Linear], expected: dict[str, tuple[int, ...]]) -> None:
+def check_adapter_shapes(weights: dict[str, Linear], expected: dict[str, tuple[int, ...]]) -> None:
     """Every LoRA tensor sits on a decoder linear, comes with its two partners, and fits it: A (r, in), B (out, r),
     scaling (1,), all float. Each adapted linear is checked once (an adapter version holds ~170 such tensors)."""
     suffixes = (LORA_A, LORA_B, LORA_SCALING)

@@ -15,12 +15,20 @@ from collections.abc import Iterator
 
 import torch
 
+from quant_sync.export import LORA_A, LORA_B, LORA_SCALING
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight
 from quant_sync.update import WeightUpdate
-from rollout_workers.embedded.model import ArchConfig, ModelWeights, check_weight_shapes, required_weight_names
+from rollout_workers.embedded.model import (
+    ArchConfig,
+    ModelWeights,
+    check_adapter_shapes,
+    check_weight_shapes,
+    required_weight_names,
+)
 from rollout_workers.embedded.weight_only import GroupQuantized
 
 SCALE_SUFFIX = "_scale"
+ADAPTER_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING)
 
 
 def build_weight_map(update: WeightUpdate) -> dict[str, torch.Tensor | QuantizedWeight | GroupQuantized]:
@@ -49,6 +57,8 @@ class StagedVersions:
         self._staged: tuple[int, dict] | None = None
         self._building: tuple[int, Iterator[ModelWeights | None]] | None = None
         self._build_s = 0.0
+        self._base: tuple[list[tuple[str, torch.Tensor, int]], dict, dict[str, tuple[int, ...]]] | None = None
+        """The base of the last LoRA version fully checked (`_remember_base`)."""
         self.last_build_s = 0.0
         """Decode-thread time the last completed build took (summed over its slices)."""
 
@@ -58,17 +68,49 @@ class StagedVersions:
 
     def stage(self, update: WeightUpdate) -> None:
         """Check `update` against the model (KeyError / ValueError naming the weight) and stage it if newer."""
-        weight_map = build_weight_map(update)
-        missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
-        if missing:
-            raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
         try:
-            check_weight_shapes(self.arch, weight_map)
+            weight_map = self._on_checked_base(update)
+            if weight_map is None:
+                weight_map = build_weight_map(update)
+                missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
+                if missing:
+                    raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
+                expected = check_weight_shapes(self.arch, weight_map)
+                self._remember_base(update, weight_map, expected)
         except ValueError as err:
             raise ValueError(f"version {update.version} does not fit the model: {err}") from None
         with self._lock:
             if self._staged is None or update.version > self._staged[0]:
                 self._staged = (update.version, weight_map)
+
+    def _remember_base(self, update: WeightUpdate, weight_map: dict, expected: dict[str, tuple[int, ...]]) -> None:
+        """After a LoRA version passed the full check: its base (every tensor but the adapters, as objects, with
+        their in-place version counters), that part of its weight map, and the shapes the model needs."""
+        if not any(name.endswith(LORA_A) for name in update.tensors):
+            self._base = None
+            return
+        entries = [(name, tensor, tensor._version) for name, tensor in update.tensors.items()
+                   if not name.endswith(ADAPTER_SUFFIXES)]  # fmt: skip
+        base_map = {name: value for name, value in weight_map.items() if not name.endswith(ADAPTER_SUFFIXES)}
+        self._base = (entries, base_map, expected)
+
+    def _on_checked_base(self, update: WeightUpdate) -> dict | None:
+        """The weight map of an adapter version on the base the last LoRA version was checked with (the very same
+        tensors, unchanged, and nothing else but adapters): that base's map and only the adapters checked (an
+        adapter-only version arrives every train step). None for any other version (the full check runs)."""
+        if self._base is None:
+            return None
+        entries, base_map, expected = self._base
+        tensors = update.tensors
+        adapters = {name: tensor for name, tensor in tensors.items() if name.endswith(ADAPTER_SUFFIXES)}
+        if not adapters or len(tensors) - len(adapters) != len(entries):
+            return None
+        for name, tensor, version in entries:
+            if tensors.get(name) is not tensor or tensor._version != version:
+                return None
+        weight_map = {**base_map, **{name: tensor.to(torch.float32) for name, tensor in adapters.items()}}
+        check_adapter_shapes(weight_map, expected)
+        return weight_map
 
     def advance(self, running_version: int, budget_s: float) -> tuple[int, ModelWeights] | None:
         """Build the staged version for up to `budget_s` seconds; (version, weights) once complete, else None. A

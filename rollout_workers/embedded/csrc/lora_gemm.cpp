@@ -5,6 +5,8 @@
 // bt_i is member i's B^T (rank_i, n_i), unscaled, in panels of 32 columns (the subscriber decodes them so:
 // quant_sync/adapter_buffers.py); s_i multiplies each output tile once, as peft scales its output (not B).
 // Plain C ABI for ctypes. lr_apply returns 0 when done, -1 when this CPU lacks AVX-512F (the caller's torch path).
+// lr_dequantize_rows and lr_dequantize_panels decode an int8 adapter version into those float32 layouts in one pass
+// (any x86-64 CPU): each value is float(q) * s, one rounding, bit for bit torch's `q.float() * s`.
 #include <cstdint>
 #include <immintrin.h>
 
@@ -83,11 +85,101 @@ __attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, con
     }
 }
 
+// out[i, c] = float(q[i, c]) * s[i] for i < rows, c < cols (row-major, contiguous).
+void dequantize_rows(const int8_t* q, const float* s, int64_t rows, int64_t cols, float* out) {
+    for (int64_t i = 0; i < rows; ++i) {
+        const float si = s[i];
+        const int8_t* qi = q + i * cols;
+        float* oi = out + i * cols;
+        for (int64_t c = 0; c < cols; ++c) oi[c] = static_cast<float>(qi[c]) * si;
+    }
+}
+
+__attribute__((target("avx512f"))) void dequantize_rows_avx512(const int8_t* q, const float* s, int64_t rows,
+                                                              int64_t cols, float* out) {
+    for (int64_t i = 0; i < rows; ++i) {
+        const __m512 sv = _mm512_set1_ps(s[i]);
+        const int8_t* qi = q + i * cols;
+        float* oi = out + i * cols;
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qi + c)));
+            _mm512_storeu_ps(oi + c, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), sv));
+        }
+        for (; c < cols; ++c) oi[c] = static_cast<float>(qi[c]) * s[i];
+    }
+}
+
+// panels (count, ceil(n / 32), rank, 32) from count B^T matrices q (rank, n) and their scales s (count * rank,).
+template <bool AVX512>
+void dequantize_panels(const int8_t* q, const float* s, int64_t count, int64_t rank, int64_t n, float* panels);
+
+template <>
+void dequantize_panels<false>(const int8_t* q, const float* s, int64_t count, int64_t rank, int64_t n, float* panels) {
+    const int64_t n_panels = (n + 31) / 32;
+    for (int64_t m = 0; m < count; ++m) {
+        for (int64_t t = 0; t < n_panels; ++t) {
+            const int64_t c0 = t * 32, width = n - c0 < 32 ? n - c0 : 32;
+            float* panel = panels + (m * n_panels + t) * rank * 32;
+            for (int64_t j = 0; j < rank; ++j) {
+                const float sj = s[m * rank + j];
+                const int8_t* qj = q + (m * rank + j) * n + c0;
+                float* pj = panel + j * 32;
+                for (int64_t c = 0; c < width; ++c) pj[c] = static_cast<float>(qj[c]) * sj;
+                for (int64_t c = width; c < 32; ++c) pj[c] = 0.0f;
+            }
+        }
+    }
+}
+
+template <>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dequantize_panels<true>(const int8_t* q, const float* s, int64_t count,
+                                                               int64_t rank, int64_t n, float* panels) {
+    const int64_t n_panels = (n + 31) / 32;
+    for (int64_t m = 0; m < count; ++m) {
+        for (int64_t t = 0; t < n_panels; ++t) {
+            const int64_t c0 = t * 32, width = n - c0 < 32 ? n - c0 : 32;
+            const __mmask16 m0 = width >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << width) - 1u);
+            const __mmask16 m1 = width >= 32 ? (__mmask16)0xFFFF : width <= 16 ? (__mmask16)0 : (__mmask16)((1u << (width - 16)) - 1u);
+            float* panel = panels + (m * n_panels + t) * rank * 32;
+            for (int64_t j = 0; j < rank; ++j) {
+                const __m512 sv = _mm512_set1_ps(s[m * rank + j]);
+                const int8_t* qj = q + (m * rank + j) * n + c0;
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, qj)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, qj + 16)));
+                _mm512_storeu_ps(panel + j * 32, _mm512_maskz_mul_ps(m0, lo, sv));  // zeros past n
+                _mm512_storeu_ps(panel + j * 32 + 16, _mm512_maskz_mul_ps(m1, hi, sv));
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
-int lr_abi_version(void) { return 2; }
+int lr_abi_version(void) { return 3; }
+
+// q (rows, cols) int8, s (rows,) float32 -> out (rows, cols) float32: A (count * r, in), or B^T (count * r, out).
+// avx512: 1 lets it use AVX-512F where the CPU has it, 0 runs the portable loop (ASYNCRL_ISA_CAP, tests).
+void lr_dequantize_rows(const int8_t* q, const float* s, int64_t rows, int64_t cols, float* out, int avx512) {
+    if (avx512 && has_avx512f()) {
+        dequantize_rows_avx512(q, s, rows, cols, out);
+        return;
+    }
+    dequantize_rows(q, s, rows, cols, out);
+}
+
+// q: count B^T matrices (rank, n) int8 back to back, s (count * rank,) -> panels (count, ceil(n / 32), rank, 32)
+// float32: panel t of matrix m holds columns 32t..32t+31 of its rows (the last one zero past n).
+void lr_dequantize_panels(const int8_t* q, const float* s, int64_t count, int64_t rank, int64_t n, float* panels,
+                          int avx512) {
+    if (avx512 && has_avx512f() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+        dequantize_panels<true>(q, s, count, rank, n, panels);  // masked byte loads: AVX512BW + VL
+        return;
+    }
+    dequantize_panels<false>(q, s, count, rank, n, panels);
+}
 
 int lr_has_avx512f(void) { return has_avx512f() ? 1 : 0; }
 

@@ -74,6 +74,7 @@ def test_the_default_threads_policy_measures_both_counts_when_the_learner_is_the
     from learner.threads import TRIAL_STEPS, WARMUP_STEPS
 
     monkeypatch.setattr(threads_module, "CLEAR_RATIO", float("inf"))  # the whole trial, whatever this machine's load
+    monkeypatch.setattr(threads_module, "TINY_PARAMS", 0)  # the built-in model would keep one thread with no trial
     learner = _learner("learner.threads=1", "learner.threads_max=2")  # threads_policy: measured by default
     learner.client.stats = lambda: pytest.fail("the measured policy asks the buffer nothing")
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.threads import RECHECK_STEPS, SPLIT_PARAMS, TRIAL_STEPS, WARMUP_STEPS, ThreadsPolicy
+from learner.threads import RECHECK_STEPS, SPLIT_PARAMS, TINY_PARAMS, TRIAL_STEPS, WARMUP_STEPS, ThreadsPolicy
 
 
 def _run(policy: ThreadsPolicy, steps: range, loop_s: dict[int, float], learner_bound: bool = True) -> list[int]:
@@ -118,3 +118,12 @@ def test_a_bad_policy_is_refused_naming_the_key():
         ThreadsPolicy("auto", low=1, high=2)
     with pytest.raises(ConfigError, match="threads_policy"):
         load_config(None, ["learner.threads_policy=auto"])
+
+
+def test_a_tiny_model_keeps_the_low_count_without_a_trial_unless_synchronous():
+    tiny = ThreadsPolicy("measured", low=1, high=2, parameters=TINY_PARAMS - 1)
+    counts = [tiny.threads(step, learner_bound=True) for step in range(WARMUP_STEPS + 3 * RECHECK_STEPS)]
+    assert counts == [1] * len(counts) and not tiny.trial
+    unknown = ThreadsPolicy("measured", low=1, high=2)  # no parameter count: the trial runs
+    assert _run(unknown, range(WARMUP_STEPS + 2), {1: 0.2, 2: 0.3})[-2:] == [1, 2]
+    assert ThreadsPolicy("measured", low=1, high=2, parameters=1000, synchronous=True).threads(5) == 2
