@@ -44,6 +44,7 @@ from asyncrl.supervise import BufferSupervisor, WorkerPool
 from asyncrl.watchdog import RunFailed, Watchdog, actor_death, failure
 from common import actors
 from common.config import Config, live_update, to_dict
+from common.config_rules import worker_cpu_priority
 from learner.sections import LearnerSections
 from rollout_workers.reward_pool import RewardMetrics
 from rollout_workers.sections import WorkerSections
@@ -242,6 +243,8 @@ def _train(
     # Each part is given its own config sections: the root's very objects, so a live change applied to one shows in cfg
     learner = LearnerGroup(LearnerSections.pick(cfg), cfg.ray, model_dir, buffer_endpoint, resume_dir, start_step)
     # Workers start up (imports, tokenizer, engine) while the learner does; they subscribe once it has published.
+    # `rollout.cpu_priority=auto` is resolved here: a worker built outside a run (auto left as is) keeps its priority
+    cfg.rollout.cpu_priority = worker_cpu_priority(cfg.rollout, cfg.staleness)
     worker_sections, weights_endpoint = WorkerSections.pick(cfg), learner.weights_endpoint_ref()
     pool = WorkerPool(worker_sections, cfg.ray, model_dir, buffer_endpoint, weights_endpoint, logger.event)
     evaluator = Evaluator(cfg, learner, model_dir, buffer_endpoint, weights_endpoint)  # started at its first use

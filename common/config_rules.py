@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from common.config_checks import ConfigError, check_section, is_loopback
-from common.config_schema import AlgoConfig, Config, LearnerConfig, QuantConfig, RolloutConfig
+from common.config_schema import AlgoConfig, Config, LearnerConfig, QuantConfig, RolloutConfig, StalenessConfig
 
 SIMULATED_SCHEMES = ("fp8_trunc", "w4a16", "w8a16")
 """Quantization schemes only the embedded engine simulates; SGLang serves int8 or fp8."""
@@ -28,6 +28,16 @@ def head_quantized(quant: QuantConfig, rollout: RolloutConfig) -> bool:
     if quant.lm_head == "quantized":
         return True
     return rollout.backend == "embedded" and quant.scheme in W8A8_SCHEMES
+
+
+def worker_cpu_priority(rollout: RolloutConfig, staleness: StalenessConfig) -> str:
+    """`rollout.cpu_priority` resolved: `auto` is `idle` for an asynchronous run (`staleness.max_lag > 0`) of the
+    embedded engine on the CPU, whose workers share the cores with the learner, else `normal` (a synchronous run's
+    workers generate while the learner waits, so it takes nothing from them)."""
+    if rollout.cpu_priority != "auto":
+        return rollout.cpu_priority
+    on_cpu = rollout.backend == "embedded" and rollout.device == "cpu"
+    return "idle" if on_cpu and staleness.max_lag > 0 else "normal"
 
 
 def lora_base(learner: LearnerConfig, quant: QuantConfig) -> str:

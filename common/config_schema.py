@@ -42,6 +42,8 @@ SCHEDULES = ("constant", "cosine", "length_decay")
 BACKENDS = ("embedded", "sglang")
 TASKS = ("arith", "arith_tool", "jsonl", "dataset")
 SWAP_MODES = ("in_place", "retract")
+CPU_PRIORITIES = ("auto", "normal", "idle")
+"""`rollout.cpu_priority`: how an embedded CPU worker's threads are scheduled."""
 ACRL_X_MODES = ("first_batch", "ema")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder-block linears a LoRA adapter may sit on (`model.lora.targets`)."""
@@ -209,6 +211,12 @@ class RolloutConfig:
     """How a new weight version enters in-flight sequences: `in_place` keeps their KV, `retract` recomputes it."""
     threads: int = in_range(1, default=1)
     """torch intra-op threads per rollout worker."""
+    cpu_priority: str = one_of(CPU_PRIORITIES, default="auto")
+    """OS scheduling of an embedded CPU worker's threads: `idle` (Linux SCHED_IDLE: it runs on the cycles nothing
+    else wants, so the learner on the same cores keeps them and generation fills its gaps), `normal`, or `auto`:
+    `idle` for an asynchronous run (`staleness.max_lag > 0`) of the embedded engine on the CPU, else `normal`
+    (`common.config_rules.worker_cpu_priority`, resolved by the driver; a worker built outside a run with `auto`
+    keeps normal priority)."""
     max_batch: int = in_range(1, default=256)
     """Sequences one embedded engine decodes together (its KV-cache slots; the cache grows to this on demand)."""
     max_seq_len: int = in_range(2, default=2048)

@@ -31,6 +31,7 @@ import numpy as np
 from buffer.client import BufferClient, BufferRequestError, BufferUnavailable, Heartbeat
 from common.curve import client_keys
 from common.wire import PromptLease, Trajectory
+from rollout_workers.cpu_priority import lower_to_idle
 from rollout_workers.sections import WorkerSections
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class RolloutWorker:
 
         self.sections = WorkerSections.load(section_values)
         rollout = self.sections.rollout
+        if rollout.cpu_priority == "idle":  # as the driver resolved `auto`: the learner's cores stay the learner's
+            lower_to_idle()
         torch.set_num_threads(rollout.threads)
         self.worker_id = worker_id
         self.source = make_source(self.sections.data)
