@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         print_table(result)
         if args.json_path:
             write_json(result, args.json_path)
+        errors = result.details.get("fairness_errors")
+        if errors:  # bench e2e: a contender did not see the shared prompts or reward; its figures are not comparable
+            print(f"asyncrl: bench {args.name}: fairness check failed: {'; '.join(errors)}", file=sys.stderr)
+            return 1
         return 0
     return 2
 

@@ -183,13 +183,16 @@ def _run_all(workloads: list[Workload], seeds: dict[str, int], work: Path, quick
     return runs
 
 
-def _check_and_evaluate(workloads: list[Workload], runs: dict[str, list[Run]], work: Path) -> dict[str, float]:
-    """The fairness check of every run, then the shared held-out evaluation of every final model."""
+def _check_and_evaluate(
+    workloads: list[Workload], runs: dict[str, list[Run]], work: Path, fairness_errors: list[str]
+) -> dict[str, float]:
+    """The fairness check of every run (a failure's message appended to `fairness_errors`, its contender's
+    `_samples_checked` nan), then the shared held-out evaluation of every final model."""
     import json
 
     from transformers import AutoTokenizer
 
-    from asyncrl.bench.e2e_fairness import check_run
+    from asyncrl.bench.e2e_fairness import FairnessError, check_run
 
     checked: dict[str, float] = {}
     for workload in workloads:
@@ -197,9 +200,13 @@ def _check_and_evaluate(workloads: list[Workload], runs: dict[str, list[Run]], w
         data = data_config(overrides=workload.overrides)
         rows = [json.loads(line) for line in (work / f"{workload.name}_prompts.jsonl").read_text().splitlines()]
         for key in [k for k in runs if k.startswith(f"{workload.name}_")]:
-            checked[f"{key}_samples_checked"] = float(
-                sum(check_run(run, workload, rows, data, tokenizer) for run in runs[key])
-            )
+            try:
+                checked[f"{key}_samples_checked"] = float(
+                    sum(check_run(run, workload, rows, data, tokenizer) for run in runs[key])
+                )
+            except FairnessError as err:  # the figures are kept (and written), the failure with them
+                checked[f"{key}_samples_checked"] = math.nan
+                fairness_errors.append(str(err))
             for run in runs[key]:
                 if workload.learns and run.final_dir:
                     _evaluate(run, workload, data)
@@ -262,14 +269,18 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
     chosen = _workloads(quick, work, names, steps)
     decode_dirs = [workload.model_dir for workload in chosen if workload.name == "decode"]
     decode_params = parameter_count(decode_dirs[0]) if decode_dirs else 0
+    fairness_errors: list[str] = []
     try:
         runs = _run_all(chosen, per_workload, work, quick, only)
-        checked = _check_and_evaluate(chosen, runs, work)
+        checked = _check_and_evaluate(chosen, runs, work, fairness_errors)
     finally:
         for model_dir in decode_dirs:
             shutil.rmtree(model_dir, ignore_errors=True)  # 400 MB of random weights
     seeds_run = {workload.name: per_workload[workload.name] for workload in chosen}
-    return _result(chosen, runs, checked, decode_params, seeds_run, work)
+    result = _result(chosen, runs, checked, decode_params, seeds_run, work)
+    if fairness_errors:  # the CLI writes the JSON, then fails naming them: these figures compare nothing
+        result.details["fairness_errors"] = fairness_errors
+    return result
 
 
 def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict[str, float], decode_params: int,

@@ -202,3 +202,23 @@ def test_generated_per_trained_is_asyncrls_own_config_on_the_builtin_workload() 
     written = ratios({key: run_figures(run) for key, run in runs.items()}, math.nan)
     assert written["generated_per_trained"] == pytest.approx(851.2 / 640)
     assert math.isnan(ratios({"builtin_async": run_figures(runs["builtin_async"])}, math.nan)["generated_per_trained"])
+
+
+def test_a_failed_fairness_check_still_writes_the_json_and_exits_nonzero(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The bench's figures are kept on disk with the failure named in them; the command fails."""
+    import asyncrl.bench as bench_module
+    from asyncrl.bench import BenchResult
+    from asyncrl.cli import main
+
+    failed = BenchResult(
+        "e2e",
+        {"builtin_async_samples_checked": math.nan},
+        {"e2e_launch_vs_trl": 0.8},
+        {"fairness_errors": ["builtin/async/seed 0: step 1 trained other problems than 16.."]},
+    )
+    monkeypatch.setattr(bench_module, "resolve", lambda name: lambda quick, **options: failed)
+    path = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", "--quick", "--json", str(path)]) == 1
+    written = json.loads(path.read_text())
+    assert written["ratios"] == {"e2e_launch_vs_trl": 0.8} and written["details"]["fairness_errors"]
+    assert "fairness check failed: builtin/async/seed 0" in capsys.readouterr().err
