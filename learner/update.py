@@ -374,17 +374,13 @@ def minibatch_backward(
         raise ValueError("minibatch_backward: rows without a backward need one rank (FSDP2's ranks run alike)")
     plan, count = _plan(model, batch, rows[0], grad_end, sections.learner, ranks) if grad_end > rows[0] else ([], 0)
     budget = micro_batch_budget(sections.learner.micro_batch_tokens, model)
-    forward_only = micro_batches(batch, grad_end, rows[1], budget, sections.learner.share_prefix)
+    padding = (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)  # a rank short of micro-batches
+    passes = [(bounds, True, False) for bounds in plan] + [(padding, False, False)] * (count - len(plan))
+    passes += [(bounds, True, True) for bounds in micro_batches(batch, grad_end, rows[1], budget,
+                                                                sections.learner.share_prefix)]  # fmt: skip
     loss_sum = torch.zeros(())
     metric_sums: dict[str, float] = {}
-    for i in range(count + len(forward_only)):
-        real = i < len(plan) or i >= count
-        no_grad = i >= count
-        lo, hi = (
-            forward_only[i - count] if no_grad
-            else plan[i] if real
-            else (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)
-        )  # fmt: skip
+    for (lo, hi), real, no_grad in passes:  # real: rows of the minibatch; no_grad: forward-only rows
         micro = batch.select(lo, hi)
         entropy_grad = entropy_with_grad(loss_cfg.entropy_coef > 0)  # the entropy bonus needs H's gradient
         grad_mode = torch.no_grad() if no_grad else contextlib.nullcontext()

@@ -121,20 +121,22 @@ class Dequantizer(Protocol):
     def panels(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
-_NATIVE: dict[str, Any] = {"provider": None, "dequantizer": None}
+_NATIVE: dict[str, Any] = {"provider": None}
+"""`provider`: what `use_native` was given; `dequantizer`: its answer, once asked."""
 
 
 def use_native(provider: Callable[[], Dequantizer | None] | None) -> None:
     """Decode through `provider()`'s dequantizer, asked once, at the first packed version (None: torch's two passes).
     The rollout worker's engine sets it: the library lives with the engine's kernels, beside this module's users."""
-    _NATIVE.update(provider=provider, dequantizer=None)
+    _NATIVE.clear()
+    _NATIVE["provider"] = provider
 
 
 def _dequantizer() -> Dequantizer | None:
-    provider = _NATIVE["provider"]
-    if provider is not None and _NATIVE["dequantizer"] is None:
-        _NATIVE["dequantizer"] = provider() or False  # False: asked, none here
-    return _NATIVE["dequantizer"] or None
+    if "dequantizer" not in _NATIVE:
+        provider = _NATIVE["provider"]
+        _NATIVE["dequantizer"] = None if provider is None else provider()
+    return _NATIVE["dequantizer"]
 
 
 def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
