@@ -23,7 +23,9 @@ held-out split scored by the math reward and by a last-number check. It download
 decode model, the smol workload with a tiny random model (no download), and on the built-in and smol workloads only
 the contenders the ratios need (TRL, asyncrl asynchronous); `steps` sets every workload's steps, `contenders`
 keeps only the named ones. The figures and the bound are defined in `asyncrl.bench.e2e_metrics`; the ratios carry
-the issues' names (`e2e_metrics.RATIO_NAMES`, `SMOL_RATIO_NAMES`), those of the workloads that ran.
+the issues' names (`e2e_metrics.RATIO_NAMES`, `SMOL_RATIO_NAMES`), those of the workloads that ran. On the decode
+workload the fp32 floor of a training step and the ceilings it sets (`asyncrl.bench.e2e_floor`) are measured after
+the runs, on the idle cores.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from typing import Any
 
 from asyncrl.bench import BenchResult
 from asyncrl.bench import e2e_metrics as figures_of
+from asyncrl.bench.e2e_floor import ceilings as floor_ceilings
+from asyncrl.bench.e2e_floor import decode_floor
 from asyncrl.bench.e2e_runs import ASYNCRL_CONTENDERS, CONTENDERS, Run, load_asyncrl_config, run_asyncrl, run_trl
 from asyncrl.bench.e2e_workloads import (
     FULL_DECODE_SHAPE,
@@ -270,14 +274,19 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
     decode_dirs = [workload.model_dir for workload in chosen if workload.name == "decode"]
     decode_params = parameter_count(decode_dirs[0]) if decode_dirs else 0
     fairness_errors: list[str] = []
+    floor: dict[str, float] = {}
     try:
         runs = _run_all(chosen, per_workload, work, quick, only)
         checked = _check_and_evaluate(chosen, runs, work, fairness_errors)
+        for workload in chosen:  # after the runs: the cores are idle again, the model directory still there
+            if workload.name == "decode":
+                floor = decode_floor(workload.model_dir, work / "decode_prompts.jsonl", workload.samples_per_step,
+                                     workload.max_new_tokens)  # fmt: skip
     finally:
         for model_dir in decode_dirs:
             shutil.rmtree(model_dir, ignore_errors=True)  # 400 MB of random weights
     seeds_run = {workload.name: per_workload[workload.name] for workload in chosen}
-    result = _result(chosen, runs, checked, decode_params, seeds_run, work)
+    result = _result(chosen, runs, {**checked, **floor}, decode_params, seeds_run, work)
     if fairness_errors:  # the CLI writes the JSON, then fails naming them: these figures compare nothing
         result.details["fairness_errors"] = fairness_errors
     return result
@@ -300,6 +309,9 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
         trl_step_s = figures.get("decode_trl", {}).get("steady_step_s", math.nan)
         metrics.update(decode_params=float(decode_params), decode_bound_step_s=bound_s,
                        decode_bound_vs_trl_samples_s=trl_step_s / bound_s)  # fmt: skip
+        if "decode_train_floor_s" in metrics:
+            gen_core_s = runs["decode_sync"][0].gen_core_s_per_sample * decode.samples_per_step
+            metrics.update(floor_ceilings(metrics, bound_s, gen_core_s, cores))
     ratios = figures_of.ratios(figures, bound_s)
     learning = {workload.name for workload in workloads if workload.learns}
     details = {
