@@ -167,13 +167,22 @@ def acrl_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
     mask = inputs.mask.bool()
     log_w = torch.where(mask, inputs.prox_logp - inputs.behav_logp, 0.0).detach()  # (B, T) log(pi / mu)
     rho = (alpha[:, None] * log_w).exp()  # (B, T) eq. 8
+    truncated = ((rho > cfg.cap) & mask).sum(-1) / mask.sum(-1).clamp_min(1)  # (B,) share of each row's tokens
     metrics = {
         "acrl/x": x,
-        "acrl/y_mean": float(group_y[inputs.group_index.unique()].mean()),
-        "acrl/alpha_mean": float(alpha.mean()),
-        "acrl/rho_trunc": float(((rho > cfg.cap) & mask).sum() / mask.sum().clamp_min(1)),
+        "acrl/y_mean": loss_share_mean(y, inputs.mask, cfg),
+        "acrl/alpha_mean": loss_share_mean(alpha, inputs.mask, cfg),
+        "acrl/rho_trunc": loss_share_mean(truncated, inputs.mask, cfg),
     }
     return TokenWeight(torch.clamp(rho, max=cfg.cap), metrics)
+
+
+def loss_share_mean(per_row: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> float:
+    """The mean of a per-response figure (B,) weighted as the loss weighs the rows: by tokens with `token_mean`, else
+    one per response (`losses.loss_normalizer`). Micro-batches combine their metrics by that same share, so the
+    step's figure is the whole batch's, however it was split."""
+    weights = mask.sum(-1) if cfg.agg == "token_mean" else torch.ones_like(per_row)
+    return float((per_row.float() * weights).sum() / weights.sum().clamp_min(1e-30))
 
 
 # ---- sequence level -------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from common.config import WEIGHTINGS, LossConfig
 from learner import weightings
 from learner.losses import LossInputs, advantages, aggregate, loss_normalizer, mismatch_metrics, policy_loss
+from learner.weightings import group_discrepancy
 
 
 def one_token(lb: float, lp: float, lc: float, adv: float) -> LossInputs:
@@ -413,3 +414,30 @@ def test_a_nan_log_prob_is_never_masked_away_it_fails_the_step(weighting):
     inputs = seq_inputs([[math.nan, lp]], [[lp, lp]], [[lp + 0.05, lp]], [1.0])
     out = policy_loss(inputs, LossConfig(weighting=weighting, cap=2.0))
     assert math.isnan(float(out.loss.detach()))
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_acrl_metrics_of_micro_batches_combine_to_the_whole_batchs(agg):
+    # 6 responses of uneven lengths in 3 groups; the step combines micro-batch metrics by each one's loss share
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.arange(5)[None, :] < torch.tensor([5, 2, 4, 1, 3, 5])[:, None]).float()
+    behav = -torch.rand(6, 5, generator=gen) - 0.1
+    prox = behav + 0.3 * torch.randn(6, 5, generator=gen)
+    group_index = torch.tensor([0, 0, 1, 1, 2, 2])
+    group_y = group_discrepancy(behav, prox, mask, group_index)
+    cfg = LossConfig(weighting="acrl", cap=1.5, agg=agg)
+
+    def part(rows: slice) -> LossInputs:
+        return LossInputs(behav_logp=behav[rows], prox_logp=prox[rows], cur_logp=prox[rows].clone(),
+                          advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[rows], mask=mask[rows],
+                          max_len=5, group_index=group_index[rows], acrl_x=0.05, acrl_y=group_y)  # fmt: skip
+
+    whole = policy_loss(part(slice(0, 6)), cfg).metrics
+    splits = [slice(0, 1), slice(1, 4), slice(4, 6)]
+    total = sum(loss_normalizer(mask[rows], cfg) for rows in splits)
+    for key in ("acrl/y_mean", "acrl/alpha_mean", "acrl/rho_trunc"):
+        combined = sum(
+            policy_loss(part(rows), cfg).metrics[key] * loss_normalizer(mask[rows], cfg) / total for rows in splits
+        )
+        assert combined == pytest.approx(whole[key], rel=1e-6, abs=1e-7), key
+    assert 0.0 < whole["acrl/rho_trunc"] < 1.0  # the truncation share is exercised, not trivially 0 or 1
