@@ -32,6 +32,10 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
   `stage_weights`), `..._swap_step_cpu_median_s` (the decode step that swapped the version in, its build included)
   against `..._steady_step_cpu_median_s`; `<phase>_tok_per_cpu_s_ratio_worst_worker` is tokens per CPU second of
   the worker process during sync over steady (the ratio above without the other processes' share of the cores).
+  Where a worker's extra CPU goes, per version (means over the workers): `<phase>_decode_thread_cpu_per_version_s`,
+  the decode thread's CPU during sync beyond what the same tokens took it in the steady phase (builds, swaps, and
+  steps slowed by them), and `<phase>_other_threads_cpu_per_version_s`, the same for the process's other threads
+  (the subscriber's fetch, decode and stage, ZMQ's I/O thread).
 
 Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
 workers for the cores, which is part of what is measured.
@@ -159,7 +163,11 @@ def _measure(
         publisher.close()
         inbox.close(0)
     steady_rate, sync_rate, gap_ratio, steady_gap_ratio, cpu_ratio, steady_step_cpu = [], [], [], [], [], []
-    for worker_stamps, worker_tokens, worker_cpu in stamps:
+    extra_cpu = [
+        _extra_cpu_per_version(*worker, (steady_start, steady_start + steady_s), (sync_start, sync_end), len(latencies))
+        for worker in stamps
+    ]
+    for worker_stamps, worker_tokens, worker_cpu, _ in stamps:
         steady_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, steady_start, steady_start + steady_s)
         sync_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, sync_start, sync_end)
         cpu_ratio.append(sync_cpu / max(steady_cpu, 1e-9))
@@ -191,6 +199,8 @@ def _measure(
         f"{name}_worker_steady_step_cpu_median_s": statistics.median(steady_step_cpu),
         # tokens per CPU second of the worker process (all its threads) during sync over steady (worst worker)
         f"{name}_tok_per_cpu_s_ratio_worst_worker": min(cpu_ratio),
+        f"{name}_decode_thread_cpu_per_version_s": statistics.fmean(decode for decode, _ in extra_cpu),
+        f"{name}_other_threads_cpu_per_version_s": statistics.fmean(other for _, other in extra_cpu),
     }
 
 
@@ -244,14 +254,42 @@ def _next(inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]
 
 def _collect_stamps(
     inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]
-) -> list[tuple[list[float], list[int], list[float]]]:
-    """Each worker's step stamps, tokens and process CPU seconds, from the `done` report it sends when terminated."""
+) -> list[tuple[list[float], list[int], list[float], list[float]]]:
+    """Each worker's step stamps, tokens, process CPU seconds and decode-thread CPU seconds, from the `done` report
+    it sends when terminated."""
     done = {e["worker"]: e for e in events if e["event"] == "done"}
     while len(done) < 2:
         event = _next(inbox, events, workers)
         if event["event"] == "done":
             done[event["worker"]] = event
-    return [(done[w]["stamps"], done[w]["tokens"], done[w]["cpu"]) for w in sorted(done)]
+    return [(done[w]["stamps"], done[w]["tokens"], done[w]["cpu"], done[w]["decode_cpu"]) for w in sorted(done)]
+
+
+def _extra_cpu_per_version(
+    stamps: list[float],
+    tokens: list[int],
+    cpu: list[float],
+    decode_cpu: list[float],
+    steady: tuple[float, float],
+    sync: tuple[float, float],
+    versions: int,
+) -> tuple[float, float]:
+    """(decode thread, other threads): CPU seconds per version the sync window took beyond the steady window's CPU
+    per token for the same tokens."""
+
+    def window(start: float, end: float) -> tuple[int, float, float]:
+        inside = [i for i, t in enumerate(stamps) if start <= t <= end and i > 0]
+        if not inside:
+            return 0, 0.0, 0.0
+        first, last = inside[0] - 1, inside[-1]
+        process, decode = cpu[last] - cpu[first], decode_cpu[last] - decode_cpu[first]
+        return sum(tokens[i] for i in inside), decode, process - decode
+
+    steady_tokens, steady_decode, steady_other = window(*steady)
+    sync_tokens, sync_decode, sync_other = window(*sync)
+    scale = sync_tokens / max(steady_tokens, 1)
+    per = max(versions, 1)
+    return (sync_decode - steady_decode * scale) / per, (sync_other - steady_other * scale) / per
 
 
 def _per_cpu_second(stamps: list[float], tokens: list[int], cpu: list[float], start: float, end: float) -> float:

@@ -14,9 +14,10 @@ the bench over a ZMQ PUSH socket with msgpack messages:
                                                         CPU seconds of the fetch, of `stage_weights` and of that
                                                         first step, build included)
     {"event": "done", "worker", "stamps", "tokens",     on SIGTERM (or at its deadline): every step's end time
-     "cpu"}                                             (time.monotonic()), the tokens decoded in that step, and
+     "cpu", "decode_cpu"}                               (time.monotonic()), the tokens decoded in that step, and
                                                         the process's CPU seconds at its end (time.process_time():
-                                                        every thread, the subscriber's too)
+                                                        every thread, the subscriber's too), and the decode
+                                                        thread's alone (time.thread_time())
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     stamps: list[float] = []
     tokens: list[int] = []
     cpu: list[float] = []
+    decode_cpu: list[float] = []
     for index in range(spec["batch"]):  # staggered lengths: one sequence finishes (and one joins) at a time
         submit(longest // 2 + (index * longest) // (2 * spec["batch"]) + 1)
     report.send(msgpack.packb({"event": "ready", "worker": worker}))
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         stamps.append(time.monotonic())
         tokens.append(active)
         cpu.append(time.process_time())
-        step_cpu = time.thread_time() - step_cpu
+        decode_cpu.append(time.thread_time())
+        step_cpu = decode_cpu[-1] - step_cpu
         for _ in finished:
             submit(longest)
         if engine.version != version:
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                         step_cpu_s=step_cpu)  # fmt: skip
             report.send(msgpack.packb(swap))
     subscriber.close()
-    report.send(msgpack.packb({"event": "done", "worker": worker, "stamps": stamps, "tokens": tokens, "cpu": cpu}))
+    report.send(msgpack.packb({"event": "done", "worker": worker, "stamps": stamps, "tokens": tokens, "cpu": cpu,
+                                "decode_cpu": decode_cpu}))  # fmt: skip
     report.close()
     return 0
 

@@ -1,7 +1,11 @@
-"""`asyncrl bench sync`'s LoRA rows: an adapter-only version against the full INT8 one, through a real publisher."""
+"""`asyncrl bench sync`: its LoRA rows (an adapter-only version against the full INT8 one, through a real publisher),
+and its sync phase with real worker processes."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from transformers import AutoModelForCausalLM
 
 from asyncrl.bench import sync_bench
@@ -29,3 +33,33 @@ def test_the_lora_sync_rows_count_the_adapter_version_against_the_full_int8_one(
     payload = {d: sum(t.nbytes for t in lora_adapter_tensors(state, sync_dtype=d).values()) for d in ("fp32", "int8")}
     assert payload["int8"] < 0.3 * payload["fp32"]  # 1 byte a value plus one float32 scale per rank component
     assert rows["big_full_publish_call_s"] > 0 and rows[f"big_lora{LORA_RANK}_publish_call_s"] > 0
+
+
+def test_extra_cpu_per_version_splits_the_decode_thread_from_the_others():
+    # 10 steps of 8 tokens at 1 s each; steady (steps 1-4): 0.010 s decode + 0.001 s other CPU a step; sync (steps
+    # 5-9): 0.013 s decode + 0.003 s other a step, with 2 versions applied
+    stamps = [float(i) for i in range(10)]
+    tokens = [8] * 10
+    decode_step = [0.010] * 5 + [0.013] * 5
+    other_step = [0.001] * 5 + [0.003] * 5
+    decode_cpu = [sum(decode_step[: i + 1]) for i in range(10)]
+    cpu = [decode_cpu[i] + sum(other_step[: i + 1]) for i in range(10)]
+    decode, other = sync_bench._extra_cpu_per_version(stamps, tokens, cpu, decode_cpu, (0.5, 4.5), (4.5, 9.5), 2)
+    # 5 sync steps, each 0.003 s (decode) and 0.002 s (other) above steady: over 2 versions
+    assert decode == pytest.approx(5 * 0.003 / 2)
+    assert other == pytest.approx(5 * 0.002 / 2)
+
+
+@pytest.mark.slow
+def test_the_quick_sync_phase_reports_every_worker_figure(tmp_path):
+    model_dir = str(resolve_model_path("builtin:tiny", log=lambda *_: None))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    figures = sync_bench._measure("tiny", model, model_dir, quick=True)
+    assert figures["tiny_versions_published"] >= 2
+    assert figures["tiny_steady_tok_per_s"] > 0 and figures["tiny_sync_tok_per_s"] > 0
+    assert figures["tiny_tok_s_ratio_worst_worker"] > 0 and figures["tiny_tok_per_cpu_s_ratio_worst_worker"] > 0
+    assert figures["tiny_publish_latency_median_s"] <= figures["tiny_publish_latency_max_s"]
+    for key in ("decode_thread", "other_threads"):
+        assert math.isfinite(figures[f"tiny_{key}_cpu_per_version_s"]), key
+    # the subscriber's work (fetch, checksums, stage) lands on the other threads: something per version
+    assert figures["tiny_other_threads_cpu_per_version_s"] > 0
