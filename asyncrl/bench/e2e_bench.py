@@ -4,7 +4,9 @@ What a user decides on: given the same model, prompts, reward and batch, which r
 trains more samples per second? Each contender runs as its own process, one after the other, on all the machine's
 cores (`asyncrl.bench.e2e_runs`): TRL `GRPOTrainer` (`asyncrl.bench.e2e_trl`); asyncrl asynchronous (the config's
 `staleness.max_lag`), synchronous (`max_lag=0`) and with fp32 rollout (`quant.scheme=none`), all with dynamic
-sampling off; on the built-in workload also asyncrl's own best config (dynamic sampling on). The contender order
+sampling off; on the built-in workload also asyncrl's own best config (dynamic sampling on) and LoRA (issue 20:
+`configs/dapo_int8_lora.yaml`'s adapters and learning rate, dynamic sampling off; `builtin_lora_vs_async_*` set
+it against full fine-tuning, `e2e_runs.LORA_OVERRIDES`). The contender order
 rotates with the seed so that a noisy neighbour does not always land on the same one.
 
 Pinned for fairness (`asyncrl.bench.e2e_workloads`): the same model directory, the same prompts in the same order
@@ -292,6 +294,19 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
     return result
 
 
+def _lora_vs_full(figures: dict[str, dict[str, float]]) -> dict[str, float]:
+    """LoRA against full fine-tuning on the built-in workload (both asynchronous, dynamic sampling off, same seeds):
+    steady samples/s over full's, and the accuracy differences (LoRA minus full; read them against the `_std`s)."""
+    lora, full = figures.get("builtin_lora"), figures.get("builtin_async")
+    if lora is None or full is None:
+        return {}
+    return {
+        "builtin_lora_vs_async_steady_samples_s": lora["steady_samples_s"] / full["steady_samples_s"],
+        "builtin_lora_minus_async_final_train_acc": lora["final_train_acc_mean"] - full["final_train_acc_mean"],
+        "builtin_lora_minus_async_heldout_acc": lora["heldout_acc_mean"] - full["heldout_acc_mean"],
+    }
+
+
 def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict[str, float], decode_params: int,
             seeds: dict[str, int], work: Path) -> BenchResult:  # fmt: skip
     from asyncrl.bench.e2e_table import print_contenders
@@ -312,6 +327,7 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
         if "decode_train_floor_s" in metrics:
             gen_core_s = runs["decode_sync"][0].gen_core_s_per_sample * decode.samples_per_step
             metrics.update(floor_ceilings(metrics, bound_s, gen_core_s, cores))
+    metrics.update(_lora_vs_full(figures))
     ratios = figures_of.ratios(figures, bound_s)
     learning = {workload.name for workload in workloads if workload.learns}
     details = {

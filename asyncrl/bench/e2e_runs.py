@@ -2,8 +2,10 @@
 
 Contenders (`CONTENDERS`): `trl` (TRL `GRPOTrainer`, `asyncrl.bench.e2e_trl`) and asyncrl's `asyncrl up CONFIG`
 with overrides: `async` (the config as given, dynamic sampling off), `sync` (`staleness.max_lag=0`), `fp32`
-(`quant.scheme=none`: fp32 rollout weights) and `best` (the config as given, dynamic sampling included: asyncrl's
-own best row, not a throughput row).
+(`quant.scheme=none`: fp32 rollout weights), `best` (the config as given, dynamic sampling included: asyncrl's
+own best row, not a throughput row) and `lora` (issue 20's row: `configs/dapo_int8_lora.yaml`'s rank-16 adapters on
+every decoder linear with its learning rate, dynamic sampling off as for `async`; the adapters are merged into
+`final-merged/` for the shared held-out evaluation).
 
 Every run becomes a `Run`: the wall time from launching its process to the end of each step (`StepRow.end_s`),
 the train accuracy of each step's trained batch, the samples and tokens generated, and the phases each contender
@@ -27,11 +29,14 @@ from typing import Any
 from asyncrl.bench.e2e_workloads import Workload
 from common.config import Config, DataConfig
 
+LORA_OVERRIDES = ("model.lora.rank=16", "model.lora.alpha=32.0", "optim.lr=0.0003")
+"""What `configs/dapo_int8_lora.yaml` changes of `configs/dapo_int8.yaml` (a test holds the two together)."""
 ASYNCRL_CONTENDERS: dict[str, tuple[str, ...]] = {
     "async": ("algo.filter_groups=false",),
     "sync": ("algo.filter_groups=false", "staleness.max_lag=0"),
     "fp32": ("algo.filter_groups=false", "quant.scheme=none"),
     "best": (),
+    "lora": ("algo.filter_groups=false", *LORA_OVERRIDES, "checkpoint.merge_lora=true"),
 }
 """asyncrl contenders: the overrides each applies to the config (besides the workload's shape)."""
 CONTENDERS = ("trl", *ASYNCRL_CONTENDERS)
@@ -140,7 +145,7 @@ def run_asyncrl(config_path: str, workload: Workload, contender: str, seed: int,
     config = json.loads((run_dir / "config.json").read_text())
     gen_s = sum(w["gen_seconds"] for w in summary["workers"]) * config["rollout"]["threads"]
     samples = sum(w["samples"] for w in summary["workers"])
-    final = run_dir / "final"
+    final = run_dir / "final-merged" if (run_dir / "final-merged").is_dir() else run_dir / "final"  # LoRA: merged
     return Run(
         workload=workload.name, contender=contender, seed=seed, out_dir=str(run_dir), rows=rows,
         total_generated_samples=float(samples), gen_core_s_per_sample=gen_s / max(samples, 1),

@@ -225,3 +225,23 @@ def test_a_failed_fairness_check_still_writes_the_json_and_exits_nonzero(tmp_pat
     written = json.loads(path.read_text())
     assert written["ratios"] == {"e2e_launch_vs_trl": 0.8} and written["details"]["fairness_errors"]
     assert "fairness check failed: builtin/async/seed 0" in capsys.readouterr().err
+
+
+def test_the_lora_contender_is_configs_dapo_int8_lora_with_dynamic_sampling_off() -> None:
+    from asyncrl.bench.e2e_bench import CONFIG_PATH, _contenders, _lora_vs_full
+    from asyncrl.bench.e2e_runs import ASYNCRL_CONTENDERS, LORA_OVERRIDES
+    from common.config import load_config
+
+    lora_path = CONFIG_PATH.with_name("dapo_int8_lora.yaml")
+    shipped, built = load_config(str(lora_path), []), load_config(str(CONFIG_PATH), list(LORA_OVERRIDES))
+    built.logging.name = shipped.logging.name  # the run's default name follows the config file's
+    assert built == shipped  # the contender runs the shipped LoRA config, nothing else changed
+    assert "algo.filter_groups=false" in ASYNCRL_CONTENDERS["lora"]  # a throughput row, as `async`
+    assert "lora" in _contenders("builtin", False, None) and "lora" not in _contenders("decode", False, None)
+    figures = {key: {"steady_samples_s": s, "final_train_acc_mean": a, "heldout_acc_mean": h}
+               for key, s, a, h in (("builtin_lora", 3.0, 0.9, 0.95), ("builtin_async", 2.0, 0.8, 0.99))}  # fmt: skip
+    out = _lora_vs_full(figures)
+    assert out["builtin_lora_vs_async_steady_samples_s"] == 1.5
+    assert out["builtin_lora_minus_async_final_train_acc"] == pytest.approx(0.1)
+    assert out["builtin_lora_minus_async_heldout_acc"] == pytest.approx(-0.04)
+    assert _lora_vs_full({"builtin_async": figures["builtin_async"]}) == {}
