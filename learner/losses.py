@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import LossConfig
-from learner.weightings import SequenceLevel, TokenLevel, weighting
+from learner.weightings import SequenceLevel, TokenLevel, loss_row_weights, weighting
 from learner.weightings import group_discrepancy as group_discrepancy  # re-exported: learner.update imports it here
 
 
@@ -71,9 +71,7 @@ def loss_normalizer(mask: torch.Tensor, cfg: LossConfig) -> float:
     `policy_loss` of a batch is the normalizer-weighted mean of its parts' losses, which is how micro-batches and
     learner ranks split one minibatch (learner.update).
     """
-    if isinstance(weighting(cfg.weighting), TokenLevel) and cfg.agg == "token_mean":
-        return float(mask.sum())
-    return float(mask.shape[0])
+    return float(loss_row_weights(mask, cfg).sum())
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: torch.Tensor | float):

@@ -177,11 +177,19 @@ def acrl_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
     return TokenWeight(torch.clamp(rho, max=cfg.cap), metrics)
 
 
+def loss_row_weights(mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """How much each row (B,) of this mask (B, T) counts in `policy_loss`'s mean: its tokens for a token-level
+    weighting with `token_mean`, else 1 per response (`losses.loss_normalizer` is their sum)."""
+    if isinstance(weighting(cfg.weighting), TokenLevel) and cfg.agg == "token_mean":
+        return mask.sum(-1)
+    return torch.ones(mask.shape[0], dtype=mask.dtype, device=mask.device)
+
+
 def loss_share_mean(per_row: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> float:
-    """The mean of a per-response figure (B,) weighted as the loss weighs the rows: by tokens with `token_mean`, else
-    one per response (`losses.loss_normalizer`). Micro-batches combine their metrics by that same share, so the
-    step's figure is the whole batch's, however it was split."""
-    weights = mask.sum(-1) if cfg.agg == "token_mean" else torch.ones_like(per_row)
+    """The mean of a per-response figure (B,) weighted as the loss weighs the rows (`loss_row_weights`).
+    Micro-batches combine their metrics by that same share, so the step's figure is the whole batch's, however it
+    was split."""
+    weights = loss_row_weights(mask, cfg)
     return float((per_row.float() * weights).sum() / weights.sum().clamp_min(1e-30))
 
 

@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
+from asyncrl.bench.e2e_workloads import parameter_shapes
+
 GEMM_REPEATS = 3
 """Timed repeats per shape after one warm-up; the best is kept (the floor is what the hardware can do)."""
 
@@ -31,16 +33,9 @@ GEMM_REPEATS = 3
 def linear_parameters(model_dir: str) -> tuple[int, int, int]:
     """(parameters of the decoder's linear layers and the LM head, hidden size, intermediate size) of a HF Llama
     directory (the embedding is a lookup, not a multiply)."""
-    from safetensors import safe_open
-
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    total = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shape = handle.get_slice(name).get_shape()
-                if len(shape) == 2 and "embed_tokens" not in name:
-                    total += math.prod(shape)
+    shapes = parameter_shapes(model_dir).items()
+    total = sum(math.prod(shape) for name, shape in shapes if len(shape) == 2 and "embed_tokens" not in name)
     return total, int(config["hidden_size"]), int(config["intermediate_size"])
 
 

@@ -142,16 +142,21 @@ def save_random_llama(config: Any, tokenizer: Any, target: Path) -> str:
     return str(target)
 
 
-def parameter_count(model_dir: str) -> int:
-    """Parameters stored in the directory's safetensors files."""
+def parameter_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor stored in the directory's safetensors files, by name (nothing is loaded)."""
     from safetensors import safe_open
 
-    total = 0
+    shapes: dict[str, tuple[int, ...]] = {}
     for path in Path(model_dir).glob("*.safetensors"):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                total += math.prod(handle.get_slice(name).get_shape())
-    return total
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def parameter_count(model_dir: str) -> int:
+    """Parameters stored in the directory's safetensors files."""
+    return sum(math.prod(shape) for shape in parameter_shapes(model_dir).values())
 
 
 def heldout_greedy_accuracy(model_dir: str, tokenizer_dir: str, data: DataConfig, max_new_tokens: int) -> float:

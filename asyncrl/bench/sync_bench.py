@@ -278,7 +278,7 @@ def _extra_cpu_per_version(
     per token for the same tokens."""
 
     def window(start: float, end: float) -> tuple[int, float, float]:
-        inside = [i for i, t in enumerate(stamps) if start <= t <= end and i > 0]
+        inside = _steps_in(stamps, start, end)
         if not inside:
             return 0, 0.0, 0.0
         first, last = inside[0] - 1, inside[-1]
@@ -292,16 +292,21 @@ def _extra_cpu_per_version(
     return (sync_decode - steady_decode * scale) / per, (sync_other - steady_other * scale) / per
 
 
+def _steps_in(stamps: list[float], start: float, end: float) -> list[int]:
+    """The steps (after the first) ending in [start, end]: step i ran from stamps[i - 1] to stamps[i]."""
+    return [i for i, t in enumerate(stamps) if start <= t <= end and i > 0]
+
+
 def _per_cpu_second(stamps: list[float], tokens: list[int], cpu: list[float], start: float, end: float) -> float:
     """Tokens decoded by the steps ending in [start, end] per CPU second the worker process spent on them."""
-    inside = [i for i, t in enumerate(stamps) if start <= t <= end and i > 0]
+    inside = _steps_in(stamps, start, end)
     if not inside:
         return 0.0
     return sum(tokens[i] for i in inside) / max(cpu[inside[-1]] - cpu[inside[0] - 1], 1e-9)
 
 
 def _median_step_cpu(stamps: list[float], cpu: list[float], start: float, end: float) -> float:
-    steps = [cpu[i] - cpu[i - 1] for i, t in enumerate(stamps) if start <= t <= end and i > 0]
+    steps = [cpu[i] - cpu[i - 1] for i in _steps_in(stamps, start, end)]
     return statistics.median(steps) if steps else 0.0
 
 
