@@ -78,6 +78,9 @@ class Manifest:
     """An adapter-only version (LoRA): the pinned version whose tensors complete it; None: a complete version."""
     pinned: bool = False
     """A complete version later ones name as their `base` (the publisher holds it until another is pinned)."""
+    shm_offset: int | None = None
+    """Where the version starts in `shm` when that is the publisher's ring of adapter versions (quant_sync.shm_ring:
+    copied out and verified there, since later versions overwrite it); None: `shm` is the version's own file."""
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +112,9 @@ def parse_header(frame: bytes) -> Manifest | int:
         if any(len(chunk) != 4 for chunk in chunks):
             raise ValueError("a chunk entry is not [tensor, offset, length, digest]")
         scheme, shm, boot = str(header["scheme"]), header.get("shm"), str(header.get("boot_id", ""))
-        base, pinned = header.get("base"), header.get("pinned", False)
+        base, pinned, shm_offset = header.get("base"), header.get("pinned", False), header.get("shm_offset")
+        if shm_offset is not None and not (type(shm_offset) is int and shm_offset >= 0 and isinstance(shm, str)):
+            raise ValueError(f"shm_offset {shm_offset!r} is not a byte offset into a named shm file")
         if base is not None and not (type(base) is int and 0 <= base < version):
             raise ValueError(f"base {base!r} is not an earlier version")
         if type(pinned) is not bool or (pinned and base is not None):
@@ -141,7 +146,8 @@ def parse_header(frame: bytes) -> Manifest | int:
         total, file_end = total + nbytes, file_offset + nbytes
         if total > MAX_VERSION_BYTES:
             raise PayloadError(f"version {version}: more than {MAX_VERSION_BYTES} bytes of weights")
-    return Manifest(version, scheme, tensors, chunks, shm if isinstance(shm, str) else None, boot, base, pinned)
+    shm = shm if isinstance(shm, str) else None
+    return Manifest(version, scheme, tensors, chunks, shm, boot, base, pinned, shm_offset)
 
 
 def assemble(manifest: Manifest, buffers: list[torch.Tensor]) -> WeightUpdate:

@@ -31,6 +31,7 @@ from quant_sync.manifest import (
     boot_id,
     chunk_digest,
 )
+from quant_sync.shm_ring import RING_MAX_VERSION_BYTES, ShmRing
 
 if TYPE_CHECKING:
     from common.curve import ServerKeys
@@ -93,6 +94,8 @@ class WeightPublisher:
         self._spare_path = os.path.join(shm_dir, f"{self._prefix}-spare") if shm_dir else ""
         self._spare_bytes = 0  # size of the preallocated spare file (0: none ready)
         self._spare_lock = threading.Lock()  # held while the spare is being allocated
+        self._ring: ShmRing | None = None  # adapter-only versions' /dev/shm ring (quant_sync.shm_ring)
+        self._rings = 0  # rings made so far (each has its own name: a reader's mapping of an old one never aliases)
         self._housekeeper: threading.Thread | None = None  # unlinks evicted files, allocates the spare
         self._parked: list[tuple[bytes, int, float]] = []  # long polls: (identity, have, deadline), serve thread only
         self._wake_endpoint = f"inproc://weights-wake-{uuid.uuid4().hex}"  # unique even if an unclosed one lingers
@@ -140,9 +143,15 @@ class WeightPublisher:
                 chunks.append(chunk)
                 table.append([index, offset, chunk.nbytes, chunk_digest(chunk)])
             file_offset += -(-data.nbytes // ALIGN_BYTES) * ALIGN_BYTES
-        shm_path = self._write_shm(version, views, entries) if self.shm_dir else None
+        ring = self._ring_for(file_offset) if base is not None else None
+        if ring is not None:  # an adapter-only version: copied into the ring, no file of its own
+            offsets = [entry["file_offset"] for entry in entries]
+            shm_path, shm = None, {"shm": ring.path, "shm_offset": ring.write(views, offsets, file_offset)}
+        else:
+            shm_path = self._write_shm(version, views, entries) if self.shm_dir else None
+            shm = {"shm": shm_path}
         fields = {"v": PROTOCOL_VERSION, "version": version, "scheme": scheme, "tensors": entries, "chunks": table,
-                  "shm": shm_path, "boot_id": self._boot_id}  # fmt: skip
+                  **shm, "boot_id": self._boot_id}  # fmt: skip
         if pin:
             fields["pinned"] = True
         if base is not None:
@@ -164,6 +173,18 @@ class WeightPublisher:
         if dropped or shm_path is not None:  # freeing and allocating tmpfs pages: off the caller's clock
             self._housekeeper = threading.Thread(target=self._housekeep, args=(dropped, file_offset), daemon=True)
             self._housekeeper.start()
+
+    def _ring_for(self, nbytes: int) -> ShmRing | None:
+        """The ring an adapter-only version of `nbytes` goes into (made, or remade larger, here), or None: no
+        /dev/shm, or a version too large for one (RING_MAX_VERSION_BYTES), which gets a file of its own."""
+        if not self.shm_dir or nbytes > RING_MAX_VERSION_BYTES:
+            return None
+        if self._ring is None or not self._ring.fits(nbytes):
+            if self._ring is not None:
+                self._ring.close()
+            self._rings += 1
+            self._ring = ShmRing.create(os.path.join(self.shm_dir, f"{self._prefix}-ring{self._rings}"), nbytes)
+        return self._ring
 
     def _housekeep(self, dropped: list[str], spare_bytes: int) -> None:
         for path in dropped:  # mapped readers keep their pages: unlinking only drops the name
@@ -324,6 +345,9 @@ class WeightPublisher:
         with self._spare_lock:  # waits for an allocation in progress
             _unlink(self._spare_path or None)
             self._spare_bytes = 0
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
 
 def _unlink(path: str | None) -> None:

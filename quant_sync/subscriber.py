@@ -30,6 +30,7 @@ from quant_sync.manifest import (
     chunk_digest,
     parse_header,
 )
+from quant_sync.shm_ring import RingOverwritten, read_ring
 from quant_sync.update import WeightUpdate
 
 if TYPE_CHECKING:
@@ -42,9 +43,12 @@ LONG_POLL_MS = 1000
 
 
 def read_shm(manifest: Manifest) -> WeightUpdate:
-    """Map the version's /dev/shm file copy-on-write and verify every chunk on the mapping; raises PayloadError."""
+    """Map the version's /dev/shm file copy-on-write and verify every chunk on the mapping (a version in the
+    publisher's ring: copy it out and verify the copy, `shm_ring.read_ring`); raises PayloadError."""
     if not manifest.shm or manifest.boot_id != boot_id() or os.path.dirname(os.path.normpath(manifest.shm)) != SHM_DIR:
         raise ShmUnavailable(f"version {manifest.version}: no shared-memory copy on this machine")
+    if manifest.shm_offset is not None:
+        return assemble(manifest, read_ring(manifest, manifest.shm, manifest.shm_offset))
     try:
         with open(manifest.shm, "rb") as file:
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -97,6 +101,9 @@ class WeightSubscriber:
         self.last_error = ""
         self.received = 0
         self.via_shm = 0
+        self.ring_overwritten = 0
+        """Adapter versions the publisher's ring had overwritten before this subscriber copied them (fetched over
+        ZMQ instead): not corruption, a reader more than RING_SLOTS versions behind."""
         self.last_fetch_s = 0.0
         """Seconds from a new version's header to its verified tensors (the last one fetched)."""
         self.last_fetch_cpu_s = 0.0
@@ -227,6 +234,8 @@ class WeightSubscriber:
             try:
                 update = read_shm(manifest)
                 self.via_shm += 1
+            except RingOverwritten:
+                self.ring_overwritten += 1
             except ShmUnavailable:
                 pass
             except PayloadError as err:

@@ -6,7 +6,7 @@ Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy
     publisher -> worker  the header of the latest version if it is newer than `have`, else {"v": 2, "version": V}
                          (with `wait_ms`, a long poll: the answer waits until a newer version is published or
                          W ms, at most MAX_WAIT_MS, have passed)
-    header = {"v": 2, "version", "scheme", "boot_id", "shm": path | None,
+    header = {"v": 2, "version", "scheme", "boot_id", "shm": path | None, "shm_offset": N (optional: a ring),
               "tensors": [{"name", "dtype", "shape", "nbytes", "file_offset"}],
               "chunks": [[tensor index, byte offset in the tensor, length, xxh3-64 digest], ...],
               "pinned": true (optional), "base": B (optional)}
@@ -25,6 +25,9 @@ Two paths, one protocol (msgpack control messages, raw tensor bytes as zero-copy
   worker on the same machine (same kernel boot id) maps that file copy-on-write instead of fetching chunks,
   verifies every chunk digest on the mapping, and hands the engine tensors that are views of it: no socket copy
   at all. Any failure (file gone, digest mismatch) falls back to the ZMQ path for that version.
+  Adapter-only versions (LoRA, small and frequent) have no file of their own: the publisher copies each into the
+  next stretch of one ring file it allocated once (`shm_offset` in the header; `quant_sync.shm_ring`), and a reader
+  copies the version out and verifies the copy, since the ring overwrites a version RING_SLOTS versions later.
 - The publisher keeps the last `keep_versions` versions, so a worker still fetching version k when k+1 is
   published completes it; a chunk of a dropped version answers `gone` and the worker starts over on the latest.
 - A late or restarted worker asks with have=-1 and receives the latest version.
