@@ -46,6 +46,14 @@ _POOLED: dict[int, weakref.ref[torch.Tensor]] = {}
 until a new buffer takes its address)."""
 _PANELS: dict[int, dict[int, tuple[int, int, int]]] = {}
 """The data pointer of a pooled buffer's storage -> {float32 index of a B^T: (index of its panels, rank, out)}."""
+_GENERATION = [0]
+"""Counts pooled buffers made (`pool_generation`)."""
+
+
+def pool_generation() -> int:
+    """Changes whenever a new pooled buffer is made (and only then): while it stays the same, an address in a pooled
+    buffer names the same place of the same plan's layout, so a holder may key what it derived from one by it."""
+    return _GENERATION[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +273,7 @@ class PackedPlan:
             self._buffers.append((buffer, _storage_users(buffer)))
             pointer = buffer.untyped_storage().data_ptr()
             _POOLED[pointer] = weakref.ref(buffer)
+            _GENERATION[0] += 1
             _PANELS[pointer] = {
                 group.out_start + j * group.rank * group.other: (
                     group.panel_start + j * group.panels * group.rank * PANEL, group.rank, group.other

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quant_sync.adapter_buffers import is_plan_buffer, panels_of
+from quant_sync.adapter_buffers import is_plan_buffer, panels_of, pool_generation
 from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantized_linear
 from rollout_workers.embedded import fused_decode
 from rollout_workers.embedded.fp8_linear import PackedFp8, fp8_linear, prepare_fp8
@@ -110,6 +110,14 @@ def stack_low_rank(
     if len(adapters) != len(out_features):
         raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
     device = device or torch.device("cpu")
+    key = _pooled_key(adapters, out_features, dtype, device)
+    built = _STACKED.get(key) if key is not None else None
+    if built is not None:  # this group of this pooled buffer was stacked before: the same views, kernel arrays
+        members = [adapter for adapter in adapters if adapter is not None]
+        first = members[0][0]
+        a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
+        b_ts = tuple(b.t() for _, b, _ in members)
+        return LowRank(a, b_ts, built.scalings, built.ranks, built.cols, native=built.native)
     a_parts, bs, b_ts, scalings, ranks, cols = [], [], [], [], [], []
     row = col = 0
     for adapter, out in zip(adapters, out_features):
@@ -141,8 +149,58 @@ def stack_low_rank(
             (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
             (ctypes.c_float * len(scalings))(*scalings),
         )
+        storage = a.untyped_storage().data_ptr()
+        if key is not None and all(panel.untyped_storage().data_ptr() == storage for panel in panels):
+            if len(_STACKED) >= STACKED_KEPT:
+                _STACKED.clear()
+            _STACKED[key] = _Stacked(a.shape[0], fields["scalings"], fields["ranks"], fields["cols"], native)
         return LowRank(**fields, native=native, panels=panels)
     return LowRank(**fields)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stacked:
+    """What `stack_low_rank` derived from a group of pooled-buffer adapters, holding no tensor (so the buffer is
+    reused as soon as no version uses it; its next version then lies at the same addresses)."""
+
+    rows: int
+    scalings: tuple[float, ...]
+    ranks: tuple[tuple[int, int], ...]
+    cols: tuple[tuple[int, int], ...]
+    native: tuple[ctypes.Array, ...]
+
+
+STACKED_KEPT = 4096
+"""Groups `stack_low_rank` remembers (a version of the ~100M config has 32; the pool holds up to 4 versions)."""
+_STACKED: dict[tuple, _Stacked] = {}
+"""`_pooled_key` (its first item the `pool_generation` it is valid for) -> `_Stacked`."""
+
+
+def _pooled_key(
+    adapters: list[tuple[torch.Tensor, torch.Tensor, float] | None],
+    out_features: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple | None:
+    """Where and how a group's adapters lie, where every A and B is a float32 view of one pooled buffer (the
+    subscriber's decoded versions) and the kernel runs them; else None (those are copied, never remembered)."""
+    if device.type != "cpu" or dtype != torch.float32 or _native_lora() is None:
+        return None
+    key: list = [pool_generation(), tuple(out_features)]
+    storage = None
+    for adapter in adapters:
+        if adapter is None:
+            key.append(None)
+            continue
+        a, b, scaling = adapter
+        if a.dtype != torch.float32 or b.dtype != torch.float32 or not is_plan_buffer(a):
+            return None
+        here = a.untyped_storage().data_ptr()
+        if (storage is not None and here != storage) or b.untyped_storage().data_ptr() != here:
+            return None
+        storage = here
+        key.append((a.data_ptr(), tuple(a.shape), a.stride(), b.data_ptr(), tuple(b.shape), b.stride(), float(scaling)))
+    return tuple(key) if storage is not None else None
 
 
 def _decoded_panels(b: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:

@@ -225,3 +225,43 @@ def test_a_decoded_adapter_version_builds_without_copies_and_runs_like_plain_ten
         lengths, slots = torch.tensor([tokens.shape[1]]), torch.tensor([0])
         logits.append(prefill(engine.arch, weights, cache, tokens, lengths, torch.tensor([0]), slots))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_a_pooled_buffers_next_version_reuses_its_stacked_groups_and_runs_its_own_values():
+    """A version decoded into a pooled buffer an earlier version used (the subscriber's steady state) builds from
+    what `stack_low_rank` kept of that buffer's groups (the same kernel arrays), which holds no tensor: the buffer
+    is taken again once its version is dropped, and the logits are the new version's, equal to a plain copy's."""
+    import gc
+
+    from asyncrl.bench.engine_bench import lora_adapter_tensors
+    from quant_sync.export import decode_adapters, pack_adapters
+    from rollout_workers.embedded.engine import build_weight_map
+    from rollout_workers.embedded.linears import _native_lora
+    from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
+
+    model_dir, model = _micro()
+    base = export_rollout_tensors(model.state_dict(), "int8", quantize_head=True)
+    engine = EmbeddedEngine(model_dir, seed=0)
+    q = "model.layers.0.self_attn.q_proj"
+    tokens, lengths, slots = torch.tensor([PROMPTS[0]]), torch.tensor([len(PROMPTS[0])]), torch.tensor([0])
+
+    def build(adapters):
+        return ModelWeights.build(engine.arch, build_weight_map(WeightUpdate(1, {**base, **adapters}, "int8")))
+
+    def logits(weights):
+        return prefill(engine.arch, weights, KVCache(engine.arch, slots=1, max_len=16), tokens, lengths,
+                       torch.tensor([0]), slots)  # fmt: skip
+
+    first = decode_adapters(pack_adapters(lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=3)))
+    where, weights = first[q + LORA_A].data_ptr(), build(first)
+    kept = weights.layers[0].qkv_lora.native
+    del first, weights
+    gc.collect()
+    encoded = lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=5)
+    second = decode_adapters(pack_adapters(encoded))
+    assert second[q + LORA_A].data_ptr() == where  # the same pooled buffer: nothing kept it
+    again = build(second)
+    if _native_lora() is not None:
+        assert again.layers[0].qkv_lora.native is kept
+    assert again.layers[0].qkv_lora.a.data_ptr() == where
+    assert torch.equal(logits(again), logits(build(decode_adapters(encoded))))
