@@ -64,7 +64,12 @@ class EvalWorker(RolloutWorker):
     def subscribe(self, weights_endpoint: str) -> bool:
         from quant_sync.transport import WeightSubscriber
 
-        self.subscriber = WeightSubscriber(weights_endpoint, self.engine.stage_weights, curve=self.curve)
+        self.subscriber = WeightSubscriber(
+            weights_endpoint,
+            self.engine.stage_weights,
+            curve=self.curve,
+            keep_int8_adapters=getattr(self.engine, "runs_int8_adapters", False),
+        )
         return True
 
     def evaluate(self, version: int, prompts: list[str], answers: list[str], samples: int) -> dict[str, float]:

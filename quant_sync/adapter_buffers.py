@@ -113,8 +113,8 @@ def panels_of(b: torch.Tensor) -> torch.Tensor | None:
     buffer = _pooled(pointer)
     if buffer is None:
         return None
-    where = _PANELS.get(pointer, {}).get((b.data_ptr() - buffer.data_ptr()) // 4)
-    if where is None or b.dtype != torch.float32 or b.shape != (where[2], where[1]) or b.stride() != (1, where[2]):
+    where = _PANELS.get(pointer, {}).get((b.data_ptr() - buffer.data_ptr()) // buffer.element_size())
+    if where is None or b.dtype != buffer.dtype or b.shape != (where[2], where[1]) or b.stride() != (1, where[2]):
         return None
     start, rank, out = where
     count = -(-out // PANEL)
@@ -157,12 +157,29 @@ def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 class PackedPlan:
     """How every version with one packed index decodes (see the module docstring)."""
 
-    def __init__(self, groups: list[_Group], outputs: list[tuple[str, int, int, tuple[int, ...]]], numel: int):
+    def __init__(
+        self,
+        groups: list[_Group],
+        outputs: list[tuple[str, int, int, tuple[int, ...]]],
+        numel: int,
+        scale_names: dict[str, str] | None = None,
+    ):
         self.groups = groups
         self.outputs = outputs  # (name, group, member, _): a matrix; (name, -1, float32 index, shape): a view as is
         self.numel = numel
+        self.scale_names = scale_names or {}  # matrix name -> its scales' name (kept by `decode(keep_int8=True)`)
         self._buffers: list[tuple[torch.Tensor, int | None]] = []
+        self._buffers_int8: list[tuple[torch.Tensor, int | None]] = []
         self._lock = threading.Lock()
+        self.int8_layout, offset = [], 0  # per group: byte offsets (int8 matrices, float32 scales, int8 panels)
+        for group in groups:
+            size = group.count * group.rank * group.other
+            scales_at = -(-(offset + size) // 64) * 64
+            panels_at = scales_at + 4 * group.count * group.rank
+            self.int8_layout.append((offset, scales_at, panels_at))
+            offset = panels_at + (group.count * group.panels * group.rank * PANEL if group.transposed else 0)
+            offset = -(-offset // 64) * 64
+        self.int8_nbytes = offset
 
     @classmethod
     def build(cls, entries: list[Entry]) -> PackedPlan | None:
@@ -211,16 +228,19 @@ class PackedPlan:
                 if entry.dtype != torch.float32:
                     return None
                 outputs.append((entry.name, -1, entry.start // 4, entry.shape))
-        return cls(groups, outputs, out_start)
+        return cls(groups, outputs, out_start, {entry.matrix: entry.name for entry in scale_entries})
 
-    def decode(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+    def decode(self, packed: torch.Tensor, keep_int8: bool = False) -> dict[str, torch.Tensor]:
         """The version's tensors (in index order, scales dropped): matrices as float32 views of a pooled buffer,
-        other float32 tensors as views of `packed` (the received buffer, int8, as `pack_adapters` made it)."""
+        other float32 tensors as views of `packed` (the received buffer, int8, as `pack_adapters` made it).
+        `keep_int8`: the matrices stay int8 with their scales (`decode_int8`)."""
+        if keep_int8:
+            return self.decode_int8(packed)
         flat = packed.reshape(-1)
         whole = flat.view(torch.float32)
         native = _dequantizer() if flat.is_contiguous() and flat.device.type == "cpu" else None
         with self._lock:  # two threads must not pick the same free buffer
-            buffer = self._take()
+            buffer = self._take(self._buffers, self.numel, torch.float32)
             views = []
             for group in self.groups:
                 size = group.count * group.rank * group.other
@@ -251,6 +271,47 @@ class PackedPlan:
             for name, group, member, shape in self.outputs
         }
 
+    def decode_int8(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The version's tensors as published (int8 matrices and their float32 scales), copied into a pooled int8
+        buffer: A as (r, in) views, B as transposed (out, r) views of B^T, each B^T also in int8 panels of 32
+        columns beside it (`panels_of`), for an engine that runs int8 adapters (csrc/lora_gemm.cpp `lr_apply_q8`):
+        a 2.3 MB copy per version of the ~100M config, where decoding writes 14 MB of float32."""
+        flat = packed.reshape(-1)
+        whole = flat.view(torch.float32)
+        with self._lock:
+            buffer = self._take(self._buffers_int8, self.int8_nbytes, torch.int8)
+            views = []
+            for group, (q_at, scales_at, panels_at) in zip(self.groups, self.int8_layout):
+                count, rank, other = group.count, group.rank, group.other
+                q = flat[group.q_start : group.q_start + count * rank * other]
+                shaped = buffer[q_at : q_at + count * rank * other].view(count, rank, other)
+                if group.transposed and not group.source_transposed:  # another packer's B (count, out, r)
+                    shaped.copy_(q.view(count, other, rank).transpose(1, 2))
+                else:
+                    shaped.view(-1).copy_(q)
+                scales = buffer[scales_at : scales_at + 4 * count * rank].view(torch.float32)
+                scales.copy_(whole[group.s_start : group.s_start + count * rank])
+                if group.transposed:
+                    panels = buffer[panels_at : panels_at + count * group.panels * rank * PANEL]
+                    full, rest = divmod(other, PANEL)
+                    panels = panels.view(count, group.panels, rank, PANEL)
+                    if full:
+                        panels[:, :full].permute(0, 2, 1, 3).copy_(
+                            shaped[:, :, : full * PANEL].unflatten(2, (full, PANEL))
+                        )
+                    if rest:  # its padding columns stay the zeros the buffer was made with
+                        panels[:, full, :, :rest].copy_(shaped[:, :, full * PANEL :])
+                matrices = shaped.transpose(1, 2).unbind(0) if group.transposed else shaped.unbind(0)
+                views.append((matrices, scales.view(count, rank).unbind(0)))
+        decoded = {}
+        for name, group, member, shape in self.outputs:
+            if group < 0:
+                decoded[name] = whole[member : member + math.prod(shape)].view(shape)
+                continue
+            decoded[name] = views[group][0][member]
+            decoded[self.scale_names[name]] = views[group][1][member]
+        return decoded
+
     @staticmethod
     def _write_panels(buffer: torch.Tensor, group: _Group, source: torch.Tensor, scale: torch.Tensor) -> None:
         """B^T (count, r, out) into its panels (count, ceil(out / 32), r, 32): full panels in one multiply, the last
@@ -264,22 +325,31 @@ class PackedPlan:
         if rest:
             _dequantize_into(panels[:, full, :, :rest], source[:, :, full * PANEL :], scale)
 
-    def _take(self) -> torch.Tensor:
-        for buffer, idle in self._buffers:
+    def _take(self, pool: list[tuple[torch.Tensor, int | None]], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of `pool` nothing references any more, else a fresh one (kept in the pool while it has room)."""
+        for buffer, idle in pool:
             if idle is not None and _storage_users(buffer) == idle:
                 return buffer
-        buffer = torch.zeros(self.numel, dtype=torch.float32)  # zeros: the panels' padding
-        if len(self._buffers) < BUFFER_SETS:
-            self._buffers.append((buffer, _storage_users(buffer)))
+        buffer = torch.zeros(numel, dtype=dtype)  # zeros: the panels' padding
+        if len(pool) < BUFFER_SETS:
+            pool.append((buffer, _storage_users(buffer)))
             pointer = buffer.untyped_storage().data_ptr()
             _POOLED[pointer] = weakref.ref(buffer)
             _GENERATION[0] += 1
-            _PANELS[pointer] = {
-                group.out_start + j * group.rank * group.other: (
-                    group.panel_start + j * group.panels * group.rank * PANEL, group.rank, group.other
-                )
-                for group in self.groups if group.transposed for j in range(group.count)
-            }  # fmt: skip
+            if dtype == torch.int8:  # B^T's byte offset -> its panels' byte offset, rank, out
+                _PANELS[pointer] = {
+                    q_at + j * group.rank * group.other: (panels_at + j * group.panels * group.rank * PANEL,
+                                                          group.rank, group.other)
+                    for group, (q_at, _, panels_at) in zip(self.groups, self.int8_layout) if group.transposed
+                    for j in range(group.count)
+                }  # fmt: skip
+            else:
+                _PANELS[pointer] = {
+                    group.out_start + j * group.rank * group.other: (
+                        group.panel_start + j * group.panels * group.rank * PANEL, group.rank, group.other
+                    )
+                    for group in self.groups if group.transposed for j in range(group.count)
+                }  # fmt: skip
         return buffer
 
 

@@ -241,7 +241,7 @@ def _unpack_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return unpacked
 
 
-def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def decode_adapters(tensors: dict[str, torch.Tensor], keep_int8: bool = False) -> dict[str, torch.Tensor]:
     """A published version's tensors with every LoRA matrix in float32 (int8 ones dequantized with their scales,
     which are dropped; a packed version, `pack_adapters`, unpacked first); the other entries are the same objects.
     Raises ValueError naming a matrix without its scales, or scales without their matrix, or a bad packed index.
@@ -253,8 +253,10 @@ def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
     A packed version of int8 matrices whose groups lie back to back (as `pack_adapters` places them) decodes with
     one multiply per group straight from the buffer into a reused float32 buffer (`adapter_buffers.PackedPlan`):
-    no stacking, no fresh allocation, B's values laid out transposed (B a transposed view), the same values."""
-    fast = _decode_planned(tensors)
+    no stacking, no fresh allocation, B's values laid out transposed (B a transposed view), the same values.
+    `keep_int8`: such a version's matrices stay int8 beside their scales, in a reused buffer
+    (`PackedPlan.decode_int8`), for an engine that runs them so; any other version decodes to float32 as above."""
+    fast = _decode_planned(tensors, keep_int8)
     if fast is not None:
         return fast
     tensors = _unpack_adapters(tensors)
@@ -294,7 +296,7 @@ def decode_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return decoded
 
 
-def _decode_planned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def _decode_planned(tensors: dict[str, torch.Tensor], keep_int8: bool = False) -> dict[str, torch.Tensor] | None:
     """`decode_adapters` of a packed version through its cached `PackedPlan`; None where none fits (the generic
     path then decodes it, or names what is wrong)."""
     packed, index = tensors.get(LORA_PACKED), tensors.get(LORA_PACKED_INDEX)
@@ -306,7 +308,7 @@ def _decode_planned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     plan = plan_for(index, packed.numel(), lambda: [_plan_entry(*entry) for entry in _packed_entries(packed, index)])
     if plan is None:
         return None
-    decoded = plan.decode(packed)
+    decoded = plan.decode(packed, keep_int8)
     if not others:
         return decoded
     if any(name in others for name in decoded):

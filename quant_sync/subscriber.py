@@ -85,8 +85,12 @@ class WeightSubscriber:
         use_shm: bool = True,
         timeout_s: float = 5.0,
         curve: ClientKeys | None = None,
+        keep_int8_adapters: bool = False,
     ):
         self.endpoint = endpoint
+        self._keep_int8_adapters = keep_int8_adapters
+        """Hand packed int8 LoRA versions over int8 with their scales (`decode_adapters(keep_int8=True)`): for an
+        engine that runs them so (`EmbeddedEngine.runs_int8_adapters`)."""
         self._curve = curve
         self._on_update = on_update
         self._poll_s = poll_s
@@ -249,7 +253,8 @@ class WeightSubscriber:
         if update is None:
             return None
         try:  # LoRA adapters sent in bf16 or int8 (model.lora.sync_dtype): the float32 values the learner ran
-            return WeightUpdate(update.version, decode_adapters(update.tensors), update.scheme)
+            decoded = decode_adapters(update.tensors, keep_int8=self._keep_int8_adapters)
+            return WeightUpdate(update.version, decoded, update.scheme)
         except ValueError as err:
             self._reject(PayloadError(f"version {manifest.version}: {err}"))
             return None

@@ -152,7 +152,12 @@ class RolloutWorker:
         self.weights_endpoint = weights_endpoint or self.weights_endpoint
         if not self.weights_endpoint:
             raise ValueError(f"{self.worker_id}: no weights endpoint (pass it to the constructor or to start)")
-        self.subscriber = WeightSubscriber(self.weights_endpoint, self.engine.stage_weights, curve=self.curve)
+        self.subscriber = WeightSubscriber(
+            self.weights_endpoint,
+            self.engine.stage_weights,
+            curve=self.curve,
+            keep_int8_adapters=getattr(self.engine, "runs_int8_adapters", False),
+        )
         if not self.subscriber.wait_for(0, timeout_s=120):
             raise RuntimeError(f"{self.worker_id}: no weights from the publisher at {self.subscriber.endpoint}")
         self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-loop", daemon=True)

@@ -18,7 +18,8 @@ the time of a call generating n tokens for each of the B prompts.
 - `int8_vs_fp32_b32` (`big`), `smol_int8_vs_fp32_b32` (`smol`): INT8 engine over the fp32 engine at batch 32.
 - `w8a16_vs_fp32_b1` (`big`): the weight-only INT8 engine over fp32 at batch 1 (memory-bound: weight bytes).
 - `lora_decode_overhead` (`big`, INT8, batch 32): decode seconds per token with rank-16 LoRA adapters on every
-  decoder linear (random, as the learner publishes them: `lora_adapter_tensors`) over the same engine without
+  decoder linear (random, as the learner publishes them by default: `lora_adapter_tensors` in int8, which the
+  engine runs as they are; fp32 adapters as a metric) over the same engine without
   adapters, minus 1; the two alternate over 3 rounds of 16 tokens even with `--quick` (a few seconds).
 - `swap_max_gap_over_median`: the largest gap between two scheduler steps over the median gap while 5 weight
   versions are staged from another thread mid-generation (in_place, `big` in INT8, batch 64; 16 with `quick`),
@@ -463,17 +464,25 @@ def _engine_vs_hf(models: dict[str, tuple[object, str]], rounds: int, quick: boo
 
 
 def _lora_decode(model, model_dir: str) -> dict[str, float]:
-    """INT8 decode tok/s at batch 32 with and without rank-16 adapters on every decoder linear, alternating."""
+    """INT8 decode tok/s at batch 32 with and without rank-16 adapters on every decoder linear, alternating: the
+    adapters in int8 as the learner publishes them by default (`model.lora.sync_dtype`, run as they are where
+    csrc/lora_gemm.cpp's `lr_apply_q8` does), and in fp32 (`..._fp32_adapters_tok_per_s`)."""
+    from asyncrl.bench.sync_bench import LORA_SYNC_DTYPE
+
     batch, prompts = 32, _prompts(model, 32)
     state = {name: value.cpu() for name, value in model.state_dict().items()}
     engines = {
         "base": _engine(model, model_dir, "int8", max_batch=batch),
-        "lora": _engine(model, model_dir, "int8", adapters=lora_adapter_tensors(state), max_batch=batch),
+        "lora": _engine(
+            model, model_dir, "int8", adapters=lora_adapter_tensors(state, sync_dtype=LORA_SYNC_DTYPE), max_batch=batch
+        ),  # fmt: skip
+        "fp32": _engine(model, model_dir, "int8", adapters=lora_adapter_tensors(state), max_batch=batch),
     }
     new_tokens = _new_tokens("big", batch, quick=False)  # --quick too: with 6 tokens the ratio was noise
     rates = _best_alternating({k: _engine_rate(e, prompts, new_tokens) for k, e in engines.items()}, LORA_ROUNDS)
     return {f"big_b{batch}_int8_lora_base_tok_per_s": rates["base"],
-            f"big_b{batch}_int8_lora{LORA_RANK}_tok_per_s": rates["lora"]}  # fmt: skip
+            f"big_b{batch}_int8_lora{LORA_RANK}_tok_per_s": rates["lora"],
+            f"big_b{batch}_int8_lora{LORA_RANK}_fp32_adapters_tok_per_s": rates["fp32"]}  # fmt: skip
 
 
 def run(quick: bool) -> BenchResult:

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     report.setsockopt(zmq.LINGER, 5000)
     report.connect(spec["report"])
     engine = EmbeddedEngine(spec["model_dir"], max_batch=spec["batch"], seed=worker)
-    subscriber = WeightSubscriber(spec["weights"], engine.stage_weights, poll_s=0.005)
+    subscriber = WeightSubscriber(
+        spec["weights"], engine.stage_weights, poll_s=0.005, keep_int8_adapters=engine.runs_int8_adapters
+    )
     first = spec.get("first_version", 0)  # LoRA: the first adapter version on the pinned base
     if not subscriber.wait_for(first, 120):
         raise SystemExit(f"sync worker {worker}: no version {first} from {spec['weights']}")

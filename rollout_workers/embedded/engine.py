@@ -45,7 +45,7 @@ import torch
 from common.config import SWAP_MODES
 from quant_sync import adapter_buffers
 from quant_sync.update import WeightUpdate
-from rollout_workers.embedded.linears import native_dequantizer
+from rollout_workers.embedded.linears import _native_lora, native_dequantizer
 from rollout_workers.embedded.model import (
     DTYPES,
     ArchConfig,
@@ -165,6 +165,12 @@ class EmbeddedEngine:
     @property
     def busy(self) -> bool:
         return bool(self._active or self._queue)
+
+    @property
+    def runs_int8_adapters(self) -> bool:
+        """Whether int8 LoRA adapters run as they are (csrc/lora_gemm.cpp `lr_apply_q8`: AVX-512F, fp32 on the CPU):
+        its subscriber then hands packed int8 versions over undecoded (`keep_int8_adapters`)."""
+        return self.device.type == "cpu" and self.dtype == torch.float32 and _native_lora() is not None
 
     def stage_weights(self, update: WeightUpdate) -> None:
         """Hand over a version (any thread). A bad tensor set fails here, on the caller's thread."""

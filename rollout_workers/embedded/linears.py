@@ -93,6 +93,8 @@ class LowRank:
     cols: tuple[tuple[int, int], ...]  # per member: its output columns
     native: tuple[ctypes.Array, ...] | None = None  # lr_apply's member arrays (fp32, CPU): ranks, cols, panels, s
     panels: tuple[torch.Tensor, ...] = ()  # per member: b_t in lr_apply's panels of 32 columns (`panels_of`, _panels)
+    a_scale: torch.Tensor | None = None  # int8 adapters (`a`, `b_t` int8, lr_apply_q8): A's per-rank scales (R,)
+    b_scales: tuple[torch.Tensor, ...] = ()  # int8 adapters: each member's B per-rank scales (r_i,)
 
 
 def stack_low_rank(
@@ -110,23 +112,24 @@ def stack_low_rank(
     if len(adapters) != len(out_features):
         raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
     device = device or torch.device("cpu")
+    if any(adapter is not None and len(adapter) == 5 for adapter in adapters):  # int8 with scales
+        if device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None:
+            return _stack_int8(adapters, out_features)  # type: ignore[arg-type]
+        adapters = [None if adapter is None else _dequantized(*adapter) for adapter in adapters]  # type: ignore[misc]
     key = _pooled_key(adapters, out_features, dtype, device)
     built = _STACKED.get(key) if key is not None else None
     if built is not None:  # this group of this pooled buffer was stacked before: the same views, kernel arrays
         members = [adapter for adapter in adapters if adapter is not None]
         first = members[0][0]
         a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
-        b_ts = tuple(b.t() for _, b, _ in members)
+        b_ts = tuple(member[1].t() for member in members)
         return LowRank(a, b_ts, built.scalings, built.ranks, built.cols, native=built.native)
     a_parts, bs, b_ts, scalings, ranks, cols = [], [], [], [], [], []
     row = col = 0
     for adapter, out in zip(adapters, out_features):
         if adapter is not None:
-            a, b, scaling = adapter
-            if b.shape[0] != out or b.shape[1] != a.shape[0]:
-                raise ValueError(
-                    f"stack_low_rank: B {tuple(b.shape)} does not fit A {tuple(a.shape)} and {out} outputs"
-                )
+            a, b, scaling = adapter[:3]
+            _check_fits(a, b, out)
             a_parts.append(a)
             bs.append(b)
             b_ts.append(_as_engine_tensor(b.t(), dtype, device))  # B^T (r, out)
@@ -192,15 +195,97 @@ def _pooled_key(
         if adapter is None:
             key.append(None)
             continue
-        a, b, scaling = adapter
-        if a.dtype != torch.float32 or b.dtype != torch.float32 or not is_plan_buffer(a):
+        a, b, scaling = adapter[:3]
+        scales = adapter[3:]  # int8 adapters: A's and B's scales
+        if a.dtype != b.dtype or a.dtype != (torch.int8 if scales else torch.float32) or not is_plan_buffer(a):
             return None
         here = a.untyped_storage().data_ptr()
         if (storage is not None and here != storage) or b.untyped_storage().data_ptr() != here:
             return None
         storage = here
-        key.append((a.data_ptr(), tuple(a.shape), a.stride(), b.data_ptr(), tuple(b.shape), b.stride(), float(scaling)))
+        key.append((a.data_ptr(), tuple(a.shape), a.stride(), b.data_ptr(), tuple(b.shape), b.stride(), float(scaling),
+                    *(scale.data_ptr() for scale in scales)))  # fmt: skip
     return tuple(key) if storage is not None else None
+
+
+def _check_fits(a: torch.Tensor, b: torch.Tensor, out: int) -> None:
+    if a.dim() != 2 or b.dim() != 2 or b.shape[0] != out or b.shape[1] != a.shape[0]:
+        raise ValueError(f"stack_low_rank: B {tuple(b.shape)} does not fit A {tuple(a.shape)} and {out} outputs")
+
+
+def _dequantized(
+    a: torch.Tensor, b: torch.Tensor, scaling: float, a_scale: torch.Tensor, b_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """An int8 adapter's float32 values: q * scale per rank component, bit for bit `round_adapter`'s."""
+    return a.to(torch.float32) * a_scale[:, None], b.to(torch.float32) * b_scale[None, :], scaling
+
+
+def _stack_int8(
+    adapters: list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None],
+    out_features: list[int],
+) -> LowRank | None:
+    """`stack_low_rank` of int8 adapters (A (r, in), B (out, r), scaling, A's and B's per-rank scales (r,)) for
+    csrc/lora_gemm.cpp's `lr_apply_q8`: A's rows and scales stacked (views where the subscriber decoded them into a
+    pooled buffer, `decode_adapters(keep_int8=True)`), each B^T with its int8 panels."""
+    key = _pooled_key(adapters, out_features, torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
+    built = _STACKED.get(key) if key is not None else None
+    members = [adapter for adapter in adapters if adapter is not None]
+    if built is not None:
+        first, first_scale = members[0][0], members[0][3]
+        a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
+        a_scale = first_scale.as_strided((built.rows,), (1,))
+        return LowRank(a, tuple(m[1].t() for m in members), built.scalings, built.ranks, built.cols,
+                       native=built.native, a_scale=a_scale, b_scales=tuple(m[4] for m in members))  # fmt: skip
+    a_parts, a_scales, b_ts, b_scales, scalings, ranks, cols, panels = [], [], [], [], [], [], [], []
+    row = col = 0
+    for adapter, out in zip(adapters, out_features):
+        if adapter is not None:
+            a, b, scaling, a_scale, b_scale = adapter
+            _check_fits(a, b, out)
+            rank = a.shape[0]
+            if a.dtype != torch.int8 or b.dtype != torch.int8:
+                raise ValueError(f"stack_low_rank: int8 adapters with scales, got A {a.dtype} and B {b.dtype}")
+            if (
+                a_scale.shape != (rank,)
+                or b_scale.shape != (rank,)
+                or a_scale.dtype != torch.float32
+                or b_scale.dtype != torch.float32
+            ):
+                raise ValueError(f"stack_low_rank: int8 adapters need float32 scales of shape ({rank},)")
+            decoded = panels_of(b)
+            b_t = b.t() if decoded is not None else b.t().contiguous()
+            panels.append(decoded if decoded is not None else _panels(b_t))
+            a_parts.append(a)
+            a_scales.append(a_scale)
+            b_ts.append(b_t)
+            b_scales.append(b_scale if b_scale.is_contiguous() else b_scale.contiguous())
+            scalings.append(float(scaling))
+            ranks.append((row, row + rank))
+            cols.append((col, col + out))
+            row += rank
+        col += out
+    if not a_parts:
+        return None
+    a = _adjacent_rows(a_parts, torch.int8, torch.device("cpu"))
+    if a is None:
+        a = torch.cat(a_parts).contiguous()
+    stacked_scale = _adjacent_rows([s.view(-1, 1) for s in a_scales], torch.float32, torch.device("cpu"))
+    a_scale = stacked_scale.view(-1) if stacked_scale is not None else torch.cat(a_scales).contiguous()
+    native = (
+        (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
+        (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
+        (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
+        (ctypes.c_void_p * len(b_scales))(*[scale.data_ptr() for scale in b_scales]),
+        (ctypes.c_float * len(scalings))(*scalings),
+    )
+    storage = a.untyped_storage().data_ptr()
+    pooled = [a_scale, *panels, *b_scales]
+    if key is not None and all(t.untyped_storage().data_ptr() == storage for t in pooled):
+        if len(_STACKED) >= STACKED_KEPT:
+            _STACKED.clear()
+        _STACKED[key] = _Stacked(a.shape[0], tuple(scalings), tuple(ranks), tuple(cols), native)
+    return LowRank(a, tuple(b_ts), tuple(scalings), tuple(ranks), tuple(cols), native=native, panels=tuple(panels),
+                   a_scale=a_scale, b_scales=tuple(b_scales))  # fmt: skip
 
 
 def _decoded_panels(b: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
@@ -242,10 +327,12 @@ def _adjacent_rows(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.
 
 def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    if lib.lr_abi_version() != 3:
+    if lib.lr_abi_version() != 4:
         raise ValueError("lora_gemm library: unexpected ABI version")
     lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
     lib.lr_apply.restype = ctypes.c_int
+    lib.lr_apply_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.lr_apply_q8.restype = ctypes.c_int
     lib.lr_dequantize_rows.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
     lib.lr_dequantize_rows.restype = None
     lib.lr_dequantize_panels.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
@@ -322,6 +409,14 @@ def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.
     if adapter.native is not None and rows.dtype == out.dtype == torch.float32 and rows.stride(-1) == 1:
         lib = _LORA_LIBRARY.lib  # loaded: `native` is only made where it is (its AVX-512F check in lr_apply itself)
         low = _scratch(rows.shape[0] * adapter.a.shape[0])  # (rows, R), written before it is read
+        if adapter.a_scale is not None:  # int8 adapters
+            ranks, cols, panels, b_scales, scalings = adapter.native
+            done = lib.lr_apply_q8(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
+                                   adapter.a_scale.data_ptr(), adapter.a.shape[0], low.data_ptr(), len(adapter.b_t),
+                                   ranks, cols, panels, b_scales, scalings, out.data_ptr(), out.shape[-1])  # fmt: skip
+            if done != 0:
+                raise RuntimeError("lora_gemm: lr_apply_q8 refused (no AVX-512F on this CPU), yet adapters were packed")
+            return out
         ranks, cols, b_ts, scalings = adapter.native
         done = lib.lr_apply(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
                             adapter.a.shape[0], low.data_ptr(), len(adapter.b_t), ranks, cols, b_ts, scalings,
@@ -329,6 +424,10 @@ def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.
         if done != 0:
             raise RuntimeError("lora_gemm: lr_apply refused (no AVX-512F on this CPU), yet its adapters were packed")
         return out
+    if adapter.a_scale is not None:  # int8 adapters on torch's GEMMs: their float32 values
+        a = adapter.a.to(torch.float32) * adapter.a_scale[:, None]
+        b_ts = tuple(b_t.to(torch.float32) * scale[:, None] for b_t, scale in zip(adapter.b_t, adapter.b_scales))
+        adapter = LowRank(a, b_ts, adapter.scalings, adapter.ranks, adapter.cols)
     low = F.linear(rows if rows.dtype == adapter.a.dtype else rows.to(adapter.a.dtype), adapter.a)
     if low.dtype != out.dtype:
         low = low.to(out.dtype)

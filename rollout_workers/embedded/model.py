@@ -17,6 +17,7 @@ sharing every linear between them (the engine's step: prompts that join a runnin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quant_sync.export import LORA_A, LORA_B, LORA_SCALING
+from quant_sync.export import LORA_A, LORA_B, LORA_SCALE, LORA_SCALING
 from quant_sync.quantizers import QuantizedWeight
 from rollout_workers.embedded import fused_decode
 from rollout_workers.embedded.arch import (  # noqa: F401 - re-exported: the engine's model API
@@ -161,9 +162,7 @@ class ModelWeights:
             return prepared_once(list(sources), build, (dtype, target, len(sources)), used)
 
         def adapters(prefix: str, names: tuple[str, ...]) -> LowRank | None:
-            members = [_adapter(weights, prefix + name) for name in names]
-            outs = [_matrix(weights[prefix + name + ".weight"]).shape[0] for name in names]
-            return stack_low_rank(members, outs, dtype, target)
+            return _group_adapters(weights, prefix, names, dtype, target)
 
         layers = []
         for i in range(arch.num_layers):
@@ -203,6 +202,37 @@ class ModelWeights:
         _end_build(used)
         yield built
 
+    def with_adapters(
+        self, arch: ArchConfig, weights: dict[str, Linear], dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> ModelWeights:
+        """These weights with the adapters of `weights` instead of their own: an adapter-only version on the very base
+        these were built from (`StagedVersions` knows), whose base forms `build_in_parts` would find unchanged."""
+        target = torch.device(device)
+        layers = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layers.append(
+                dataclasses.replace(
+                    layer,
+                    qkv_lora=_group_adapters(weights, p + "self_attn.", ("q_proj", "k_proj", "v_proj"), dtype, target),
+                    o_lora=_group_adapters(weights, p + "self_attn.", ("o_proj",), dtype, target),
+                    gate_up_lora=_group_adapters(weights, p + "mlp.", ("gate_proj", "up_proj"), dtype, target),
+                    down_lora=_group_adapters(weights, p + "mlp.", ("down_proj",), dtype, target),
+                )
+            )
+        return dataclasses.replace(self, layers=layers)
+
+
+def _group_adapters(
+    weights: dict[str, Linear], prefix: str, names: tuple[str, ...], dtype: torch.dtype, target: torch.device
+) -> LowRank | None:
+    """The stacked adapters of one fused group (`prefix` + each of `names`), None where none has one."""
+    members = [_adapter(weights, prefix + name) for name in names]
+    if not any(members):
+        return None
+    outs = [_matrix(weights[prefix + name + ".weight"]).shape[0] for name in names]
+    return stack_low_rank(members, outs, dtype, target)
+
 
 _PREPARED: dict[tuple, tuple[list[tuple[weakref.ref, int]], Linear]] = {}
 """LoRA versions: the base's execution forms by the identity (and in-place version counter) of the published tensors
@@ -239,12 +269,16 @@ def _end_build(used: set | None) -> None:
         del _PREPARED[key]
 
 
-def _adapter(weights: dict[str, Linear], linear_name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(A, B, scaling) of the LoRA adapter on `linear_name` (e.g. `model.layers.0.mlp.up_proj`), None if it has none."""
+def _adapter(weights: dict[str, Linear], linear_name: str) -> tuple | None:
+    """(A, B, scaling) of the LoRA adapter on `linear_name` (e.g. `model.layers.0.mlp.up_proj`), None if it has none;
+    int8 A and B (`decode_adapters(keep_int8=True)`) come with their per-rank scales: (A, B, scaling, sA, sB)."""
     a = weights.get(linear_name + LORA_A)
     if a is None:
         return None
-    return a, weights[linear_name + LORA_B], float(weights[linear_name + LORA_SCALING][0])  # type: ignore[index]
+    b, scaling = weights[linear_name + LORA_B], weights[linear_name + LORA_SCALING].item()  # type: ignore[union-attr]
+    if a.dtype != torch.int8:  # type: ignore[union-attr]
+        return a, b, scaling
+    return a, b, scaling, weights[linear_name + LORA_A + LORA_SCALE], weights[linear_name + LORA_B + LORA_SCALE]
 
 
 def required_weight_names(arch: ArchConfig) -> list[str]:
@@ -305,28 +339,42 @@ def check_weight_shapes(arch: ArchConfig, weights: dict[str, Linear]) -> dict[st
 
 def check_adapter_shapes(weights: dict[str, Linear], expected: dict[str, tuple[int, ...]]) -> None:
     """Every LoRA tensor sits on a decoder linear, comes with its two partners, and fits it: A (r, in), B (out, r),
-    scaling (1,), all float. Each adapted linear is checked once (an adapter version holds ~170 such tensors)."""
+    scaling (1,), all float, or A and B int8 each with float32 per-rank scales (r,) (`.lora_A_scale`,
+    `.lora_B_scale`: a packed int8 version kept int8). Each adapted linear is checked once (an adapter version
+    holds ~170 such tensors)."""
     suffixes = (LORA_A, LORA_B, LORA_SCALING)
+    scales = (LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)
     linears = dict.fromkeys(
-        name.removesuffix(LORA_A).removesuffix(LORA_B).removesuffix(LORA_SCALING)
+        name.removesuffix(LORA_SCALE).removesuffix(LORA_A).removesuffix(LORA_B).removesuffix(LORA_SCALING)
         for name in weights
-        if name.endswith(suffixes)
+        if name.endswith((*suffixes, *scales))
     )
     for linear_name in linears:
         shape = expected.get(linear_name + ".weight")
         if shape is None or len(shape) != 2:
-            name = next(linear_name + s for s in suffixes if linear_name + s in weights)
+            name = next(linear_name + s for s in (*suffixes, *scales) if linear_name + s in weights)
             raise ValueError(f"{name}: a LoRA tensor on {linear_name}, which is not a decoder linear of the model")
         parts = [weights.get(linear_name + s) for s in suffixes]
-        if any(not isinstance(part, torch.Tensor) or not part.is_floating_point() for part in parts):
+        if any(not isinstance(part, torch.Tensor) for part in parts):
             raise ValueError(f"{linear_name}: LoRA needs float {LORA_A}, {LORA_B} and {LORA_SCALING} tensors together")
         a, b, scaling = parts
+        int8 = a.dtype == torch.int8 and b.dtype == torch.int8  # type: ignore[union-attr]
+        if not scaling.is_floating_point() or not (int8 or (a.is_floating_point() and b.is_floating_point())):  # type: ignore[union-attr]
+            raise ValueError(f"{linear_name}: LoRA needs float {LORA_A}, {LORA_B} and {LORA_SCALING} tensors together")
         rank = a.shape[0]  # type: ignore[union-attr]
         want = ((rank, shape[1]), (shape[0], rank), (1,))
         for part, suffix, wanted in zip(parts, suffixes, want):
             if part.shape != wanted or rank < 1:  # type: ignore[union-attr]
                 raise ValueError(f"{linear_name}{suffix} has shape {list(part.shape)}, the model needs "  # type: ignore
                                  f"{list(wanted)}")  # fmt: skip
+        held = [weights.get(linear_name + s) for s in scales]
+        if int8 and any(
+            not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (rank,) for t in held
+        ):
+            raise ValueError(f"{linear_name}: int8 LoRA matrices need float32 scales {scales[0]}, {scales[1]} of "
+                             f"shape ({rank},)")  # fmt: skip
+        if not int8 and any(t is not None for t in held):
+            raise ValueError(f"{linear_name}: LoRA scales beside float matrices")
 
 
 def _kind(weight: Linear) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from quant_sync.export import LORA_A, LORA_B, LORA_SCALING
+from quant_sync.export import LORA_A, LORA_B, LORA_SCALE, LORA_SCALING
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight
 from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.model import (
@@ -28,7 +28,12 @@ from rollout_workers.embedded.model import (
 from rollout_workers.embedded.weight_only import GroupQuantized
 
 SCALE_SUFFIX = "_scale"
-ADAPTER_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING)
+ADAPTER_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)
+"""LoRA tensors: float, or int8 A and B with their scales (`decode_adapters(keep_int8=True)`), kept as they are."""
+
+
+def _adapter_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dtype in (torch.int8, torch.float32) else tensor.to(torch.float32)
 
 
 def build_weight_map(update: WeightUpdate) -> dict[str, torch.Tensor | QuantizedWeight | GroupQuantized]:
@@ -36,6 +41,9 @@ def build_weight_map(update: WeightUpdate) -> dict[str, torch.Tensor | Quantized
     (W8A8) or GroupQuantized (weight-only: the engine multiplies by them without dequantizing a copy)."""
     weights: dict[str, torch.Tensor | QuantizedWeight | GroupQuantized] = {}
     for name, tensor in update.tensors.items():
+        if name.endswith(ADAPTER_SUFFIXES):  # LoRA: never paired into a QuantizedWeight
+            weights[name] = _adapter_tensor(tensor)
+            continue
         if name.endswith(SCALE_SUFFIX):
             continue
         scale = update.tensors.get(name + SCALE_SUFFIX)
@@ -54,13 +62,19 @@ class StagedVersions:
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device):
         self.arch, self.dtype, self.device = arch, dtype, device
         self._lock = threading.Lock()
-        self._staged: tuple[int, dict] | None = None
+        self._staged: tuple[int, dict, dict | None] | None = None  # version, weight map, the checked base's map
         self._building: tuple[int, Iterator[ModelWeights | None]] | None = None
         self._build_s = 0.0
         self._base: tuple[list[tuple[str, torch.Tensor, int]], dict, dict[str, tuple[int, ...]]] | None = None
         """The base of the last LoRA version fully checked (`_remember_base`)."""
+        self._checked_layout: tuple | None = None
+        """The adapters' names, dtypes and shapes last checked on that base (the next version with the same skips
+        `check_adapter_shapes`: an adapter version has ~280 tensors, and each train step publishes one)."""
         self.last_build_s = 0.0
         """Decode-thread time the last completed build took (summed over its slices)."""
+        self._last_built: tuple[dict, ModelWeights] | None = None
+        """The last LoRA version built on a checked base: that base's map and its weights (the running ones, or
+        about to be), which the next adapter version on the same base completes (`ModelWeights.with_adapters`)."""
 
     @property
     def pending(self) -> bool:
@@ -70,6 +84,7 @@ class StagedVersions:
         """Check `update` against the model (KeyError / ValueError naming the weight) and stage it if newer."""
         try:
             weight_map = self._on_checked_base(update)
+            base_map = None if weight_map is None or self._base is None else self._base[1]
             if weight_map is None:
                 weight_map = build_weight_map(update)
                 missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
@@ -77,11 +92,12 @@ class StagedVersions:
                     raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
                 expected = check_weight_shapes(self.arch, weight_map)
                 self._remember_base(update, weight_map, expected)
+                base_map = None if self._base is None else self._base[1]
         except ValueError as err:
             raise ValueError(f"version {update.version} does not fit the model: {err}") from None
         with self._lock:
             if self._staged is None or update.version > self._staged[0]:
-                self._staged = (update.version, weight_map)
+                self._staged = (update.version, weight_map, base_map)
 
     def _remember_base(self, update: WeightUpdate, weight_map: dict, expected: dict[str, tuple[int, ...]]) -> None:
         """After a LoRA version passed the full check: its base (every tensor but the adapters, as objects, with
@@ -93,6 +109,7 @@ class StagedVersions:
                    if not name.endswith(ADAPTER_SUFFIXES)]  # fmt: skip
         base_map = {name: value for name, value in weight_map.items() if not name.endswith(ADAPTER_SUFFIXES)}
         self._base = (entries, base_map, expected)
+        self._checked_layout = None
 
     def _on_checked_base(self, update: WeightUpdate) -> dict | None:
         """The weight map of an adapter version on the base the last LoRA version was checked with (the very same
@@ -108,8 +125,11 @@ class StagedVersions:
         for name, tensor, version in entries:
             if tensors.get(name) is not tensor or tensor._version != version:
                 return None
-        weight_map = {**base_map, **{name: tensor.to(torch.float32) for name, tensor in adapters.items()}}
-        check_adapter_shapes(weight_map, expected)
+        weight_map = {**base_map, **{name: _adapter_tensor(tensor) for name, tensor in adapters.items()}}
+        layout = tuple((name, tensor.dtype, tensor.shape) for name, tensor in adapters.items())
+        if layout != self._checked_layout:  # what check_adapter_shapes reads: names, dtypes and shapes
+            check_adapter_shapes(weight_map, expected)
+            self._checked_layout = layout
         return weight_map
 
     def advance(self, running_version: int, budget_s: float) -> tuple[int, ModelWeights] | None:
@@ -119,10 +139,24 @@ class StagedVersions:
             staged = self._staged
         if staged is None:
             return None
-        version, weight_map = staged
+        version, weight_map, base_map = staged
         if version <= running_version:
             self._drop(staged)
             return None
+        last = self._last_built
+        if base_map is not None and last is not None and last[0] is base_map:  # adapters on the base just built
+            started = time.perf_counter()
+            self._building = None
+            try:
+                built = last[1].with_adapters(self.arch, weight_map, self.dtype, str(self.device))
+            except Exception:
+                self._drop(staged)
+                raise
+            finally:
+                self.last_build_s = time.perf_counter() - started
+            self._last_built = (base_map, built)
+            self._drop(staged)
+            return version, built
         if self._building is None or self._building[0] != version:
             self._building = (version, ModelWeights.build_in_parts(self.arch, weight_map, self.dtype, self.device))
             self._build_s = 0.0
@@ -145,9 +179,10 @@ class StagedVersions:
         self._drop(staged)
         if part is None:  # the build ended without weights (cannot happen with build_in_parts): drop the version
             return None
+        self._last_built = None if base_map is None else (base_map, part)
         return version, part
 
-    def _drop(self, staged: tuple[int, dict]) -> None:
+    def _drop(self, staged: tuple[int, dict, dict | None]) -> None:
         with self._lock:
             if self._staged is staged:
                 self._staged = None

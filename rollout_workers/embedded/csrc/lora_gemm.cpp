@@ -85,6 +85,85 @@ __attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, con
     }
 }
 
+// The same two products on int8 adapters as published (model.lora.sync_dtype=int8), converted in registers:
+//   low[m, j] = sa[j] * dot(x[m, :k], float(qa[j, :k]))          (qa: A's int8 rows, sa: their scales)
+//   out[m, c] += s * sum_q (low[m, q] * sb[q]) * float(qb[q, c])   (qb: B^T's int8 panels, sb: B's per-rank scales)
+// equal to the fp32 kernel on the dequantized values up to the order of the roundings (the scales are applied to
+// each sum, not to each element). A quarter of the adapter bytes a decode step streams, none decoded per version.
+template <int MR, int NR>
+__attribute__((target("avx512f"))) void a_tile_q8(const float* x, int64_t xs, const int8_t* a, int64_t k, float* low,
+                                                  int64_t ls, const float* sa) {
+    __m512 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= k; p += 16) {
+        __m512 av[NR];
+        for (int j = 0; j < NR; ++j)
+            av[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + j * k + p))));
+        for (int i = 0; i < MR; ++i) {
+            __m512 xv = _mm512_loadu_ps(x + i * xs + p);
+            for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
+        }
+    }
+    if (p < k) {
+        __mmask16 mask = (__mmask16)((1u << (k - p)) - 1u);
+        __m512 av[NR];
+        for (int j = 0; j < NR; ++j) {
+            __m128i bytes = _mm_setzero_si128();
+            for (int64_t t = 0; t < k - p; ++t) reinterpret_cast<int8_t*>(&bytes)[t] = a[j * k + p + t];
+            av[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        }
+        for (int i = 0; i < MR; ++i) {
+            __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + p);
+            for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) low[i * ls + j] = _mm512_reduce_add_ps(acc[i][j]) * sa[j];
+}
+
+template <int MR>
+__attribute__((target("avx512f"))) void a_rows_q8(const float* x, int64_t xs, const int8_t* a, int64_t k, int64_t r,
+                                                  float* low, int64_t ls, const float* sa) {
+    int64_t j = 0;
+    for (; j + 4 <= r; j += 4) a_tile_q8<MR, 4>(x, xs, a + j * k, k, low + j, ls, sa + j);
+    for (; j < r; ++j) a_tile_q8<MR, 1>(x, xs, a + j * k, k, low + j, ls, sa + j);
+}
+
+// b_rows on int8 panels (ceil(n / 32), rank, 32); `low` already times B's per-rank scales.
+template <int MR>
+__attribute__((target("avx512f"))) void b_rows_q8(const float* low, int64_t ls, const int8_t* bp, int64_t rank,
+                                                  int64_t n, float s, float* out, int64_t os) {
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t c = 0; c < n; c += 32) {
+        const int8_t* panel = bp + (c / 32) * rank * 32;
+        __m512 acc[MR][2];
+        for (int i = 0; i < MR; ++i) {
+            acc[i][0] = _mm512_setzero_ps();
+            acc[i][1] = _mm512_setzero_ps();
+        }
+        for (int64_t q = 0; q < rank; ++q) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 32));
+            __m512 b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+            __m512 b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+            for (int i = 0; i < MR; ++i) {
+                __m512 l = _mm512_set1_ps(low[i * ls + q]);
+                acc[i][0] = _mm512_fmadd_ps(l, b0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(l, b1, acc[i][1]);
+            }
+        }
+        const int64_t left = n - c;
+        const __mmask16 m0 = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __mmask16 m1 = left >= 32 ? (__mmask16)0xFFFF : left <= 16 ? (__mmask16)0 : (__mmask16)((1u << (left - 16)) - 1u);
+        for (int i = 0; i < MR; ++i) {
+            float* o = out + i * os + c;
+            _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_mul_ps(acc[i][0], sv)));
+            _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_mul_ps(acc[i][1], sv)));
+        }
+    }
+}
+
 // out[i, c] = float(q[i, c]) * s[i] for i < rows, c < cols (row-major, contiguous).
 void dequantize_rows(const int8_t* q, const float* s, int64_t rows, int64_t cols, float* out) {
     for (int64_t i = 0; i < rows; ++i) {
@@ -158,7 +237,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequantize_panels<true
 
 extern "C" {
 
-int lr_abi_version(void) { return 3; }
+int lr_abi_version(void) { return 4; }
 
 // q (rows, cols) int8, s (rows,) float32 -> out (rows, cols) float32: A (count * r, in), or B^T (count * r, out).
 // avx512: 1 lets it use AVX-512F where the CPU has it, 0 runs the portable loop (ASYNCRL_ISA_CAP, tests).
@@ -199,6 +278,30 @@ int lr_apply(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a
         for (; mm + 4 <= rows; mm += 4)
             b_rows<4>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
         for (; mm < rows; ++mm) b_rows<1>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
+    }
+    return 0;
+}
+
+// lr_apply on int8 adapters: qa (R, k) int8 rows with scales sa (R,); member i's B^T in int8 panels qbs[i] with
+// per-rank scales sbs[i] (rank_i,); otherwise the arguments of lr_apply. `low` is (rows, R) scratch.
+int lr_apply_q8(const float* x, int64_t rows, int64_t k, int64_t xs, const int8_t* qa, const float* sa, int64_t r,
+                float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols, const int8_t* const* qbs,
+                const float* const* sbs, const float* scalings, float* out, int64_t os) {
+    if (!has_avx512f()) return -1;
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) a_rows_q8<4>(x + m * xs, xs, qa, k, r, low + m * r, r, sa);
+    for (; m < rows; ++m) a_rows_q8<1>(x + m * xs, xs, qa, k, r, low + m * r, r, sa);
+    for (int64_t i = 0; i < n_members; ++i) {
+        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0;
+        for (int64_t mm = 0; mm < rows; ++mm)
+            for (int64_t q = 0; q < rank; ++q) low[mm * r + r0 + q] *= sbs[i][q];
+    }
+    for (int64_t i = 0; i < n_members; ++i) {
+        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
+        int64_t mm = 0;
+        for (; mm + 4 <= rows; mm += 4)
+            b_rows_q8<4>(low + mm * r + r0, r, qbs[i], rank, n, scalings[i], out + mm * os + c0, os);
+        for (; mm < rows; ++mm) b_rows_q8<1>(low + mm * r + r0, r, qbs[i], rank, n, scalings[i], out + mm * os + c0, os);
     }
     return 0;
 }

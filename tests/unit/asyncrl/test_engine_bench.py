@@ -93,7 +93,7 @@ def test_the_lora_rows_adapters_sit_on_every_decoder_linear_as_the_learner_publi
         engine_bench.lora_adapter_tensors({"model.norm.weight": torch.ones(8)})
 
 
-def test_the_lora_decode_row_runs_both_engines_on_the_same_prompts():
+def test_the_lora_decode_row_runs_every_engine_on_the_same_prompts():
     from transformers import AutoModelForCausalLM
 
     from common.builtin_model import resolve_model_path
@@ -101,5 +101,6 @@ def test_the_lora_decode_row_runs_both_engines_on_the_same_prompts():
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     rows = engine_bench._lora_decode(model, model_dir)
-    assert set(rows) == {"big_b32_int8_lora_base_tok_per_s", f"big_b32_int8_lora{engine_bench.LORA_RANK}_tok_per_s"}
+    lora = f"big_b32_int8_lora{engine_bench.LORA_RANK}"
+    assert set(rows) == {"big_b32_int8_lora_base_tok_per_s", f"{lora}_tok_per_s", f"{lora}_fp32_adapters_tok_per_s"}
     assert all(rate > 0 for rate in rows.values())

@@ -173,3 +173,28 @@ def test_a_packed_index_with_b_untransposed_decodes_exactly_through_the_plan():
     b_t = got[LINEARS[1] + LORA_B].t()
     want = torch.nn.functional.pad(b_t, (0, -b_t.shape[1] % 32)).view(b_t.shape[0], -1, 32).transpose(0, 1)
     assert torch.equal(adapter_buffers.panels_of(got[LINEARS[1] + LORA_B]), want)
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "zmq"])
+def test_a_subscriber_for_an_int8_engine_hands_packed_versions_over_as_published(use_shm):
+    """`keep_int8_adapters`: a packed int8 version arrives as its int8 matrices and float32 scales (views of a pooled
+    buffer), exactly the published values; the pinned base's own adapters are decoded as before."""
+    gen = torch.Generator().manual_seed(1)
+    state = {linear + ".weight": torch.randn(*shape, generator=gen) for linear, shape in SHAPES.items()}
+    base = export_rollout_tensors(state, "int8")
+    publisher, updates = WeightPublisher(chunk_bytes=256), []
+    subscriber = None
+    try:
+        publisher.publish(0, base, "int8", pin=True)
+        publisher.publish(1, pack_adapters(_adapters("int8", seed=1)), "int8", base=0)
+        subscriber = WeightSubscriber(publisher.endpoint, updates.append, 0.01, use_shm=use_shm,
+                                      keep_int8_adapters=True)  # fmt: skip
+        assert subscriber.wait_for(1, 10) and subscriber.rejected == 0, subscriber.last_error
+        tensors = updates[-1].tensors
+        for name, value in _adapters("int8", seed=1).items():
+            assert tensors[name].dtype == value.dtype and torch.equal(tensors[name], value), name
+        assert torch.equal(tensors[LINEARS[0] + ".weight"], base[LINEARS[0] + ".weight"])
+    finally:
+        if subscriber is not None:
+            subscriber.close()
+        publisher.close()

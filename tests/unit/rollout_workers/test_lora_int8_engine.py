@@ -1,0 +1,165 @@
+"""Int8 LoRA adapters run as published (`decode_adapters(keep_int8=True)`, csrc/lora_gemm.cpp `lr_apply_q8`): the
+packed version's int8 matrices and scales land in a pooled buffer with B's int8 panels, the kernel equals the fp32
+product of the dequantized values on ragged shapes, an engine runs them like their float32 decoding, and misshapen
+int8 adapters are refused at staging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.bench.engine_bench import lora_adapter_tensors
+from common.builtin_model import resolve_model_path
+from quant_sync.adapter_buffers import panels_of
+from quant_sync.export import (
+    LORA_A,
+    LORA_B,
+    LORA_SCALE,
+    decode_adapters,
+    encode_adapter,
+    export_rollout_tensors,
+    pack_adapters,
+)
+from quant_sync.update import WeightUpdate
+from rollout_workers.embedded.engine import EmbeddedEngine, build_weight_map
+from rollout_workers.embedded.linears import _native_lora, _panels, add_low_rank, stack_low_rank
+from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _int8_member(rank: int, out: int, inp: int, seed: int, scaling: float = 2.0):
+    gen = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(rank, inp, generator=gen), torch.randn(out, rank, generator=gen)
+    qa, qb = encode_adapter(a, LORA_A, "int8"), encode_adapter(b, LORA_B, "int8")
+    return qa[""], qb[""], scaling, qa[LORA_SCALE], qb[LORA_SCALE]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_the_int8_kernel_equals_the_float32_product_of_the_dequantized_adapters(rows):
+    """Rows off the kernel's tiles, inputs not of 16, outputs not of 32, members of different ranks and one without
+    an adapter: lr_apply_q8 (or, without AVX-512F, torch on the dequantized values) against float64."""
+    gen = torch.Generator().manual_seed(rows)
+    inp, outs = 37, [45, 7, 16, 33]
+    members = [_int8_member(3, outs[0], inp, 1), _int8_member(5, outs[1], inp, 2), None,
+               _int8_member(2, outs[3], inp, 4, scaling=0.5)]  # fmt: skip
+    stacked = stack_low_rank(members, outs)
+    assert stacked is not None
+    assert (stacked.a.dtype == torch.int8) == (_native_lora() is not None)  # else dequantized to float32 at build
+    x, base = torch.randn(rows, inp, generator=gen), torch.randn(rows, sum(outs), generator=gen)
+    want, col = base.double().clone(), 0
+    for member, out in zip(members, outs):
+        if member is not None:
+            qa, qb, scaling, sa, sb = member
+            a, b = qa.double() * sa.double()[:, None], qb.double() * sb.double()[None, :]
+            want[:, col : col + out] += scaling * (x.double() @ a.t()) @ b.t()
+        col += out
+    got = add_low_rank(x, base.clone(), stacked)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:, 52:68], base[:, 52:68])  # the member without an adapter: untouched
+    if stacked.a.dtype == torch.int8:  # torch's GEMMs on the same int8 LowRank (its float32 values)
+        import dataclasses
+
+        torch_path = add_low_rank(x, base.clone(), dataclasses.replace(stacked, native=None))
+        torch.testing.assert_close(torch_path, got, rtol=1e-5, atol=1e-5)
+
+
+def _micro():
+    from transformers import AutoModelForCausalLM
+
+    model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
+    return model_dir, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def test_a_packed_int8_version_kept_int8_holds_the_published_values_and_panels():
+    _, model = _micro()
+    encoded = lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=3)
+    kept = decode_adapters(pack_adapters(encoded), keep_int8=True)
+    assert set(kept) == set(encoded)
+    for name, value in encoded.items():
+        assert kept[name].dtype == value.dtype and torch.equal(kept[name], value), name
+    b = kept[Q + LORA_B]
+    panels = panels_of(b)
+    assert panels is not None and panels.dtype == torch.int8 and torch.equal(panels, _panels(b.t().contiguous()))
+
+
+def test_an_engine_runs_an_int8_version_as_its_float32_decoding():
+    """The logits of an int8 version kept int8 equal those of the same version decoded to float32 (which the
+    learner's forward runs) to float32 rounding; with the native kernel the build runs int8 views of the buffer."""
+    model_dir, model = _micro()
+    base = export_rollout_tensors(model.state_dict(), "int8", quantize_head=True)
+    packed = pack_adapters(lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=3))
+    engine = EmbeddedEngine(model_dir, seed=0)
+    logits = []
+    for keep in (True, False):
+        adapters = decode_adapters(packed, keep_int8=keep)
+        weights = ModelWeights.build(engine.arch, build_weight_map(WeightUpdate(1, {**base, **adapters}, "int8")))
+        if keep and engine.runs_int8_adapters:
+            assert weights.layers[0].qkv_lora.a.dtype == torch.int8
+            assert weights.layers[0].qkv_lora.a.data_ptr() == adapters[Q + LORA_A].data_ptr()  # no copy
+        tokens = torch.tensor([[1, 4, 5, 13, 6, 7, 15]])
+        cache = KVCache(engine.arch, slots=1, max_len=16)
+        logits.append(prefill(engine.arch, weights, cache, tokens, torch.tensor([7]), torch.tensor([0]),
+                              torch.tensor([0])))  # fmt: skip
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t.pop(Q + LORA_A + LORA_SCALE), "int8 LoRA matrices need float32 scales"),
+        (lambda t: t.__setitem__(Q + LORA_B + LORA_SCALE, torch.ones(3)), "int8 LoRA matrices need float32 scales"),
+        (lambda t: t.__setitem__(Q + LORA_A + LORA_SCALE, torch.ones(4, dtype=torch.int8)), "float32 scales"),
+        (lambda t: t.__setitem__(Q + LORA_A, t[Q + LORA_A].float()), "LoRA needs float"),
+    ],
+)
+def test_misshapen_int8_adapters_are_refused_at_staging(change, message):
+    model_dir, model = _micro()
+    base = export_rollout_tensors(model.state_dict(), "int8", quantize_head=True)
+    adapters = dict(lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=3))
+    change(adapters)
+    engine = EmbeddedEngine(model_dir, seed=0)
+    with pytest.raises(ValueError, match=message):
+        engine.stage_weights(WeightUpdate(1, {**base, **adapters}, "int8"))
+
+
+def test_an_adapter_version_on_the_base_just_built_replaces_only_the_adapters(monkeypatch):
+    """Versions 2 and 3 hold new adapters on version 1's very base tensors: each completes the weights it swaps from
+    (`ModelWeights.with_adapters`: the base forms are the same objects, the adapters its own) and runs exactly like
+    a full build of the same tensors; a misshapen third version on that base is still refused."""
+    model_dir, model = _micro()
+    base = export_rollout_tensors(model.state_dict(), "int8", quantize_head=True)
+    engine = EmbeddedEngine(model_dir, seed=0)
+    versions = {v: lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=v) for v in (1, 2, 3)}
+    built, full_builds = {}, []
+    build_in_parts = ModelWeights.build_in_parts
+    monkeypatch.setattr(
+        ModelWeights, "build_in_parts", lambda *a, **k: full_builds.append(1) or build_in_parts(*a, **k)
+    )
+    for version, adapters in versions.items():
+        engine.stage_weights(WeightUpdate(version, {**base, **adapters}, "int8"))
+        assert engine.apply_staged() and engine._version == version
+        built[version] = engine._weights
+    assert len(full_builds) == 1  # version 1 only
+    for version in (2, 3):
+        layer, before = built[version].layers[0], built[version - 1].layers[0]
+        assert layer.qkv is before.qkv and layer.down is before.down and built[version].head is built[1].head
+        assert layer.qkv_lora is not before.qkv_lora
+    fresh = ModelWeights.build(engine.arch, build_weight_map(WeightUpdate(3, {**base, **versions[3]}, "int8")))
+    tokens = torch.tensor([[1, 4, 5, 13, 6, 7, 15]])
+    logits = [
+        prefill(
+            engine.arch,
+            weights,
+            KVCache(engine.arch, slots=1, max_len=16),
+            tokens,
+            torch.tensor([7]),
+            torch.tensor([0]),
+            torch.tensor([0]),
+        )  # fmt: skip
+        for weights in (built[3], fresh)
+    ]
+    assert torch.equal(logits[0], logits[1])
+    bad = {**versions[3], Q + LORA_B: versions[3][Q + LORA_B][:, :2]}
+    with pytest.raises(ValueError, match="has shape"):
+        engine.stage_weights(WeightUpdate(4, {**base, **bad}, "int8"))
