@@ -112,10 +112,13 @@ def stack_low_rank(
     if len(adapters) != len(out_features):
         raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
     device = device or torch.device("cpu")
-    if any(adapter is not None and len(adapter) == 5 for adapter in adapters):  # int8 with scales
-        if device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None:
+    held = [adapter for adapter in adapters if adapter is not None]
+    if any(len(adapter) == 5 for adapter in held):  # int8 with scales
+        native = device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None
+        if native and all(len(adapter) == 5 for adapter in held):
             return _stack_int8(adapters, out_features)  # type: ignore[arg-type]
-        adapters = [None if adapter is None else _dequantized(*adapter) for adapter in adapters]  # type: ignore[misc]
+        adapters = [_dequantized(*adapter) if adapter is not None and len(adapter) == 5 else adapter  # type: ignore[misc]
+                    for adapter in adapters]  # fmt: skip
     key = _pooled_key(adapters, out_features, dtype, device)
     built = _STACKED.get(key) if key is not None else None
     if built is not None:  # this group of this pooled buffer was stacked before: the same views, kernel arrays

@@ -163,3 +163,15 @@ def test_an_adapter_version_on_the_base_just_built_replaces_only_the_adapters(mo
     bad = {**versions[3], Q + LORA_B: versions[3][Q + LORA_B][:, :2]}
     with pytest.raises(ValueError, match="has shape"):
         engine.stage_weights(WeightUpdate(4, {**base, **bad}, "int8"))
+
+
+def test_a_group_mixing_int8_and_float_adapters_runs_their_float32_values():
+    inp, outs = 24, [16, 8]
+    int8_member = _int8_member(2, outs[0], inp, 1)
+    qa, qb, scaling, sa, sb = int8_member
+    float_member = (torch.randn(3, inp), torch.randn(outs[1], 3), 0.5)
+    mixed = stack_low_rank([int8_member, float_member], outs)
+    plain = stack_low_rank([(qa.float() * sa[:, None], qb.float() * sb[None, :], scaling), float_member], outs)
+    assert mixed is not None and plain is not None and mixed.a.dtype == torch.float32
+    x, base = torch.randn(5, inp), torch.randn(5, sum(outs))
+    assert torch.equal(add_low_rank(x, base.clone(), mixed), add_low_rank(x, base.clone(), plain))
