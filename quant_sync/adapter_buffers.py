@@ -14,7 +14,7 @@ The float32 buffers are reused across versions: a plan keeps up to BUFFER_SETS o
 whose storage nothing else references any more (every view of it dropped: the engine no longer runs that version,
 nothing staged or queued holds it); when all are held, a fresh one is allocated. So a version costs no fresh
 allocation (14 MB of page faults on the ~100M config) and no copy after this one: the engine
-(rollout_workers/embedded/linears.py, `stack_low_rank`) runs views of these buffers as they are (`is_plan_buffer`,
+(rollout_workers/embedded/low_rank.py, `stack_low_rank`) runs views of these buffers as they are (`is_plan_buffer`,
 `panels_of`): a fused group's A are adjacent rows, each B^T has its panels. Any other tensor it copies, since its
 owner may write it later.
 """

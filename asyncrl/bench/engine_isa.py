@@ -71,7 +71,7 @@ def onednn_dispatch() -> dict[str, object]:
 def isa_cap_check(cap: str) -> dict[str, object]:
     """What runs under `cap` (each kernel family, torch's capability, oneDNN's ISA and implementations); a
     RuntimeError naming what escaped the cap. Called in the capped process before it measures."""
-    from rollout_workers.embedded import fp8_linear, fused_decode, int8_linear, linears, weight_only
+    from rollout_workers.embedded import fp8_linear, fused_decode, int8_linear, low_rank, weight_only
     from rollout_workers.embedded.native import isa_cap
 
     check: dict[str, object] = {
@@ -82,7 +82,7 @@ def isa_cap_check(cap: str) -> dict[str, object]:
         "weight_only": weight_only.kernel_name(),
         "fp8": fp8_linear.fp8_kernel_name(),
         "attention_isa": fused_decode.attention_isa(),
-        "lora_native_kernel": linears._native_lora() is not None,
+        "lora_native_kernel": low_rank._native_lora() is not None,
         "onednn": onednn_dispatch(),
     }
     expected = {"native_isa_cap": cap, "torch_cpu_capability": "AVX2", "int8": "avx2", "weight_only": "avx2",

@@ -45,7 +45,7 @@ import torch
 from common.config import SWAP_MODES
 from quant_sync import adapter_buffers
 from quant_sync.update import WeightUpdate
-from rollout_workers.embedded.linears import _native_lora, native_dequantizer
+from rollout_workers.embedded.low_rank import _native_lora, native_dequantizer
 from rollout_workers.embedded.model import (
     DTYPES,
     ArchConfig,

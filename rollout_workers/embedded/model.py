@@ -42,15 +42,13 @@ from rollout_workers.embedded.linears import (  # noqa: F401 - re-exported: the 
     PACK_FP32_MIN_FEATURES,
     UPCAST_INT8_MAX_ELEMENTS,
     Linear,
-    LowRank,
     PackedFp32,
     UpcastQuantized,
     _fuse,
-    add_low_rank,
     linear,
     prepare_linear,
-    stack_low_rank,
 )
+from rollout_workers.embedded.low_rank import LowRank, add_low_rank, stack_low_rank  # noqa: F401 - re-exported
 from rollout_workers.embedded.offset_prefill import OffsetPrompts
 from rollout_workers.embedded.weight_only import GroupQuantized
 

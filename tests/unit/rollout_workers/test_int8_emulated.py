@@ -87,10 +87,10 @@ def test_a_path_is_dispatched_only_where_the_cpu_has_it(path, flag, monkeypatch)
 
 CAP_PROBE = """
 import json
-from rollout_workers.embedded import fp8_linear, fused_decode, int8_linear, linears, weight_only
+from rollout_workers.embedded import fp8_linear, fused_decode, int8_linear, low_rank, weight_only
 print(json.dumps({"int8": int8_linear.available_kernels(), "weight_only": weight_only.available_kernels(),
                   "fp8": fp8_linear.available_kernels(), "attention_isa": fused_decode.attention_isa(),
-                  "lora_native": linears._native_lora() is not None,
+                  "lora_native": low_rank._native_lora() is not None,
                   "avx512_flags": sorted(f for f in int8_linear._cpu_flags() if f.startswith("avx512"))}))
 """
 

@@ -14,7 +14,8 @@ from quant_sync.export import LORA_A, LORA_B, LORA_SCALING, export_rollout_tenso
 from quant_sync.quantizers import quantize_weight
 from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.engine import EmbeddedEngine
-from rollout_workers.embedded.linears import linear, low_rank_linear, prepare_linear, stack_low_rank
+from rollout_workers.embedded.linears import linear, low_rank_linear, prepare_linear
+from rollout_workers.embedded.low_rank import stack_low_rank
 from rollout_workers.engine import SamplingParams
 
 PROMPTS = [[1, 4, 5, 13, 6, 7, 15], [1, 9, 14, 3, 15]]
@@ -171,7 +172,7 @@ def test_the_native_low_rank_kernel_equals_the_reference_on_ragged_shapes(rows):
     of 32 (masked panels), members of different ranks, one without an adapter; the torch path on the same adapters."""
     import dataclasses
 
-    from rollout_workers.embedded.linears import _native_lora, add_low_rank
+    from rollout_workers.embedded.low_rank import _native_lora, add_low_rank
 
     gen = torch.Generator().manual_seed(rows)
     inp, outs = 37, [45, 7, 16, 33]
@@ -236,7 +237,7 @@ def test_a_pooled_buffers_next_version_reuses_its_stacked_groups_and_runs_its_ow
     from asyncrl.bench.engine_bench import lora_adapter_tensors
     from quant_sync.export import decode_adapters, pack_adapters
     from rollout_workers.embedded.engine import build_weight_map
-    from rollout_workers.embedded.linears import _native_lora
+    from rollout_workers.embedded.low_rank import _native_lora
     from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
 
     model_dir, model = _micro()

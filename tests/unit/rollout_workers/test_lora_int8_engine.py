@@ -22,7 +22,7 @@ from quant_sync.export import (
 )
 from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.engine import EmbeddedEngine, build_weight_map
-from rollout_workers.embedded.linears import _native_lora, _panels, add_low_rank, stack_low_rank
+from rollout_workers.embedded.low_rank import _native_lora, _panels, add_low_rank, stack_low_rank
 from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
 
 Q = "model.layers.0.self_attn.q_proj"

@@ -9,7 +9,7 @@ import torch
 from quant_sync import adapter_buffers
 from quant_sync.adapter_buffers import panels_of
 from quant_sync.export import LORA_A, LORA_B, LORA_SCALING, decode_adapters, encode_adapter, pack_adapters
-from rollout_workers.embedded.linears import NativeDequantizer, native_dequantizer
+from rollout_workers.embedded.low_rank import NativeDequantizer, native_dequantizer
 
 SHAPES = {  # (out, in): outputs that are, and are not, multiples of the 32-column panels
     "model.layers.0.self_attn.q_proj": (64, 48),

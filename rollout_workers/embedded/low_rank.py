@@ -1,0 +1,379 @@
+"""LoRA adapters in the embedded engine: `stack_low_rank` turns a fused group's adapters (q/k/v, gate/up, or one
+linear) into one `LowRank`, and `add_low_rank` adds `s * B (A x)` into a base linear's fresh output
+(`linears.low_rank_linear`: `y = Q(W) x + s * B (A x)` on any linear form).
+
+The members' A matrices lie one above the other (one pass over x gives every member's `A x`) and each member's
+`s * B` adds into its own output columns. On an AVX-512 CPU in fp32 both products run in one call of
+csrc/lora_gemm.cpp: `lr_apply` on float32 adapters, `lr_apply_q8` on int8 ones with their per-rank scales
+(converted in registers); elsewhere torch's GEMMs run them (int8 adapters on their float32 values). Adapters the
+subscriber decoded into its pooled buffers (quant_sync/adapter_buffers.py) run in place, and what a group of such a
+buffer needs beyond views is kept for the next version in it (`_STACKED`). The library also decodes int8 adapter
+versions into float32 in one pass (`NativeDequantizer`) for engines that do not run them as int8.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quant_sync.adapter_buffers import is_plan_buffer, panels_of, pool_generation
+from rollout_workers.embedded.native import NativeLibrary
+
+
+@dataclass(slots=True)
+class LowRank:
+    """LoRA adapters in the engine's form: `s * B (A x)` = `s * (x A^T) b_t` with `b_t = B^T`. For a fused group the
+    members' A are stacked (sum of ranks, in), so one GEMM gives every member's `A x`; each member's `b_t` then
+    adds its own output columns in place, times its own `s`. A member without an adapter has none: its columns get
+    exactly nothing."""
+
+    a: torch.Tensor  # (R, in): the stacked A (`F.linear(x, a)`: peft's own first product, bit for bit)
+    b_t: tuple[torch.Tensor, ...]  # per member with an adapter: B^T (r_i, out_i), contiguous where the kernel runs
+    scalings: tuple[float, ...]  # per member with an adapter: its s (alpha / r)
+    ranks: tuple[tuple[int, int], ...]  # per member: its columns of F.linear(x, a)
+    cols: tuple[tuple[int, int], ...]  # per member: its output columns
+    native: tuple[ctypes.Array, ...] | None = None  # lr_apply's member arrays (fp32, CPU): ranks, cols, panels, s
+    panels: tuple[torch.Tensor, ...] = ()  # per member: b_t in lr_apply's panels of 32 columns (`panels_of`, _panels)
+    a_scale: torch.Tensor | None = None  # int8 adapters (`a`, `b_t` int8, lr_apply_q8): A's per-rank scales (R,)
+    b_scales: tuple[torch.Tensor, ...] = ()  # int8 adapters: each member's B per-rank scales (r_i,)
+
+
+def stack_low_rank(
+    adapters: list[tuple[torch.Tensor, torch.Tensor, float] | None],
+    out_features: list[int],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> LowRank | None:
+    """(A (r, in), B (out, r), scaling) per member of a fused group (None: no adapter) -> one LowRank, or None.
+
+    Adapters the subscriber decoded into its pooled buffers (`quant_sync.adapter_buffers.is_plan_buffer`) run as
+    they are: a group's A are adjacent rows there (one view spans them), each B is a transposed view of a
+    contiguous B^T and has its panels beside it (`panels_of`), so an adapter version builds without copying a
+    value. Any other tensors are copied (their owner may change them later)."""
+    if len(adapters) != len(out_features):
+        raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
+    device = device or torch.device("cpu")
+    held = [adapter for adapter in adapters if adapter is not None]
+    if any(len(adapter) == 5 for adapter in held):  # int8 with scales
+        native = device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None
+        if native and all(len(adapter) == 5 for adapter in held):
+            return _stack_int8(adapters, out_features)  # type: ignore[arg-type]
+        adapters = [_dequantized(*adapter) if adapter is not None and len(adapter) == 5 else adapter  # type: ignore[misc]
+                    for adapter in adapters]  # fmt: skip
+    key = _pooled_key(adapters, out_features, dtype, device)
+    built = _STACKED.get(key) if key is not None else None
+    if built is not None:  # this group of this pooled buffer was stacked before: the same views, kernel arrays
+        members = [adapter for adapter in adapters if adapter is not None]
+        first = members[0][0]
+        a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
+        b_ts = tuple(member[1].t() for member in members)
+        return LowRank(a, b_ts, built.scalings, built.ranks, built.cols, native=built.native)
+    a_parts, bs, b_ts, scalings, ranks, cols = [], [], [], [], [], []
+    row = col = 0
+    for adapter, out in zip(adapters, out_features):
+        if adapter is not None:
+            a, b, scaling = adapter[:3]
+            _check_fits(a, b, out)
+            a_parts.append(a)
+            bs.append(b)
+            b_ts.append(_as_engine_tensor(b.t(), dtype, device))  # B^T (r, out)
+            scalings.append(float(scaling))
+            ranks.append((row, row + a.shape[0]))
+            cols.append((col, col + out))
+            row += a.shape[0]
+        col += out
+    if not a_parts:
+        return None
+    a = _adjacent_rows(a_parts, dtype, device)
+    if a is None:
+        a = torch.cat([part.to(device=device, dtype=dtype) for part in a_parts]).contiguous()
+    fields = {"a": a, "b_t": tuple(b_ts), "scalings": tuple(scalings), "ranks": tuple(ranks), "cols": tuple(cols)}
+    if device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None:
+        panels = tuple(_decoded_panels(b, b_t) for b, b_t in zip(bs, b_ts))
+        native = (
+            (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
+            (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
+            (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
+            (ctypes.c_float * len(scalings))(*scalings),
+        )
+        storage = a.untyped_storage().data_ptr()
+        if key is not None and all(panel.untyped_storage().data_ptr() == storage for panel in panels):
+            if len(_STACKED) >= STACKED_KEPT:
+                _STACKED.clear()
+            _STACKED[key] = _Stacked(a.shape[0], fields["scalings"], fields["ranks"], fields["cols"], native)
+        return LowRank(**fields, native=native, panels=panels)
+    return LowRank(**fields)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stacked:
+    """What `stack_low_rank` derived from a group of pooled-buffer adapters, holding no tensor (so the buffer is
+    reused as soon as no version uses it; its next version then lies at the same addresses)."""
+
+    rows: int
+    scalings: tuple[float, ...]
+    ranks: tuple[tuple[int, int], ...]
+    cols: tuple[tuple[int, int], ...]
+    native: tuple[ctypes.Array, ...]
+
+
+STACKED_KEPT = 4096
+"""Groups `stack_low_rank` remembers (a version of the ~100M config has 32; the pool holds up to 4 versions)."""
+_STACKED: dict[tuple, _Stacked] = {}
+"""`_pooled_key` (its first item the `pool_generation` it is valid for) -> `_Stacked`."""
+
+
+def _pooled_key(
+    adapters: list[tuple[torch.Tensor, torch.Tensor, float] | None],
+    out_features: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple | None:
+    """Where and how a group's adapters lie, where every A and B is a float32 view of one pooled buffer (the
+    subscriber's decoded versions) and the kernel runs them; else None (those are copied, never remembered)."""
+    if device.type != "cpu" or dtype != torch.float32 or _native_lora() is None:
+        return None
+    key: list = [pool_generation(), tuple(out_features)]
+    storage = None
+    for adapter in adapters:
+        if adapter is None:
+            key.append(None)
+            continue
+        a, b, scaling = adapter[:3]
+        scales = adapter[3:]  # int8 adapters: A's and B's scales
+        if a.dtype != b.dtype or a.dtype != (torch.int8 if scales else torch.float32) or not is_plan_buffer(a):
+            return None
+        here = a.untyped_storage().data_ptr()
+        if (storage is not None and here != storage) or b.untyped_storage().data_ptr() != here:
+            return None
+        storage = here
+        key.append((a.data_ptr(), tuple(a.shape), a.stride(), b.data_ptr(), tuple(b.shape), b.stride(), float(scaling),
+                    *(scale.data_ptr() for scale in scales)))  # fmt: skip
+    return tuple(key) if storage is not None else None
+
+
+def _check_fits(a: torch.Tensor, b: torch.Tensor, out: int) -> None:
+    if a.dim() != 2 or b.dim() != 2 or b.shape[0] != out or b.shape[1] != a.shape[0]:
+        raise ValueError(f"stack_low_rank: B {tuple(b.shape)} does not fit A {tuple(a.shape)} and {out} outputs")
+
+
+def _dequantized(
+    a: torch.Tensor, b: torch.Tensor, scaling: float, a_scale: torch.Tensor, b_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """An int8 adapter's float32 values: q * scale per rank component, bit for bit `round_adapter`'s."""
+    return a.to(torch.float32) * a_scale[:, None], b.to(torch.float32) * b_scale[None, :], scaling
+
+
+def _stack_int8(
+    adapters: list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None],
+    out_features: list[int],
+) -> LowRank | None:
+    """`stack_low_rank` of int8 adapters (A (r, in), B (out, r), scaling, A's and B's per-rank scales (r,)) for
+    csrc/lora_gemm.cpp's `lr_apply_q8`: A's rows and scales stacked (views where the subscriber decoded them into a
+    pooled buffer, `decode_adapters(keep_int8=True)`), each B^T with its int8 panels."""
+    key = _pooled_key(adapters, out_features, torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
+    built = _STACKED.get(key) if key is not None else None
+    members = [adapter for adapter in adapters if adapter is not None]
+    if built is not None:
+        first, first_scale = members[0][0], members[0][3]
+        a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
+        a_scale = first_scale.as_strided((built.rows,), (1,))
+        return LowRank(a, tuple(m[1].t() for m in members), built.scalings, built.ranks, built.cols,
+                       native=built.native, a_scale=a_scale, b_scales=tuple(m[4] for m in members))  # fmt: skip
+    a_parts, a_scales, b_ts, b_scales, scalings, ranks, cols, panels = [], [], [], [], [], [], [], []
+    row = col = 0
+    for adapter, out in zip(adapters, out_features):
+        if adapter is not None:
+            a, b, scaling, a_scale, b_scale = adapter
+            _check_fits(a, b, out)
+            rank = a.shape[0]
+            if a.dtype != torch.int8 or b.dtype != torch.int8:
+                raise ValueError(f"stack_low_rank: int8 adapters with scales, got A {a.dtype} and B {b.dtype}")
+            if (
+                a_scale.shape != (rank,)
+                or b_scale.shape != (rank,)
+                or a_scale.dtype != torch.float32
+                or b_scale.dtype != torch.float32
+            ):
+                raise ValueError(f"stack_low_rank: int8 adapters need float32 scales of shape ({rank},)")
+            decoded = panels_of(b)
+            b_t = b.t() if decoded is not None else b.t().contiguous()
+            panels.append(decoded if decoded is not None else _panels(b_t))
+            a_parts.append(a)
+            a_scales.append(a_scale)
+            b_ts.append(b_t)
+            b_scales.append(b_scale if b_scale.is_contiguous() else b_scale.contiguous())
+            scalings.append(float(scaling))
+            ranks.append((row, row + rank))
+            cols.append((col, col + out))
+            row += rank
+        col += out
+    if not a_parts:
+        return None
+    a = _adjacent_rows(a_parts, torch.int8, torch.device("cpu"))
+    if a is None:
+        a = torch.cat(a_parts).contiguous()
+    stacked_scale = _adjacent_rows([s.view(-1, 1) for s in a_scales], torch.float32, torch.device("cpu"))
+    a_scale = stacked_scale.view(-1) if stacked_scale is not None else torch.cat(a_scales).contiguous()
+    native = (
+        (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
+        (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
+        (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
+        (ctypes.c_void_p * len(b_scales))(*[scale.data_ptr() for scale in b_scales]),
+        (ctypes.c_float * len(scalings))(*scalings),
+    )
+    storage = a.untyped_storage().data_ptr()
+    pooled = [a_scale, *panels, *b_scales]
+    if key is not None and all(t.untyped_storage().data_ptr() == storage for t in pooled):
+        if len(_STACKED) >= STACKED_KEPT:
+            _STACKED.clear()
+        _STACKED[key] = _Stacked(a.shape[0], tuple(scalings), tuple(ranks), tuple(cols), native)
+    return LowRank(a, tuple(b_ts), tuple(scalings), tuple(ranks), tuple(cols), native=native, panels=tuple(panels),
+                   a_scale=a_scale, b_scales=tuple(b_scales))  # fmt: skip
+
+
+def _decoded_panels(b: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """B's panels as the subscriber decoded them beside it (`panels_of`), else made from `b_t` (B^T)."""
+    panels = panels_of(b)
+    return panels if panels is not None and panels.is_contiguous() else _panels(b_t)
+
+
+def _panels(b_t: torch.Tensor) -> torch.Tensor:
+    """B^T (rank, n) as csrc/lora_gemm.cpp streams it: (ceil(n / 32), rank, 32), panel t = columns 32t to 32t + 31
+    (zeros past n), so the kernel reads each panel in order (one padded copy)."""
+    rank, n = b_t.shape
+    padded = F.pad(b_t, (0, -n % 32)) if n % 32 else b_t
+    return padded.view(rank, -1, 32).transpose(0, 1).contiguous()
+
+
+def _as_engine_tensor(value: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`value` as the engine runs it: contiguous, in `dtype` on `device`; a decoded buffer's view as it is."""
+    if value.dtype == dtype and value.device == device and value.is_contiguous() and is_plan_buffer(value):
+        return value
+    return torch.empty(value.shape, dtype=dtype, device=device).copy_(value)
+
+
+def _adjacent_rows(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """One view over `parts` stacked row-wise, where they lie back to back in a decoded buffer; else None."""
+    first = parts[0]
+    if not is_plan_buffer(first) or first.dtype != dtype or first.device != device:
+        return None
+    pointer = first.data_ptr()
+    for part in parts:
+        if not part.is_contiguous() or part.dim() != 2 or part.shape[1] != first.shape[1] or part.data_ptr() != pointer:
+            return None
+        if part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        pointer += part.nbytes
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+
+
+def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    if lib.lr_abi_version() != 4:
+        raise ValueError("lora_gemm library: unexpected ABI version")
+    lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.lr_apply.restype = ctypes.c_int
+    lib.lr_apply_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.lr_apply_q8.restype = ctypes.c_int
+    lib.lr_dequantize_rows.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.lr_dequantize_rows.restype = None
+    lib.lr_dequantize_panels.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.lr_dequantize_panels.restype = None
+    return lib
+
+
+_LORA_LIBRARY = NativeLibrary("lora_gemm.cpp", _declare_lora)
+
+
+class NativeDequantizer:
+    """csrc/lora_gemm.cpp's one-pass int8 adapter decoding (`quant_sync.adapter_buffers.use_native`): each value
+    float(q) * s, bit for bit torch's `q.float() * s`, straight into the float32 layouts. ctypes releases the GIL
+    for the call, so the decode thread's Python runs meanwhile."""
+
+    def __init__(self, lib: ctypes.CDLL, avx512: bool) -> None:
+        self._lib, self.avx512 = lib, avx512
+
+    def rows(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        """out (rows, cols) = q (rows, cols) * scale (rows,) per row; all contiguous, on the CPU."""
+        self._lib.lr_dequantize_rows(q.data_ptr(), scale.data_ptr(), q.shape[0], q.shape[1], out.data_ptr(),
+                                     int(self.avx512))  # fmt: skip
+
+    def panels(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+        """out (count, ceil(n / 32), r, 32): the panels of count B^T q (count, r, n) scaled per row by scale
+        (count * r,), zero past n; all contiguous."""
+        count, rank, n = q.shape
+        self._lib.lr_dequantize_panels(q.data_ptr(), scale.data_ptr(), count, rank, n, out.data_ptr(),
+                                       int(self.avx512))  # fmt: skip
+
+
+def native_dequantizer() -> NativeDequantizer | None:
+    """The decoder of int8 adapter versions where csrc/lora_gemm.cpp builds (any x86-64 CPU; its AVX-512 loops
+    where `lr_has_avx512f` says so, which `ASYNCRL_ISA_CAP=avx2` turns off), else None."""
+    lib = _LORA_LIBRARY.get()
+    return None if lib is None else NativeDequantizer(lib, bool(lib.lr_has_avx512f()))
+
+
+def _native_lora() -> ctypes.CDLL | None:
+    """csrc/lora_gemm.cpp where it builds and the CPU has AVX-512F (else None: torch's GEMMs run the adapters)."""
+    lib = _LORA_LIBRARY.get()
+    return lib if lib is not None and lib.lr_has_avx512f() else None
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's float32 scratch of at least `numel` values for lr_apply's `low` (x A^T), kept across calls."""
+    held = getattr(_SCRATCH, "low", None)
+    if held is None or held.numel() < numel:
+        held = _SCRATCH.low = torch.empty(max(numel, 1 << 12), dtype=torch.float32)
+    return held
+
+
+def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.Tensor:
+    """`out + s * B (A x)`, added into `out` in place (a fresh linear output): every member's `A x` in one pass
+    over x, then each member's product accumulated into its own output columns (no block-diagonal zeros, no extra
+    pass over the output). fp32 on AVX-512: csrc/lora_gemm.cpp, one call; else torch's `F.linear` and `addmm_`.
+    Measured on Zen 4 (hidden 1024, rank 16 on all 7 linears, 32 rows, one thread, under load), per decoder layer:
+    542 us with a block-diagonal `addmm` per fused group, 356 us per member (torch), 220 us with the kernel,
+    against 2.0 ms of INT8 base linears."""
+    if not out.is_contiguous():
+        out = out.contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    if adapter.native is not None and rows.dtype == out.dtype == torch.float32 and rows.stride(-1) == 1:
+        lib = _LORA_LIBRARY.lib  # loaded: `native` is only made where it is (its AVX-512F check in lr_apply itself)
+        low = _scratch(rows.shape[0] * adapter.a.shape[0])  # (rows, R), written before it is read
+        if adapter.a_scale is not None:  # int8 adapters
+            ranks, cols, panels, b_scales, scalings = adapter.native
+            done = lib.lr_apply_q8(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
+                                   adapter.a_scale.data_ptr(), adapter.a.shape[0], low.data_ptr(), len(adapter.b_t),
+                                   ranks, cols, panels, b_scales, scalings, out.data_ptr(), out.shape[-1])  # fmt: skip
+            if done != 0:
+                raise RuntimeError("lora_gemm: lr_apply_q8 refused (no AVX-512F on this CPU), yet adapters were packed")
+            return out
+        ranks, cols, b_ts, scalings = adapter.native
+        done = lib.lr_apply(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
+                            adapter.a.shape[0], low.data_ptr(), len(adapter.b_t), ranks, cols, b_ts, scalings,
+                            out.data_ptr(), out.shape[-1])  # fmt: skip
+        if done != 0:
+            raise RuntimeError("lora_gemm: lr_apply refused (no AVX-512F on this CPU), yet its adapters were packed")
+        return out
+    if adapter.a_scale is not None:  # int8 adapters on torch's GEMMs: their float32 values
+        a = adapter.a.to(torch.float32) * adapter.a_scale[:, None]
+        b_ts = tuple(b_t.to(torch.float32) * scale[:, None] for b_t, scale in zip(adapter.b_t, adapter.b_scales))
+        adapter = LowRank(a, b_ts, adapter.scalings, adapter.ranks, adapter.cols)
+    low = F.linear(rows if rows.dtype == adapter.a.dtype else rows.to(adapter.a.dtype), adapter.a)
+    if low.dtype != out.dtype:
+        low = low.to(out.dtype)
+    flat = out.view(-1, out.shape[-1])
+    for (r0, r1), (c0, c1), b_t, scaling in zip(adapter.ranks, adapter.cols, adapter.b_t, adapter.scalings):
+        target = flat if c1 - c0 == flat.shape[1] else flat[:, c0:c1]
+        part = low if r1 - r0 == low.shape[1] else low[:, r0:r1]
+        target.addmm_(part, b_t if b_t.dtype == out.dtype else b_t.to(out.dtype), alpha=scaling)
+    return out
