@@ -37,7 +37,8 @@ class LowRank:
     ranks: tuple[tuple[int, int], ...]  # per member: its columns of F.linear(x, a)
     cols: tuple[tuple[int, int], ...]  # per member: its output columns
     native: tuple[ctypes.Array, ...] | None = None  # lr_apply's member arrays (fp32, CPU): ranks, cols, panels, s
-    panels: tuple[torch.Tensor, ...] = ()  # per member: b_t in lr_apply's panels of 32 columns (`panels_of`, _panels)
+    panels: tuple[torch.Tensor, ...] = ()  # per member: b_t in lr_apply's panels of 32 columns (`panels_of`, _panels);
+    # empty when rebuilt from `_STACKED` (the kernel arrays point into the pooled buffer that `a` keeps alive)
     a_scale: torch.Tensor | None = None  # int8 adapters (`a`, `b_t` int8, lr_apply_q8): A's per-rank scales (R,)
     b_scales: tuple[torch.Tensor, ...] = ()  # int8 adapters: each member's B per-rank scales (r_i,)
 

@@ -1,4 +1,4 @@
-// LoRA's low-rank product for the embedded engine (rollout_workers/embedded/linears.py, add_low_rank):
+// LoRA's low-rank product for the embedded engine (rollout_workers/embedded/low_rank.py, add_low_rank):
 //   low = x A^T          (rows x R: one pass over x for every member of a fused group, A stacked)
 //   out[:, cols_i] += s_i * (low[:, ranks_i] bt_i)   (each member into its own output columns, in place)
 // in fp32 with AVX-512F register tiles (explicit FMAs; summation order differs from MKL's: ~1e-7 relative).
@@ -14,60 +14,78 @@ namespace {
 
 bool has_avx512f() { return __builtin_cpu_supports("avx512f"); }
 
-// low[m, r] = dot(x[m, :k], a[r, :k]) for a tile of MR rows x NR adapter rows.
-template <int MR, int NR>
-__attribute__((target("avx512f"))) void a_tile(const float* x, int64_t xs, const float* a, int64_t k, float* low,
-                                               int64_t ls) {
+// Sixteen adapter values as fp32: float32 as they are, int8 (published with per-rank scales) converted exactly.
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// The first `count` (< 16) values, zeros after them.
+__attribute__((target("avx512f"))) inline __m512 load_first(const float* p, int64_t count) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1u), p);
+}
+__attribute__((target("avx512f"))) inline __m512 load_first(const int8_t* p, int64_t count) {
+    alignas(16) int8_t bytes[16] = {};
+    for (int64_t t = 0; t < count; ++t) bytes[t] = p[t];
+    return load16(bytes);
+}
+
+// low[m, r] = dot(x[m, :k], a[r, :k]) (times sa[r] for int8 A) for a tile of MR rows x NR adapter rows.
+template <int MR, int NR, typename T>
+__attribute__((target("avx512f"))) void a_tile(const float* x, int64_t xs, const T* a, int64_t k, float* low,
+                                               int64_t ls, const float* sa) {
     __m512 acc[MR][NR];
     for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
     int64_t p = 0;
     for (; p + 16 <= k; p += 16) {
         __m512 av[NR];
-        for (int j = 0; j < NR; ++j) av[j] = _mm512_loadu_ps(a + j * k + p);
+        for (int j = 0; j < NR; ++j) av[j] = load16(a + j * k + p);
         for (int i = 0; i < MR; ++i) {
             __m512 xv = _mm512_loadu_ps(x + i * xs + p);
             for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
         }
     }
     if (p < k) {
-        __mmask16 mask = (__mmask16)((1u << (k - p)) - 1u);
         __m512 av[NR];
-        for (int j = 0; j < NR; ++j) av[j] = _mm512_maskz_loadu_ps(mask, a + j * k + p);
+        for (int j = 0; j < NR; ++j) av[j] = load_first(a + j * k + p, k - p);
         for (int i = 0; i < MR; ++i) {
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + p);
+            __m512 xv = load_first(x + i * xs + p, k - p);
             for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
         }
     }
     for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) low[i * ls + j] = _mm512_reduce_add_ps(acc[i][j]);
+        for (int j = 0; j < NR; ++j) {
+            const float sum = _mm512_reduce_add_ps(acc[i][j]);
+            low[i * ls + j] = sa ? sum * sa[j] : sum;
+        }
 }
 
-template <int MR>
-__attribute__((target("avx512f"))) void a_rows(const float* x, int64_t xs, const float* a, int64_t k, int64_t r,
-                                               float* low, int64_t ls) {
+template <int MR, typename T>
+__attribute__((target("avx512f"))) void a_rows(const float* x, int64_t xs, const T* a, int64_t k, int64_t r,
+                                               float* low, int64_t ls, const float* sa) {
     int64_t j = 0;
-    for (; j + 4 <= r; j += 4) a_tile<MR, 4>(x, xs, a + j * k, k, low + j, ls);
-    for (; j < r; ++j) a_tile<MR, 1>(x, xs, a + j * k, k, low + j, ls);
+    for (; j + 4 <= r; j += 4) a_tile<MR, 4>(x, xs, a + j * k, k, low + j, ls, sa ? sa + j : nullptr);
+    for (; j < r; ++j) a_tile<MR, 1>(x, xs, a + j * k, k, low + j, ls, sa ? sa + j : nullptr);
 }
 
 // out[m, c] += s * sum_q low[m, q] * bt[q, c] for a tile of MR rows, over all n columns. bp is bt packed in panels
 // of 32 columns (panel t holds bt[:, 32t : 32t + 32] row after row, zero-padded: quant_sync/adapter_buffers.py
-// writes them, or linears.py's _panels), so each panel streams in order (16 rows of bt read side by side, or masked
-// loads, ran 10-20% slower); the last panel's columns past n are computed on zeros and masked off at the store.
-template <int MR>
-__attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, const float* bp, int64_t rank, int64_t n,
+// writes them, or low_rank.py's _panels), so each panel streams in order (16 rows of bt read side by side, or
+// masked loads, ran 10-20% slower); the last panel's columns past n are computed on zeros and masked off at the
+// store. For int8 panels `low` already holds B's per-rank scales.
+template <int MR, typename T>
+__attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, const T* bp, int64_t rank, int64_t n,
                                                float s, float* out, int64_t os) {
     const __m512 sv = _mm512_set1_ps(s);
     for (int64_t c = 0; c < n; c += 32) {
-        const float* panel = bp + (c / 32) * rank * 32;
+        const T* panel = bp + (c / 32) * rank * 32;
         __m512 acc[MR][2];
         for (int i = 0; i < MR; ++i) {
             acc[i][0] = _mm512_setzero_ps();
             acc[i][1] = _mm512_setzero_ps();
         }
         for (int64_t q = 0; q < rank; ++q) {
-            __m512 b0 = _mm512_loadu_ps(panel + q * 32), b1 = _mm512_loadu_ps(panel + q * 32 + 16);
+            __m512 b0 = load16(panel + q * 32), b1 = load16(panel + q * 32 + 16);
             for (int i = 0; i < MR; ++i) {
                 __m512 l = _mm512_set1_ps(low[i * ls + q]);
                 acc[i][0] = _mm512_fmadd_ps(l, b0, acc[i][0]);
@@ -85,82 +103,31 @@ __attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, con
     }
 }
 
-// The same two products on int8 adapters as published (model.lora.sync_dtype=int8), converted in registers:
-//   low[m, j] = sa[j] * dot(x[m, :k], float(qa[j, :k]))          (qa: A's int8 rows, sa: their scales)
-//   out[m, c] += s * sum_q (low[m, q] * sb[q]) * float(qb[q, c])   (qb: B^T's int8 panels, sb: B's per-rank scales)
-// equal to the fp32 kernel on the dequantized values up to the order of the roundings (the scales are applied to
-// each sum, not to each element). A quarter of the adapter bytes a decode step streams, none decoded per version.
-template <int MR, int NR>
-__attribute__((target("avx512f"))) void a_tile_q8(const float* x, int64_t xs, const int8_t* a, int64_t k, float* low,
-                                                  int64_t ls, const float* sa) {
-    __m512 acc[MR][NR];
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-    int64_t p = 0;
-    for (; p + 16 <= k; p += 16) {
-        __m512 av[NR];
-        for (int j = 0; j < NR; ++j)
-            av[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + j * k + p))));
-        for (int i = 0; i < MR; ++i) {
-            __m512 xv = _mm512_loadu_ps(x + i * xs + p);
-            for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
+// Both products of a fused group: float32 adapters (sa, sbs null) or int8 ones with per-rank scales, whose
+//   low[m, j] = sa[j] * dot(x[m, :k], float(qa[j, :k])),  out[m, c] += s * sum_q (low[m, q] * sb[q]) * float(qb[q, c])
+// equal the float32 products of the dequantized values up to the order of the roundings (the scales are applied to
+// each sum, not to each element): a quarter of the adapter bytes a decode step streams, none decoded per version.
+template <typename T>
+__attribute__((target("avx512f"))) void apply(const float* x, int64_t rows, int64_t k, int64_t xs, const T* a,
+                                              const float* sa, int64_t r, float* low, int64_t n_members,
+                                              const int64_t* ranks, const int64_t* cols, const T* const* bps,
+                                              const float* const* sbs, const float* scalings, float* out, int64_t os) {
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) a_rows<4>(x + m * xs, xs, a, k, r, low + m * r, r, sa);
+    for (; m < rows; ++m) a_rows<1>(x + m * xs, xs, a, k, r, low + m * r, r, sa);
+    if (sbs) {
+        for (int64_t i = 0; i < n_members; ++i) {
+            const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0;
+            for (int64_t mm = 0; mm < rows; ++mm)
+                for (int64_t q = 0; q < rank; ++q) low[mm * r + r0 + q] *= sbs[i][q];
         }
     }
-    if (p < k) {
-        __mmask16 mask = (__mmask16)((1u << (k - p)) - 1u);
-        __m512 av[NR];
-        for (int j = 0; j < NR; ++j) {
-            __m128i bytes = _mm_setzero_si128();
-            for (int64_t t = 0; t < k - p; ++t) reinterpret_cast<int8_t*>(&bytes)[t] = a[j * k + p + t];
-            av[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-        }
-        for (int i = 0; i < MR; ++i) {
-            __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + p);
-            for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) low[i * ls + j] = _mm512_reduce_add_ps(acc[i][j]) * sa[j];
-}
-
-template <int MR>
-__attribute__((target("avx512f"))) void a_rows_q8(const float* x, int64_t xs, const int8_t* a, int64_t k, int64_t r,
-                                                  float* low, int64_t ls, const float* sa) {
-    int64_t j = 0;
-    for (; j + 4 <= r; j += 4) a_tile_q8<MR, 4>(x, xs, a + j * k, k, low + j, ls, sa + j);
-    for (; j < r; ++j) a_tile_q8<MR, 1>(x, xs, a + j * k, k, low + j, ls, sa + j);
-}
-
-// b_rows on int8 panels (ceil(n / 32), rank, 32); `low` already times B's per-rank scales.
-template <int MR>
-__attribute__((target("avx512f"))) void b_rows_q8(const float* low, int64_t ls, const int8_t* bp, int64_t rank,
-                                                  int64_t n, float s, float* out, int64_t os) {
-    const __m512 sv = _mm512_set1_ps(s);
-    for (int64_t c = 0; c < n; c += 32) {
-        const int8_t* panel = bp + (c / 32) * rank * 32;
-        __m512 acc[MR][2];
-        for (int i = 0; i < MR; ++i) {
-            acc[i][0] = _mm512_setzero_ps();
-            acc[i][1] = _mm512_setzero_ps();
-        }
-        for (int64_t q = 0; q < rank; ++q) {
-            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 32));
-            __m512 b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-            __m512 b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-            for (int i = 0; i < MR; ++i) {
-                __m512 l = _mm512_set1_ps(low[i * ls + q]);
-                acc[i][0] = _mm512_fmadd_ps(l, b0, acc[i][0]);
-                acc[i][1] = _mm512_fmadd_ps(l, b1, acc[i][1]);
-            }
-        }
-        const int64_t left = n - c;
-        const __mmask16 m0 = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __mmask16 m1 = left >= 32 ? (__mmask16)0xFFFF : left <= 16 ? (__mmask16)0 : (__mmask16)((1u << (left - 16)) - 1u);
-        for (int i = 0; i < MR; ++i) {
-            float* o = out + i * os + c;
-            _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_mul_ps(acc[i][0], sv)));
-            _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_mul_ps(acc[i][1], sv)));
-        }
+    for (int64_t i = 0; i < n_members; ++i) {
+        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
+        int64_t mm = 0;
+        for (; mm + 4 <= rows; mm += 4)
+            b_rows<4>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
+        for (; mm < rows; ++mm) b_rows<1>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
     }
 }
 
@@ -269,16 +236,7 @@ int lr_apply(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a
              int64_t n_members, const int64_t* ranks, const int64_t* cols, const float* const* bps,
              const float* scalings, float* out, int64_t os) {
     if (!has_avx512f()) return -1;
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) a_rows<4>(x + m * xs, xs, a, k, r, low + m * r, r);
-    for (; m < rows; ++m) a_rows<1>(x + m * xs, xs, a, k, r, low + m * r, r);
-    for (int64_t i = 0; i < n_members; ++i) {
-        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
-        int64_t mm = 0;
-        for (; mm + 4 <= rows; mm += 4)
-            b_rows<4>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
-        for (; mm < rows; ++mm) b_rows<1>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
-    }
+    apply<float>(x, rows, k, xs, a, nullptr, r, low, n_members, ranks, cols, bps, nullptr, scalings, out, os);
     return 0;
 }
 
@@ -288,21 +246,7 @@ int lr_apply_q8(const float* x, int64_t rows, int64_t k, int64_t xs, const int8_
                 float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols, const int8_t* const* qbs,
                 const float* const* sbs, const float* scalings, float* out, int64_t os) {
     if (!has_avx512f()) return -1;
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) a_rows_q8<4>(x + m * xs, xs, qa, k, r, low + m * r, r, sa);
-    for (; m < rows; ++m) a_rows_q8<1>(x + m * xs, xs, qa, k, r, low + m * r, r, sa);
-    for (int64_t i = 0; i < n_members; ++i) {
-        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0;
-        for (int64_t mm = 0; mm < rows; ++mm)
-            for (int64_t q = 0; q < rank; ++q) low[mm * r + r0 + q] *= sbs[i][q];
-    }
-    for (int64_t i = 0; i < n_members; ++i) {
-        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
-        int64_t mm = 0;
-        for (; mm + 4 <= rows; mm += 4)
-            b_rows_q8<4>(low + mm * r + r0, r, qbs[i], rank, n, scalings[i], out + mm * os + c0, os);
-        for (; mm < rows; ++mm) b_rows_q8<1>(low + mm * r + r0, r, qbs[i], rank, n, scalings[i], out + mm * os + c0, os);
-    }
+    apply<int8_t>(x, rows, k, xs, qa, sa, r, low, n_members, ranks, cols, qbs, sbs, scalings, out, os);
     return 0;
 }
 

@@ -201,9 +201,11 @@ def test_a_decoded_adapter_version_builds_without_copies_and_runs_like_plain_ten
     handed over as plain tensors (copied), bit for bit."""
     from asyncrl.bench.engine_bench import lora_adapter_tensors
     from quant_sync.export import decode_adapters, pack_adapters
+    from rollout_workers.embedded import low_rank
     from rollout_workers.embedded.engine import build_weight_map
     from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
 
+    low_rank._STACKED.clear()  # a fresh build (an earlier test's groups of the same pooled buffer would be reused)
     model_dir, model = _micro()
     base = export_rollout_tensors(model.state_dict(), "int8", quantize_head=True)
     encoded = lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=3)
@@ -240,6 +242,7 @@ def test_a_pooled_buffers_next_version_reuses_its_stacked_groups_and_runs_its_ow
     from rollout_workers.embedded.low_rank import _native_lora
     from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
 
+    gc.collect()  # earlier tests' versions: their pooled buffers idle before the first decode, not after it
     model_dir, model = _micro()
     base = export_rollout_tensors(model.state_dict(), "int8", quantize_head=True)
     engine = EmbeddedEngine(model_dir, seed=0)
