@@ -67,11 +67,15 @@ def test_a_bad_packed_version_is_refused_naming_what_is_wrong():
         decode_adapters({**packed, LORA_PACKED_INDEX: torch.tensor([1, 2, 3], dtype=torch.int8)})
 
 
-@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "zmq"])
-def test_packed_adapter_versions_reach_the_subscriber_unpacked_and_decoded(use_shm):
+def _base_tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     state = {linear + ".weight": torch.randn(*shape, generator=gen) for linear, shape in SHAPES.items()}
-    base = export_rollout_tensors(state, "int8")
+    return export_rollout_tensors(state, "int8")
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "zmq"])
+def test_packed_adapter_versions_reach_the_subscriber_unpacked_and_decoded(use_shm):
+    base = _base_tensors()
     publisher, updates = WeightPublisher(chunk_bytes=256), []
     subscriber = None
     try:
@@ -178,10 +182,8 @@ def test_a_packed_index_with_b_untransposed_decodes_exactly_through_the_plan():
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "zmq"])
 def test_a_subscriber_for_an_int8_engine_hands_packed_versions_over_as_published(use_shm):
     """`keep_int8_adapters`: a packed int8 version arrives as its int8 matrices and float32 scales (views of a pooled
-    buffer), exactly the published values; the pinned base's own adapters are decoded as before."""
-    gen = torch.Generator().manual_seed(1)
-    state = {linear + ".weight": torch.randn(*shape, generator=gen) for linear, shape in SHAPES.items()}
-    base = export_rollout_tensors(state, "int8")
+    buffer), exactly the published values, completed with the pinned base's tensors."""
+    base = _base_tensors()
     publisher, updates = WeightPublisher(chunk_bytes=256), []
     subscriber = None
     try:
