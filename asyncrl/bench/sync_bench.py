@@ -32,6 +32,9 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
   `stage_weights`), `..._swap_step_cpu_median_s` (the decode step that swapped the version in, its build included)
   against `..._steady_step_cpu_median_s`; `<phase>_tok_per_cpu_s_ratio_worst_worker` is tokens per CPU second of
   the worker process during sync over steady (the ratio above without the other processes' share of the cores).
+  `<phase>_decode_s_lost_per_version`: the worst worker's lost share of the sync window (1 - its ratio above) times
+  the window over the versions published: what one version costs it in decoding time (the next version is published
+  as soon as every worker runs this one, so a cheaper version also comes sooner and the ratio alone hides it).
   Where a worker's extra CPU goes, per version (means over the workers): `<phase>_decode_thread_cpu_per_version_s`,
   the decode thread's CPU during sync beyond what the same tokens took it in the steady phase (builds, swaps, and
   steps slowed by them), and `<phase>_other_threads_cpu_per_version_s`, the same for the process's other threads
@@ -177,6 +180,7 @@ def _measure(
         gap_ratio.append(_gap_ratio(worker_stamps, sync_start, sync_end))
         steady_gap_ratio.append(_gap_ratio(worker_stamps, steady_start, steady_start + steady_s))
     latency = statistics.median(latencies)
+    worst = min(s / max(b, 1e-9) for s, b in zip(sync_rate, steady_rate))
     return {
         f"{name}_published_bytes": float(nbytes),
         f"{name}_memcpy_s": memcpy_s,
@@ -188,7 +192,10 @@ def _measure(
         f"{name}_versions_published": float(len(latencies)),
         f"{name}_steady_tok_per_s": sum(steady_rate),
         f"{name}_sync_tok_per_s": sum(sync_rate),
-        f"{name}_tok_s_ratio_worst_worker": min(s / max(b, 1e-9) for s, b in zip(sync_rate, steady_rate)),
+        f"{name}_tok_s_ratio_worst_worker": worst,
+        # what a version costs the worst worker in decoding time: its lost share of the sync window, per version
+        # (the bench publishes as fast as the workers take versions, so a cheaper version also comes sooner)
+        f"{name}_decode_s_lost_per_version": (1.0 - worst) * (sync_end - sync_start) / len(latencies),
         f"{name}_max_gap_over_median": max(gap_ratio),
         f"{name}_steady_max_gap_over_median": max(steady_gap_ratio),  # the same statistic with nothing published
         f"{name}_publish_vs_memcpy": max(0.0, latency - LATENCY_ALLOWANCE_S) / memcpy_s,

@@ -59,6 +59,8 @@ def test_the_quick_sync_phase_reports_every_worker_figure(tmp_path):
     assert figures["tiny_steady_tok_per_s"] > 0 and figures["tiny_sync_tok_per_s"] > 0
     assert figures["tiny_tok_s_ratio_worst_worker"] > 0 and figures["tiny_tok_per_cpu_s_ratio_worst_worker"] > 0
     assert figures["tiny_publish_latency_median_s"] <= figures["tiny_publish_latency_max_s"]
+    lost = figures["tiny_decode_s_lost_per_version"]  # the ratio's loss spread over the versions of its window
+    assert math.isfinite(lost) and (lost > 0) == (figures["tiny_tok_s_ratio_worst_worker"] < 1)
     for key in ("decode_thread", "other_threads"):
         assert math.isfinite(figures[f"tiny_{key}_cpu_per_version_s"]), key
     # the subscriber's work (fetch, checksums, stage) lands on the other threads: something per version
