@@ -44,44 +44,48 @@ class LowRank:
 
 
 def stack_low_rank(
-    adapters: list[tuple[torch.Tensor, torch.Tensor, float] | None],
+    adapters: list[tuple | None],
     out_features: list[int],
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> LowRank | None:
-    """(A (r, in), B (out, r), scaling) per member of a fused group (None: no adapter) -> one LowRank, or None.
+    """(A (r, in), B (out, r), scaling) per member of a fused group (None: no adapter), or int8 A and B with their
+    per-rank scales (A, B, scaling, sA (r,), sB (r,)) -> one LowRank, or None.
 
-    Adapters the subscriber decoded into its pooled buffers (`quant_sync.adapter_buffers.is_plan_buffer`) run as
-    they are: a group's A are adjacent rows there (one view spans them), each B is a transposed view of a
-    contiguous B^T and has its panels beside it (`panels_of`), so an adapter version builds without copying a
-    value. Any other tensors are copied (their owner may change them later)."""
+    int8 adapters run as they are where csrc/lora_gemm.cpp does (`lr_apply_q8`: fp32 on an AVX-512F CPU, every member
+    int8); elsewhere they run their float32 values (`_dequantized`). Adapters the subscriber decoded into its pooled
+    buffers (`quant_sync.adapter_buffers.is_plan_buffer`) run as they are: a group's A are adjacent rows there (one
+    view spans them), each B is a transposed view of a contiguous B^T and has its panels beside it (`panels_of`), so
+    an adapter version builds without copying a value, and what the kernel needs beyond those views is kept for the
+    next version in the same buffer (`_STACKED`). Any other tensors are copied (their owner may change them later)."""
     if len(adapters) != len(out_features):
         raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
     device = device or torch.device("cpu")
+    native = device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None
     held = [adapter for adapter in adapters if adapter is not None]
-    if any(len(adapter) == 5 for adapter in held):  # int8 with scales
-        native = device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None
-        if native and all(len(adapter) == 5 for adapter in held):
-            return _stack_int8(adapters, out_features)  # type: ignore[arg-type]
-        adapters = [_dequantized(*adapter) if adapter is not None and len(adapter) == 5 else adapter  # type: ignore[misc]
+    int8 = bool(held) and native and all(len(adapter) == 5 for adapter in held)
+    if not int8 and any(len(adapter) == 5 for adapter in held):  # int8 the kernel does not run: their fp32 values
+        adapters = [_dequantized(*adapter) if adapter is not None and len(adapter) == 5 else adapter
                     for adapter in adapters]  # fmt: skip
-    key = _pooled_key(adapters, out_features, dtype, device)
+        held = [adapter for adapter in adapters if adapter is not None]
+    key = _pooled_key(adapters, out_features) if native else None
     built = _STACKED.get(key) if key is not None else None
     if built is not None:  # this group of this pooled buffer was stacked before: the same views, kernel arrays
-        members = [adapter for adapter in adapters if adapter is not None]
-        first = members[0][0]
-        a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
-        b_ts = tuple(member[1].t() for member in members)
-        return LowRank(a, b_ts, built.scalings, built.ranks, built.cols, native=built.native)
-    a_parts, bs, b_ts, scalings, ranks, cols = [], [], [], [], [], []
+        return _from_kept(built, held, int8)
+    matrix_dtype = torch.int8 if int8 else dtype
+    a_parts, a_scales, bs, b_ts, b_scales, scalings, ranks, cols = [], [], [], [], [], [], [], []
     row = col = 0
     for adapter, out in zip(adapters, out_features):
         if adapter is not None:
             a, b, scaling = adapter[:3]
             _check_fits(a, b, out)
+            if int8:
+                _check_int8(*adapter)
+                a_scales.append(adapter[3])
+                b_scales.append(adapter[4].contiguous())
             a_parts.append(a)
             bs.append(b)
-            b_ts.append(_as_engine_tensor(b.t(), dtype, device))  # B^T (r, out)
+            b_ts.append(_as_engine_tensor(b.t(), matrix_dtype, device))  # B^T (r, out)
             scalings.append(float(scaling))
             ranks.append((row, row + a.shape[0]))
             cols.append((col, col + out))
@@ -89,25 +93,32 @@ def stack_low_rank(
         col += out
     if not a_parts:
         return None
-    a = _adjacent_rows(a_parts, dtype, device)
+    a = _adjacent_rows(a_parts, matrix_dtype, device)
     if a is None:
-        a = torch.cat([part.to(device=device, dtype=dtype) for part in a_parts]).contiguous()
-    fields = {"a": a, "b_t": tuple(b_ts), "scalings": tuple(scalings), "ranks": tuple(ranks), "cols": tuple(cols)}
-    if device.type == "cpu" and dtype == torch.float32 and _native_lora() is not None:
-        panels = tuple(_decoded_panels(b, b_t) for b, b_t in zip(bs, b_ts))
-        native = (
-            (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
-            (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
-            (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
-            (ctypes.c_float * len(scalings))(*scalings),
-        )
-        storage = a.untyped_storage().data_ptr()
-        if key is not None and all(panel.untyped_storage().data_ptr() == storage for panel in panels):
-            if len(_STACKED) >= STACKED_KEPT:
-                _STACKED.clear()
-            _STACKED[key] = _Stacked(a.shape[0], fields["scalings"], fields["ranks"], fields["cols"], native)
-        return LowRank(**fields, native=native, panels=panels)
-    return LowRank(**fields)
+        a = torch.cat([part.to(device=device, dtype=matrix_dtype) for part in a_parts]).contiguous()
+    a_scale = None
+    if int8:
+        stacked_scale = _adjacent_rows([scale.view(-1, 1) for scale in a_scales], torch.float32, device)
+        a_scale = stacked_scale.view(-1) if stacked_scale is not None else torch.cat(a_scales).contiguous()
+    fields = {"a": a, "b_t": tuple(b_ts), "scalings": tuple(scalings), "ranks": tuple(ranks), "cols": tuple(cols),
+              "a_scale": a_scale, "b_scales": tuple(b_scales)}  # fmt: skip
+    if not native:
+        return LowRank(**fields)
+    panels = tuple(_decoded_panels(b, b_t) for b, b_t in zip(bs, b_ts))
+    native_arrays = (
+        (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
+        (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
+        (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
+        *([(ctypes.c_void_p * len(b_scales))(*[scale.data_ptr() for scale in b_scales])] if int8 else []),
+        (ctypes.c_float * len(scalings))(*scalings),
+    )
+    storage = a.untyped_storage().data_ptr()
+    pooled = [*panels, *b_scales, *([a_scale] if a_scale is not None else [])]
+    if key is not None and all(t.untyped_storage().data_ptr() == storage for t in pooled):
+        if len(_STACKED) >= STACKED_KEPT:
+            _STACKED.clear()
+        _STACKED[key] = _Stacked(a.shape[0], fields["scalings"], fields["ranks"], fields["cols"], native_arrays)
+    return LowRank(**fields, native=native_arrays, panels=panels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +139,9 @@ _STACKED: dict[tuple, _Stacked] = {}
 """`_pooled_key` (its first item the `pool_generation` it is valid for) -> `_Stacked`."""
 
 
-def _pooled_key(
-    adapters: list[tuple[torch.Tensor, torch.Tensor, float] | None],
-    out_features: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple | None:
-    """Where and how a group's adapters lie, where every A and B is a float32 view of one pooled buffer (the
-    subscriber's decoded versions) and the kernel runs them; else None (those are copied, never remembered)."""
-    if device.type != "cpu" or dtype != torch.float32 or _native_lora() is None:
-        return None
+def _pooled_key(adapters: list[tuple | None], out_features: list[int]) -> tuple | None:
+    """Where and how a group's adapters lie, where every A and B (float32, or int8 with scales) is a view of one
+    pooled buffer (the subscriber's decoded versions); else None (those are copied, never remembered)."""
     key: list = [pool_generation(), tuple(out_features)]
     storage = None
     for adapter in adapters:
@@ -157,9 +161,27 @@ def _pooled_key(
     return tuple(key) if storage is not None else None
 
 
+def _from_kept(built: _Stacked, members: list[tuple], int8: bool) -> LowRank:
+    """A group's LowRank from what was kept of its pooled buffer: views of this version's tensors, the kept arrays."""
+    first = members[0][0]
+    a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
+    a_scale = members[0][3].as_strided((built.rows,), (1,)) if int8 else None
+    b_scales = tuple(member[4] for member in members) if int8 else ()
+    return LowRank(a, tuple(member[1].t() for member in members), built.scalings, built.ranks, built.cols,
+                   native=built.native, a_scale=a_scale, b_scales=b_scales)  # fmt: skip
+
+
 def _check_fits(a: torch.Tensor, b: torch.Tensor, out: int) -> None:
     if a.dim() != 2 or b.dim() != 2 or b.shape[0] != out or b.shape[1] != a.shape[0]:
         raise ValueError(f"stack_low_rank: B {tuple(b.shape)} does not fit A {tuple(a.shape)} and {out} outputs")
+
+
+def _check_int8(a: torch.Tensor, b: torch.Tensor, scaling: float, a_scale: torch.Tensor, b_scale: torch.Tensor) -> None:
+    if a.dtype != torch.int8 or b.dtype != torch.int8:
+        raise ValueError(f"stack_low_rank: int8 adapters with scales, got A {a.dtype} and B {b.dtype}")
+    rank = a.shape[0]
+    if any(scale.shape != (rank,) or scale.dtype != torch.float32 for scale in (a_scale, b_scale)):
+        raise ValueError(f"stack_low_rank: int8 adapters need float32 scales of shape ({rank},)")
 
 
 def _dequantized(
@@ -167,74 +189,6 @@ def _dequantized(
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """An int8 adapter's float32 values: q * scale per rank component, bit for bit `round_adapter`'s."""
     return a.to(torch.float32) * a_scale[:, None], b.to(torch.float32) * b_scale[None, :], scaling
-
-
-def _stack_int8(
-    adapters: list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None],
-    out_features: list[int],
-) -> LowRank | None:
-    """`stack_low_rank` of int8 adapters (A (r, in), B (out, r), scaling, A's and B's per-rank scales (r,)) for
-    csrc/lora_gemm.cpp's `lr_apply_q8`: A's rows and scales stacked (views where the subscriber decoded them into a
-    pooled buffer, `decode_adapters(keep_int8=True)`), each B^T with its int8 panels."""
-    key = _pooled_key(adapters, out_features, torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
-    built = _STACKED.get(key) if key is not None else None
-    members = [adapter for adapter in adapters if adapter is not None]
-    if built is not None:
-        first, first_scale = members[0][0], members[0][3]
-        a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
-        a_scale = first_scale.as_strided((built.rows,), (1,))
-        return LowRank(a, tuple(m[1].t() for m in members), built.scalings, built.ranks, built.cols,
-                       native=built.native, a_scale=a_scale, b_scales=tuple(m[4] for m in members))  # fmt: skip
-    a_parts, a_scales, b_ts, b_scales, scalings, ranks, cols, panels = [], [], [], [], [], [], [], []
-    row = col = 0
-    for adapter, out in zip(adapters, out_features):
-        if adapter is not None:
-            a, b, scaling, a_scale, b_scale = adapter
-            _check_fits(a, b, out)
-            rank = a.shape[0]
-            if a.dtype != torch.int8 or b.dtype != torch.int8:
-                raise ValueError(f"stack_low_rank: int8 adapters with scales, got A {a.dtype} and B {b.dtype}")
-            if (
-                a_scale.shape != (rank,)
-                or b_scale.shape != (rank,)
-                or a_scale.dtype != torch.float32
-                or b_scale.dtype != torch.float32
-            ):
-                raise ValueError(f"stack_low_rank: int8 adapters need float32 scales of shape ({rank},)")
-            decoded = panels_of(b)
-            b_t = b.t() if decoded is not None else b.t().contiguous()
-            panels.append(decoded if decoded is not None else _panels(b_t))
-            a_parts.append(a)
-            a_scales.append(a_scale)
-            b_ts.append(b_t)
-            b_scales.append(b_scale if b_scale.is_contiguous() else b_scale.contiguous())
-            scalings.append(float(scaling))
-            ranks.append((row, row + rank))
-            cols.append((col, col + out))
-            row += rank
-        col += out
-    if not a_parts:
-        return None
-    a = _adjacent_rows(a_parts, torch.int8, torch.device("cpu"))
-    if a is None:
-        a = torch.cat(a_parts).contiguous()
-    stacked_scale = _adjacent_rows([s.view(-1, 1) for s in a_scales], torch.float32, torch.device("cpu"))
-    a_scale = stacked_scale.view(-1) if stacked_scale is not None else torch.cat(a_scales).contiguous()
-    native = (
-        (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
-        (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
-        (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
-        (ctypes.c_void_p * len(b_scales))(*[scale.data_ptr() for scale in b_scales]),
-        (ctypes.c_float * len(scalings))(*scalings),
-    )
-    storage = a.untyped_storage().data_ptr()
-    pooled = [a_scale, *panels, *b_scales]
-    if key is not None and all(t.untyped_storage().data_ptr() == storage for t in pooled):
-        if len(_STACKED) >= STACKED_KEPT:
-            _STACKED.clear()
-        _STACKED[key] = _Stacked(a.shape[0], tuple(scalings), tuple(ranks), tuple(cols), native)
-    return LowRank(a, tuple(b_ts), tuple(scalings), tuple(ranks), tuple(cols), native=native, panels=tuple(panels),
-                   a_scale=a_scale, b_scales=tuple(b_scales))  # fmt: skip
 
 
 def _decoded_panels(b: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
