@@ -45,7 +45,8 @@ _POOLED: dict[int, weakref.ref[torch.Tensor]] = {}
 """The data pointer of every pooled buffer's storage -> the buffer, weakly (`is_plan_buffer`; a dead one stays
 until a new buffer takes its address)."""
 _PANELS: dict[int, dict[int, tuple[int, int, int]]] = {}
-"""The data pointer of a pooled buffer's storage -> {float32 index of a B^T: (index of its panels, rank, out)}."""
+"""The data pointer of a pooled buffer's storage -> {index of a B^T: (index of its panels, rank, out)}, in the
+buffer's elements (float32 values, or bytes of an int8 buffer)."""
 _GENERATION = [0]
 """Counts pooled buffers made (`pool_generation`)."""
 
@@ -147,6 +148,19 @@ def _dequantizer() -> Dequantizer | None:
     return _NATIVE["dequantizer"]
 
 
+def _aligned(offset: int) -> int:
+    """`offset` rounded up to 64 bytes (where each part of a pooled int8 buffer starts)."""
+    return -(-offset // 64) * 64
+
+
+def _fill(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """out = q * scale (`_dequantize_into`), or q as it is without a scale."""
+    if scale is None:
+        out.copy_(q)
+    else:
+        _dequantize_into(out, q, scale)
+
+
 def _dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     """out = q * scale (int8 q, float32 out and scale, broadcast), in two float passes: the same values as
     `torch.mul(q, scale, out=out)`, whose mixed-dtype path is 3.9x slower (0.33 against 1.28 ms per million)."""
@@ -173,13 +187,20 @@ class PackedPlan:
         self._lock = threading.Lock()
         self.int8_layout, offset = [], 0  # per group: byte offsets (int8 matrices, float32 scales, int8 panels)
         for group in groups:
-            size = group.count * group.rank * group.other
-            scales_at = -(-(offset + size) // 64) * 64
+            scales_at = _aligned(offset + group.count * group.rank * group.other)
             panels_at = scales_at + 4 * group.count * group.rank
             self.int8_layout.append((offset, scales_at, panels_at))
-            offset = panels_at + (group.count * group.panels * group.rank * PANEL if group.transposed else 0)
-            offset = -(-offset // 64) * 64
+            offset = _aligned(panels_at + (group.count * group.panels * group.rank * PANEL if group.transposed else 0))
         self.int8_nbytes = offset
+        starts = {torch.float32: [(g.out_start, g.panel_start) for g in groups],
+                  torch.int8: [(q_at, panels_at) for q_at, _, panels_at in self.int8_layout]}  # fmt: skip
+        self._panel_index = {  # per buffer dtype: a B^T's start -> (its panels' start, rank, out), in elements
+            dtype: {
+                matrix_at + j * g.rank * g.other: (panels_at + j * g.panels * g.rank * PANEL, g.rank, g.other)
+                for g, (matrix_at, panels_at) in zip(groups, at) if g.transposed for j in range(g.count)
+            }
+            for dtype, at in starts.items()
+        }  # fmt: skip
 
     @classmethod
     def build(cls, entries: list[Entry]) -> PackedPlan | None:
@@ -262,7 +283,7 @@ class PackedPlan:
                         source = q.view(group.count, group.other, group.rank).transpose(1, 2)
                     _dequantize_into(out, source, scale)
                     views.append(out.transpose(1, 2).unbind(0))
-                    self._write_panels(buffer, group, source, scale)
+                    self._write_panels(buffer, group.panel_start, group, source, scale)
                 else:  # A (count, r, in); A[j, k] = q[j, k] * scale[j]
                     _dequantize_into(out, q.view(group.count, group.rank, group.other), scale)
                     views.append(out.unbind(0))
@@ -292,15 +313,7 @@ class PackedPlan:
                 scales = buffer[scales_at : scales_at + 4 * count * rank].view(torch.float32)
                 scales.copy_(whole[group.s_start : group.s_start + count * rank])
                 if group.transposed:
-                    panels = buffer[panels_at : panels_at + count * group.panels * rank * PANEL]
-                    full, rest = divmod(other, PANEL)
-                    panels = panels.view(count, group.panels, rank, PANEL)
-                    if full:
-                        panels[:, :full].permute(0, 2, 1, 3).copy_(
-                            shaped[:, :, : full * PANEL].unflatten(2, (full, PANEL))
-                        )
-                    if rest:  # its padding columns stay the zeros the buffer was made with
-                        panels[:, full, :, :rest].copy_(shaped[:, :, full * PANEL :])
+                    self._write_panels(buffer, panels_at, group, shaped)
                 matrices = shaped.transpose(1, 2).unbind(0) if group.transposed else shaped.unbind(0)
                 views.append((matrices, scales.view(count, rank).unbind(0)))
         decoded = {}
@@ -313,17 +326,24 @@ class PackedPlan:
         return decoded
 
     @staticmethod
-    def _write_panels(buffer: torch.Tensor, group: _Group, source: torch.Tensor, scale: torch.Tensor) -> None:
-        """B^T (count, r, out) into its panels (count, ceil(out / 32), r, 32): full panels in one multiply, the last
-        partial one in another (its padding columns stay the zeros the buffer was made with)."""
+    def _write_panels(
+        buffer: torch.Tensor, start: int, group: _Group, source: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """B^T (count, r, out) into its panels (count, ceil(out / 32), r, 32) at `start` in `buffer`, times `scale`
+        (count, r, 1) where given, else as it is: full panels in one pass, the last partial one in another (its
+        padding columns stay the zeros the buffer was made with)."""
         full, rest = divmod(group.other, PANEL)
         size = group.count * group.panels * group.rank * PANEL
-        panels = buffer[group.panel_start : group.panel_start + size].view(group.count, group.panels, group.rank, PANEL)
+        panels = buffer[start : start + size].view(group.count, group.panels, group.rank, PANEL)
         if full:
             target = panels[:, :full].permute(0, 2, 1, 3)  # (count, r, full, 32)
-            _dequantize_into(target, source[:, :, : full * PANEL].unflatten(2, (full, PANEL)), scale[:, :, :, None])
+            _fill(
+                target,
+                source[:, :, : full * PANEL].unflatten(2, (full, PANEL)),
+                None if scale is None else scale[..., None],
+            )
         if rest:
-            _dequantize_into(panels[:, full, :, :rest], source[:, :, full * PANEL :], scale)
+            _fill(panels[:, full, :, :rest], source[:, :, full * PANEL :], scale)
 
     def _take(self, pool: list[tuple[torch.Tensor, int | None]], numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of `pool` nothing references any more, else a fresh one (kept in the pool while it has room)."""
@@ -336,20 +356,7 @@ class PackedPlan:
             pointer = buffer.untyped_storage().data_ptr()
             _POOLED[pointer] = weakref.ref(buffer)
             _GENERATION[0] += 1
-            if dtype == torch.int8:  # B^T's byte offset -> its panels' byte offset, rank, out
-                _PANELS[pointer] = {
-                    q_at + j * group.rank * group.other: (panels_at + j * group.panels * group.rank * PANEL,
-                                                          group.rank, group.other)
-                    for group, (q_at, _, panels_at) in zip(self.groups, self.int8_layout) if group.transposed
-                    for j in range(group.count)
-                }  # fmt: skip
-            else:
-                _PANELS[pointer] = {
-                    group.out_start + j * group.rank * group.other: (
-                        group.panel_start + j * group.panels * group.rank * PANEL, group.rank, group.other
-                    )
-                    for group in self.groups if group.transposed for j in range(group.count)
-                }  # fmt: skip
+            _PANELS[pointer] = self._panel_index[dtype]
         return buffer
 
 

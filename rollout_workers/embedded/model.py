@@ -159,9 +159,6 @@ class ModelWeights:
 
             return prepared_once(list(sources), build, (dtype, target, len(sources)), used)
 
-        def adapters(prefix: str, names: tuple[str, ...]) -> LowRank | None:
-            return _group_adapters(weights, prefix, names, dtype, target)
-
         layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -180,10 +177,7 @@ class ModelWeights:
                     post_norm=tensor(p + "post_attention_layernorm.weight"),  # type: ignore[arg-type]
                     gate_up=gate_up,
                     down=prepare(weights[p + "mlp.down_proj.weight"]),
-                    qkv_lora=adapters(p + "self_attn.", ("q_proj", "k_proj", "v_proj")),
-                    o_lora=adapters(p + "self_attn.", ("o_proj",)),
-                    gate_up_lora=adapters(p + "mlp.", ("gate_proj", "up_proj")),
-                    down_lora=adapters(p + "mlp.", ("down_proj",)),
+                    **_layer_adapters(weights, p, dtype, target),
                 )
             )
             yield None
@@ -206,19 +200,26 @@ class ModelWeights:
         """These weights with the adapters of `weights` instead of their own: an adapter-only version on the very base
         these were built from (`StagedVersions` knows), whose base forms `build_in_parts` would find unchanged."""
         target = torch.device(device)
-        layers = []
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            layers.append(
-                dataclasses.replace(
-                    layer,
-                    qkv_lora=_group_adapters(weights, p + "self_attn.", ("q_proj", "k_proj", "v_proj"), dtype, target),
-                    o_lora=_group_adapters(weights, p + "self_attn.", ("o_proj",), dtype, target),
-                    gate_up_lora=_group_adapters(weights, p + "mlp.", ("gate_proj", "up_proj"), dtype, target),
-                    down_lora=_group_adapters(weights, p + "mlp.", ("down_proj",), dtype, target),
-                )
-            )
+        layers = [dataclasses.replace(layer, **_layer_adapters(weights, f"model.layers.{i}.", dtype, target))
+                  for i, layer in enumerate(self.layers)]  # fmt: skip
         return dataclasses.replace(self, layers=layers)
+
+
+ADAPTER_GROUPS = (
+    ("qkv_lora", "self_attn.", ("q_proj", "k_proj", "v_proj")),
+    ("o_lora", "self_attn.", ("o_proj",)),
+    ("gate_up_lora", "mlp.", ("gate_proj", "up_proj")),
+    ("down_lora", "mlp.", ("down_proj",)),
+)
+"""A decoder layer's LoRA groups: its `LayerWeights` field, the linears' prefix and names (fused in this order)."""
+
+
+def _layer_adapters(
+    weights: dict[str, Linear], layer_prefix: str, dtype: torch.dtype, target: torch.device
+) -> dict[str, LowRank | None]:
+    """A decoder layer's stacked adapters by `LayerWeights` field (None for a group without any)."""
+    return {field: _group_adapters(weights, layer_prefix + prefix, names, dtype, target)
+            for field, prefix, names in ADAPTER_GROUPS}  # fmt: skip
 
 
 def _group_adapters(
