@@ -33,6 +33,7 @@ ADAPTER_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING, LORA_A + LORA_SCALE, LORA_B + 
 
 
 def _adapter_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A LoRA tensor as the engine stages it: int8 (kept with its scales) and float32 as they are, other floats cast."""
     return tensor if tensor.dtype in (torch.int8, torch.float32) else tensor.to(torch.float32)
 
 
@@ -84,7 +85,6 @@ class StagedVersions:
         """Check `update` against the model (KeyError / ValueError naming the weight) and stage it if newer."""
         try:
             weight_map = self._on_checked_base(update)
-            base_map = None if weight_map is None or self._base is None else self._base[1]
             if weight_map is None:
                 weight_map = build_weight_map(update)
                 missing = [name for name in required_weight_names(self.arch) if name not in weight_map]
@@ -92,7 +92,7 @@ class StagedVersions:
                     raise KeyError(f"version {update.version} lacks weights: {', '.join(missing[:5])}")
                 expected = check_weight_shapes(self.arch, weight_map)
                 self._remember_base(update, weight_map, expected)
-                base_map = None if self._base is None else self._base[1]
+            base_map = None if self._base is None else self._base[1]  # a LoRA version's checked base
         except ValueError as err:
             raise ValueError(f"version {update.version} does not fit the model: {err}") from None
         with self._lock:
