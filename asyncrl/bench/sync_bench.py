@@ -38,7 +38,9 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
   Where a worker's extra CPU goes, per version (means over the workers): `<phase>_decode_thread_cpu_per_version_s`,
   the decode thread's CPU during sync beyond what the same tokens took it in the steady phase (builds, swaps, and
   steps slowed by them), and `<phase>_other_threads_cpu_per_version_s`, the same for the process's other threads
-  (the subscriber's fetch, decode and stage, ZMQ's I/O thread).
+  (the subscriber's fetch, decode and stage, ZMQ's I/O thread); `<phase>_publisher_cpu_per_version_s`, the bench
+  process's CPU over the sync phase per version (the publish calls, the publisher's serving thread answering both
+  workers, reading their reports), which the two workers' decoding shares the cores with.
 
 Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
 workers for the cores, which is part of what is measured.
@@ -132,6 +134,7 @@ def _measure(
         steady_start = time.monotonic()
         time.sleep(steady_s)
         sync_start = time.monotonic()
+        sync_cpu_start = time.process_time()
         latencies, fetch_s, build_s, version = [], [], [], publisher.version
         cpu_s: dict[str, list[float]] = {"fetch": [], "stage": [], "swap_step": []}
         split: dict[str, list[float]] = {"to_staged": [], "to_step": [], "first_step": []}
@@ -154,6 +157,7 @@ def _measure(
                     split["first_step"].append(event["t"] - event["step_start_t"])
             latencies.append(last - handed_off)
         sync_end = time.monotonic()
+        publisher_cpu = time.process_time() - sync_cpu_start
         for process in workers:
             process.terminate()  # the worker finishes its step and reports its stamps
         stamps = _collect_stamps(inbox, events, workers)
@@ -208,6 +212,7 @@ def _measure(
         f"{name}_tok_per_cpu_s_ratio_worst_worker": min(cpu_ratio),
         f"{name}_decode_thread_cpu_per_version_s": statistics.fmean(decode for decode, _ in extra_cpu),
         f"{name}_other_threads_cpu_per_version_s": statistics.fmean(other for _, other in extra_cpu),
+        f"{name}_publisher_cpu_per_version_s": publisher_cpu / len(latencies),
     }
 
 
