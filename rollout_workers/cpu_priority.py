@@ -27,8 +27,11 @@ def lower_to_idle() -> bool:
         return False
     try:
         for tid in os.listdir("/proc/self/task"):
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-    except (OSError, ValueError) as err:  # a thread that ended meanwhile, or a sandbox that forbids it
+            try:
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            except ProcessLookupError:  # a thread that ended since the listing (still listed while it exits)
+                continue
+    except (OSError, ValueError) as err:  # a sandbox that forbids it
         print(f"rollout worker: SCHED_IDLE refused ({err}); running at normal priority", file=sys.stderr)
         return False
     return True

@@ -17,13 +17,18 @@ PROBE = """
 import json, os, threading
 from rollout_workers.cpu_priority import is_idle, lower_to_idle
 before = threading.Event(); stop = threading.Event()
-early = threading.Thread(target=lambda: (before.set(), stop.wait()))
+early = threading.Thread(target=lambda: (before.set(), stop.wait()), daemon=True)
 early.start(); before.wait()
 lowered = lower_to_idle()
 seen = {}
 late = threading.Thread(target=lambda: seen.update(late=is_idle()))
 late.start(); late.join()
-policies = {tid: os.sched_getscheduler(int(tid)) for tid in os.listdir("/proc/self/task")}
+def policy(tid):
+    try:
+        return os.sched_getscheduler(int(tid))
+    except ProcessLookupError:  # `late`, joined but still listed while it exits
+        return None
+policies = {tid: p for tid in os.listdir("/proc/self/task") if (p := policy(tid)) is not None}
 stop.set(); early.join()
 print(json.dumps({"lowered": lowered, "main": is_idle(), "late": seen["late"], "policies": policies}))
 """
@@ -80,3 +85,22 @@ def test_every_thread_and_one_started_later_run_under_sched_idle():
     assert report["lowered"] and report["main"] and report["late"]
     assert len(report["policies"]) >= 2 and set(report["policies"].values()) == {os.SCHED_IDLE}
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # this process is untouched
+
+
+GONE_PROBE = """
+import json, os, threading, time
+from rollout_workers.cpu_priority import is_idle, lower_to_idle
+ended = threading.Thread(target=lambda: None)
+ended.start(); ended.join()
+while os.path.exists(f"/proc/self/task/{ended.native_id}"):
+    time.sleep(0.001)
+listed = os.listdir
+os.listdir = lambda path: [*listed(path), str(ended.native_id)] if path == "/proc/self/task" else listed(path)
+print(json.dumps({"lowered": lower_to_idle(), "main": is_idle()}))
+"""
+
+
+def test_a_thread_that_ends_while_the_process_is_lowered_is_skipped():
+    """A thread still listed in /proc/self/task but gone by the time its policy is set (ESRCH) is not a refusal."""
+    done = subprocess.run([sys.executable, "-c", GONE_PROBE], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(done.stdout) == {"lowered": True, "main": True}, done.stderr
