@@ -22,7 +22,7 @@ import math
 import torch
 
 from common.config_schema import LORA_SYNC_DTYPES
-from quant_sync.adapter_buffers import Entry, plan_for
+from quant_sync.adapter_buffers import Entry, PooledAdapters, plan_for
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, quantize_weight, quantize_weight_only
 
 QUANTIZED_LINEARS = (
@@ -294,6 +294,17 @@ def decode_adapters(tensors: dict[str, torch.Tensor], keep_int8: bool = False) -
         for (name, _, _), value in zip(members, (qs * shaped).unbind(0)):  # contiguous views of one product
             decoded[name] = value
     return decoded
+
+
+def decode_pooled_adapters(tensors: dict[str, torch.Tensor]) -> PooledAdapters | None:
+    """A packed int8 adapter version (nothing else in `tensors`) as `decode_adapters(keep_int8=True)` gives it,
+    written into a pooled buffer whose views are made once (`PackedPlan.decode_pooled`; hold the result while using
+    its tensors); None for any other version (`decode_adapters` then handles it)."""
+    packed, index = tensors.get(LORA_PACKED), tensors.get(LORA_PACKED_INDEX)
+    if len(tensors) != 2 or packed is None or index is None or packed.dtype != torch.int8 or index.dtype != torch.int8:
+        return None
+    plan = plan_for(index, packed.numel(), lambda: [_plan_entry(*entry) for entry in _packed_entries(packed, index)])
+    return None if plan is None else plan.decode_pooled(packed)
 
 
 def _decode_planned(tensors: dict[str, torch.Tensor], keep_int8: bool = False) -> dict[str, torch.Tensor] | None:

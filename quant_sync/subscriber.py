@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import zmq
 
-from quant_sync.export import decode_adapters
+from quant_sync.export import decode_adapters, decode_pooled_adapters
 from quant_sync.manifest import (
     PROTOCOL_VERSION,
     SHM_DIR,
@@ -208,7 +208,9 @@ class WeightSubscriber:
                 self._reject(PayloadError(f"version {manifest.version}: scheme {manifest.scheme!r}, its base's is "
                                           f"{self.base.scheme!r}"))  # fmt: skip
                 return None
-            update = WeightUpdate(manifest.version, {**self.base.tensors, **update.tensors}, manifest.scheme)
+            base = self.base if update.pooled is not None else None  # pooled adapters name the base they complete
+            tensors = {**self.base.tensors, **update.tensors}
+            update = WeightUpdate(manifest.version, tensors, manifest.scheme, pooled=update.pooled, base=base)
         self.last_fetch_s = time.perf_counter() - started
         self.last_fetch_cpu_s = time.thread_time() - cpu
         return update
@@ -253,6 +255,9 @@ class WeightSubscriber:
         if update is None:
             return None
         try:  # LoRA adapters sent in bf16 or int8 (model.lora.sync_dtype): the float32 values the learner ran
+            pooled = decode_pooled_adapters(update.tensors) if self._keep_int8_adapters else None
+            if pooled is not None:  # int8 as published, in a pooled buffer whose views are made once
+                return WeightUpdate(update.version, pooled.tensors, update.scheme, pooled=pooled)
             decoded = decode_adapters(update.tensors, keep_int8=self._keep_int8_adapters)
             return WeightUpdate(update.version, decoded, update.scheme)
         except ValueError as err:

@@ -4,8 +4,12 @@ consumer: every rollout engine's `stage_weights`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from quant_sync.adapter_buffers import PooledAdapters
 
 
 @dataclass(slots=True)
@@ -15,3 +19,8 @@ class WeightUpdate:
     version: int
     tensors: dict[str, torch.Tensor]
     scheme: str
+    pooled: PooledAdapters | None = None
+    """An adapter-only version written into a pooled buffer (`quant_sync.export.decode_pooled_adapters`): its
+    tensors are among `tensors`, valid while this object is held. A holder that keeps any of them keeps this too."""
+    base: WeightUpdate | None = None
+    """With `pooled`: the pinned base version whose tensors complete `tensors` (the same objects)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from quant_sync.adapter_buffers import PooledAdapters
 from quant_sync.export import LORA_A, LORA_B, LORA_SCALE, LORA_SCALING
 from quant_sync.quantizers import QuantizedWeight
 from rollout_workers.embedded import fused_decode
@@ -126,6 +127,8 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor
     head: Linear
+    pooled: PooledAdapters | None = None
+    """The adapter version these run, where it came in a pooled buffer (held: the pool does not rewrite it)."""
 
     @classmethod
     def build(
@@ -195,14 +198,27 @@ class ModelWeights:
         yield built
 
     def with_adapters(
-        self, arch: ArchConfig, weights: dict[str, Linear], dtype: torch.dtype = torch.float32, device: str = "cpu"
+        self,
+        arch: ArchConfig,
+        weights: dict[str, Linear],
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        pooled: PooledAdapters | None = None,
     ) -> ModelWeights:
         """These weights with the adapters of `weights` instead of their own: an adapter-only version on the very base
-        these were built from (`StagedVersions` knows), whose base forms `build_in_parts` would find unchanged."""
+        these were built from (`StagedVersions` knows), whose base forms `build_in_parts` would find unchanged.
+        `pooled`: those adapters came in it (`WeightUpdate.pooled`), kept by the result; the layers' stacked
+        adapters are made once per pooled buffer (`PooledAdapters.derived`: its views, rewritten in place by each
+        version written there) and reused by every later version in it."""
         target = torch.device(device)
-        layers = [dataclasses.replace(layer, **_layer_adapters(weights, f"model.layers.{i}.", dtype, target))
-                  for i, layer in enumerate(self.layers)]  # fmt: skip
-        return dataclasses.replace(self, layers=layers)
+
+        def stacked() -> list[dict[str, LowRank | None]]:
+            return [_layer_adapters(weights, f"model.layers.{i}.", dtype, target) for i in range(len(self.layers))]
+
+        key = ("layers", dtype, target, None if pooled is None else pooled.others)  # what stacking reads beyond views
+        adapters = stacked() if pooled is None else pooled.derived(key, stacked)
+        layers = [dataclasses.replace(layer, **held) for layer, held in zip(self.layers, adapters)]
+        return dataclasses.replace(self, layers=layers, pooled=pooled)
 
 
 ADAPTER_GROUPS = (

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from quant_sync.adapter_buffers import PooledAdapters
 from quant_sync.export import LORA_A, LORA_B, LORA_SCALE, LORA_SCALING
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, QuantizedWeight
 from quant_sync.update import WeightUpdate
@@ -63,12 +64,15 @@ class StagedVersions:
     def __init__(self, arch: ArchConfig, dtype: torch.dtype, device: torch.device):
         self.arch, self.dtype, self.device = arch, dtype, device
         self._lock = threading.Lock()
-        self._staged: tuple[int, dict, dict | None] | None = None  # version, weight map, the checked base's map
+        self._staged: tuple[int, dict, dict | None, PooledAdapters | None] | None = None
+        """version, weight map, the checked base's map, the version's pooled adapters (held while staged)"""
         self._building: tuple[int, Iterator[ModelWeights | None]] | None = None
         self._build_s = 0.0
         self._base: tuple[list[tuple[str, torch.Tensor, int]], dict, dict[str, tuple[int, ...]]] | None = None
         """The base of the last LoRA version fully checked (`_remember_base`)."""
-        self._checked_layout: tuple | None = None
+        self._base_source: WeightUpdate | None = None
+        """The subscriber's pinned base version that base came from (`WeightUpdate.base`), if it said."""
+        self._checked_layout: object = None
         """The adapters' names, dtypes and shapes last checked on that base (the next version with the same skips
         `check_adapter_shapes`: an adapter version has ~280 tensors, and each train step publishes one)."""
         self.last_build_s = 0.0
@@ -97,18 +101,19 @@ class StagedVersions:
             raise ValueError(f"version {update.version} does not fit the model: {err}") from None
         with self._lock:
             if self._staged is None or update.version > self._staged[0]:
-                self._staged = (update.version, weight_map, base_map)
+                self._staged = (update.version, weight_map, base_map, update.pooled)
 
     def _remember_base(self, update: WeightUpdate, weight_map: dict, expected: dict[str, tuple[int, ...]]) -> None:
         """After a LoRA version passed the full check: its base (every tensor but the adapters, as objects, with
         their in-place version counters), that part of its weight map, and the shapes the model needs."""
         if not any(name.endswith(LORA_A) for name in update.tensors):
-            self._base = None
+            self._base = self._base_source = None
             return
         entries = [(name, tensor, tensor._version) for name, tensor in update.tensors.items()
                    if not name.endswith(ADAPTER_SUFFIXES)]  # fmt: skip
         base_map = {name: value for name, value in weight_map.items() if not name.endswith(ADAPTER_SUFFIXES)}
         self._base = (entries, base_map, expected)
+        self._base_source = update.base
         self._checked_layout = None
 
     def _on_checked_base(self, update: WeightUpdate) -> dict | None:
@@ -118,15 +123,22 @@ class StagedVersions:
         if self._base is None:
             return None
         entries, base_map, expected = self._base
-        tensors = update.tensors
-        adapters = {name: tensor for name, tensor in tensors.items() if name.endswith(ADAPTER_SUFFIXES)}
-        if not adapters or len(tensors) - len(adapters) != len(entries):
-            return None
-        for name, tensor, version in entries:
-            if tensors.get(name) is not tensor or tensor._version != version:
+        tensors, pooled = update.tensors, update.pooled
+        if pooled is not None and update.base is not None and update.base is self._base_source:
+            # the subscriber's pinned base, the very version checked (nothing writes its tensors), and adapters of
+            # one packed layout (its plan: the same names, dtypes and shapes), int8 and float32 as they are
+            if len(tensors) != len(entries) + len(pooled.tensors):
                 return None
-        weight_map = {**base_map, **{name: _adapter_tensor(tensor) for name, tensor in adapters.items()}}
-        layout = tuple((name, tensor.dtype, tensor.shape) for name, tensor in adapters.items())
+            weight_map, layout = {**base_map, **pooled.tensors}, pooled.plan
+        else:
+            adapters = {name: tensor for name, tensor in tensors.items() if name.endswith(ADAPTER_SUFFIXES)}
+            if not adapters or len(tensors) - len(adapters) != len(entries):
+                return None
+            for name, tensor, version in entries:
+                if tensors.get(name) is not tensor or tensor._version != version:
+                    return None
+            weight_map = {**base_map, **{name: _adapter_tensor(tensor) for name, tensor in adapters.items()}}
+            layout = tuple((name, tensor.dtype, tensor.shape) for name, tensor in adapters.items())
         if layout != self._checked_layout:  # what check_adapter_shapes reads: names, dtypes and shapes
             check_adapter_shapes(weight_map, expected)
             self._checked_layout = layout
@@ -139,7 +151,7 @@ class StagedVersions:
             staged = self._staged
         if staged is None:
             return None
-        version, weight_map, base_map = staged
+        version, weight_map, base_map, pooled = staged
         if version <= running_version:
             self._drop(staged)
             return None
@@ -148,7 +160,7 @@ class StagedVersions:
             started = time.perf_counter()
             self._building = None
             try:
-                built = last[1].with_adapters(self.arch, weight_map, self.dtype, str(self.device))
+                built = last[1].with_adapters(self.arch, weight_map, self.dtype, str(self.device), pooled)
             except Exception:
                 self._drop(staged)
                 raise
@@ -179,10 +191,11 @@ class StagedVersions:
         self._drop(staged)
         if part is None:  # the build ended without weights (cannot happen with build_in_parts): drop the version
             return None
+        part.pooled = pooled
         self._last_built = None if base_map is None else (base_map, part)
         return version, part
 
-    def _drop(self, staged: tuple[int, dict, dict | None]) -> None:
+    def _drop(self, staged: tuple[int, dict, dict | None, PooledAdapters | None]) -> None:
         with self._lock:
             if self._staged is staged:
                 self._staged = None

@@ -139,6 +139,53 @@ def test_int8_versions_decode_into_reused_buffers_never_one_still_held():
         assert torch.equal(third[name], value), name
 
 
+def test_pooled_int8_versions_reuse_a_buffers_views_never_one_still_held():
+    """`decode_pooled_adapters`: each version's tensors are views made once per pooled buffer (the same objects for
+    every version written there), the published values as `decode_adapters(keep_int8=True)` gives them; a buffer is
+    not written again while its `PooledAdapters` lives, whoever holds its tensors, and what a holder derived from it
+    (views included) is made once per buffer and key, without keeping the buffer busy."""
+    import gc
+
+    from quant_sync import adapter_buffers
+    from quant_sync.export import decode_pooled_adapters
+
+    gc.collect()
+    versions = [pack_adapters(_adapters("int8", seed=seed)) for seed in range(10, 14)]
+    expected = [_adapters("int8", seed=seed) for seed in range(10, 14)]  # as published
+
+    def check(pooled, index):
+        assert set(pooled.tensors) == set(expected[index])
+        for name, value in expected[index].items():
+            assert pooled.tensors[name].dtype == value.dtype and torch.equal(pooled.tensors[name], value), name
+
+    assert decode_pooled_adapters({**versions[0], "x": torch.ones(1)}) is None  # not adapters alone: the dict path
+    first = decode_pooled_adapters(versions[0])
+    assert first is not None and first.buffer_id is not None and first.others == (2.0, 2.0, 2.0)
+    check(first, 0)
+    made, tensors = [], first.tensors
+    views = first.derived("views", lambda: made.append(1) or [t[:] for t in tensors.values()])
+    assert first.derived("views", lambda: made.append(1)) is views and len(made) == 1
+    second = decode_pooled_adapters(versions[1])  # `first` held: another buffer
+    assert second.buffer_id != first.buffer_id
+    check(first, 0)
+    check(second, 1)
+    buffer_id = first.buffer_id
+    del first  # its tensors (`tensors`) and derived views (`views`) are still referenced: they do not hold it
+    third = decode_pooled_adapters(versions[2])
+    assert third.buffer_id == buffer_id and third.tensors is tensors  # the same views, rewritten
+    check(third, 2)
+    check(second, 1)
+    assert torch.equal(views[0], third.tensors[next(iter(third.tensors))])  # derived views see the new values
+    assert third.derived("views", lambda: made.append(1)) is views and len(made) == 1  # made once per buffer
+    plan = third.plan
+    held = [decode_pooled_adapters(versions[3]) for _ in range(adapter_buffers.BUFFER_SETS)]
+    assert len(plan._buffers_int8) == adapter_buffers.BUFFER_SETS  # the pool is full, every buffer held
+    beyond = held[-1]
+    assert beyond.buffer_id is None  # a buffer of its own: nothing derived from it is kept
+    check(beyond, 3)
+    assert beyond.derived("views", lambda: made.append(1) or "fresh") == "fresh" and len(made) == 2
+
+
 def test_a_packed_index_out_of_the_engines_order_still_decodes_exactly():
     """An index whose matrices do not lie back to back (another packer's placement) takes the generic decoder."""
     tensors = _adapters("int8", seed=5)
@@ -196,6 +243,7 @@ def test_a_subscriber_for_an_int8_engine_hands_packed_versions_over_as_published
         for name, value in _adapters("int8", seed=1).items():
             assert tensors[name].dtype == value.dtype and torch.equal(tensors[name], value), name
         assert torch.equal(tensors[LINEARS[0] + ".weight"], base[LINEARS[0] + ".weight"])
+        assert updates[-1].pooled is not None and updates[-1].base is subscriber.base  # held while staged, run
     finally:
         if subscriber is not None:
             subscriber.close()

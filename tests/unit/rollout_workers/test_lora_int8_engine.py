@@ -175,3 +175,86 @@ def test_a_group_mixing_int8_and_float_adapters_runs_their_float32_values():
     assert mixed is not None and plain is not None and mixed.a.dtype == torch.float32
     x, base = torch.randn(5, inp), torch.randn(5, sum(outs))
     assert torch.equal(add_low_rank(x, base.clone(), mixed), add_low_rank(x, base.clone(), plain))
+
+
+def _logits(engine: EmbeddedEngine, weights: ModelWeights) -> torch.Tensor:
+    tokens = torch.tensor([[1, 4, 5, 13, 6, 7, 15]])
+    cache = KVCache(engine.arch, slots=1, max_len=16)
+    return prefill(engine.arch, weights, cache, tokens, torch.tensor([7]), torch.tensor([0]), torch.tensor([0]))
+
+
+def test_pooled_adapter_versions_run_like_a_full_build_and_stack_once_per_buffer(monkeypatch):
+    """Versions as the subscriber of an int8 engine hands them over (`WeightUpdate.pooled`, on its pinned base):
+    each runs exactly like a full build of its own tensors, though the stacked adapters are made once per pooled
+    buffer (its views rewritten by each version written there), and a version with other scalings in the same buffer
+    gets its own; the staged and running versions hold their buffers."""
+    import gc
+
+    from quant_sync.export import LORA_SCALING, decode_pooled_adapters
+    from rollout_workers.embedded import model as model_module
+
+    gc.collect()
+    model_dir, model = _micro()
+    base_update = WeightUpdate(0, export_rollout_tensors(model.state_dict(), "int8", quantize_head=True), "int8")
+    engine = EmbeddedEngine(model_dir, seed=0)
+    stacked, counting = [], []  # the engine's stacking of a version's adapters (per layer), not the fresh builds'
+    layer_adapters = model_module._layer_adapters
+    monkeypatch.setattr(
+        model_module, "_layer_adapters", lambda *a: (counting and stacked.append(a[1])) or layer_adapters(*a)
+    )
+    seeds = [1, 2, 1, 3, 2, 3, 1]
+    published = {seed: lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=seed) for seed in seeds}
+    published[4] = {name: value * 2 if name.endswith(LORA_SCALING) else value for name, value in published[1].items()}
+    seeds.append(4)
+    buffers = set()
+    for version, seed in enumerate(seeds, start=1):
+        pooled = decode_pooled_adapters(pack_adapters(published[seed]))
+        assert pooled is not None and pooled.buffer_id is not None
+        buffers.add(pooled.buffer_id)
+        tensors = {**base_update.tensors, **pooled.tensors}
+        engine.stage_weights(WeightUpdate(version, tensors, "int8", pooled=pooled, base=base_update))
+        del pooled, tensors  # the engine holds what it runs
+        counting.append(1)
+        assert engine.apply_staged() and engine.version == version
+        counting.clear()
+        fresh = ModelWeights.build(engine.arch, build_weight_map(WeightUpdate(version, {**base_update.tensors,
+                                   **decode_adapters(pack_adapters(published[seed]))}, "int8")))  # fmt: skip
+        if engine.runs_int8_adapters:  # the same int8 kernel on the same values: the same bits
+            kept = decode_adapters(pack_adapters(published[seed]), keep_int8=True)
+            fresh = ModelWeights.build(engine.arch, build_weight_map(WeightUpdate(version, {**base_update.tensors,
+                                       **kept}, "int8")))  # fmt: skip
+            assert torch.equal(_logits(engine, engine._weights), _logits(engine, fresh)), version
+            del kept
+        else:
+            torch.testing.assert_close(_logits(engine, engine._weights), _logits(engine, fresh))
+        del fresh
+    assert len(buffers) <= 3  # running, staged and the one being written: buffers are reused
+    layers = engine.arch.num_layers
+    if engine.runs_int8_adapters:  # the full build of version 1, then once per buffer, once more for new scalings
+        assert len(stacked) == layers * (1 + len(buffers) + 1) < layers * len(seeds), (len(stacked), len(buffers))
+
+
+def test_a_pooled_version_on_the_checked_base_skips_the_per_tensor_checks(monkeypatch):
+    """Staging a pooled version whose base is the very version checked before looks at no tensor: the adapters'
+    layout is its plan's, checked once; the same tensors with another base object, or without `pooled`, take the
+    per-tensor path (its layout checked once more)."""
+    from quant_sync.export import decode_pooled_adapters
+    from rollout_workers.embedded import staging
+
+    model_dir, model = _micro()
+    base_update = WeightUpdate(0, export_rollout_tensors(model.state_dict(), "int8", quantize_head=True), "int8")
+    engine = EmbeddedEngine(model_dir, seed=0)
+    checks = []
+    check = staging.check_adapter_shapes
+    monkeypatch.setattr(staging, "check_adapter_shapes", lambda *a: checks.append(1) or check(*a))
+    packed = pack_adapters(lora_adapter_tensors(model.state_dict(), rank=4, sync_dtype="int8", seed=5))
+    other_base = WeightUpdate(0, dict(base_update.tensors), "int8")
+    for version, base, want_checks in [(1, base_update, 0), (2, base_update, 1), (3, base_update, 1),
+                                       (4, other_base, 2), (5, None, 2)]:  # fmt: skip
+        pooled = decode_pooled_adapters(packed)
+        update = WeightUpdate(version, {**base_update.tensors, **pooled.tensors}, "int8", pooled=pooled, base=base)
+        if base is None:
+            update.pooled = None
+        engine.stage_weights(update)
+        assert engine.apply_staged() and engine.version == version
+        assert len(checks) == want_checks, version
