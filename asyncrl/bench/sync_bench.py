@@ -111,6 +111,7 @@ def _measure(
     context = zmq.Context.instance()
     inbox = context.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
+    inbox.setsockopt(zmq.RCVTIMEO, 500)  # `_next` blocks in recv: no poller made per report (the bench's own CPU)
     report = f"tcp://127.0.0.1:{inbox.bind_to_random_port('tcp://127.0.0.1')}"
     base = None if adapters is None else 0
     if adapters is None:
@@ -255,11 +256,17 @@ def _lora_sync(model: torch.nn.Module) -> dict[str, float]:
 
 def _next(inbox: zmq.Socket, events: list[dict], workers: list[subprocess.Popen]) -> dict:
     deadline = time.monotonic() + 180
-    while not inbox.poll(500):
-        failed = [p.returncode for p in workers if p.poll() not in (None, 0, -15)]
-        if failed or time.monotonic() > deadline:
-            raise RuntimeError(f"bench sync: a worker stopped reporting (exit codes {failed}; its stderr is above)")
-    event = msgpack.unpackb(inbox.recv())
+    while True:
+        try:
+            message = inbox.recv()
+            break
+        except zmq.Again:  # nothing for RCVTIMEO: is a worker gone?
+            failed = [p.returncode for p in workers if p.poll() not in (None, 0, -15)]
+            if failed or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"bench sync: a worker stopped reporting (exit codes {failed}; its stderr is above)"
+                ) from None
+    event = msgpack.unpackb(message)
     events.append(event)
     return event
 
