@@ -36,6 +36,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -212,6 +213,7 @@ class PackedPlan:
         outputs: list[tuple[str, int, int, tuple[int, ...]]],
         numel: int,
         scale_names: dict[str, str] | None = None,
+        packed_nbytes: int | None = None,
     ):
         self.groups = groups
         self.outputs = outputs  # (name, group, member, _): a matrix; (name, -1, float32 index, shape): a view as is
@@ -225,18 +227,28 @@ class PackedPlan:
         """An int8 buffer's storage pointer -> its views (`_int8_views`), made once when the pool took the buffer
         (`decode_pooled`): they count among the buffer's idle users."""
         self._lock = threading.Lock()
-        self.int8_layout, offset = [], 0  # per group: byte offsets (int8 matrices, float32 scales, int8 panels)
-        for group in groups:
-            scales_at = _aligned(offset + group.count * group.rank * group.other)
-            panels_at = scales_at + 4 * group.count * group.rank
-            self.int8_layout.append((offset, scales_at, panels_at))
-            offset = _aligned(panels_at + (group.count * group.panels * group.rank * PANEL if group.transposed else 0))
+        self.packed_nbytes = packed_nbytes
+        self.verbatim = packed_nbytes is not None and all(g.source_transposed or not g.transposed for g in groups)
+        """An int8 buffer holds the packed bytes as received (each B as the bytes of B^T), B's panels after them: a
+        version is one copy of its bytes, verifiable where it lands (`decode_pooled`'s `check`)."""
         self._others = [(name, start, math.prod(shape), shape) for name, group, start, shape in outputs if group < 0]
         self._others_index = torch.cat(  # float32 indices of the other tensors in a packed buffer, in that order
             [torch.arange(start, start + numel) for _, start, numel, _ in self._others] or [torch.zeros(0)]
         ).long()
-        self._others_at = offset  # byte offset of those float32 values in an int8 buffer
-        self.int8_nbytes = _aligned(offset + 4 * len(self._others_index))
+        self.int8_layout, offset = [], _aligned(packed_nbytes) if self.verbatim else 0  # type: ignore[arg-type]
+        for group in groups:  # per group: byte offsets of its int8 matrices, their float32 scales, its int8 panels
+            size = group.count * group.rank * group.other
+            if self.verbatim:
+                q_at, scales_at, panels_at = group.q_start, 4 * group.s_start, offset
+            else:
+                q_at = offset
+                scales_at = _aligned(offset + size)
+                offset = panels_at = scales_at + 4 * group.count * group.rank
+            self.int8_layout.append((q_at, scales_at, panels_at))
+            offset = _aligned(panels_at + (group.count * group.panels * group.rank * PANEL if group.transposed else 0))
+        self._others_at = None if self.verbatim else offset
+        """Where the other float32 tensors lie in an int8 buffer: copied together here, else at their packed place."""
+        self.int8_nbytes = _aligned(offset + (0 if self.verbatim else 4 * len(self._others_index)))
         starts = {torch.float32: [(g.out_start, g.panel_start) for g in groups],
                   torch.int8: [(q_at, panels_at) for q_at, _, panels_at in self.int8_layout]}  # fmt: skip
         self._panel_index = {  # per buffer dtype: a B^T's start -> (its panels' start, rank, out), in elements
@@ -248,7 +260,7 @@ class PackedPlan:
         }  # fmt: skip
 
     @classmethod
-    def build(cls, entries: list[Entry]) -> PackedPlan | None:
+    def build(cls, entries: list[Entry], packed_nbytes: int | None = None) -> PackedPlan | None:
         """The plan of this index, or None where it does not fit one (matrices not int8, a group not back to back,
         scales missing or misshapen): the generic decoder then handles it (and names what is wrong)."""
         scale_entries = [entry for entry in entries if entry.role in ("A_scale", "B_scale")]
@@ -294,7 +306,7 @@ class PackedPlan:
                 if entry.dtype != torch.float32:
                     return None
                 outputs.append((entry.name, -1, entry.start // 4, entry.shape))
-        return cls(groups, outputs, out_start, {entry.matrix: entry.name for entry in scale_entries})
+        return cls(groups, outputs, out_start, {entry.matrix: entry.name for entry in scale_entries}, packed_nbytes)
 
     def decode(self, packed: torch.Tensor, keep_int8: bool = False) -> dict[str, torch.Tensor]:
         """The version's tensors (in index order, scales dropped): matrices as float32 views of a pooled buffer,
@@ -350,16 +362,22 @@ class PackedPlan:
             self._write_int8(buffer, flat)
         return self._int8_views(buffer)
 
-    def decode_pooled(self, packed: torch.Tensor) -> PooledAdapters:
+    def decode_pooled(
+        self, packed: torch.Tensor | np.ndarray, check: Callable[[torch.Tensor], None] | None = None
+    ) -> PooledAdapters:
         """`decode_int8` without a view made per version: the tensors are views the buffer's pool made once, the
         same objects for every version written into that buffer, and the buffer stays busy while the returned
         `PooledAdapters` lives (its `lease`), not while its tensors do. For a holder that keeps the version whole
         (the embedded engine: staged, then running): a version of the ~100M config has 280 tensors, and each train
-        step publishes one."""
+        step publishes one.
+
+        `packed` may be read-only bytes (numpy) of a verbatim plan (`verbatim`), e.g. a version in the publisher's
+        /dev/shm ring: `check(copy)` then gets the bytes as copied (int8) and raises to refuse them (a digest that
+        does not match), before anything else is written; the buffer stays free."""
         flat = packed.reshape(-1)
         with self._lock:
             buffer = self._take(self._buffers_int8, self.int8_nbytes, torch.int8, self._int8_views)
-            self._write_int8(buffer, flat)
+            self._write_int8(buffer, flat, check)
             lease = buffer[:0]  # a fresh view: one more user of the buffer's storage while the version is held
         pointer = buffer.untyped_storage().data_ptr()
         template = self._int8_templates.get(pointer) if _pooled(pointer) is buffer else None
@@ -369,7 +387,9 @@ class PackedPlan:
         return PooledAdapters(self, pointer, template, lease, others)
 
     def _others_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The float32 region of an int8 buffer holding the version's other tensors (`_write_int8`)."""
+        """The values of the version's other tensors in an int8 buffer (`_write_int8`), in index order."""
+        if self._others_at is None:
+            return buffer.view(torch.float32)[self._others_index]
         return buffer[self._others_at : self._others_at + 4 * len(self._others_index)].view(torch.float32)
 
     def derived(self, buffer_id: int, key: Hashable, make: Callable[[], T]) -> T:
@@ -388,8 +408,23 @@ class PackedPlan:
                 self._buffers_int8[at] = (buffer, idle + _storage_users(buffer) - before)  # type: ignore[operator]
             return made
 
-    def _write_int8(self, buffer: torch.Tensor, flat: torch.Tensor) -> None:
+    def _write_int8(
+        self, buffer: torch.Tensor, flat: torch.Tensor | np.ndarray, check: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         """A packed version's bytes into an int8 buffer (`int8_layout`): matrices, scales, B's panels, others."""
+        if self.verbatim:  # the bytes as they came, then B's panels from the B^T among them
+            source = flat.numpy() if isinstance(flat, torch.Tensor) else flat
+            buffer[: source.size].numpy()[:] = source.view(np.int8)
+            if check is not None:
+                check(buffer[: source.size])
+            for group, (q_at, _, panels_at) in zip(self.groups, self.int8_layout):
+                if group.transposed:
+                    size = group.count * group.rank * group.other
+                    shaped = buffer[q_at : q_at + size].view(group.count, group.rank, group.other)
+                    self._write_panels(buffer, panels_at, group, shaped)
+            return
+        if not isinstance(flat, torch.Tensor) or check is not None:
+            raise ValueError("packed adapters: only a verbatim plan reads bytes in place")
         whole = flat.view(torch.float32)
         for group, (q_at, scales_at, panels_at) in zip(self.groups, self.int8_layout):
             count, rank, other = group.count, group.rank, group.other
@@ -415,11 +450,15 @@ class PackedPlan:
             shaped = buffer[q_at : q_at + count * rank * other].view(count, rank, other)
             scales = buffer[scales_at : scales_at + 4 * count * rank].view(torch.float32).view(count, rank)
             views.append((shaped.transpose(1, 2).unbind(0) if group.transposed else shaped.unbind(0), scales.unbind(0)))
-        others = self._others_in(buffer)
         other_at, offset = {}, 0
-        for name, _, numel, shape in self._others:
-            other_at[name] = others[offset : offset + numel].view(shape)
-            offset += numel
+        if self._others_at is None:  # at their places in the packed bytes
+            whole = buffer.view(torch.float32)
+            other_at = {name: whole[start : start + numel].view(shape) for name, start, numel, shape in self._others}
+        else:
+            others = self._others_in(buffer)
+            for name, _, numel, shape in self._others:
+                other_at[name] = others[offset : offset + numel].view(shape)
+                offset += numel
         decoded = {}
         for name, group, member, _ in self.outputs:
             if group < 0:
@@ -486,7 +525,7 @@ def plan_for(index: torch.Tensor, nbytes: int, entries: Callable[[], list[Entry]
         if key in _PLANS:
             _PLANS.move_to_end(key)
             return _PLANS[key]
-    plan = PackedPlan.build(entries())
+    plan = PackedPlan.build(entries(), nbytes)
     with _PLANS_LOCK:
         _PLANS[key] = plan
         while len(_PLANS) > PLANS_KEPT:

@@ -22,7 +22,7 @@ import math
 import torch
 
 from common.config_schema import LORA_SYNC_DTYPES
-from quant_sync.adapter_buffers import Entry, PooledAdapters, plan_for
+from quant_sync.adapter_buffers import Entry, PackedPlan, PooledAdapters, plan_for
 from quant_sync.quantizers import WEIGHT_ONLY_BITS, quantize_weight, quantize_weight_only
 
 QUANTIZED_LINEARS = (
@@ -303,8 +303,15 @@ def decode_pooled_adapters(tensors: dict[str, torch.Tensor]) -> PooledAdapters |
     packed, index = tensors.get(LORA_PACKED), tensors.get(LORA_PACKED_INDEX)
     if len(tensors) != 2 or packed is None or index is None or packed.dtype != torch.int8 or index.dtype != torch.int8:
         return None
-    plan = plan_for(index, packed.numel(), lambda: [_plan_entry(*entry) for entry in _packed_entries(packed, index)])
+    plan = packed_plan(index, packed.numel())
     return None if plan is None else plan.decode_pooled(packed)
+
+
+def packed_plan(index: torch.Tensor, packed_nbytes: int) -> PackedPlan | None:
+    """The cached `PackedPlan` of a packed index for a buffer of `packed_nbytes` (None where none fits: the generic
+    decoder then handles the version); ValueError naming what is wrong with a malformed index."""
+    return plan_for(index, packed_nbytes, lambda: [_plan_entry(*entry) for entry in _packed_entries(
+        torch.empty(packed_nbytes, dtype=torch.int8, device="meta"), index)])  # fmt: skip
 
 
 def _decode_planned(tensors: dict[str, torch.Tensor], keep_int8: bool = False) -> dict[str, torch.Tensor] | None:
@@ -316,7 +323,7 @@ def _decode_planned(tensors: dict[str, torch.Tensor], keep_int8: bool = False) -
     others = {name: value for name, value in tensors.items() if name not in (LORA_PACKED, LORA_PACKED_INDEX)}
     if any(name.endswith((LORA_A, LORA_B, LORA_SCALING, LORA_A + LORA_SCALE, LORA_B + LORA_SCALE)) for name in others):
         return None  # adapter tensors beside the packed ones: the generic path checks them together
-    plan = plan_for(index, packed.numel(), lambda: [_plan_entry(*entry) for entry in _packed_entries(packed, index)])
+    plan = packed_plan(index, packed.numel())
     if plan is None:
         return None
     decoded = plan.decode(packed, keep_int8)

@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -118,22 +119,43 @@ def _mapping(path: str, version: int) -> mmap.mmap:
         return mapping
 
 
-def read_ring(manifest: Manifest, path: str, offset: int) -> list[torch.Tensor]:
-    """The version's tensors' bytes (uint8, one private copy), copied out of the ring at `offset` and verified there;
-    raises RingOverwritten when later versions overwrote them first, ShmUnavailable when the ring is unusable."""
+@contextlib.contextmanager
+def ring_bytes(manifest: Manifest, path: str, offset: int) -> Iterator[list[np.ndarray]]:
+    """Each of the version's tensors' bytes in the ring at `offset`, read-only and in place, valid inside the block
+    only (the mapping stays open meanwhile). Untrusted: a reader copies what it keeps and verifies the copy
+    (`verify_copy`). Raises ShmUnavailable when the ring is unusable."""
     end = max((int(entry["file_offset"]) + int(entry["nbytes"]) for entry in manifest.tensors), default=0)
     mapping = _mapping(path, manifest.version)
     if offset < 0 or offset % ALIGN_BYTES or offset + end > len(mapping):
         raise ShmUnavailable(f"version {manifest.version}: bytes {offset}-{offset + end} lie outside its ring {path}")
-    copy = torch.empty(end, dtype=torch.uint8)
     with _MAPPED_LOCK:  # a mapping is closed only under this lock
         if mapping.closed:
             raise ShmUnavailable(f"version {manifest.version}: its ring {path} was unmapped meanwhile")
-        copy.numpy()[:] = np.frombuffer(mapping, dtype=np.uint8, count=end, offset=offset)
-    buffers = [copy[int(entry["file_offset"]) : int(entry["file_offset"]) + int(entry["nbytes"])]
+        whole = np.frombuffer(mapping, dtype=np.uint8, count=end, offset=offset)
+        yield [whole[int(entry["file_offset"]) : int(entry["file_offset"]) + int(entry["nbytes"])]
                for entry in manifest.tensors]  # fmt: skip
-    for index, chunk_offset, length, digest in manifest.chunks:
-        data = buffers[index][chunk_offset : chunk_offset + length].numpy()
-        if chunk_digest(memoryview(data)) != digest:
+
+
+def verify_copy(manifest: Manifest, index: int, copy: torch.Tensor | np.ndarray) -> None:
+    """Check the chunk digests of tensor `index` on `copy` (its bytes as copied out of the ring); RingOverwritten if
+    one does not match (later versions overwrote them before the copy)."""
+    data = copy.numpy() if isinstance(copy, torch.Tensor) else copy
+    data = data.view(np.uint8)
+    for tensor, chunk_offset, length, digest in manifest.chunks:
+        if tensor == index and chunk_digest(memoryview(data[chunk_offset : chunk_offset + length])) != digest:
             raise RingOverwritten(f"version {manifest.version}: overwritten in the ring before it was read")
+
+
+def read_ring(manifest: Manifest, path: str, offset: int) -> list[torch.Tensor]:
+    """The version's tensors' bytes (uint8, one private copy), copied out of the ring at `offset` and verified there;
+    raises RingOverwritten when later versions overwrote them first, ShmUnavailable when the ring is unusable."""
+    with ring_bytes(manifest, path, offset) as parts:
+        copy = torch.empty(sum(part.size for part in parts), dtype=torch.uint8)
+        buffers, at = [], 0
+        for part in parts:
+            buffers.append(copy[at : at + part.size])
+            buffers[-1].numpy()[:] = part
+            at += part.size
+    for index, buffer in enumerate(buffers):
+        verify_copy(manifest, index, buffer)
     return buffers

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import zmq
 
-from quant_sync.export import decode_adapters, decode_pooled_adapters
+from quant_sync.export import LORA_PACKED, LORA_PACKED_INDEX, decode_adapters, decode_pooled_adapters, packed_plan
 from quant_sync.manifest import (
     PROTOCOL_VERSION,
     SHM_DIR,
@@ -30,11 +30,12 @@ from quant_sync.manifest import (
     chunk_digest,
     parse_header,
 )
-from quant_sync.shm_ring import RingOverwritten, read_ring
+from quant_sync.shm_ring import RingOverwritten, read_ring, ring_bytes, verify_copy
 from quant_sync.update import WeightUpdate
 
 if TYPE_CHECKING:
     from common.curve import ClientKeys
+    from quant_sync.adapter_buffers import PooledAdapters
 
 WINDOW_CHUNKS = 8
 """Chunk requests a subscriber keeps in flight (ZMQ path)."""
@@ -238,6 +239,10 @@ class WeightSubscriber:
         update = None
         if self._use_shm and manifest.shm:
             try:
+                pooled = self._read_pooled(manifest) if self._keep_int8_adapters else None
+                if pooled is not None:  # copied from the publisher's ring straight into a pooled buffer
+                    self.via_shm += 1
+                    return WeightUpdate(manifest.version, pooled.tensors, manifest.scheme, pooled=pooled)
                 update = read_shm(manifest)
                 self.via_shm += 1
             except RingOverwritten:
@@ -263,6 +268,28 @@ class WeightSubscriber:
         except ValueError as err:
             self._reject(PayloadError(f"version {manifest.version}: {err}"))
             return None
+
+    @staticmethod
+    def _read_pooled(manifest: Manifest) -> PooledAdapters | None:
+        """A packed int8 adapter version in the publisher's ring, copied once, straight into a pooled buffer of a
+        verbatim plan and verified there (`PackedPlan.decode_pooled`); None for any other version (`read_shm`
+        then copies it out). RingOverwritten when the copy does not check out; PayloadError for a bad index."""
+        names = [entry["name"] for entry in manifest.tensors]
+        if manifest.shm_offset is None or sorted(names) != sorted((LORA_PACKED, LORA_PACKED_INDEX)):
+            return None
+        if any(entry["dtype"] != "int8" for entry in manifest.tensors):
+            return None
+        packed_at, index_at = names.index(LORA_PACKED), names.index(LORA_PACKED_INDEX)
+        with ring_bytes(manifest, manifest.shm, manifest.shm_offset) as parts:
+            index = torch.from_numpy(parts[index_at].copy()).view(torch.int8)
+            verify_copy(manifest, index_at, index)
+            try:
+                plan = packed_plan(index, parts[packed_at].size)
+            except ValueError as err:
+                raise PayloadError(f"version {manifest.version}: {err}") from None
+            if plan is None or not plan.verbatim:
+                return None
+            return plan.decode_pooled(parts[packed_at], check=lambda copy: verify_copy(manifest, packed_at, copy))
 
     def _reject(self, err: Exception) -> None:
         self.rejected += 1

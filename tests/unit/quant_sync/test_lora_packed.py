@@ -204,6 +204,12 @@ def test_a_packed_index_out_of_the_engines_order_still_decodes_exactly():
         assert torch.equal(got[name], value), name
 
 
+def _panels_of(b: torch.Tensor) -> torch.Tensor:
+    """B^T (r, out) in zero-padded panels of 32 columns (ceil(out / 32), r, 32)."""
+    b_t = b.t()
+    return torch.nn.functional.pad(b_t, (0, -b_t.shape[1] % 32)).view(b_t.shape[0], -1, 32).transpose(0, 1)
+
+
 def test_a_packed_index_with_b_untransposed_decodes_exactly_through_the_plan():
     """pack_adapters' placement, but each B's bytes as (out, r) (no fifth index field): the plan reads B strided."""
     from quant_sync import adapter_buffers
@@ -224,6 +230,15 @@ def test_a_packed_index_with_b_untransposed_decodes_exactly_through_the_plan():
     b_t = got[LINEARS[1] + LORA_B].t()
     want = torch.nn.functional.pad(b_t, (0, -b_t.shape[1] % 32)).view(b_t.shape[0], -1, 32).transpose(0, 1)
     assert torch.equal(adapter_buffers.panels_of(got[LINEARS[1] + LORA_B]), want)
+    from quant_sync.export import decode_pooled_adapters
+
+    version = {LORA_PACKED: buffer, LORA_PACKED_INDEX: index}  # int8 as published: B^T made in a buffer of its own
+    for kept in (decode_adapters(version, keep_int8=True), decode_pooled_adapters(version).tensors):
+        assert not adapter_buffers.plan_for(index, buffer.numel(), list).verbatim
+        for name, value in tensors.items():
+            assert kept[name].dtype == value.dtype and torch.equal(kept[name], value), name
+        b = kept[LINEARS[1] + LORA_B]
+        assert torch.equal(adapter_buffers.panels_of(b), _panels_of(b))
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "zmq"])

@@ -158,3 +158,57 @@ def test_the_ring_wraps_to_its_start_when_the_end_has_no_room():
         assert sized.fits(RING_ALIGN) and not sized.fits(RING_ALIGN + 1)
     finally:
         sized.close()
+
+
+def int8_adapters(seed: int) -> dict[str, torch.Tensor]:
+    from quant_sync.export import LORA_SCALE, encode_adapter
+
+    tensors = {LINEAR + LORA_SCALING: torch.tensor([2.0])}
+    for part, matrix in adapters(seed).items():
+        if part.endswith((LORA_A, LORA_B)):
+            for suffix, value in encode_adapter(matrix, part.removeprefix(LINEAR), "int8").items():
+                tensors[part + suffix] = value
+    assert LINEAR + LORA_A + LORA_SCALE in tensors
+    return tensors
+
+
+def test_a_packed_int8_version_is_copied_from_the_ring_into_a_pooled_buffer_once_and_verified_there(monkeypatch):
+    """An engine running int8 adapters gets a packed ring version copied straight into a pooled buffer (no private
+    copy first: `read_shm` is not called for it) and verified there; one that does not check out leaves the buffer
+    free and is fetched over ZMQ."""
+    import gc
+
+    from quant_sync import subscriber as subscriber_module
+    from quant_sync.export import pack_adapters
+
+    gc.collect()
+    copied_out = []
+    monkeypatch.setattr(subscriber_module, "read_shm", lambda m: copied_out.append(m.version) or read_shm(m))
+    publisher = shm_publisher(keep_versions=4)
+    updates, subscribers = [], []
+    try:
+        publisher.publish(0, base_tensors(), "int8", pin=True)
+        publisher.publish(1, pack_adapters(int8_adapters(1)), "int8", base=0)
+        subscribers.append(WeightSubscriber(publisher.endpoint, updates.append, 0.01, keep_int8_adapters=True))
+        assert subscribers[0].wait_for(1, 10) and subscribers[0].rejected == 0, subscribers[0].last_error
+        assert copied_out == [0] and subscribers[0].via_shm == 2 and updates[-1].pooled is not None
+        assert_equal_tensors({k: updates[-1].tensors[k] for k in int8_adapters(0)}, int8_adapters(1))
+        subscribers[0].close()
+        publisher.publish(2, pack_adapters(int8_adapters(2)), "int8", base=0)
+        latest = parse_header(publisher._latest.header)
+        packed_at = next(entry["file_offset"] for entry in latest.tensors if entry["name"].endswith("packed"))
+        with open(publisher._ring.path, "r+b") as file:  # a byte of the packed adapters flipped in the ring
+            file.seek(latest.shm_offset + packed_at + 5)
+            byte = file.read(1)
+            file.seek(latest.shm_offset + packed_at + 5)
+            file.write(bytes([byte[0] ^ 0x55]))
+        subscribers.append(WeightSubscriber(publisher.endpoint, updates.append, 0.01, keep_int8_adapters=True))
+        assert subscribers[1].wait_for(2, 10), subscribers[1].last_error
+        assert subscribers[1].ring_overwritten == 1 and subscribers[1].rejected == 0 and publisher.chunks_served > 0
+        assert_equal_tensors({k: updates[-1].tensors[k] for k in int8_adapters(0)}, int8_adapters(2))
+        plan = updates[-1].pooled.plan
+        assert plan.verbatim and len(plan._buffers_int8) == 2  # version 1's (held) and the one tried, then used
+    finally:
+        for subscriber in subscribers:
+            subscriber.close()
+        publisher.close()
