@@ -42,6 +42,8 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
   process's CPU over the sync phase per version (the publish calls, the publisher's serving thread answering both
   workers, reading their reports), which the two workers' decoding shares the cores with.
 
+`details` name the CPU's ISA (`cpu_isa`) and the kernels the workers ran (`kernel_by_scheme`, `lora_kernel`).
+
 Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
 workers for the cores, which is part of what is measured.
 """
@@ -368,4 +370,18 @@ def run(quick: bool) -> BenchResult:
         "lora_publish_s": metrics[f"{lora}_publish_latency_median_s"],
         "lora_tok_s_during_sync_vs_steady": metrics[f"{lora}_tok_s_ratio_worst_worker"],
     }
-    return BenchResult(name="sync", metrics=metrics, ratios=ratios)
+    return BenchResult(name="sync", metrics=metrics, ratios=ratios, details=_details())
+
+
+def _details() -> dict[str, object]:
+    """The CPU's ISA and the kernels the workers' engines ran: the figures mean nothing without them."""
+    from asyncrl.bench.engine_bench import cpu_isa, int8_kernel
+    from rollout_workers.embedded.low_rank import _native_lora
+
+    return {
+        "cpu_isa": [flag for flag, present in cpu_isa().items() if present],
+        "kernel_by_scheme": {SCHEME: int8_kernel()},
+        "lora_kernel": f"csrc/lora_gemm.cpp lr_apply_q8 ({LORA_SYNC_DTYPE} adapters as published)"
+        if _native_lora() is not None
+        else f"torch GEMMs on the float32 values of {LORA_SYNC_DTYPE} adapters",
+    }

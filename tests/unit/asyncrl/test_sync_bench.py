@@ -65,3 +65,14 @@ def test_the_quick_sync_phase_reports_every_worker_figure(tmp_path):
         assert math.isfinite(figures[f"tiny_{key}_cpu_per_version_s"]), key
     # the subscriber's work (fetch, checksums, stage) lands on the other threads: something per version
     assert figures["tiny_other_threads_cpu_per_version_s"] > 0
+    assert figures["tiny_publisher_cpu_per_version_s"] > 0  # every publish hashes and writes the version
+
+
+def test_the_sync_bench_names_the_isa_and_the_kernels_it_ran():
+    from asyncrl.bench.engine_bench import int8_kernel
+    from rollout_workers.embedded.low_rank import _native_lora
+
+    details = sync_bench._details()
+    assert "avx2" in details["cpu_isa"] or not details["cpu_isa"]  # x86 CI machines have AVX2
+    assert details["kernel_by_scheme"] == {"int8": int8_kernel()}
+    assert ("lr_apply_q8" in details["lora_kernel"]) == (_native_lora() is not None)  # AVX-512F and a compiler
