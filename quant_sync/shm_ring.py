@@ -9,9 +9,10 @@ and the unlinking of old ones about 1 ms more; the same bytes copied into the ri
 
 The ring holds at least RING_SLOTS versions before it wraps round and overwrites the oldest, so a reader may find
 its version's bytes overwritten. A reader therefore never trusts the mapping: it copies the version out first and
-verifies every chunk digest on its private copy (`read_ring`); a copy that does not check out raises RingOverwritten
-and the subscriber fetches that version over ZMQ. Complete versions (and LoRA's pinned base) keep a file of their
-own, which readers map and use in place (`quant_sync.subscriber.read_shm`).
+verifies every chunk digest on its copy (`read_ring`: a private copy; a subscriber for an int8 engine copies a packed
+adapter version straight into a pooled buffer, `ring_bytes` and `verify_copy`); a copy that does not check out
+raises RingOverwritten and the subscriber fetches that version over ZMQ. Complete versions (and LoRA's pinned base)
+keep a file of their own, which readers map and use in place (`quant_sync.subscriber.read_shm`).
 """
 
 from __future__ import annotations

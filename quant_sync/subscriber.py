@@ -1,7 +1,10 @@
 """The rollout worker's side of weight publication (protocol in `quant_sync.transport`): `WeightSubscriber` long-polls
 the publisher for each newer version, maps it from /dev/shm when it shares the machine (`read_shm`) or fetches its
 chunks over ZMQ, verifies every chunk, and hands the complete version to the engine. An adapter-only version (LoRA)
-is completed with the pinned base it names, fetched first if this subscriber does not hold it.
+is completed with the pinned base it names, fetched first if this subscriber does not hold it. For an engine that
+runs int8 adapters as published (`keep_int8_adapters`), a packed version arrives as one `PooledAdapters`
+(`WeightUpdate.pooled`): copied once into a pooled buffer (from the publisher's ring, verified there), its views made
+once per buffer.
 """
 
 from __future__ import annotations
