@@ -73,8 +73,9 @@ class StagedVersions:
         self._base_source: WeightUpdate | None = None
         """The subscriber's pinned base version that base came from (`WeightUpdate.base`), if it said."""
         self._checked_layout: object = None
-        """The adapters' names, dtypes and shapes last checked on that base (the next version with the same skips
-        `check_adapter_shapes`: an adapter version has ~280 tensors, and each train step publishes one)."""
+        """The adapters' names, dtypes and shapes last checked on that base, or the packed plan that fixes them (a
+        pooled version's): the next version with the same skips `check_adapter_shapes` (an adapter version has ~280
+        tensors, and each train step publishes one)."""
         self.last_build_s = 0.0
         """Decode-thread time the last completed build took (summed over its slices)."""
         self._last_built: tuple[dict, ModelWeights] | None = None
@@ -126,7 +127,8 @@ class StagedVersions:
         tensors, pooled = update.tensors, update.pooled
         if pooled is not None and update.base is not None and update.base is self._base_source:
             # the subscriber's pinned base, the very version checked (nothing writes its tensors), and adapters of
-            # one packed layout (its plan: the same names, dtypes and shapes), int8 and float32 as they are
+            # one packed layout (its plan: the same names, dtypes and shapes), int8 and float32 as they are; the
+            # subscriber made `tensors` from the two (`pooled.tensors` are the adapters among them)
             if len(tensors) != len(entries) + len(pooled.tensors):
                 return None
             weight_map, layout = {**base_map, **pooled.tensors}, pooled.plan
