@@ -330,7 +330,10 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
     metrics.update(_lora_vs_full(figures))
     ratios = figures_of.ratios(figures, bound_s)
     learning = {workload.name for workload in workloads if workload.learns}
+    from asyncrl.bench.engine_bench import platform_details
+
     details = {
+        **platform_details(),  # the CPU's ISA and the INT8 kernel the workers ran
         "work_dir": str(work),
         "seeds": seeds,
         "workloads": [asdict(w) for w in workloads],

@@ -305,6 +305,12 @@ def cpu_isa() -> dict[str, bool]:
     return {flag: flag in flags for flag in CPU_FLAGS}
 
 
+def platform_details() -> dict[str, object]:
+    """The CPU's ISA flags and the INT8 kernel this machine's engines run (for a bench's JSON `details`)."""
+    return {"cpu_isa": [flag for flag, present in cpu_isa().items() if present], "kernel_by_scheme": {
+        "int8": int8_kernel()}}  # fmt: skip
+
+
 def int8_kernel() -> str:
     """The exact INT8 kernel new int8 weights get (`int8_linear.int8_kernel_name`; "unknown" where that module or
     function is missing)."""

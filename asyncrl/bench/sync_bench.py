@@ -375,12 +375,11 @@ def run(quick: bool) -> BenchResult:
 
 def _details() -> dict[str, object]:
     """The CPU's ISA and the kernels the workers' engines ran: the figures mean nothing without them."""
-    from asyncrl.bench.engine_bench import cpu_isa, int8_kernel
+    from asyncrl.bench.engine_bench import platform_details
     from rollout_workers.embedded.low_rank import _native_lora
 
     return {
-        "cpu_isa": [flag for flag, present in cpu_isa().items() if present],
-        "kernel_by_scheme": {SCHEME: int8_kernel()},
+        **platform_details(),
         "lora_kernel": f"csrc/lora_gemm.cpp lr_apply_q8 ({LORA_SYNC_DTYPE} adapters as published)"
         if _native_lora() is not None
         else f"torch GEMMs on the float32 values of {LORA_SYNC_DTYPE} adapters",
