@@ -224,8 +224,8 @@ class PackedPlan:
         self._derived: dict[int, dict[Hashable, Any]] = {}
         """An int8 buffer's storage pointer -> what holders derived from its views (`PooledAdapters.derived`)."""
         self._int8_templates: dict[int, dict[str, torch.Tensor]] = {}
-        """An int8 buffer's storage pointer -> its views (`_int8_views`), made once when the pool took the buffer
-        (`decode_pooled`): they count among the buffer's idle users."""
+        """An int8 buffer's storage pointer -> its views (`_int8_views`), made once when the pool took the buffer in
+        (`decode_pooled` hands them out): they count among the buffer's idle users."""
         self._lock = threading.Lock()
         self.packed_nbytes = packed_nbytes
         self.verbatim = packed_nbytes is not None and all(g.source_transposed or not g.transposed for g in groups)
@@ -376,7 +376,7 @@ class PackedPlan:
         does not match), before anything else is written; the buffer stays free."""
         flat = packed.reshape(-1)
         with self._lock:
-            buffer = self._take(self._buffers_int8, self.int8_nbytes, torch.int8, self._int8_views)
+            buffer = self._take(self._buffers_int8, self.int8_nbytes, torch.int8)
             self._write_int8(buffer, flat, check)
             lease = buffer[:0]  # a fresh view: one more user of the buffer's storage while the version is held
         pointer = buffer.untyped_storage().data_ptr()
@@ -488,27 +488,17 @@ class PackedPlan:
         if rest:
             _fill(panels[:, full, :, :rest], source[:, :, full * PANEL :], scale)
 
-    def _take(
-        self,
-        pool: list[tuple[torch.Tensor, int | None]],
-        numel: int,
-        dtype: torch.dtype,
-        views: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
+    def _take(self, pool: list[tuple[torch.Tensor, int | None]], numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of `pool` nothing references any more, else a fresh one (kept in the pool while it has room). A
-        buffer kept in an int8 pool gets its `views` (`decode_pooled`'s) first, so that they count among its idle
-        users: one made before `decode_pooled` was called gets them then, its idle count raised by theirs."""
-        for at, (buffer, idle) in enumerate(pool):
+        buffer kept in the int8 pool gets its views first (`decode_pooled`'s), so that they count among its idle
+        users."""
+        for buffer, idle in pool:
             if idle is not None and _storage_users(buffer) == idle:
-                pointer = buffer.untyped_storage().data_ptr()
-                if views is not None and pointer not in self._int8_templates:
-                    self._int8_templates[pointer] = views(buffer)
-                    pool[at] = (buffer, _storage_users(buffer))
                 return buffer
         buffer = torch.zeros(numel, dtype=dtype)  # zeros: the panels' padding
         if len(pool) < BUFFER_SETS:
-            if views is not None:
-                self._int8_templates[buffer.untyped_storage().data_ptr()] = views(buffer)
+            if pool is self._buffers_int8:
+                self._int8_templates[buffer.untyped_storage().data_ptr()] = self._int8_views(buffer)
             pool.append((buffer, _storage_users(buffer)))
             pointer = buffer.untyped_storage().data_ptr()
             _POOLED[pointer] = weakref.ref(buffer)
