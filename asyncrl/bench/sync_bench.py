@@ -6,6 +6,12 @@ processes (`asyncrl.bench.sync_worker`: an embedded engine decoding nonstop, sub
 1. steady phase: workers decode, nothing is published;
 2. sync phase: versions are published back to back (the next as soon as every worker runs the previous one).
 
+The two phases are interleaved: `ROUNDS` rounds (2 with --quick) of a steady block, then a sync block twice as long
+(8 s and 16 s in all; 3 s and 6 s with --quick). A machine whose speed drifts over the run (a neighbour's load,
+clocks) then weighs on both phases alike: with nothing published in either, a steady 8 s followed by 16 s gave a
+worst-worker ratio of 0.94-1.02, four interleaved rounds 0.98-1.01 (Zen 5, 2026-11-25). Every figure below is over
+all the blocks of its phase; `<phase>_tok_s_ratio_round_min` / `_max` give the ratio round by round.
+
 - `publish_vs_memcpy`: `max(0, latency - 0.05 s) / memcpy_time` on the ~100M config, where latency (median over
   the sync phase) runs from the hand-off of already-quantized tensors to `WeightPublisher.publish` until every
   worker runs the version, and memcpy_time copies the same bytes into a warm buffer in the same run.
@@ -57,6 +63,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgpack
 import torch
@@ -64,9 +72,16 @@ import zmq
 
 from asyncrl.bench import BenchResult
 
+if TYPE_CHECKING:
+    from quant_sync.transport import WeightPublisher
+
 LATENCY_ALLOWANCE_S = 0.05
 SCHEME = "int8"
 LORA_PUBLISHES = 5
+ROUNDS = 4
+"""Steady and sync blocks alternate this many times (`QUICK_ROUNDS` with --quick): a machine that slows down or
+speeds up during the run then weighs on both phases alike."""
+QUICK_ROUNDS = 2
 LORA_SYNC_DTYPE = "int8"
 """`model.lora.sync_dtype` of the LoRA rows (`lora_sync_bytes_vs_full`, `lora_publish_s`, ...)."""
 
@@ -93,6 +108,57 @@ def _versions(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
     return [export_rollout_tensors(state, SCHEME), export_rollout_tensors(nudged, SCHEME)]
 
 
+Window = tuple[float, float]
+
+
+@dataclass
+class _SyncLog:
+    """What the sync blocks of one phase saw: per version the latency and every worker's swap report."""
+
+    latencies: list[float] = field(default_factory=list)
+    fetch_s: list[float] = field(default_factory=list)
+    build_s: list[float] = field(default_factory=list)
+    cpu_s: dict[str, list[float]] = field(default_factory=lambda: {"fetch": [], "stage": [], "swap_step": []})
+    split: dict[str, list[float]] = field(default_factory=lambda: {"to_staged": [], "to_step": [], "first_step": []})
+    publisher_cpu_s: float = 0.0
+
+
+def _sync_block(
+    publisher: WeightPublisher,
+    versions: list[dict[str, torch.Tensor]],
+    base: int | None,
+    seconds: float,
+    inbox: zmq.Socket,
+    events: list[dict],
+    workers: list[subprocess.Popen],
+    log: _SyncLog,
+) -> Window:
+    """Publish versions back to back for `seconds` (the next as soon as every worker runs the previous one); the
+    block ends when every worker runs its last version."""
+    start, cpu_start = time.monotonic(), time.process_time()
+    version = publisher.version
+    while time.monotonic() - start < seconds:
+        version += 1
+        handed_off = time.monotonic()
+        publisher.publish(version, versions[version % 2], SCHEME, base=base)
+        running = set()
+        while len(running) < len(workers):
+            event = _next(inbox, events, workers)
+            if event["event"] == "swap" and event["version"] == version:
+                running.add(event["worker"])
+                last = event["t"]
+                log.fetch_s.append(event["fetch_s"])
+                log.build_s.append(event["build_s"])
+                for key in log.cpu_s:
+                    log.cpu_s[key].append(event[f"{key.removeprefix('swap_')}_cpu_s"])
+                log.split["to_staged"].append(event["staged_t"] - handed_off)
+                log.split["to_step"].append(event["step_start_t"] - event["staged_t"])
+                log.split["first_step"].append(event["t"] - event["step_start_t"])
+        log.latencies.append(last - handed_off)
+    log.publisher_cpu_s += time.process_time() - cpu_start
+    return start, time.monotonic()
+
+
 def _measure(
     name: str,
     model: torch.nn.Module,
@@ -100,8 +166,9 @@ def _measure(
     quick: bool,
     adapters: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
-    """The steady and sync phases; with `adapters` (two LoRA adapter sets), the model's INT8 export is the pinned
-    version 0, the workers start on version 1 (its first adapters) and every later version holds adapters only."""
+    """The steady and sync phases, interleaved (`ROUNDS` rounds of a steady block, then a sync block twice as long);
+    with `adapters` (two LoRA adapter sets), the model's INT8 export is the pinned version 0, the workers start on
+    version 1 (its first adapters) and every later version holds adapters only."""
     from quant_sync.export import export_rollout_tensors
     from quant_sync.transport import WeightPublisher
 
@@ -109,6 +176,7 @@ def _measure(
     nbytes = sum(t.numel() * t.element_size() for t in versions[0].values())
     memcpy_s = _memcpy_seconds(versions[0])
     steady_s, sync_s = (3.0, 6.0) if quick else (8.0, 16.0)
+    rounds = QUICK_ROUNDS if quick else ROUNDS
     publisher = WeightPublisher()
     context = zmq.Context.instance()
     inbox = context.socket(zmq.PULL)
@@ -125,6 +193,9 @@ def _measure(
     spec = {"report": report, "weights": publisher.endpoint, "model_dir": model_dir, "batch": 8 if big else 32,
             "max_new_tokens": 48, "seconds": 0.0, "first_version": publisher.version}  # fmt: skip
     workers, events = [], []
+    log = _SyncLog()
+    steady: list[Window] = []
+    sync: list[Window] = []
     try:
         for worker in range(2):
             spec.update(worker=worker, seconds=steady_s + sync_s + 120.0)  # a backstop: the bench stops them
@@ -134,33 +205,11 @@ def _measure(
         while ready < 2:
             ready += _next(inbox, events, workers)["event"] == "ready"
         time.sleep(1.0)  # let both settle into steady decoding
-        steady_start = time.monotonic()
-        time.sleep(steady_s)
-        sync_start = time.monotonic()
-        sync_cpu_start = time.process_time()
-        latencies, fetch_s, build_s, version = [], [], [], publisher.version
-        cpu_s: dict[str, list[float]] = {"fetch": [], "stage": [], "swap_step": []}
-        split: dict[str, list[float]] = {"to_staged": [], "to_step": [], "first_step": []}
-        while time.monotonic() - sync_start < sync_s:
-            version += 1
-            handed_off = time.monotonic()
-            publisher.publish(version, versions[version % 2], SCHEME, base=base)
-            running = set()
-            while len(running) < 2:
-                event = _next(inbox, events, workers)
-                if event["event"] == "swap" and event["version"] == version:
-                    running.add(event["worker"])
-                    last = event["t"]
-                    fetch_s.append(event["fetch_s"])
-                    build_s.append(event["build_s"])
-                    for key in cpu_s:
-                        cpu_s[key].append(event[f"{key.removeprefix('swap_')}_cpu_s"])
-                    split["to_staged"].append(event["staged_t"] - handed_off)
-                    split["to_step"].append(event["step_start_t"] - event["staged_t"])
-                    split["first_step"].append(event["t"] - event["step_start_t"])
-            latencies.append(last - handed_off)
-        sync_end = time.monotonic()
-        publisher_cpu = time.process_time() - sync_cpu_start
+        for _ in range(rounds):
+            start = time.monotonic()
+            time.sleep(steady_s / rounds)
+            steady.append((start, time.monotonic()))
+            sync.append(_sync_block(publisher, versions, base, sync_s / rounds, inbox, events, workers, log))
         for process in workers:
             process.terminate()  # the worker finishes its step and reports its stamps
         stamps = _collect_stamps(inbox, events, workers)
@@ -172,50 +221,60 @@ def _measure(
                 process.kill()
         publisher.close()
         inbox.close(0)
+    published = len(log.latencies)
+    sync_seconds = sum(end - start for start, end in sync)
     steady_rate, sync_rate, gap_ratio, steady_gap_ratio, cpu_ratio, steady_step_cpu = [], [], [], [], [], []
-    extra_cpu = [
-        _extra_cpu_per_version(*worker, (steady_start, steady_start + steady_s), (sync_start, sync_end), len(latencies))
-        for worker in stamps
-    ]
+    round_ratios = []
+    extra_cpu = [_extra_cpu_per_version(*worker, steady, sync, published) for worker in stamps]
     for worker_stamps, worker_tokens, worker_cpu, _ in stamps:
-        steady_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, steady_start, steady_start + steady_s)
-        sync_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, sync_start, sync_end)
+        steady_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, steady)
+        sync_cpu = _per_cpu_second(worker_stamps, worker_tokens, worker_cpu, sync)
         cpu_ratio.append(sync_cpu / max(steady_cpu, 1e-9))
-        steady_step_cpu.append(_median_step_cpu(worker_stamps, worker_cpu, steady_start, steady_start + steady_s))
-        steady_rate.append(_rate(worker_stamps, worker_tokens, steady_start, steady_start + steady_s))
-        sync_rate.append(_rate(worker_stamps, worker_tokens, sync_start, sync_end))
-        gap_ratio.append(_gap_ratio(worker_stamps, sync_start, sync_end))
-        steady_gap_ratio.append(_gap_ratio(worker_stamps, steady_start, steady_start + steady_s))
-    latency = statistics.median(latencies)
+        steady_step_cpu.append(_median_step_cpu(worker_stamps, worker_cpu, steady))
+        steady_rate.append(_rate(worker_stamps, worker_tokens, steady))
+        sync_rate.append(_rate(worker_stamps, worker_tokens, sync))
+        gap_ratio.append(_gap_ratio(worker_stamps, sync))
+        steady_gap_ratio.append(_gap_ratio(worker_stamps, steady))
+        round_ratios.append(
+            [_rate(worker_stamps, worker_tokens, [b]) / max(_rate(worker_stamps, worker_tokens, [a]), 1e-9)
+             for a, b in zip(steady, sync)]
+        )  # fmt: skip
+    latency = statistics.median(log.latencies)
     worst = min(s / max(b, 1e-9) for s, b in zip(sync_rate, steady_rate))
+    worst_by_round = [min(worker[r] for worker in round_ratios) for r in range(rounds)]
     return {
         f"{name}_published_bytes": float(nbytes),
         f"{name}_memcpy_s": memcpy_s,
         f"{name}_publish_latency_median_s": latency,
-        f"{name}_publish_latency_max_s": max(latencies),
+        f"{name}_publish_latency_max_s": max(log.latencies),
         f"{name}_publish_call_s": publisher.last_publish_s,
-        f"{name}_worker_fetch_median_s": statistics.median(fetch_s),  # header to verified tensors (subscriber)
-        f"{name}_worker_build_median_s": statistics.median(build_s),  # decode-thread build time, all slices
-        f"{name}_versions_published": float(len(latencies)),
+        f"{name}_worker_fetch_median_s": statistics.median(log.fetch_s),  # header to verified tensors (subscriber)
+        f"{name}_worker_build_median_s": statistics.median(log.build_s),  # decode-thread build time, all slices
+        f"{name}_versions_published": float(published),
+        f"{name}_rounds": float(rounds),
         f"{name}_steady_tok_per_s": sum(steady_rate),
         f"{name}_sync_tok_per_s": sum(sync_rate),
         f"{name}_tok_s_ratio_worst_worker": worst,
-        # what a version costs the worst worker in decoding time: its lost share of the sync window, per version
+        # the same ratio round by round (each round's sync block over its own steady block; worst worker): the
+        # spread the interleaving averages out
+        f"{name}_tok_s_ratio_round_min": min(worst_by_round),
+        f"{name}_tok_s_ratio_round_max": max(worst_by_round),
+        # what a version costs the worst worker in decoding time: its lost share of the sync windows, per version
         # (the bench publishes as fast as the workers take versions, so a cheaper version also comes sooner)
-        f"{name}_decode_s_lost_per_version": (1.0 - worst) * (sync_end - sync_start) / len(latencies),
+        f"{name}_decode_s_lost_per_version": (1.0 - worst) * sync_seconds / published,
         f"{name}_max_gap_over_median": max(gap_ratio),
         f"{name}_steady_max_gap_over_median": max(steady_gap_ratio),  # the same statistic with nothing published
         f"{name}_publish_vs_memcpy": max(0.0, latency - LATENCY_ALLOWANCE_S) / memcpy_s,
-        **{f"{name}_latency_{phase}_s": statistics.median(values) for phase, values in split.items()},
+        **{f"{name}_latency_{phase}_s": statistics.median(values) for phase, values in log.split.items()},
         # CPU seconds (thread time; load on the machine does not inflate them): the subscriber's fetch and
         # stage_weights, the decode step that swapped a version in (its build included) against a steady step
-        **{f"{name}_worker_{key}_cpu_median_s": statistics.median(values) for key, values in cpu_s.items()},
+        **{f"{name}_worker_{key}_cpu_median_s": statistics.median(values) for key, values in log.cpu_s.items()},
         f"{name}_worker_steady_step_cpu_median_s": statistics.median(steady_step_cpu),
         # tokens per CPU second of the worker process (all its threads) during sync over steady (worst worker)
         f"{name}_tok_per_cpu_s_ratio_worst_worker": min(cpu_ratio),
         f"{name}_decode_thread_cpu_per_version_s": statistics.fmean(decode for decode, _ in extra_cpu),
         f"{name}_other_threads_cpu_per_version_s": statistics.fmean(other for _, other in extra_cpu),
-        f"{name}_publisher_cpu_per_version_s": publisher_cpu / len(latencies),
+        f"{name}_publisher_cpu_per_version_s": log.publisher_cpu_s / published,
     }
 
 
@@ -291,23 +350,28 @@ def _extra_cpu_per_version(
     tokens: list[int],
     cpu: list[float],
     decode_cpu: list[float],
-    steady: tuple[float, float],
-    sync: tuple[float, float],
+    steady: list[Window],
+    sync: list[Window],
     versions: int,
 ) -> tuple[float, float]:
-    """(decode thread, other threads): CPU seconds per version the sync window took beyond the steady window's CPU
+    """(decode thread, other threads): CPU seconds per version the sync windows took beyond the steady windows' CPU
     per token for the same tokens."""
 
-    def window(start: float, end: float) -> tuple[int, float, float]:
-        inside = _steps_in(stamps, start, end)
-        if not inside:
-            return 0, 0.0, 0.0
-        first, last = inside[0] - 1, inside[-1]
-        process, decode = cpu[last] - cpu[first], decode_cpu[last] - decode_cpu[first]
-        return sum(tokens[i] for i in inside), decode, process - decode
+    def windows(spans: list[Window]) -> tuple[int, float, float]:
+        total_tokens, total_decode, total_other = 0, 0.0, 0.0
+        for start, end in spans:
+            inside = _steps_in(stamps, start, end)
+            if not inside:
+                continue
+            first, last = inside[0] - 1, inside[-1]
+            process, decode = cpu[last] - cpu[first], decode_cpu[last] - decode_cpu[first]
+            total_tokens += sum(tokens[i] for i in inside)
+            total_decode += decode
+            total_other += process - decode
+        return total_tokens, total_decode, total_other
 
-    steady_tokens, steady_decode, steady_other = window(*steady)
-    sync_tokens, sync_decode, sync_other = window(*sync)
+    steady_tokens, steady_decode, steady_other = windows(steady)
+    sync_tokens, sync_decode, sync_other = windows(sync)
     scale = sync_tokens / max(steady_tokens, 1)
     per = max(versions, 1)
     return (sync_decode - steady_decode * scale) / per, (sync_other - steady_other * scale) / per
@@ -318,27 +382,31 @@ def _steps_in(stamps: list[float], start: float, end: float) -> list[int]:
     return [i for i, t in enumerate(stamps) if start <= t <= end and i > 0]
 
 
-def _per_cpu_second(stamps: list[float], tokens: list[int], cpu: list[float], start: float, end: float) -> float:
-    """Tokens decoded by the steps ending in [start, end] per CPU second the worker process spent on them."""
-    inside = _steps_in(stamps, start, end)
-    if not inside:
-        return 0.0
-    return sum(tokens[i] for i in inside) / max(cpu[inside[-1]] - cpu[inside[0] - 1], 1e-9)
+def _per_cpu_second(stamps: list[float], tokens: list[int], cpu: list[float], spans: list[Window]) -> float:
+    """Tokens decoded by the steps ending in the windows per CPU second the worker process spent on them."""
+    decoded, seconds = 0, 0.0
+    for start, end in spans:
+        inside = _steps_in(stamps, start, end)
+        if inside:
+            decoded += sum(tokens[i] for i in inside)
+            seconds += cpu[inside[-1]] - cpu[inside[0] - 1]
+    return decoded / max(seconds, 1e-9) if decoded else 0.0
 
 
-def _median_step_cpu(stamps: list[float], cpu: list[float], start: float, end: float) -> float:
-    steps = [cpu[i] - cpu[i - 1] for i in _steps_in(stamps, start, end)]
+def _median_step_cpu(stamps: list[float], cpu: list[float], spans: list[Window]) -> float:
+    steps = [cpu[i] - cpu[i - 1] for start, end in spans for i in _steps_in(stamps, start, end)]
     return statistics.median(steps) if steps else 0.0
 
 
-def _gap_ratio(stamps: list[float], start: float, end: float) -> float:
-    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if start <= a and b <= end]
+def _gap_ratio(stamps: list[float], spans: list[Window]) -> float:
+    gaps = [b - a for start, end in spans for a, b in zip(stamps, stamps[1:]) if start <= a and b <= end]
     return max(gaps) / statistics.median(gaps)
 
 
-def _rate(stamps: list[float], tokens: list[int], start: float, end: float) -> float:
-    inside = [n for t, n in zip(stamps, tokens) if start <= t <= end]
-    return sum(inside) / (end - start)
+def _rate(stamps: list[float], tokens: list[int], spans: list[Window]) -> float:
+    """Tokens of the steps ending in the windows per second of the windows."""
+    inside = [n for t, n in zip(stamps, tokens) if any(start <= t <= end for start, end in spans)]
+    return sum(inside) / sum(end - start for start, end in spans)
 
 
 def run(quick: bool) -> BenchResult:

@@ -44,10 +44,28 @@ def test_extra_cpu_per_version_splits_the_decode_thread_from_the_others():
     other_step = [0.001] * 5 + [0.003] * 5
     decode_cpu = [sum(decode_step[: i + 1]) for i in range(10)]
     cpu = [decode_cpu[i] + sum(other_step[: i + 1]) for i in range(10)]
-    decode, other = sync_bench._extra_cpu_per_version(stamps, tokens, cpu, decode_cpu, (0.5, 4.5), (4.5, 9.5), 2)
+    decode, other = sync_bench._extra_cpu_per_version(stamps, tokens, cpu, decode_cpu, [(0.5, 4.5)], [(4.5, 9.5)], 2)
     # 5 sync steps, each 0.003 s (decode) and 0.002 s (other) above steady: over 2 versions
     assert decode == pytest.approx(5 * 0.003 / 2)
     assert other == pytest.approx(5 * 0.002 / 2)
+
+
+def test_interleaved_windows_add_up_as_one_window_of_their_steps():
+    # 12 steps of 1 s; tokens 8 a step in steady blocks (steps 1-3, 7-9), 6 in sync blocks (steps 4-6, 10-11);
+    # sync steps cost 0.002 s more decode CPU than steady ones, over 3 versions
+    stamps = [float(i) for i in range(12)]
+    tokens = [8, 8, 8, 8, 6, 6, 6, 8, 8, 8, 6, 6]
+    steady, sync = [(0.5, 3.5), (6.5, 9.5)], [(3.5, 6.5), (9.5, 11.5)]
+    decode_step = [0.010 if n == 8 else 0.012 for n in tokens]
+    decode_cpu = [sum(decode_step[: i + 1]) for i in range(12)]
+    assert sync_bench._rate(stamps, tokens, steady) == pytest.approx(48 / 6)
+    assert sync_bench._rate(stamps, tokens, sync) == pytest.approx(30 / 5)
+    assert sync_bench._per_cpu_second(stamps, tokens, decode_cpu, sync) == pytest.approx(30 / (5 * 0.012))
+    decode, other = sync_bench._extra_cpu_per_version(stamps, tokens, decode_cpu, decode_cpu, steady, sync, 3)
+    # 5 sync steps at 0.012 s against 30 tokens at steady's 0.010 s per 8 tokens
+    assert decode == pytest.approx((5 * 0.012 - 30 * 0.010 / 8) / 3)
+    assert other == pytest.approx(0.0)
+    assert sync_bench._gap_ratio(stamps, sync) == pytest.approx(1.0)  # no gap spans two windows
 
 
 @pytest.mark.slow
@@ -56,6 +74,8 @@ def test_the_quick_sync_phase_reports_every_worker_figure(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     figures = sync_bench._measure("tiny", model, model_dir, quick=True)
     assert figures["tiny_versions_published"] >= 2
+    assert figures["tiny_rounds"] == sync_bench.QUICK_ROUNDS  # steady and sync blocks alternate
+    assert 0 < figures["tiny_tok_s_ratio_round_min"] <= figures["tiny_tok_s_ratio_round_max"]
     assert figures["tiny_steady_tok_per_s"] > 0 and figures["tiny_sync_tok_per_s"] > 0
     assert figures["tiny_tok_s_ratio_worst_worker"] > 0 and figures["tiny_tok_per_cpu_s_ratio_worst_worker"] > 0
     assert figures["tiny_publish_latency_median_s"] <= figures["tiny_publish_latency_max_s"]
