@@ -93,13 +93,16 @@ def test_int4_packing_keeps_every_value_and_its_position():
 @pytest.mark.parametrize("path", PATHS)
 def test_forcing_a_path_through_the_environment(monkeypatch, path):
     monkeypatch.setenv(weight_only.ENV_KERNEL, path)
-    q, scale = quantize_weight_only(torch.randn(8, 200), "w8a16")
+    generator = torch.Generator().manual_seed(94)
+    q, scale = quantize_weight_only(torch.randn(8, 200, generator=generator), "w8a16")
     packed = pack(GroupQuantized(q, scale, "w8a16"))
     assert weight_only.kernel_name() == path and isinstance(packed, PackedWeightOnly) and packed.kernel == path
-    x = torch.randn(2, 200)
-    torch.testing.assert_close(
-        weight_only_linear(x, packed, None), F.linear(x, dequantize_published(q, scale, "w8a16"))
-    )
+    x = torch.randn(2, 200, generator=generator)
+    # the summation-order bound, not assert_close's fixed tolerance: that one failed about 1 draw in 200 on
+    # unseeded operands (err up to 1.5x it over 3000 draws, every path), a sum of 200 products in another order
+    weight = dequantize_published(q, scale, "w8a16")
+    gap = (weight_only_linear(x, packed, None) - F.linear(x, weight)).abs()
+    assert bool((gap <= worst_case_tolerance(200) * (x.abs() @ weight.abs().t())).all())
 
 
 def test_the_default_path_is_the_best_available_and_bad_names_fail(monkeypatch):
