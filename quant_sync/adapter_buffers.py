@@ -224,6 +224,9 @@ class PackedPlan:
         self._derived: dict[int, dict[Hashable, Any]] = {}
         """An int8 buffer's storage pointer -> what holders derived from its views (`PooledAdapters.derived`)."""
         self._int8_templates: dict[int, dict[str, torch.Tensor]] = {}
+        self._int8_panel_copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Per pooled int8 buffer of a verbatim plan: the (panels, B^T) view pairs its panels are copied through,
+        made once with the buffer (`_take`): a version then costs 3 copies, not 30 view-making calls."""
         """An int8 buffer's storage pointer -> its views (`_int8_views`), made once when the pool took the buffer in
         (`decode_pooled` hands them out): they count among the buffer's idle users."""
         self._lock = threading.Lock()
@@ -417,11 +420,10 @@ class PackedPlan:
             buffer[: source.size].numpy()[:] = source.view(np.int8)
             if check is not None:
                 check(buffer[: source.size])
-            for group, (q_at, _, panels_at) in zip(self.groups, self.int8_layout):
-                if group.transposed:
-                    size = group.count * group.rank * group.other
-                    shaped = buffer[q_at : q_at + size].view(group.count, group.rank, group.other)
-                    self._write_panels(buffer, panels_at, group, shaped)
+            pointer = buffer.untyped_storage().data_ptr()
+            copies = self._int8_panel_copies.get(pointer) if _pooled(pointer) is buffer else None
+            for target, panel_source in self._verbatim_panel_copies(buffer) if copies is None else copies:
+                target.copy_(panel_source)
             return
         if not isinstance(flat, torch.Tensor) or check is not None:
             raise ValueError("packed adapters: only a verbatim plan reads bytes in place")
@@ -468,25 +470,24 @@ class PackedPlan:
             decoded[self.scale_names[name]] = views[group][1][member]
         return decoded
 
+    def _verbatim_panel_copies(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(target, source) view pairs that write B's panels from the B^T among a verbatim plan's bytes in `buffer`
+        (`_write_panels`, unscaled), for every transposed group."""
+        copies = []
+        for group, (q_at, _, panels_at) in zip(self.groups, self.int8_layout):
+            if group.transposed:
+                shaped = buffer[q_at : q_at + group.count * group.rank * group.other].view(group.count, group.rank, -1)
+                copies.extend((target, source) for target, source, _ in _panel_pairs(buffer, panels_at, group, shaped))
+        return copies
+
     @staticmethod
     def _write_panels(
         buffer: torch.Tensor, start: int, group: _Group, source: torch.Tensor, scale: torch.Tensor | None = None
     ) -> None:
         """B^T (count, r, out) into its panels (count, ceil(out / 32), r, 32) at `start` in `buffer`, times `scale`
-        (count, r, 1) where given, else as it is: full panels in one pass, the last partial one in another (its
-        padding columns stay the zeros the buffer was made with)."""
-        full, rest = divmod(group.other, PANEL)
-        size = group.count * group.panels * group.rank * PANEL
-        panels = buffer[start : start + size].view(group.count, group.panels, group.rank, PANEL)
-        if full:
-            target = panels[:, :full].permute(0, 2, 1, 3)  # (count, r, full, 32)
-            _fill(
-                target,
-                source[:, :, : full * PANEL].unflatten(2, (full, PANEL)),
-                None if scale is None else scale[..., None],
-            )
-        if rest:
-            _fill(panels[:, full, :, :rest], source[:, :, full * PANEL :], scale)
+        (count, r, 1) where given, else as it is (`_panel_pairs`)."""
+        for target, part, full in _panel_pairs(buffer, start, group, source):
+            _fill(target, part, None if scale is None else scale[..., None] if full else scale)
 
     def _take(self, pool: list[tuple[torch.Tensor, int | None]], numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of `pool` nothing references any more, else a fresh one (kept in the pool while it has room). A
@@ -499,12 +500,33 @@ class PackedPlan:
         if len(pool) < BUFFER_SETS:
             if pool is self._buffers_int8:
                 self._int8_templates[buffer.untyped_storage().data_ptr()] = self._int8_views(buffer)
+                if self.verbatim:
+                    self._int8_panel_copies[buffer.untyped_storage().data_ptr()] = self._verbatim_panel_copies(buffer)
             pool.append((buffer, _storage_users(buffer)))
             pointer = buffer.untyped_storage().data_ptr()
             _POOLED[pointer] = weakref.ref(buffer)
             _GENERATION[0] += 1
             _PANELS[pointer] = self._panel_index[dtype]
         return buffer
+
+
+def _panel_pairs(
+    buffer: torch.Tensor, start: int, group: _Group, source: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(panels view, B^T view, whether full) pairs that lay B^T (count, r, out) out in panels (count, ceil(out / 32),
+    r, 32) at `start` in `buffer`: the full panels in one copy (views (count, r, full, 32)), the last partial one in
+    another (its padding columns stay the zeros the buffer was made with)."""
+    full, rest = divmod(group.other, PANEL)
+    size = group.count * group.panels * group.rank * PANEL
+    panels = buffer[start : start + size].view(group.count, group.panels, group.rank, PANEL)
+    pairs = []
+    if full:
+        pairs.append(
+            (panels[:, :full].permute(0, 2, 1, 3), source[:, :, : full * PANEL].unflatten(2, (full, PANEL)), True)
+        )
+    if rest:
+        pairs.append((panels[:, full, :, :rest], source[:, :, full * PANEL :], False))
+    return pairs
 
 
 def plan_for(index: torch.Tensor, nbytes: int, entries: Callable[[], list[Entry]]) -> PackedPlan | None:
