@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "asyncrl.bench.engine_bench:run",
     "buffer": "asyncrl.bench.buffer_bench:run",
     "sync": "asyncrl.bench.sync_bench:run",
+    "sync_control": "asyncrl.bench.sync_bench:run_control",
     "learner": "asyncrl.bench.learner_bench:run",
     "e2e": "asyncrl.bench.e2e_bench:run",
     "chaos": "asyncrl.bench.chaos:run",

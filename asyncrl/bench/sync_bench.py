@@ -48,6 +48,9 @@ all the blocks of its phase; `<phase>_tok_s_ratio_round_min` / `_max` give the r
   process's CPU over the sync phase per version (the publish calls, the publisher's serving thread answering both
   workers, reading their reports), which the two workers' decoding shares the cores with.
 
+`asyncrl bench sync_control` (`run_control`) is the control: the LoRA phase with nothing published in either phase,
+4 runs, its ratio measured interleaved and sequentially; how far the machine alone moves it from 1.
+
 `details` name the CPU's ISA (`cpu_isa`) and the kernels the workers ran (`kernel_by_scheme`, `lora_kernel`).
 
 Both phases run on the same shared 2-core machine: the publisher (hashing, /dev/shm write) competes with the two
@@ -82,6 +85,8 @@ ROUNDS = 4
 """Steady and sync blocks alternate this many times (`QUICK_ROUNDS` with --quick): a machine that slows down or
 speeds up during the run then weighs on both phases alike."""
 QUICK_ROUNDS = 2
+CONTROL_RUNS = 4
+"""Runs of `asyncrl bench sync_control` (the LoRA phase with nothing published)."""
 LORA_SYNC_DTYPE = "int8"
 """`model.lora.sync_dtype` of the LoRA rows (`lora_sync_bytes_vs_full`, `lora_publish_s`, ...)."""
 
@@ -165,10 +170,12 @@ def _measure(
     model_dir: str,
     quick: bool,
     adapters: list[dict[str, torch.Tensor]] | None = None,
+    publish: bool = True,
 ) -> dict[str, float]:
     """The steady and sync phases, interleaved (`ROUNDS` rounds of a steady block, then a sync block twice as long);
     with `adapters` (two LoRA adapter sets), the model's INT8 export is the pinned version 0, the workers start on
-    version 1 (its first adapters) and every later version holds adapters only."""
+    version 1 (its first adapters) and every later version holds adapters only. `publish=False`: the control, the
+    sync blocks publish nothing (`_control_figures`)."""
     from quant_sync.export import export_rollout_tensors
     from quant_sync.transport import WeightPublisher
 
@@ -209,7 +216,12 @@ def _measure(
             start = time.monotonic()
             time.sleep(steady_s / rounds)
             steady.append((start, time.monotonic()))
-            sync.append(_sync_block(publisher, versions, base, sync_s / rounds, inbox, events, workers, log))
+            if publish:
+                sync.append(_sync_block(publisher, versions, base, sync_s / rounds, inbox, events, workers, log))
+            else:
+                start = time.monotonic()
+                time.sleep(sync_s / rounds)
+                sync.append((start, time.monotonic()))
         for process in workers:
             process.terminate()  # the worker finishes its step and reports its stamps
         stamps = _collect_stamps(inbox, events, workers)
@@ -221,6 +233,8 @@ def _measure(
                 process.kill()
         publisher.close()
         inbox.close(0)
+    if not publish:
+        return _control_figures(name, stamps, steady, sync)
     published = len(log.latencies)
     sync_seconds = sum(end - start for start, end in sync)
     steady_rate, sync_rate, gap_ratio, steady_gap_ratio, cpu_ratio, steady_step_cpu = [], [], [], [], [], []
@@ -276,6 +290,55 @@ def _measure(
         f"{name}_other_threads_cpu_per_version_s": statistics.fmean(other for _, other in extra_cpu),
         f"{name}_publisher_cpu_per_version_s": log.publisher_cpu_s / published,
     }
+
+
+def _control_figures(
+    name: str,
+    stamps: list[tuple[list[float], list[int], list[float], list[float]]],
+    steady: list[Window],
+    sync: list[Window],
+) -> dict[str, float]:
+    """The worst worker's tokens/s in the (idle) sync blocks over the steady blocks, as the bench measures it
+    (interleaved), and as it did before (the first third of the same stretch, then the rest)."""
+    start, end = steady[0][0], sync[-1][1]
+    cut = start + (end - start) / 3
+    interleaved = min(_rate(s, t, sync) / _rate(s, t, steady) for s, t, _, _ in stamps)
+    sequential = min(_rate(s, t, [(cut, end)]) / _rate(s, t, [(start, cut)]) for s, t, _, _ in stamps)
+    return {
+        f"{name}_control_interleaved_tok_s_ratio_worst_worker": interleaved,
+        f"{name}_control_sequential_tok_s_ratio_worst_worker": sequential,
+    }
+
+
+def run_control(quick: bool) -> BenchResult:
+    """`asyncrl bench sync_control`: the LoRA phase's statistic with nothing published in either phase, `CONTROL_RUNS`
+    times (1 with --quick): how far from 1 the machine alone moves it, interleaved as the bench measures it and
+    sequentially (a steady 8 s, then 16 s) as it did before. Ratios: the lowest and highest of the runs, each way."""
+    from asyncrl.bench.engine_bench import BIG_SHAPE, LORA_RANK, _random_llama, lora_adapter_tensors
+    from quant_sync.export import pack_adapters
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    name, metrics = f"big_lora{LORA_RANK}", {}
+    runs: dict[str, list[float]] = {"interleaved": [], "sequential": []}
+    try:
+        with tempfile.TemporaryDirectory() as big_dir:
+            big = _random_llama(big_dir, BIG_SHAPE)
+            state = big.state_dict()
+            adapters = [pack_adapters(lora_adapter_tensors(state, seed=seed, sync_dtype=LORA_SYNC_DTYPE))
+                        for seed in (0, 1)]  # fmt: skip
+            for run in range(1 if quick else CONTROL_RUNS):
+                figures = _measure(name, big, big_dir, quick, adapters=adapters, publish=False)
+                for way in runs:
+                    value = figures[f"{name}_control_{way}_tok_s_ratio_worst_worker"]
+                    runs[way].append(value)
+                    metrics[f"{name}_control_{way}_run{run}"] = value
+    finally:
+        torch.set_num_threads(threads)
+    ratios = {}
+    for way, values in runs.items():
+        ratios[f"control_{way}_tok_s_ratio_min"], ratios[f"control_{way}_tok_s_ratio_max"] = min(values), max(values)
+    return BenchResult(name="sync_control", metrics=metrics, ratios=ratios, details=_details())
 
 
 def _lora_sync(model: torch.nn.Module) -> dict[str, float]:

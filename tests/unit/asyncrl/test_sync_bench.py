@@ -96,3 +96,13 @@ def test_the_sync_bench_names_the_isa_and_the_kernels_it_ran():
     assert "avx2" in details["cpu_isa"] or not details["cpu_isa"]  # x86 CI machines have AVX2
     assert details["kernel_by_scheme"] == {"int8": int8_kernel()}
     assert ("lr_apply_q8" in details["lora_kernel"]) == (_native_lora() is not None)  # AVX-512F and a compiler
+
+
+@pytest.mark.slow
+def test_the_control_measures_the_idle_ratio_both_ways():
+    model_dir = str(resolve_model_path("builtin:tiny", log=lambda *_: None))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    figures = sync_bench._measure("tiny", model, model_dir, quick=True, publish=False)
+    assert set(figures) == {f"tiny_control_{way}_tok_s_ratio_worst_worker" for way in ("interleaved", "sequential")}
+    # nothing published: the workers decode at the same speed in both phases, whichever way it is cut
+    assert all(0.5 < value < 2.0 for value in figures.values()), figures
