@@ -5,12 +5,17 @@ activations and gradients a step frees stay resident while the optimizer allocat
 the publication quantizes the weights and measures their error, so the peak resident size of the process is their
 sum. `trim_heap` (glibc's `malloc_trim(0)`: the top of every arena is released and the free pages inside it are
 given back with `madvise`) at the end of the update makes the publication start from the live tensors: on the
-SmolLM2-135M shape of `asyncrl bench learner` its phase's peak falls by 0.4-0.6 GB (the row's first-step peak from
-3.75 to 3.14 GB). It changes no value. The next step page-faults the memory it reuses again (about 1 s per GB on
-these VMs, 1-2% of that step), so it runs only when at least `TRIM_MIN_FREE_BYTES` are free (never on the tiny
-models, whose steps are short) and once a step: after every micro-batch it would cost 17% of the forward and
-backward time, and before the optimizer or after the first micro-batch it saved less than the run-to-run spread
-of the peak (0.1-0.2 GB).
+SmolLM2-135M shape of `asyncrl bench learner`, with glibc's default settings, its phase's peak falls by 0.4-0.6 GB
+(the row's first-step peak from 3.75 to 3.14 GB). It changes no value. But the next step page-faults the memory it
+reuses again, and that is not cheap: on the ~100M decode shape of `asyncrl bench e2e` (4,255 tokens a step) the
+forward faulted 0.9M pages (3.7 GB) every step, 1.2-3.3 s of system time in a 15 s step. A learner rank now runs
+with glibc settings under which a step's allocations come from the heap and stay there (`learner.group`'s
+`LEARNER_MALLOC`: mmap threshold 1 GiB, automatic trimming off), so the publication reuses the pages the
+activations freed, and `trim_heap` gives pages back only when the machine runs short of memory
+(`TRIM_BELOW_AVAILABLE`). Measured (`python -m asyncrl.bench.learner_bench --rows smol`, Zen 5, 2026-11-25): step
+12.69 -> 11.73 s, `learner_mfu_smol` 0.70 -> 0.75, `learner_peak_rss_gb_smol` 2.87 -> 2.90 (target 3), the steady
+peak 4.26 -> 4.42 GB. It runs only when at least `TRIM_MIN_FREE_BYTES` are free (never on the tiny models, whose
+steps are short) and once a step: after every micro-batch it would cost 17% of the forward and backward time.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import functools
 
 TRIM_MIN_FREE_BYTES = 256 * 2**20
 """Free heap bytes below which `trim_heap` does nothing (its page faults would cost more than the memory is worth)."""
+TRIM_BELOW_AVAILABLE = 0.25
+"""`trim_heap` gives pages back only while the machine's available memory is below this share of its total: with
+memory to spare, the pages kept save the next step their page faults."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -48,10 +56,31 @@ def free_heap_bytes() -> int | None:
     return None if libc is None else int(libc.mallinfo2().fordblks)
 
 
-def trim_heap(min_free_bytes: int = TRIM_MIN_FREE_BYTES) -> bool:
-    """Give the C heap's free pages back to the kernel when at least `min_free_bytes` are free; whether it did."""
+def available_memory_share() -> float | None:
+    """The machine's available memory over its total (`MemAvailable / MemTotal`, /proc/meminfo); None where
+    unknown."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    fields[name] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if fields.get("MemTotal", 0) <= 0 or "MemAvailable" not in fields:
+        return None
+    return fields["MemAvailable"] / fields["MemTotal"]
+
+
+def trim_heap(min_free_bytes: int = TRIM_MIN_FREE_BYTES, below_available_share: float = TRIM_BELOW_AVAILABLE) -> bool:
+    """Give the C heap's free pages back to the kernel when at least `min_free_bytes` are free and the machine is
+    short of memory (its available share below `below_available_share`, or unknown); whether it did."""
     libc = _libc()
     if libc is None or libc.mallinfo2().fordblks < min_free_bytes:
+        return False
+    share = available_memory_share()
+    if share is not None and share >= below_available_share:
         return False
     libc.malloc_trim(0)
     return True

@@ -413,8 +413,10 @@ def _smol_step(model, optimizer, batch, sections, scheme: str, publisher, versio
 def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noqa: ANN001 - a multiprocessing queue
     """The fresh process of the SmolLM row: the GEMM peak, the model, `steps` learner steps, its peak RSS after the
     first step (the row's) and after all of them (the steady state: AdamW's state lives through the step)."""
+    from learner.group import apply_malloc_settings
     from quant_sync.publisher import WeightPublisher
 
+    apply_malloc_settings()  # as a learner rank does first (learner/group.py)
     settings = [f"rollout.max_new_tokens={SMOL_RESPONSE_LEN}", "rollout.temperature=1.0", "algo.overlong.len=4",
                 "loss.weighting=tis", "loss.cap=2.0", "loss.eps_high=0.28", "quant.scheme=int8", "optim.lr=2e-5",
                 *overrides]  # fmt: skip

@@ -1,6 +1,7 @@
 """A learner rank's Ray actor takes a plain worker process (no `runtime_env`) and sets the learner's glibc malloc
-settings itself: a 16 MiB block then comes from the heap instead of its own mmap (glibc's default threshold is
-128 KiB), and the job's env vars still reach it."""
+settings itself: a 256 MiB block (a step's activation, past the 32 MiB that glibc's threshold grows to by itself) then
+comes from the heap instead of its own mmap (glibc's default threshold is 128 KiB), and the job's env vars still
+reach it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from learner.group import LEARNER_MALLOC, actor_options
 
 MMAPPED_BLOCKS = """
-def mmapped_blocks_of_a_16_mib_malloc():  # everything inside: Ray pickles an actor class of __main__ by value
+def mmapped_blocks_of_a_256_mib_malloc():  # everything inside: Ray pickles an actor class of __main__ by value
     import ctypes
 
     class MallInfo2(ctypes.Structure):
@@ -23,7 +24,7 @@ def mmapped_blocks_of_a_16_mib_malloc():  # everything inside: Ray pickles an ac
     libc.mallinfo2.restype, libc.malloc.restype = MallInfo2, ctypes.c_void_p
     libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
     before = libc.mallinfo2().hblks
-    block = libc.malloc(16 * 2**20)
+    block = libc.malloc(256 * 2**20)
     added = libc.mallinfo2().hblks - before
     libc.free(block)
     return added
@@ -38,7 +39,7 @@ if sys.argv[1] == "apply":
     applied = apply_malloc_settings()
 else:
     applied = {}
-print("RESULT" + json.dumps({"applied": applied, "mmapped": mmapped_blocks_of_a_16_mib_malloc()}))
+print("RESULT" + json.dumps({"applied": applied, "mmapped": mmapped_blocks_of_a_256_mib_malloc()}))
 """
 )
 
@@ -60,7 +61,7 @@ class Probe:  # what LearnerActor.__init__ does first
         self.applied = apply_malloc_settings()
 
     def report(self):
-        return {"applied": self.applied, "mmapped": mmapped_blocks_of_a_16_mib_malloc(),
+        return {"applied": self.applied, "mmapped": mmapped_blocks_of_a_256_mib_malloc(),
                 "warnings": os.environ.get("PYTHONWARNINGS")}
 
 try:
@@ -85,10 +86,9 @@ def test_the_options_split_the_learner_cpus_and_start_no_runtime_env():
     ray_cfg = load_config(None, ["ray.num_cpus=4", "ray.learner_cpus=2"]).ray
     options = actor_options(ray_cfg, 2)
     assert options == {"num_cpus": 1.0}  # a runtime_env would cost a process of its own (learner/group.py)
-    assert LEARNER_MALLOC["M_MMAP_THRESHOLD"] <= 32 * 2**20  # glibc refuses a larger threshold
 
 
-def test_the_settings_keep_a_16_mib_block_on_the_heap():
+def test_the_settings_keep_a_256_mib_block_on_the_heap():
     assert _result(PLAIN, "default") == {"applied": {}, "mmapped": 1}  # glibc's default: its own mapping
     assert _result(PLAIN, "apply") == {"applied": LEARNER_MALLOC, "mmapped": 0}
 

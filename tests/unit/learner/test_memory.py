@@ -1,10 +1,11 @@
-"""`trim_heap`: the C heap's free pages go back to the kernel, and only when enough of them are free."""
+"""`trim_heap`: the C heap's free pages go back to the kernel, and only when enough of them are free and the machine
+is short of memory."""
 
 from __future__ import annotations
 
 import torch
 
-from learner.memory import free_heap_bytes, trim_heap
+from learner.memory import available_memory_share, free_heap_bytes, trim_heap
 
 MIB = 2**20
 
@@ -22,6 +23,13 @@ def test_trim_heap_gives_the_free_pages_back_and_skips_a_heap_with_little_free()
     free = free_heap_bytes()
     assert free is not None and free >= 150 * MIB
     before = _rss_bytes()
-    assert trim_heap(min_free_bytes=64 * MIB)
+    assert not trim_heap(min_free_bytes=64 * MIB, below_available_share=0.0)  # memory to spare: the pages stay
+    assert _rss_bytes() > before - 50 * MIB
+    assert trim_heap(min_free_bytes=64 * MIB, below_available_share=1.01)  # short of memory (every share is below)
     assert _rss_bytes() < before - 100 * MIB
     assert all(float(block.sum()) == 2**14 for block in keep)  # live tensors untouched
+
+
+def test_the_available_share_is_read_from_the_kernel():
+    share = available_memory_share()
+    assert share is not None and 0.0 < share <= 1.0
