@@ -224,11 +224,12 @@ class PackedPlan:
         self._derived: dict[int, dict[Hashable, Any]] = {}
         """An int8 buffer's storage pointer -> what holders derived from its views (`PooledAdapters.derived`)."""
         self._int8_templates: dict[int, dict[str, torch.Tensor]] = {}
-        self._int8_panel_copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        """Per pooled int8 buffer of a verbatim plan: the (panels, B^T) view pairs its panels are copied through,
-        made once with the buffer (`_take`): a version then costs 3 copies, not 30 view-making calls."""
         """An int8 buffer's storage pointer -> its views (`_int8_views`), made once when the pool took the buffer in
         (`decode_pooled` hands them out): they count among the buffer's idle users."""
+        self._int8_panel_copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Per pooled int8 buffer of a verbatim plan: the (panels, B^T) view pairs its B panels are copied through
+        (`_verbatim_panel_copies`), made once with the buffer (`_take`) and counted among its idle users: a version
+        then costs one copy per pair and makes no view."""
         self._lock = threading.Lock()
         self.packed_nbytes = packed_nbytes
         self.verbatim = packed_nbytes is not None and all(g.source_transposed or not g.transposed for g in groups)
