@@ -11,11 +11,15 @@ reuses again, and that is not cheap: on the ~100M decode shape of `asyncrl bench
 forward faulted 0.9M pages (3.7 GB) every step, 1.2-3.3 s of system time in a 15 s step. A learner rank now runs
 with glibc settings under which a step's allocations come from the heap and stay there (`learner.group`'s
 `LEARNER_MALLOC`: mmap threshold 1 GiB, automatic trimming off), so the publication reuses the pages the
-activations freed, and `trim_heap` gives pages back only when the machine runs short of memory
-(`TRIM_BELOW_AVAILABLE`). Measured (`python -m asyncrl.bench.learner_bench --rows smol`, Zen 5, 2026-11-25): step
-12.69 -> 11.73 s, `learner_mfu_smol` 0.70 -> 0.75, `learner_peak_rss_gb_smol` 2.87 -> 2.90 (target 3), the steady
-peak 4.26 -> 4.42 GB. It runs only when at least `TRIM_MIN_FREE_BYTES` are free (never on the tiny models, whose
-steps are short) and once a step: after every micro-batch it would cost 17% of the forward and backward time.
+activations freed. The update gives pages back (`learner.update.train_on_batch`) after the first update, the one that
+allocates AdamW's state on top of the freed activations (without it that step's peak rose from 2.80-2.84 to
+2.90-3.24 GB on the SmolLM2 shape: `learner_peak_rss_gb_smol`, target 3), and after a later one only while the
+machine runs short of memory (`TRIM_BELOW_AVAILABLE`): later steps reuse what the first left. Measured on that row
+(`python -m asyncrl.bench.learner_bench --rows smol`, Zen 5, 2026-11-25, two runs each, alternated): step 14.18 and
+14.14 -> 13.03 and 12.74 s, forward 5.07 and 4.95 -> 3.69 and 3.67 s, `learner_mfu_smol` 0.64 -> 0.70 and 0.72,
+first-step peak 2.73 and 2.77 -> 2.72 and 2.75 GB, steady peak 4.22 -> 4.52-4.64 GB. It runs only when at least
+`TRIM_MIN_FREE_BYTES` are free (never on the tiny models, whose steps are short) and once a step: after every
+micro-batch it would cost 17% of the forward and backward time.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from learner.batch import Batch, micro_batch_budget, micro_batches, overlong_sha
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
 from learner.logprobs import entropy_with_grad
 from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
-from learner.memory import trim_heap
+from learner.memory import TRIM_BELOW_AVAILABLE, trim_heap
 from learner.precision import LossScaler, autocast
 from learner.sections import LearnerSections, UpdateSections
 from quant_sync.export import base_weight_name, is_quantized_linear
@@ -456,6 +456,7 @@ def train_on_batch(
     """
     learner, optim = sections.learner, sections.optim
     seconds = dict.fromkeys(PHASES, 0.0)
+    allocates_state = not optimizer.state  # the first update: AdamW's state comes on top of the freed activations
     loglinear = learner.prox == "loglinear"
     if loglinear and version is None:
         raise ValueError("`learner.prox=loglinear` needs the step's weight version: pass train_on_batch(version=...)")
@@ -533,7 +534,9 @@ def train_on_batch(
         scaler.update(finite=True)
         metrics.update(loss_metrics)
     optimizer.zero_grad(set_to_none=True)
-    trim_heap()  # the activations', gradients' and AdamW temporaries' pages, before the caller publishes (memory.py)
+    # the activations', gradients' and AdamW temporaries' pages, before the caller publishes: after the update that
+    # allocated AdamW's state always, later only when the machine is short of memory (memory.py)
+    trim_heap(below_available_share=math.inf if allocates_state else TRIM_BELOW_AVAILABLE)
     if from_forward:  # each rank filled its own rows (in the batch's order, restored if it was changed)
         if order is not None:
             restore = torch.argsort(order)

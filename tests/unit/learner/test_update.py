@@ -93,3 +93,17 @@ def test_one_minibatch_takes_lp_from_its_own_forward_with_the_same_result(weight
     assert fused.metrics == extra.metrics
     for a, b in zip(fused_weights, extra_weights):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_heap_is_trimmed_after_the_update_that_allocates_adams_state_then_only_when_memory_is_short(monkeypatch):
+    from learner import memory, update
+
+    asked = []
+    monkeypatch.setattr(update, "trim_heap", lambda below_available_share: asked.append(below_available_share))
+    model = tiny_model()
+    cfg = tiny_config()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for seed in (1, 2):
+        batch = with_behavior(tiny_batch(seed=seed), model)
+        train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
+    assert asked == [float("inf"), memory.TRIM_BELOW_AVAILABLE]
