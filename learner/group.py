@@ -25,11 +25,11 @@ LEARNER_MALLOC = {"M_ARENA_MAX": 2, "M_MMAP_THRESHOLD": 2**30, "M_TRIM_THRESHOLD
 """glibc malloc settings of a learner rank: the step's activations and gradients (up to 1 GiB each) are reused from
 the heap instead of being mapped, page-faulted and unmapped again every step, and freed heap is never trimmed on
 free (`M_TRIM_THRESHOLD` -1: trimming off, mallopt(3)) but kept for the next step (`learner.memory.trim_heap` gives
-it back when the machine runs short); two arenas (a rank computes on few threads). On the ~100M decode shape of
-`asyncrl bench e2e` the forward went from 0.9M page faults a step (3.7 GB, 1.2-3.3 s of system time) to a few
-thousand. Only allocations change: results are identical. The same as the environment variables MALLOC_ARENA_MAX,
-MALLOC_MMAP_THRESHOLD_, ... (which glibc reads at process start) for every allocation made after
-`apply_malloc_settings`."""
+it back after the first update, and later when the machine runs short); two arenas (a rank computes on few
+threads). On the ~100M decode shape of `asyncrl bench e2e` the forward went from 0.9M page faults a step (3.7 GB,
+1.2-3.3 s of system time) to a few thousand. Only allocations change: results are identical. The same as the
+environment variables MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, ... (which glibc reads at process start) for every
+allocation made after `apply_malloc_settings`."""
 MALLOPT_PARAMS = {"M_TRIM_THRESHOLD": -1, "M_TOP_PAD": -2, "M_MMAP_THRESHOLD": -3, "M_ARENA_MAX": -8}
 """glibc's `mallopt` parameter numbers (malloc.h)."""
 
