@@ -114,6 +114,12 @@ def _pooled(pointer: int) -> torch.Tensor | None:
     return None if held is None else held()
 
 
+def _pool_id(buffer: torch.Tensor) -> int | None:
+    """`buffer`'s storage pointer where a plan's pool keeps it (its templates are keyed so), else None."""
+    pointer = buffer.untyped_storage().data_ptr()
+    return pointer if _pooled(pointer) is buffer else None
+
+
 def panels_of(b: torch.Tensor) -> torch.Tensor | None:
     """The panels (ceil(out / 32), r, 32) of a decoded B (out, r) (its B^T in panels of 32 columns, zero-padded: the
     layout csrc/lora_gemm.cpp streams), a view of the same pooled buffer; None for any other tensor."""
@@ -383,12 +389,11 @@ class PackedPlan:
             buffer = self._take(self._buffers_int8, self.int8_nbytes, torch.int8)
             self._write_int8(buffer, flat, check)
             lease = buffer[:0]  # a fresh view: one more user of the buffer's storage while the version is held
-        pointer = buffer.untyped_storage().data_ptr()
-        template = self._int8_templates.get(pointer) if _pooled(pointer) is buffer else None
+        pointer = _pool_id(buffer)
         others = tuple(self._others_in(buffer).tolist())
-        if template is None:  # a buffer beyond the pool's: its own fresh views, held by the lease's owner
+        if pointer is None:  # a buffer beyond the pool's: its own fresh views, held by the lease's owner
             return PooledAdapters(self, None, self._int8_views(buffer), lease, others)
-        return PooledAdapters(self, pointer, template, lease, others)
+        return PooledAdapters(self, pointer, self._int8_templates[pointer], lease, others)
 
     def _others_in(self, buffer: torch.Tensor) -> torch.Tensor:
         """The values of the version's other tensors in an int8 buffer (`_write_int8`), in index order."""
@@ -421,9 +426,9 @@ class PackedPlan:
             buffer[: source.size].numpy()[:] = source.view(np.int8)
             if check is not None:
                 check(buffer[: source.size])
-            pointer = buffer.untyped_storage().data_ptr()
-            copies = self._int8_panel_copies.get(pointer) if _pooled(pointer) is buffer else None
-            for target, panel_source in self._verbatim_panel_copies(buffer) if copies is None else copies:
+            pointer = _pool_id(buffer)
+            copies = self._verbatim_panel_copies(buffer) if pointer is None else self._int8_panel_copies[pointer]
+            for target, panel_source in copies:
                 target.copy_(panel_source)
             return
         if not isinstance(flat, torch.Tensor) or check is not None:
@@ -499,12 +504,12 @@ class PackedPlan:
                 return buffer
         buffer = torch.zeros(numel, dtype=dtype)  # zeros: the panels' padding
         if len(pool) < BUFFER_SETS:
-            if pool is self._buffers_int8:
-                self._int8_templates[buffer.untyped_storage().data_ptr()] = self._int8_views(buffer)
-                if self.verbatim:
-                    self._int8_panel_copies[buffer.untyped_storage().data_ptr()] = self._verbatim_panel_copies(buffer)
-            pool.append((buffer, _storage_users(buffer)))
             pointer = buffer.untyped_storage().data_ptr()
+            if pool is self._buffers_int8:
+                self._int8_templates[pointer] = self._int8_views(buffer)
+                if self.verbatim:
+                    self._int8_panel_copies[pointer] = self._verbatim_panel_copies(buffer)
+            pool.append((buffer, _storage_users(buffer)))
             _POOLED[pointer] = weakref.ref(buffer)
             _GENERATION[0] += 1
             _PANELS[pointer] = self._panel_index[dtype]

@@ -292,6 +292,15 @@ def _measure(
     }
 
 
+def _adapter_sets(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """The two packed rank-`LORA_RANK` adapter sets of the LoRA phase (`LORA_SYNC_DTYPE`), published alternately."""
+    from asyncrl.bench.engine_bench import lora_adapter_tensors
+    from quant_sync.export import pack_adapters
+
+    state = model.state_dict()
+    return [pack_adapters(lora_adapter_tensors(state, seed=seed, sync_dtype=LORA_SYNC_DTYPE)) for seed in (0, 1)]
+
+
 def _control_figures(
     name: str,
     stamps: list[tuple[list[float], list[int], list[float], list[float]]],
@@ -314,8 +323,7 @@ def run_control(quick: bool) -> BenchResult:
     """`asyncrl bench sync_control`: the LoRA phase's statistic with nothing published in either phase, `CONTROL_RUNS`
     times (1 with --quick): how far from 1 the machine alone moves it, interleaved as the bench measures it and
     sequentially (a steady 8 s, then 16 s) as it did before. Ratios: the lowest and highest of the runs, each way."""
-    from asyncrl.bench.engine_bench import BIG_SHAPE, LORA_RANK, _random_llama, lora_adapter_tensors
-    from quant_sync.export import pack_adapters
+    from asyncrl.bench.engine_bench import BIG_SHAPE, LORA_RANK, _random_llama
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -324,9 +332,7 @@ def run_control(quick: bool) -> BenchResult:
     try:
         with tempfile.TemporaryDirectory() as big_dir:
             big = _random_llama(big_dir, BIG_SHAPE)
-            state = big.state_dict()
-            adapters = [pack_adapters(lora_adapter_tensors(state, seed=seed, sync_dtype=LORA_SYNC_DTYPE))
-                        for seed in (0, 1)]  # fmt: skip
+            adapters = _adapter_sets(big)
             for run in range(1 if quick else CONTROL_RUNS):
                 figures = _measure(name, big, big_dir, quick, adapters=adapters, publish=False)
                 for way in runs:
@@ -473,8 +479,7 @@ def _rate(stamps: list[float], tokens: list[int], spans: list[Window]) -> float:
 
 
 def run(quick: bool) -> BenchResult:
-    from asyncrl.bench.engine_bench import BIG_SHAPE, LORA_RANK, _random_llama, _tiny_model, lora_adapter_tensors
-    from quant_sync.export import pack_adapters
+    from asyncrl.bench.engine_bench import BIG_SHAPE, LORA_RANK, _random_llama, _tiny_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -486,10 +491,7 @@ def run(quick: bool) -> BenchResult:
             big = _random_llama(big_dir, BIG_SHAPE)
             metrics.update(_lora_sync(big))
             metrics.update(_measure("big", big, big_dir, quick))
-            state = big.state_dict()
-            adapters = [pack_adapters(lora_adapter_tensors(state, seed=seed, sync_dtype=LORA_SYNC_DTYPE))
-                        for seed in (0, 1)]  # fmt: skip
-            metrics.update(_measure(f"big_lora{LORA_RANK}", big, big_dir, quick, adapters=adapters))
+            metrics.update(_measure(f"big_lora{LORA_RANK}", big, big_dir, quick, adapters=_adapter_sets(big)))
     finally:
         torch.set_num_threads(threads)
     lora = f"big_lora{LORA_RANK}"
