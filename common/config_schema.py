@@ -48,6 +48,7 @@ ACRL_X_MODES = ("first_batch", "ema")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder-block linears a LoRA adapter may sit on (`model.lora.targets`)."""
 LORA_BASES = ("auto", "full", "rollout")
+FP32_GEMMS = ("auto", "blas", "onednn")  # learner.fp32_gemm; here: the driver reads the config torch-free
 LORA_SYNC_DTYPES = ("fp32", "bf16", "int8")
 """How LoRA adapters travel to the rollout (`model.lora.sync_dtype`, quant_sync/export.py `encode_adapter`)."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -392,6 +393,11 @@ class LearnerConfig:
     backward: every loss term is a multiple of the advantage, so their gradient is exactly 0 and the step's update is
     unchanged; their log-probs, entropies and loss metrics are still computed. Applies with one learner rank and
     without `loss.kl.coef` or `loss.entropy_coef` (terms that do not vanish with the advantage)."""
+    fp32_gemm: str = one_of(FP32_GEMMS, default="auto")
+    """The GEMM of the learner's fp32 linears, forward and backward (`learner/fp32_gemm.py`, docs/kernels.md): `blas`
+    (torch's default, MKL), `onednn` (oneDNN's fp32 GEMM from the same wheel: 1.8-2.2x MKL on AMD Zen 5), `auto` (a
+    race of the two at the model's shape when the learner starts; oneDNN if it is 5% faster). The same fp32 values to
+    summation order."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)

@@ -33,6 +33,7 @@ from common.wire import Trajectory
 from learner import aligned, distributed, reference
 from learner.acrl import AcrlReference
 from learner.batch import Batch, collate, overlong_shaping, token_logp  # noqa: F401 - re-exported
+from learner.fp32_gemm import use_fp32_gemm
 from learner.losses import mismatch_metrics
 from learner.precision import LossScaler
 from learner.schedules import LrSchedule
@@ -87,6 +88,9 @@ class Learner:
             from learner import lora
 
             self.model, self.lora = lora.add_adapters(self.model, sections, self.quantized_head, resume_dir)
+        self.fp32_gemm = use_fp32_gemm(self.model, sections.learner.fp32_gemm)  # on learner.threads threads
+        if self.reference is not None:
+            use_fp32_gemm(self.reference, self.fp32_gemm.kernel)
         if self.ranks.world > 1:
             distributed.shard_model(self.model)
         self.model.train()
@@ -218,6 +222,7 @@ class Learner:
                 "skipped_steps": float(self.skipped_steps),
                 **{f"perf/{phase}_s": value for phase, value in seconds.items()},
                 "learner/threads": float(torch.get_num_threads()),
+                "learner/fp32_gemm_onednn": float(self.fp32_gemm.kernel == "onednn"),
                 "perf/train_s": time.monotonic() - started,
                 "perf/fetch_wait_s": wait_s,
                 "perf/batch_tokens": float(batch.mask.sum()),

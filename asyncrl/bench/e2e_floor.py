@@ -4,9 +4,9 @@ Every contender trains in fp32 (the fairness pin), so no trainer's step can beat
 multiplies take at this machine's fp32 GEMM rate. The floor counts only the linear layers: 6 FLOPs per parameter
 per token (2 each for the forward, the input gradient and the weight gradient) over the tokens a step reads (each
 sample's prompt and its `max_new_tokens` minus the last token, which no contender feeds back). Attention, norms, the
-loss and the optimizer come on top, so it is a lower bound. The rate is the best of a few fp32 `matmul`s of the
+loss and the optimizer come on top, so it is a lower bound. The rate is the best of a few fp32 GEMMs of the
 step's own shapes (all the step's tokens against the model's MLP and attention projections) on all the machine's
-cores.
+cores, on torch's `matmul` and on oneDNN's (`learner.fp32_gemm`), whichever is faster.
 
 From it, with the synchronous run's generation core-seconds (`e2e_metrics.bound_step_s`), the two ceilings the
 decode ratios cannot pass on these cores while training stays fp32:
@@ -54,19 +54,24 @@ def step_tokens(prompts_path: Path, tokenizer_dir: str, samples_per_step: int, m
 def fp32_gemm_gflops(rows: int, hidden: int, intermediate: int) -> float:
     """The best fp32 GEMM rate (GFLOP/s) over the step's shapes: (rows, hidden) x (hidden, intermediate), its
     transpose's (rows, intermediate) x (intermediate, hidden), and (rows, hidden) x (hidden, hidden), on the cores
-    torch has (its default: all of them)."""
+    torch has (its default: all of them), and over both fp32 GEMMs a trainer could call: torch's `matmul` (MKL) and
+    oneDNN's (`learner.fp32_gemm`; on AMD Zen 5 about twice MKL's rate)."""
     import torch
+
+    from learner.fp32_gemm import onednn_available, onednn_linear
 
     best = 0.0
     generator = torch.Generator().manual_seed(0)
     for k, n in ((hidden, intermediate), (intermediate, hidden), (hidden, hidden)):
         a = torch.randn(rows, k, generator=generator)
         b = torch.randn(k, n, generator=generator)
-        torch.matmul(a, b)
-        for _ in range(GEMM_REPEATS):
-            start = time.perf_counter()
-            torch.matmul(a, b)
-            best = max(best, 2.0 * rows * k * n / (time.perf_counter() - start) / 1e9)
+        gemms = [torch.matmul] + ([lambda x, y: onednn_linear(x, y.t())] if onednn_available() else [])
+        for gemm in gemms:
+            gemm(a, b)
+            for _ in range(GEMM_REPEATS):
+                start = time.perf_counter()
+                gemm(a, b)
+                best = max(best, 2.0 * rows * k * n / (time.perf_counter() - start) / 1e9)
     return best
 
 

@@ -21,7 +21,8 @@ model's plus noise, so every weighting has real work: truncations, masks, clippi
   the learner settings).
   `learner_peak_rss_gb_smol`: that process's `ru_maxrss` after its first step, in GB (1e9 bytes); after its last
   step (the third without --quick), when AdamW's state lives through forward and backward, `smol_peak_rss_gb_steady`.
-  `learner_mfu_smol`: model FLOP/s of a step over the FLOP/s of a large fp32 `torch.mm` on as many threads in that
+  `learner_mfu_smol`: model FLOP/s of a step over the FLOP/s of a large fp32 GEMM (the faster of `torch.mm` and
+  oneDNN's: `learner.fp32_gemm`, which the row's linears use as a learner's do) on as many threads in that
   process, both per busy second (CPU seconds / threads: on a shared machine, wall seconds include the time other
   processes held the cores; `smol_mfu_wall` is the wall-clock figure). Model FLOPs (`smol_model_flops`): 2 per
   parameter and token forward, 4 backward, the decoder body at every prompt + response token (with
@@ -229,14 +230,16 @@ def _train_step_runner(ranks) -> Callable[[], object]:  # noqa: ANN001 - learner
     """A whole train step (prox forward, loss, backward, AdamW) on this rank's model; FSDP2-sharded if world > 1."""
     from learner.acrl import AcrlReference
     from learner.distributed import shard_model
+    from learner.fp32_gemm import use_fp32_gemm
     from learner.precision import LossScaler
     from learner.update import train_on_batch
 
     model = _model()
     batch = _batch(model)
+    cfg = _config("loss.weighting=tis", "optim.lr=1e-6")
+    use_fp32_gemm(model, cfg.learner.fp32_gemm)  # as the learner does, before sharding
     if ranks.world > 1:
         shard_model(model)
-    cfg = _config("loss.weighting=tis", "optim.lr=1e-6")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     scaler, reference = LossScaler(enabled=False), AcrlReference(cfg.loss.acrl)
     return lambda: train_on_batch(model, optimizer, scaler, batch, cfg, reference, ranks)
@@ -370,16 +373,21 @@ def smol_model_flops(
 
 
 def _gemm_peak_flops(repeats: int) -> tuple[float, float]:
-    """FLOP/s of a large fp32 torch.mm on this process's threads, best of `repeats`: per wall second and per busy
-    second (CPU seconds / threads)."""
+    """FLOP/s of a large fp32 GEMM on this process's threads, the best of `repeats` and of both fp32 GEMMs (torch.mm
+    and oneDNN's: `learner.fp32_gemm`): per wall second and per busy second (CPU seconds / threads)."""
+    from learner.fp32_gemm import onednn_available, onednn_linear
+
     a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
     out = torch.mm(a, b)
+    gemms = [lambda: torch.mm(a, b, out=out)] + ([lambda: onednn_linear(a, b.t())] if onednn_available() else [])
     wall, busy = float("inf"), float("inf")
-    for _ in range(repeats):
-        started, cpu = time.perf_counter(), time.process_time()
-        torch.mm(a, b, out=out)
-        wall = min(wall, time.perf_counter() - started)
-        busy = min(busy, (time.process_time() - cpu) / torch.get_num_threads())
+    for gemm in gemms:
+        gemm()
+        for _ in range(repeats):
+            started, cpu = time.perf_counter(), time.process_time()
+            gemm()
+            wall = min(wall, time.perf_counter() - started)
+            busy = min(busy, (time.process_time() - cpu) / torch.get_num_threads())
     return 2.0 * GEMM_SIZE**3 / wall, 2.0 * GEMM_SIZE**3 / busy
 
 
@@ -413,6 +421,7 @@ def _smol_step(model, optimizer, batch, sections, scheme: str, publisher, versio
 def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noqa: ANN001 - a multiprocessing queue
     """The fresh process of the SmolLM row: the GEMM peak, the model, `steps` learner steps, its peak RSS after the
     first step (the row's) and after all of them (the steady state: AdamW's state lives through the step)."""
+    from learner.fp32_gemm import use_fp32_gemm
     from learner.group import apply_malloc_settings
     from quant_sync.publisher import WeightPublisher
 
@@ -426,6 +435,7 @@ def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noq
     torch.set_num_threads(sections.learner.threads)
     peaks = [_gemm_peak_flops(5)]
     model, batch = _smol_model(), _smol_batch()
+    gemm = use_fp32_gemm(model, sections.learner.fp32_gemm)  # as the learner does, on its threads
     optim = sections.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=0.0)
     publisher = WeightPublisher()
@@ -454,6 +464,7 @@ def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noq
             "threads": learner.threads,
             "micro_batch_tokens": learner.micro_batch_tokens,
             "precision_busy": busy,
+            "fp32_gemm": gemm.kernel,
         }
     )
 
@@ -488,6 +499,7 @@ def _smol(quick: bool, overrides: tuple[str, ...] = SMOL_OVERRIDES) -> tuple[dic
             "smol_peak_rss_gb_steady": out["rss_gb"][-1],
             "smol_threads": out["threads"],
             "smol_micro_batch_tokens": out["micro_batch_tokens"],
+            "smol_fp32_gemm_onednn": float(out["fp32_gemm"] == "onednn"),
         }
     )
     ratios = {
@@ -553,6 +565,7 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
 
     from common.builtin_model import resolve_model_path
     from learner.batch import micro_batch_budget, micro_batches
+    from learner.fp32_gemm import use_fp32_gemm
     from learner.logprobs import inputs_read
     from learner.packing import pack_groups
     from quant_sync.publisher import WeightPublisher
@@ -569,6 +582,7 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(sections.learner.threads)
+    gemm = use_fp32_gemm(model, sections.learner.fp32_gemm)  # as the learner does, on its threads
     publisher = WeightPublisher()
     warmup, measured = (2, 8) if quick else (3, 30)
     runs = []
@@ -600,6 +614,7 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
             "builtin_model_tokens": float(model_tokens),  # tokens the decoder ran on, padding included
             "builtin_padded_tokens": float(batch.attention_mask.numel()),  # rows x longest row
             "builtin_real_tokens": float(batch.attention_mask.sum()),
+            "builtin_fp32_gemm_onednn": float(gemm.kernel == "onednn"),
         }
     )
     return metrics, {}

@@ -21,6 +21,7 @@ from learner.distributed import (
     shard_model,
     start_rendezvous,
 )
+from learner.fp32_gemm import OnednnLinear, use_fp32_gemm
 from learner.precision import LossScaler
 from learner.update import train_on_batch
 
@@ -30,9 +31,10 @@ CASES = [  # (weighting, extra overrides): token-level, ACRL (Y_g over whole gro
     ("tbpo", ()),
     ("none", ("loss.agg=seq_mean_token_mean",)),
     ("tis", ("learner.minibatches=1",)),  # lp from the minibatch's own forward, each rank's rows, then summed
+    ("tis", ("learner.fp32_gemm=onednn",)),  # the linears' GEMMs on oneDNN (learner/fp32_gemm.py) under FSDP2
 ]
 # Two minibatches (two optimizer steps) and micro-batches of ~2 rows: the ranks run different numbers of them.
-COMMON = ("learner.minibatches=2", "learner.micro_batch_tokens=26", "optim.grad_clip=0.5")
+COMMON = ("learner.minibatches=2", "learner.micro_batch_tokens=26", "optim.grad_clip=0.5", "learner.fp32_gemm=blas")
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -52,14 +54,16 @@ def run_case(weighting: str, extra: tuple[str, ...], ranks: Dist) -> dict[str, o
     model = tiny_model(seed=5)
     batch = with_behavior(tiny_batch(seed=7, groups=3, group_size=3), tiny_model(seed=5), seed=8)
     batch = broadcast_batch(batch if ranks.is_main else None, ranks)
+    cfg = tiny_config(f"loss.weighting={weighting}", *COMMON, *extra)
+    use_fp32_gemm(model, cfg.learner.fp32_gemm)  # before sharding, as the learner does
     if ranks.world > 1:
         shard_model(model)
-    cfg = tiny_config(f"loss.weighting={weighting}", *COMMON, *extra)
     optimizer = RecordingSGD(model.parameters(), lr=0.05)
     result = train_on_batch(
         model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl), ranks
     )
     state = {k: v.clone() for k, v in full_state_dict(model, ranks).items()}
+    assert any(type(m) is OnednnLinear for m in model.modules()) == ("learner.fp32_gemm=onednn" in extra)
     return {"grads": optimizer.applied, "metrics": result.metrics, "prox": result.prox_logp, "state": state}
 
 

@@ -1,0 +1,154 @@
+"""fp32 linears on the faster of this CPU's two fp32 GEMMs: torch's BLAS (MKL) or oneDNN, picked by a measured race.
+
+torch runs an fp32 `nn.Linear` and its backward on its BLAS, MKL in the CPU wheel. On AMD CPUs MKL takes its
+generic path (`MKL_VERBOSE` names "Intel(R) Architecture processors"): on Zen 5 (AVX-512 at full width) it reaches
+206-233 GFLOP/s on 2 cores where oneDNN's AVX-512 fp32 GEMM, which ships in the same wheel
+(`torch.ops.mkldnn._linear_pointwise`), reaches 430-490 at the learner's shapes and 1.3-2.3x at 1-128 rows
+(docs/kernels.md). Both are IEEE fp32 with fp32 accumulation; they differ only in summation order.
+
+`use_fp32_gemm(model, choice)` resolves `choice` (`auto` races the two at the model's shape, `pick_kernel`) and, when
+oneDNN won or was asked for, moves every plain `nn.Linear` of a module tree onto `OnednnLinear` (a class swap, as
+`learner.aligned` does: parameters, state-dict keys and hooks are unchanged), whose forward and backward run their
+three GEMMs on oneDNN. Anything else falls back to `nn.Linear.forward`: another dtype, device or tensor type,
+autocast, an empty input.
+
+- forward: y = x W^T + b as oneDNN's linear of (x, W);
+- backward: dx = dy W as oneDNN's linear of (dy, W^T), dW = dy^T x as its linear of (dy^T, x^T) (strided views:
+  oneDNN reads them in place; copying them made dW up to 1.5x slower at 256 output features), db = sum(dy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from common.config_schema import FP32_GEMMS  # `learner.fp32_gemm`'s choices
+
+RACE_ROWS = 512
+"""Rows of the race's GEMM: a micro-batch's order of magnitude (the learner's run 256-4,000 tokens)."""
+RACE_REPEATS = 3
+WIN_MARGIN = 1.05
+"""oneDNN is picked only when it is at least this much faster: a tie keeps torch's default."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPick:
+    """The kernel an `auto` race chose (or the one asked for) and the GFLOP/s each reached (0: not raced)."""
+
+    kernel: str
+    blas_gflops: float = 0.0
+    onednn_gflops: float = 0.0
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's fp32 linear on CPU."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return bool(torch.backends.mkldnn.is_available() and mkldnn is not None and hasattr(mkldnn, "_linear_pointwise"))
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T + bias on oneDNN; either operand may be a transposed view."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+def _gflops(run: object, flops: float) -> float:
+    run()  # warm-up: oneDNN builds and caches its primitive for the shape
+    best = float("inf")
+    for _ in range(RACE_REPEATS):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return flops / best / 1e9
+
+
+def race(in_features: int, out_features: int, rows: int = RACE_ROWS) -> KernelPick:
+    """Time both kernels on x (rows, in) @ W (out, in)^T on torch's current threads; the faster, by `WIN_MARGIN`."""
+    if not onednn_available():
+        return KernelPick("blas")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    flops = 2.0 * rows * in_features * out_features
+    blas = _gflops(lambda: torch.nn.functional.linear(x, weight), flops)
+    onednn = _gflops(lambda: onednn_linear(x, weight), flops)
+    return KernelPick("onednn" if onednn >= WIN_MARGIN * blas else "blas", blas, onednn)
+
+
+def pick_kernel(choice: str, in_features: int, out_features: int) -> KernelPick:
+    """`choice` of `FP32_GEMMS` resolved: `auto` races the two; `onednn` where this torch has none is an error."""
+    if choice not in FP32_GEMMS:
+        raise ValueError(f"fp32 GEMM {choice!r}: expected one of {', '.join(FP32_GEMMS)}")
+    if choice == "onednn" and not onednn_available():
+        raise RuntimeError("fp32 GEMM `onednn` asked for, but this torch build has no oneDNN linear on CPU "
+                           "(torch.ops.mkldnn._linear_pointwise); use `blas` or `auto`")  # fmt: skip
+    if choice == "auto":
+        return race(in_features, out_features)
+    return KernelPick(choice)
+
+
+class _OnednnLinearFn(torch.autograd.Function):
+    """A linear whose forward and backward GEMMs run on oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # noqa: ANN001
+        flat = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(flat, weight)
+        ctx.input_shape = x.shape
+        ctx.has_bias = bias is not None
+        return onednn_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        flat, weight = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.shape[-1])
+        if not grad.is_contiguous():  # an expanded gradient (stride 0): oneDNN wants a dense operand
+            grad = grad.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = onednn_linear(grad, weight.t()).view(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = onednn_linear(grad.t(), flat.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+class OnednnLinear(torch.nn.Linear):
+    """`nn.Linear` whose fp32 CPU GEMMs, forward and backward, run on oneDNN (`use_fp32_gemm`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and weight.device.type == "cpu"
+            and type(x) is torch.Tensor
+            and type(weight) in (torch.nn.Parameter, torch.Tensor)  # not a DTensor or another subclass
+            and x.numel() > 0
+            and not torch.is_autocast_enabled("cpu")
+        ):
+            return _OnednnLinearFn.apply(x, weight, self.bias)
+        return super().forward(x)
+
+
+def race_shape(model: torch.nn.Module) -> tuple[int, int]:
+    """(in, out) features of the model's most frequent plain linear, the larger on a tie (a decoder projection, not
+    a 49k-row LM head that would make the race take seconds); (1024, 1024) without one."""
+    counts = Counter((m.in_features, m.out_features) for m in model.modules() if type(m) is torch.nn.Linear)
+    return max(counts, key=lambda shape: (counts[shape], shape[0] * shape[1]), default=(1024, 1024))
+
+
+def use_fp32_gemm(model: torch.nn.Module, choice: str) -> KernelPick:
+    """Resolve `choice` (`auto` races at `race_shape(model)` on torch's current threads); with oneDNN, swap
+    every plain `nn.Linear` of `model` to `OnednnLinear`. Returns the pick."""
+    in_features, out_features = race_shape(model)
+    pick = pick_kernel(choice, in_features, out_features)
+    if pick.kernel == "onednn":
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                module.__class__ = OnednnLinear
+    return pick

@@ -1,0 +1,154 @@
+"""`learner.fp32_gemm`: the learner's fp32 linears on oneDNN give nn.Linear's values and gradients, and fall back
+to it wherever oneDNN's fp32 GEMM does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
+
+from learner.acrl import AcrlReference
+from learner.fp32_gemm import OnednnLinear, pick_kernel, race_shape, use_fp32_gemm
+from learner.precision import LossScaler
+from learner.update import train_on_batch
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The output shapes of every oneDNN GEMM the module runs."""
+    from learner import fp32_gemm
+
+    calls, real = [], fp32_gemm.onednn_linear
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append((x.shape[0], weight.shape[0]))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(fp32_gemm, "onednn_linear", counted)
+    return calls
+
+
+def _pair(bias: bool, in_features: int = 48, out_features: int = 40) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(in_features, out_features, bias=bias)
+    swapped = torch.nn.Linear(in_features, out_features, bias=bias)
+    swapped.load_state_dict(plain.state_dict())
+    use_fp32_gemm(swapped, "onednn")
+    return plain, swapped
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 48)])
+def test_values_and_every_gradient_match_nn_linear(bias: bool, shape: tuple[int, ...], onednn_calls: list) -> None:
+    plain, swapped = _pair(bias)
+    assert type(swapped) is OnednnLinear and type(plain) is torch.nn.Linear
+    x = torch.randn(shape)
+    grad_out = torch.randn(*shape[:-1], 40)
+    results = []
+    for module in (plain, swapped):
+        leaf = x.clone().requires_grad_()
+        out = module(leaf)
+        out.backward(grad_out)
+        results.append((out, leaf.grad, module.weight.grad, None if module.bias is None else module.bias.grad))
+    rows = 7 if len(shape) == 2 else 15
+    assert onednn_calls == [(rows, 40), (rows, 48), (40, 48)]  # forward, input gradient, weight gradient
+    for got, expected in zip(results[1], results[0]):
+        if expected is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_transposed_input_and_an_expanded_gradient() -> None:
+    plain, swapped = _pair(bias=True)
+    base = torch.randn(48, 9)
+    for module in (plain, swapped):
+        leaf = base.clone().requires_grad_()
+        module(leaf.t()).sum().backward()  # a strided input; sum's gradient is an expanded ones tensor (stride 0)
+        module.input_grad = leaf.grad
+    torch.testing.assert_close(swapped.input_grad, plain.input_grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(swapped.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_frozen_weight_gets_no_gradient_and_the_input_still_does() -> None:
+    _, swapped = _pair(bias=True)
+    swapped.weight.requires_grad_(False)
+    swapped.bias.requires_grad_(False)
+    x = torch.randn(4, 48, requires_grad=True)
+    swapped(x).square().sum().backward()
+    assert swapped.weight.grad is None and swapped.bias.grad is None
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_autocast_and_other_dtypes_fall_back_to_nn_linear(onednn_calls: list) -> None:
+    plain, swapped = _pair(bias=True)
+    x = torch.randn(4, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert swapped(x).dtype == torch.bfloat16
+        torch.testing.assert_close(swapped(x), plain(x))
+    swapped.double()
+    assert swapped(x.double()).dtype == torch.float64
+    assert swapped(torch.zeros(0, 48, dtype=torch.float64)).shape == (0, 40)
+    assert onednn_calls == []
+
+
+def test_without_onednn_auto_keeps_blas_and_onednn_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from learner import fp32_gemm
+
+    monkeypatch.setattr(fp32_gemm, "onednn_available", lambda: False)
+    assert fp32_gemm.pick_kernel("auto", 64, 64) == fp32_gemm.KernelPick("blas")
+    with pytest.raises(RuntimeError, match="no oneDNN linear"):
+        fp32_gemm.use_fp32_gemm(torch.nn.Linear(4, 4), "onednn")
+
+
+def test_only_plain_linears_are_swapped_and_the_state_dict_keeps_its_keys() -> None:
+    class Other(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Other(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 4)))
+    keys = list(model.state_dict())
+    pick = use_fp32_gemm(model, "onednn")
+    assert pick.kernel == "onednn"
+    assert [type(m).__name__ for m in model.modules()] == ["Sequential", "OnednnLinear", "Other", "Sequential",
+                                                           "OnednnLinear"]  # fmt: skip
+    assert list(model.state_dict()) == keys
+    assert use_fp32_gemm(torch.nn.Sequential(torch.nn.Linear(8, 8)), "blas").kernel == "blas"
+
+
+def test_auto_races_the_two_and_keeps_the_faster_by_the_margin() -> None:
+    from learner.fp32_gemm import WIN_MARGIN
+
+    pick = pick_kernel("auto", 256, 256)
+    assert pick.blas_gflops > 0 and pick.onednn_gflops > 0
+    assert pick.kernel == ("onednn" if pick.onednn_gflops >= WIN_MARGIN * pick.blas_gflops else "blas")
+    with pytest.raises(ValueError, match="expected one of auto, blas, onednn"):
+        pick_kernel("mkl", 8, 8)
+
+
+def test_the_race_shape_is_the_most_frequent_linear_not_the_head() -> None:
+    layers = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 32), torch.nn.Linear(64, 64), torch.nn.Linear(64, 5000)]
+    assert race_shape(torch.nn.Sequential(*layers)) == (64, 64)
+
+
+def test_a_learner_step_on_onednn_is_the_step_on_blas(onednn_calls: list) -> None:
+    """Two whole `train_on_batch` steps (forward, PPO loss, backward, AdamW) of the tiny model under each kernel."""
+    results = {}
+    for kernel in ("blas", "onednn"):
+        model = tiny_model(seed=2, hidden=64)
+        assert use_fp32_gemm(model, kernel).kernel == kernel
+        cfg = tiny_config("loss.weighting=tis", "loss.cap=2.0")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for seed in (4, 5):
+            batch = with_behavior(tiny_batch(seed=seed), model, seed=seed)
+            result = train_on_batch(
+                model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl)
+            )
+        results[kernel] = (result, [p.detach().clone() for p in model.parameters()])
+        assert bool(onednn_calls) == (kernel == "onednn")
+    (onednn, onednn_weights), (blas, blas_weights) = results["onednn"], results["blas"]
+    assert any(type(m) is OnednnLinear for m in model.modules())
+    torch.testing.assert_close(onednn.prox_logp, blas.prox_logp, rtol=1e-5, atol=1e-5)
+    for key, value in blas.metrics.items():
+        assert onednn.metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    for got, expected in zip(onednn_weights, blas_weights):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
