@@ -35,6 +35,7 @@ from learner.acrl import AcrlReference
 from learner.batch import Batch, collate, overlong_shaping, token_logp  # noqa: F401 - re-exported
 from learner.fp32_gemm import use_fp32_gemm
 from learner.losses import mismatch_metrics
+from learner.optimizer import adamw
 from learner.precision import LossScaler
 from learner.schedules import LrSchedule
 from learner.sections import LearnerSections
@@ -99,9 +100,7 @@ class Learner:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         optim = sections.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-        )
+        self.optimizer = adamw(self.model.parameters(), optim)  # fused where torch's kernel applies
         self.scaler = LossScaler(
             scale=sections.precision.loss_scale_init,
             growth_interval=sections.precision.loss_scale_growth_interval,
@@ -323,10 +322,12 @@ class Learner:
 
     def _load_training_state(self, path: Path) -> None:
         state = torch.load(path, weights_only=True)
+        fused = self.optimizer.param_groups[0].get("fused")  # a loaded group brings its run's kernel choice
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"], self.ranks)
-        for group in self.optimizer.param_groups:  # the resumed run's optim.* (lr is set every step)
+        for group in self.optimizer.param_groups:  # the resumed run's optim.* (lr is set every step) and kernel
             group["weight_decay"] = self.sections.optim.weight_decay
             group["betas"] = tuple(self.sections.optim.betas)
+            group["fused"] = fused
         self.schedule.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         self.acrl_reference.load_state_dict(state["acrl"])

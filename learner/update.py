@@ -217,8 +217,9 @@ time by `step_measuring_update` (exact types: a subclass may override `step`).""
 
 
 def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `step_measuring_update` may step `optimizer` (a per-parameter optimizer, not fused)."""
-    return type(optimizer) in PER_PARAMETER_OPTIMIZERS and not any(g.get("fused") for g in optimizer.param_groups)
+    """Whether `step_measuring_update` may step `optimizer`: a per-parameter optimizer, in its per-tensor loop or
+    fused (`learner/optimizer.py`: the fused kernel, too, updates each parameter from its own gradient and state)."""
+    return type(optimizer) in PER_PARAMETER_OPTIMIZERS
 
 
 @torch.no_grad()

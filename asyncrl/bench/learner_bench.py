@@ -56,6 +56,7 @@ import torch
 
 from asyncrl.bench import BenchResult
 from common.config import PRECISIONS, WEIGHTINGS, load_config
+from learner.optimizer import adamw
 from learner.sections import UpdateSections
 
 HIDDEN, LAYERS, VOCAB = 128, 4, 1024
@@ -240,7 +241,7 @@ def _train_step_runner(ranks) -> Callable[[], object]:  # noqa: ANN001 - learner
     use_fp32_gemm(model, cfg.learner.fp32_gemm)  # as the learner does, before sharding
     if ranks.world > 1:
         shard_model(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = adamw(model.parameters(), cfg.optim)  # as the learner's: fused on one rank, the loop on FSDP2's shards
     scaler, reference = LossScaler(enabled=False), AcrlReference(cfg.loss.acrl)
     return lambda: train_on_batch(model, optimizer, scaler, batch, cfg, reference, ranks)
 
@@ -436,8 +437,7 @@ def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noq
     peaks = [_gemm_peak_flops(5)]
     model, batch = _smol_model(), _smol_batch()
     gemm = use_fp32_gemm(model, sections.learner.fp32_gemm)  # as the learner does, on its threads
-    optim = sections.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=0.0)
+    optimizer = adamw(model.parameters(), sections.optim)  # the learner's (fused); weight decay 0 as the default
     publisher = WeightPublisher()
     runs, rss_gb, busy = [], [], {}
     try:
@@ -578,8 +578,7 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
     apply_uaq(model, config.quant.uaq.scale)
     model.train()
     batch = _builtin_batch(AutoTokenizer.from_pretrained(model_dir))
-    optim = sections.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=0.0)
+    optimizer = adamw(model.parameters(), sections.optim)  # the learner's (fused); weight decay 0 as the default
     threads = torch.get_num_threads()
     torch.set_num_threads(sections.learner.threads)
     gemm = use_fp32_gemm(model, sections.learner.fp32_gemm)  # as the learner does, on its threads

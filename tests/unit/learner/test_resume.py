@@ -68,3 +68,26 @@ def test_an_index_keyed_checkpoint_of_an_older_release_still_loads(tmp_path):
             assert torch.equal(mine, theirs)
     finally:
         resumed.close()
+
+
+def test_the_learner_steps_fused_and_a_checkpoint_of_the_loop_resumes_fused(tmp_path):
+    first = _learner()
+    try:
+        assert first.optimizer.param_groups[0]["fused"] is True  # learner/optimizer.py: plain CPU fp32 parameters
+        for group in first.optimizer.param_groups:  # what a learner of an older release stepped with
+            group["fused"] = None
+        _one_update(first)
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = torch.load(tmp_path / "ckpt" / "training_state.pt", weights_only=True)["optimizer"]
+        assert all(not group.get("fused") for group in saved["param_groups"])
+        expected = _moments(first)
+    finally:
+        first.close()
+    resumed = _learner(resume_dir=str(tmp_path / "ckpt"))
+    try:
+        assert all(group["fused"] is True for group in resumed.optimizer.param_groups)
+        for mine, theirs in zip(_moments(resumed), expected):
+            assert torch.equal(mine, theirs)
+        _one_update(resumed)  # the fused kernel steps the loaded state
+    finally:
+        resumed.close()
