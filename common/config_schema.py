@@ -395,9 +395,9 @@ class LearnerConfig:
     without `loss.kl.coef` or `loss.entropy_coef` (terms that do not vanish with the advantage)."""
     fp32_gemm: str = one_of(FP32_GEMMS, default="auto")
     """The GEMM of the learner's fp32 linears, forward and backward (`learner/fp32_gemm.py`, docs/kernels.md): `blas`
-    (torch's default, MKL), `onednn` (oneDNN's fp32 GEMM from the same wheel: 1.8-2.2x MKL on AMD Zen 5), `auto` (a
-    race of the two at the model's shape when the learner starts; oneDNN if it is 5% faster). The same fp32 values to
-    summation order."""
+    (torch's default, MKL), `onednn` (oneDNN's fp32 GEMM from the same wheel: 1.8-2.2x MKL on AMD Zen 5, 1.05-1.25x
+    on Zen 4), `auto` (a race of the two at the model's shape when the learner starts; oneDNN if it is 5% faster).
+    The same fp32 values to summation order."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)
