@@ -19,24 +19,30 @@ autocast, an empty input.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from common.config_schema import FP32_GEMMS  # `learner.fp32_gemm`'s choices
 
-RACE_ROWS = 512
-"""Rows of the race's GEMM: a micro-batch's order of magnitude (the learner's run 256-4,000 tokens)."""
-RACE_REPEATS = 3
+RACE_ROWS = 256
+"""Rows of the race's linear: a micro-batch's order of magnitude (the learner's run 256-4,000 tokens)."""
+RACE_REPEATS = 2
+"""Fewest timed rounds of the race (a round: one forward and backward of each kernel)."""
+RACE_MIN_S = 0.05
+"""Fewest seconds of timed rounds: a small shape runs many, so that its best round is an undisturbed one."""
 WIN_MARGIN = 1.05
 """oneDNN is picked only when it is at least this much faster: a tie keeps torch's default."""
 
 
 @dataclass(frozen=True, slots=True)
 class KernelPick:
-    """The kernel an `auto` race chose (or the one asked for) and the GFLOP/s each reached (0: not raced)."""
+    """The kernel an `auto` race chose (or the one asked for) and the GFLOP/s of a linear's forward and backward each
+    reached (0: not raced)."""
 
     kernel: str
     blas_gflops: float = 0.0
@@ -54,27 +60,54 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 
 
-def _gflops(run: object, flops: float) -> float:
-    run()  # warm-up: oneDNN builds and caches its primitive for the shape
-    best = float("inf")
-    for _ in range(RACE_REPEATS):
+def fp32_matmuls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """a (M, K) @ b (K, N) on each fp32 GEMM this torch has, by kernel name: `blas` and, where available, `onednn`
+    (what the benches' GEMM peaks are the best of)."""
+    gemms: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"blas": torch.matmul}
+    if onednn_available():
+        gemms["onednn"] = lambda a, b: onednn_linear(a, b.t())
+    return gemms
+
+
+def _step_runner(linear: torch.nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], float]:
+    """A call running the linear's forward and backward (input and weight gradient) on `x`; it returns its seconds."""
+
+    def run() -> float:
+        x.grad = linear.weight.grad = None
         started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return flops / best / 1e9
+        linear(x).backward(grad_out)
+        return time.perf_counter() - started
+
+    return run
 
 
 def race(in_features: int, out_features: int, rows: int = RACE_ROWS) -> KernelPick:
-    """Time both kernels on x (rows, in) @ W (out, in)^T on torch's current threads; the faster, by `WIN_MARGIN`."""
+    """Time a linear's forward and backward through each module (`nn.Linear`, `OnednnLinear`: the autograd calls a
+    learner step makes, so a small model's per-call overhead counts) on x (rows, in) with torch's current threads,
+    alternating the two, at least `RACE_REPEATS` rounds and `RACE_MIN_S` seconds each; the faster of their best
+    rounds, by `WIN_MARGIN`."""
     if not onednn_available():
         return KernelPick("blas")
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, in_features, generator=generator)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    flops = 2.0 * rows * in_features * out_features
-    blas = _gflops(lambda: torch.nn.functional.linear(x, weight), flops)
-    onednn = _gflops(lambda: onednn_linear(x, weight), flops)
-    return KernelPick("onednn" if onednn >= WIN_MARGIN * blas else "blas", blas, onednn)
+    plain = torch.nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+    onednn = copy.deepcopy(plain)
+    onednn.__class__ = OnednnLinear
+    x = torch.randn(rows, in_features, generator=generator, requires_grad=True)
+    grad_out = torch.randn(rows, out_features, generator=generator)
+    runners = [_step_runner(plain, x, grad_out), _step_runner(onednn, x, grad_out)]
+    for run in runners:
+        run()  # warm-up: oneDNN builds and caches its primitives for the shape
+    best, spent, rounds = [float("inf")] * 2, 0.0, 0
+    while rounds < RACE_REPEATS or spent < RACE_MIN_S:
+        for k, run in enumerate(runners):
+            seconds = run()
+            best[k], spent = min(best[k], seconds), spent + seconds
+        rounds += 1
+    flops = 6.0 * rows * in_features * out_features
+    blas_gflops, onednn_gflops = flops / best[0] / 1e9, flops / best[1] / 1e9
+    return KernelPick("onednn" if onednn_gflops >= WIN_MARGIN * blas_gflops else "blas", blas_gflops, onednn_gflops)
 
 
 def pick_kernel(choice: str, in_features: int, out_features: int) -> KernelPick:

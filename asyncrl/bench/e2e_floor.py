@@ -58,15 +58,14 @@ def fp32_gemm_gflops(rows: int, hidden: int, intermediate: int) -> float:
     oneDNN's (`learner.fp32_gemm`; on AMD Zen 5 about twice MKL's rate)."""
     import torch
 
-    from learner.fp32_gemm import onednn_available, onednn_linear
+    from learner.fp32_gemm import fp32_matmuls
 
     best = 0.0
     generator = torch.Generator().manual_seed(0)
     for k, n in ((hidden, intermediate), (intermediate, hidden), (hidden, hidden)):
         a = torch.randn(rows, k, generator=generator)
         b = torch.randn(k, n, generator=generator)
-        gemms = [torch.matmul] + ([lambda x, y: onednn_linear(x, y.t())] if onednn_available() else [])
-        for gemm in gemms:
+        for gemm in fp32_matmuls().values():
             gemm(a, b)
             for _ in range(GEMM_REPEATS):
                 start = time.perf_counter()

@@ -376,17 +376,15 @@ def smol_model_flops(
 def _gemm_peak_flops(repeats: int) -> tuple[float, float]:
     """FLOP/s of a large fp32 GEMM on this process's threads, the best of `repeats` and of both fp32 GEMMs (torch.mm
     and oneDNN's: `learner.fp32_gemm`): per wall second and per busy second (CPU seconds / threads)."""
-    from learner.fp32_gemm import onednn_available, onednn_linear
+    from learner.fp32_gemm import fp32_matmuls
 
     a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
-    out = torch.mm(a, b)
-    gemms = [lambda: torch.mm(a, b, out=out)] + ([lambda: onednn_linear(a, b.t())] if onednn_available() else [])
     wall, busy = float("inf"), float("inf")
-    for gemm in gemms:
-        gemm()
+    for gemm in fp32_matmuls().values():
+        gemm(a, b)
         for _ in range(repeats):
             started, cpu = time.perf_counter(), time.process_time()
-            gemm()
+            gemm(a, b)
             wall = min(wall, time.perf_counter() - started)
             busy = min(busy, (time.process_time() - cpu) / torch.get_num_threads())
     return 2.0 * GEMM_SIZE**3 / wall, 2.0 * GEMM_SIZE**3 / busy
