@@ -21,7 +21,7 @@ from learner.losses import mismatch_metrics
 from learner.precision import LossScaler, autocast
 from learner.update import train_on_batch
 
-TOL = {"rtol": 0.0, "atol": 1e-6}
+TOL = {"rtol": 1e-6, "atol": 1e-6}  # a few fp32 ulps: chunked and whole-sequence GEMMs block differently
 
 
 def whole_sequence_logp(
