@@ -22,7 +22,7 @@ that expose saturation, rounded fp32 sums and layout tails):
   with zero point 128 (oneDNN subtracts the zero point's share in int32, so its fp32 output is float(acc), also
   beyond 2^24); elsewhere its AVX2 kernel saturates int16 pairs of full-range products, so activations go in as
   two 7-bit halves relu(q), relu(-q), exact while in_features <= HALVES_MAX_IN_FEATURES (wider: `reference`).
-  It comes after the compiled kernels with AMX too: on an AMX Xeon (2026-12-03, one thread) `vnni` ran 1.0-2.4x
+  It comes after the compiled kernels with AMX too: on an AMX Xeon (2026-12-03, one thread) `vnni` ran 0.9-9.8x
   oneDNN's u8 x s8 GEMM at 1-64 rows (K x N 1024 x 1024 to 2816, 576 x 1536, 768 x 3072) and 0.8-1.8x at 128-1024.
 - `i8mm` (ARM Armv8.6 I8MM, by HWCAP2): the same library with `smmla` (2 rows x 2 columns x 8 inputs per
   instruction) on its own layout (inputs in groups of 8, columns in pairs). Untested: compile-checked for aarch64
