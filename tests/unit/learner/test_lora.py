@@ -151,9 +151,9 @@ def test_learner_logp_equals_the_engines_with_adapters_and_late_workers_catch_up
         for a, b in zip(late, running):
             assert a.response_ids == b.response_ids and a.behav_logp == b.behav_logp and set(a.versions) == {2}
         # The learner runs the adapters through torch's GEMMs, the engine through csrc/lora_gemm.cpp: fp32 sums in
-        # different orders. Where a W8A8 activation lands within an ulp of a rounding boundary one side rounds up,
-        # so a gap of a few 1e-5 can appear (4.1e-5 on an Intel AMX Xeon, 2026-12-03; with ASYNCRL_ISA_CAP=avx2, torch
-        # on both sides, 0): still 40x below the fp32 masters' or the fp32 base's gap measured above.
+        # different orders; a W8A8 activation within an ulp of a rounding boundary (the likely cause, not traced)
+        # then rounds differently on the two sides, and a gap of a few 1e-5 appears (4.1e-5 on an Intel AMX Xeon,
+        # 2026-12-03; 0 with ASYNCRL_ISA_CAP=avx2, torch on both sides): still 37x below the fp32 base's gap above.
         assert _max_gap(learner.model, late) <= min(1e-4, full_gap / 10)
     finally:
         for subscriber in subscribers:
