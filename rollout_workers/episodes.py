@@ -75,6 +75,9 @@ class Episode:
     done: bool = False
     finish: str = "stop"
     failed: bool = False
+    key: int = 0
+    """The episode's sampling stream on the continuous path: turn t samples with `sample_key(key, t)`, so its
+    tokens do not depend on the order in which the environments' answers arrive."""
 
     @property
     def context(self) -> list[int]:
@@ -107,7 +110,7 @@ class EpisodeRunner:
         from rollout_workers.embedded.engine import EmbeddedEngine
 
         self.continuous = isinstance(engine, EmbeddedEngine)
-        self._keys = random.Random(seed)  # sampling streams of the continuous path's sequences
+        self._keys = random.Random(seed)  # the episodes' sampling streams on the continuous path (`Episode.key`)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -188,7 +191,7 @@ class EpisodeRunner:
         model turn has no tokens: the caller drops its group)."""
         problems = [row for row in rows for _ in range(group_size)]
         created = self._call_all([self.make_env for _ in problems])
-        episodes = [Episode(env if ok else None, []) for ok, env in created]
+        episodes = [Episode(env if ok else None, [], key=self._keys.getrandbits(62)) for ok, env in created]
         for episode in episodes:
             episode.failed = episode.env is None
         live = [i for i, e in enumerate(episodes) if not e.failed]
@@ -268,6 +271,8 @@ class EpisodeRunner:
         while the other sequences keep decoding; its next turn joins the running batch when the answer arrives."""
         from dataclasses import replace
 
+        from rollout_workers.embedded.sampling import sample_key
+
         engine: Any = self.engine
         running: dict[int, tuple[int, Any, tuple[str, ...]]] = {}  # id(sequence) -> (episode, sequence, stops)
         pending: dict[cf.Future, tuple[int, float]] = {}  # step call -> (episode, monotonic deadline)
@@ -280,7 +285,8 @@ class EpisodeRunner:
                 together.setdefault((tuple(e.context), stop_ids, stops, self._room(e)), []).append(i)
             for (context, stop_ids, stops, room), members in together.items():
                 params = replace(self.params, max_new_tokens=room, stop_token_ids=stop_ids)
-                seqs = engine.submit(list(context), params, [self._keys.getrandbits(62) for _ in members])
+                keys = [sample_key(episodes[i].key, episodes[i].turns) for i in members]
+                seqs = engine.submit(list(context), params, keys)
                 for i, seq in zip(members, seqs, strict=True):
                     running[id(seq)] = (i, seq, stops)
             ready = []

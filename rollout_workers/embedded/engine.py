@@ -58,11 +58,11 @@ from rollout_workers.embedded.model import (
 from rollout_workers.embedded.penalties import apply_penalties
 from rollout_workers.embedded.prefix_cache import PrefixCache
 from rollout_workers.embedded.sampling import (  # noqa: F401 - re-exported: _uniform
-    _splitmix64,
     _uniform,
     filter_logits,
     mask_early_stops,
     record_top,
+    sample_key,
     uniforms,
 )
 from rollout_workers.embedded.scoring import score_positions
@@ -289,7 +289,7 @@ class EmbeddedEngine:
             self._check(list(prompt), params)
         out: list[Sequence | None] = [None] * len(prompts)
         for prompt, indices in positions.items():
-            keys = [_splitmix64(base ^ _splitmix64(index + 1)) for index in indices]
+            keys = [sample_key(base, index) for index in indices]
             for index, seq in zip(indices, self.submit(list(prompt), params, keys)):
                 out[index] = seq
         while any(seq.completion is None for seq in out):  # type: ignore[union-attr]

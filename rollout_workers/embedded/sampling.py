@@ -38,6 +38,11 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def sample_key(base: int, index: int) -> int:
+    """The sampling stream of sample `index` (>= 0) of a stream `base`: a request's n samples, an episode's turns."""
+    return _splitmix64(base ^ _splitmix64(index + 1))
+
+
 def _uniform(key: int, step: int) -> float:
     """A uniform in (0, 1) from (sequence key, step): 53 random bits, never 0."""
     return ((_splitmix64(key ^ _splitmix64(step)) >> 11) + 0.5) / float(1 << 53)

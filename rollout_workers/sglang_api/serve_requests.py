@@ -93,11 +93,11 @@ def sample_keys(seed: int | None, n: int, generator: torch.Generator) -> list[in
     """The random keys of a request's n samples: from `seed` when given, else from the server's `generator`."""
     import torch
 
-    from rollout_workers.embedded.engine import _splitmix64  # the engine's own sample-key derivation
+    from rollout_workers.embedded.sampling import sample_key  # the engine's own sample-key derivation
 
     source = torch.Generator().manual_seed(seed) if seed is not None else generator
     base = int(torch.randint(0, 1 << 62, (1,), generator=source))
-    return [_splitmix64(base ^ _splitmix64(i + 1)) for i in range(n)]
+    return [sample_key(base, i) for i in range(n)]
 
 
 def check_prompt(ids: list[int], sampling: SamplingParams, vocab_size: int, max_seq_len: int) -> None:

@@ -166,3 +166,52 @@ def test_other_sequences_keep_decoding_while_one_waits_on_its_environment(tmp_pa
     assert [t.reward for t in first] == [1.0, 1.0]
     assert [t.reward for t in waiting] == [1.0, 1.0]  # problem 0 finished three turns while these waited
     assert worker.counters["env_timeouts"] == 0 and worker.counters["env_turns"] == 2 * 3 + 2 * 1
+
+
+PACED_ENV = textwrap.dedent(
+    """
+    import time
+
+    from common.envs import StepResult
+
+
+    class PacedEnv:
+        '''Three turns; problem p answers after 0.1 x p seconds (`first=low`) or 0.1 x (2 - p) (`first=high`).'''
+
+        stop_strings = ("=",)
+
+        def __init__(self, first="low"):
+            self.first = first
+
+        def reset(self, problem):
+            self.index, self.turn = problem["index"], 0
+            return "Sum: 12+34+"
+
+        def step(self, model_text):
+            self.turn += 1
+            time.sleep(0.1 * (self.index if self.first == "low" else 2 - self.index))
+            return StepResult(None if self.turn == 3 else " +", 1.0, self.turn == 3, {})
+    """
+)
+
+
+def test_an_episode_s_tokens_do_not_depend_on_the_order_its_environments_answer_in(tmp_path: Path) -> None:
+    """The continuous path: a next turn joins the batch when its environment answers, so the turns' order varies
+    with the environments' timing; each episode samples from its own stream, so the same seed gives the same
+    trajectories whichever environment answers first."""
+    (tmp_path / "paced_env.py").write_text(PACED_ENV)
+    out = {}
+    for first in ("low", "high"):
+        worker = make_worker(tmp_path, f"env.fn={tmp_path / 'paced_env.py'}:PacedEnv", f"env.args={{first: {first}}}",
+                             "env.timeout_s=30", "rollout.max_new_tokens=48")  # fmt: skip
+        try:
+            groups = worker.rollout([PromptLease(f"g{i}", i, "unused", "", 1e12) for i in range(3)])
+        finally:
+            close(worker)
+        out[first] = [t for _, trajectories in groups for t in trajectories]
+    assert len(out["low"]) == 6
+    for low, high in zip(out["low"], out["high"], strict=True):
+        assert int(np.sum(np.diff(np.concatenate(([0], low.loss_mask))) == 1)) >= 2  # two model turns or more
+        assert low.response_ids.tolist() == high.response_ids.tolist()
+        assert np.allclose(low.behav_logp, high.behav_logp, atol=1e-5)
+    assert len({tuple(t.response_ids.tolist()) for t in out["low"]}) > 1  # the episodes' streams differ
