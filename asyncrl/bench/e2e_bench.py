@@ -160,7 +160,8 @@ def _run_one(workload: Workload, contender: str, seed: int, work: Path, prompts_
     if contender == "trl":
         settings = _trl_settings(workload, seed, work / "trl" / f"{workload.name}-trl-s{seed}")
         data = data_config(overrides=workload.overrides)
-        return run_trl(settings, workload, data, seed, work, prompts_path, timeout_s)
+        overlong_len = load_asyncrl_config(str(CONFIG_PATH), workload.overrides).algo.overlong.len
+        return run_trl(settings, workload, data, seed, work, prompts_path, timeout_s, overlong_len)
     return run_asyncrl(str(CONFIG_PATH), workload, contender, seed, work, timeout_s)
 
 

@@ -177,12 +177,15 @@ def _asyncrl_row(record: dict[str, Any], launched: float, samples_per_step: int,
 
 
 def run_trl(settings: dict[str, Any], workload: Workload, data: DataConfig, seed: int, work: Path,
-            prompts_path: Path, timeout_s: float) -> Run:  # fmt: skip
+            prompts_path: Path, timeout_s: float, overlong_len: int = 0) -> Run:  # fmt: skip
+    """TRL's contender in its own process; `overlong_len`: the asyncrl config's `algo.overlong.len`, given to TRL as
+    its soft overlong punishment (`e2e_trl`)."""
     name = f"{workload.name}-trl-s{seed}"
     out_dir = work / "trl" / name
     spec = {"out_dir": str(out_dir), "model_dir": workload.model_dir, "prompts_path": str(prompts_path),
             "num_prompts": workload.steps * workload.groups_per_step, "trl_settings": settings,
             "data": asdict(data), "save_final": workload.learns,
+            "overlong": {"max_completion_len": workload.max_new_tokens, "soft_punish_cache": overlong_len},
             "torch_threads": len(os.sched_getaffinity(0))}  # fmt: skip
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))

@@ -14,7 +14,12 @@ TRL trains on the first `num_prompts` dumped rows. What it writes to the spec's 
 | `trl_config.json` | - | every resolved `GRPOConfig` field, TRL's version, torch threads |
 | `final/` | - | the trained model (when `save_final`), for the shared held-out evaluation |
 
-The reward is our task's (`common.tasks.make_source(data).reward`) wrapped in TRL's reward-function signature.
+The reward is our task's (`common.tasks.make_source(data).reward`) wrapped in TRL's reward-function signature,
+plus, where the asyncrl config shapes overlong responses (`algo.overlong.len` > 0, DAPO's soft overlong punishment:
+ALGORITHMS.md), TRL's own `trl.rewards.get_soft_overlong_punishment` with the same lengths, so that both sides'
+advantages come from the same shaped reward (TRL sums its reward functions before the group normalisation, as
+asyncrl adds the shaping to the reward before it). `rewards.jsonl` logs the task's reward alone, as asyncrl logs
+its accuracy; `trl_config.json`'s `reward_funcs` names what TRL was given.
 """
 
 from __future__ import annotations
@@ -137,13 +142,20 @@ def main(spec_path: str) -> int:
     rows = [json.loads(line) for line in Path(spec["prompts_path"]).read_text().splitlines()][: spec["num_prompts"]]
     dataset = Dataset.from_list([{"prompt": row["prompt"], "answer": row["answer"]} for row in rows])
     config = trl.GRPOConfig(**spec["trl_settings"])
-    resolved = {"trl_version": trl.__version__, "torch_threads": torch.get_num_threads(),
+    reward_funcs, names = [_reward_function(spec["data"], out_dir / "rewards.jsonl")], ["task_reward"]
+    overlong = spec.get("overlong", {})
+    if overlong.get("soft_punish_cache", 0) > 0:  # asyncrl's algo.overlong, in TRL's own implementation
+        from trl.rewards import get_soft_overlong_punishment
+
+        reward_funcs.append(get_soft_overlong_punishment(**overlong))
+        names.append(f"soft_overlong_punishment({overlong['max_completion_len']}, {overlong['soft_punish_cache']})")
+    resolved = {"trl_version": trl.__version__, "torch_threads": torch.get_num_threads(), "reward_funcs": names,
                 "resolved": json.loads(config.to_json_string())}  # fmt: skip
     (out_dir / "trl_config.json").write_text(json.dumps(resolved, indent=1))
     generation_seconds: list[float] = []
     trainer = trl.GRPOTrainer(
         model=spec["model_dir"],
-        reward_funcs=_reward_function(spec["data"], out_dir / "rewards.jsonl"),
+        reward_funcs=reward_funcs,
         args=config,
         train_dataset=dataset,
         callbacks=[_step_recorder(out_dir / "steps.jsonl", generation_seconds)],

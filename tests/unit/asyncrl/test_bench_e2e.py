@@ -56,6 +56,7 @@ def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) ->
     assert (resolved["epsilon"], resolved["epsilon_high"]) == (0.2, 0.28)
     assert resolved["bf16"] is False and resolved["use_vllm"] is False and resolved["shuffle_dataset"] is False
     assert trl["torch_threads"] == written["metrics"]["cores"]
+    assert trl["reward_funcs"] == ["task_reward", "soft_overlong_punishment(8, 4)"]  # the config's algo.overlong
     async_argv = written["details"]["asyncrl_argv"]
     assert "staleness.max_lag=0" in async_argv["decode_sync"] and "quant.scheme=none" in async_argv["decode_fp32"]
     assert all("algo.filter_groups=false" in argv for argv in async_argv.values())
@@ -248,3 +249,20 @@ def test_the_lora_contender_is_configs_dapo_int8_lora_with_dynamic_sampling_off(
     assert out["builtin_lora_minus_async_final_train_acc"] == pytest.approx(0.1)
     assert out["builtin_lora_minus_async_heldout_acc"] == pytest.approx(-0.04)
     assert _lora_vs_full({"builtin_async": figures["builtin_async"]}) == {}
+
+
+def test_trl_s_overlong_punishment_is_our_overlong_shaping() -> None:
+    """Both sides' advantages come from the same shaped reward: TRL's soft overlong punishment at the config's
+    lengths equals `learner.batch.overlong_shaping` at every response length, a truncated one included (-1)."""
+    import torch
+    from trl.rewards import get_soft_overlong_punishment
+
+    from learner.batch import overlong_shaping
+
+    max_len, cache_len = 8, 4  # configs/dapo_int8.yaml: rollout.max_new_tokens, algo.overlong.len
+    lengths = list(range(1, max_len + 1)) + [max_len]
+    truncated = [False] * max_len + [True]  # the last: cut at max_len without an EOS
+    theirs = get_soft_overlong_punishment(max_len, cache_len)([[1] * n for n in lengths])
+    ours = overlong_shaping(torch.tensor(lengths), torch.tensor(truncated), max_len, cache_len).tolist()
+    assert ours == pytest.approx(theirs, abs=1e-7)
+    assert ours[:4] == [0.0] * 4 and ours[4] == pytest.approx(-0.25) and ours[-1] == -1.0
