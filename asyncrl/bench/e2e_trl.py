@@ -11,7 +11,7 @@ TRL trains on the first `num_prompts` dumped rows. What it writes to the spec's 
 |---|---|---|
 | `rewards.jsonl` | reward call (a step's batch) | step, prompts, answers, completions, completion_tokens, rewards |
 | `steps.jsonl` | optimizer step | step, time (unix s, step end), gen_s (generation + scoring) |
-| `trl_config.json` | - | every resolved `GRPOConfig` field, TRL's version, torch threads |
+| `trl_config.json` | - | every resolved `GRPOConfig` field, TRL's version, torch threads, the reward functions |
 | `final/` | - | the trained model (when `save_final`), for the shared held-out evaluation |
 
 The reward is our task's (`common.tasks.make_source(data).reward`) wrapped in TRL's reward-function signature,
