@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.bench import BenchResult
 from asyncrl.bench import e2e_metrics as figures_of
@@ -59,6 +59,9 @@ from asyncrl.bench.e2e_workloads import (
     heldout_greedy_accuracy,
     parameter_count,
 )
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "dapo_int8.yaml"
 """The asyncrl job every contender is shaped after (16 prompts x 8 samples, 8 new tokens, DAPO, INT8 rollout)."""
@@ -140,10 +143,10 @@ def _contenders(workload: str, quick: bool, only: Sequence[str] | None) -> list[
     return [name for name in contenders if only is None or name in only]
 
 
-def _trl_settings(workload: Workload, seed: int, out_dir: Path) -> dict[str, Any]:
+def _trl_settings(workload: Workload, seed: int, out_dir: Path, config: Config) -> dict[str, Any]:
+    """TRL's `GRPOConfig` arguments from the asyncrl `config` (with the workload's overrides applied)."""
     from asyncrl.bench.e2e_trl import trl_settings
 
-    config = load_asyncrl_config(str(CONFIG_PATH), workload.overrides)
     if config.loss.agg != "token_mean" or config.algo.adv != "grpo":
         raise ValueError(f"{CONFIG_PATH}: TRL's shape is set for loss.agg=token_mean and algo.adv=grpo")
     return trl_settings(
@@ -158,10 +161,10 @@ def _trl_settings(workload: Workload, seed: int, out_dir: Path) -> dict[str, Any
 def _run_one(workload: Workload, contender: str, seed: int, work: Path, prompts_path: Path, quick: bool) -> Run:
     timeout_s = RUN_TIMEOUT_S[quick]
     if contender == "trl":
-        settings = _trl_settings(workload, seed, work / "trl" / f"{workload.name}-trl-s{seed}")
+        config = load_asyncrl_config(str(CONFIG_PATH), workload.overrides)
+        settings = _trl_settings(workload, seed, work / "trl" / f"{workload.name}-trl-s{seed}", config)
         data = data_config(overrides=workload.overrides)
-        overlong_len = load_asyncrl_config(str(CONFIG_PATH), workload.overrides).algo.overlong.len
-        return run_trl(settings, workload, data, seed, work, prompts_path, timeout_s, overlong_len)
+        return run_trl(settings, workload, data, seed, work, prompts_path, timeout_s, config.algo.overlong.len)
     return run_asyncrl(str(CONFIG_PATH), workload, contender, seed, work, timeout_s)
 
 

@@ -143,8 +143,8 @@ def main(spec_path: str) -> int:
     dataset = Dataset.from_list([{"prompt": row["prompt"], "answer": row["answer"]} for row in rows])
     config = trl.GRPOConfig(**spec["trl_settings"])
     reward_funcs, names = [_reward_function(spec["data"], out_dir / "rewards.jsonl")], ["task_reward"]
-    overlong = spec.get("overlong", {})
-    if overlong.get("soft_punish_cache", 0) > 0:  # asyncrl's algo.overlong, in TRL's own implementation
+    overlong = spec["overlong"]
+    if overlong["soft_punish_cache"] > 0:  # asyncrl's algo.overlong, in TRL's own implementation
         from trl.rewards import get_soft_overlong_punishment
 
         reward_funcs.append(get_soft_overlong_punishment(**overlong))
