@@ -1,6 +1,6 @@
 """What a person reads on a terminal while `asyncrl up` runs: a progress bar, the few numbers that matter beside it,
 and the recent events underneath (rich `Progress` inside a `Live`); a progress bar for long one-time work too
-(building a built-in model; compiling the engine's C++ kernels: `KernelBuilds`).
+(building a built-in model; compiling our C++ kernels: `KernelBuilds`).
 
     dapo_int8 ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━╸━━━━━━━━━━━━━━  step 42/100  0:01:13 elapsed  ETA 0:01:41 at 1.75 s/step
     reward 0.412  acc 0.388  staleness 0.6 (max 2)  mismatch kl 3.1e-04  rollout 2,410 tok/s  workers 3
@@ -180,7 +180,7 @@ def one_time_work(enabled: bool) -> Iterator[Callable[[str], None]]:
 
 
 class KernelBuilds:
-    """What a person sees while the driver compiles the engine's C++ kernels (`asyncrl/kernels.py`): one line per
+    """What a person sees while the driver compiles our C++ kernels (`asyncrl/kernels.py`): one line per
     kernel with a spinner and its elapsed time on a terminal, replaced by "compiled NAME in S s" when it is done;
     elsewhere plain lines as each starts and ends. Nothing is shown for a kernel found in the cache. Its methods may
     be called from several threads (one per compile)."""
@@ -198,7 +198,7 @@ class KernelBuilds:
 
     def start(self, names: list[str], compiler: str) -> None:
         """Announce the builds of `names` (before any starts)."""
-        line = f"compiling the engine's C++ kernels with {compiler}, once per machine: {', '.join(names)}"
+        line = f"compiling the C++ kernels with {compiler}, once per machine: {', '.join(names)}"
         if self._progress is None:
             self._out(line)
             return

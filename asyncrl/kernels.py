@@ -1,13 +1,14 @@
-"""Compile the embedded engine's C++ kernels once per machine, in the driver, before the rollout workers start.
+"""Compile our C++ kernels once per machine, in the driver, before the rollout workers and the learner start.
 
-The rollout workers load small C++ libraries (`rollout_workers/embedded/csrc/*.cpp`, built and cached by
-`native_build.py`). Built inside the workers, a first run sat for 10-60 s (2 cores, with or without neighbours)
+The rollout workers load small C++ libraries (`rollout_workers/embedded/csrc/*.cpp`), the learner one
+(`learner/csrc/train_ops.cpp`: `learner.fused_ops`), built and cached by `common/native_build.py`. Built inside the
+workers, a first run sat for 10-60 s (2 cores, with or without neighbours)
 with nothing on the console, every worker compiling the same files at once. `compile_kernels` builds the ones the
 config will load (`kernel_sources`), two at a time, with a line per kernel and its elapsed time on a terminal
 (`console.KernelBuilds`) and plain lines elsewhere; the workers then find them in the cache. A second start finds
 every one cached and prints nothing. A kernel that does not compile is not fatal, as in the workers: its error
-(the kernel, the compiler and the compiler's own message) and the slower path the engine runs instead are printed
-to stderr, and the run goes on. Torch-free: the driver imports no torch.
+(the kernel, the compiler and the compiler's own message) and the slower path run instead are printed to stderr,
+and the run goes on. Torch-free: the driver imports no torch.
 """
 
 from __future__ import annotations
@@ -16,19 +17,28 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import learner  # its csrc/ only: the package's __init__ imports nothing
 from asyncrl.console import KernelBuilds
-from rollout_workers.embedded.native_build import KernelBuildError, build_library, compiler, kernel_target
+from common.native_build import KernelBuildError, build_library, compiler, kernel_target
+from rollout_workers.embedded import native_build as engine_build
 
+LEARNER_SOURCES = ("train_ops.cpp",)
+"""The learner's kernel sources (`learner/csrc/`); the others are the rollout engine's."""
 FALLBACKS = {
-    "fused_decode.cpp": "torch ops for RMSNorm, RoPE, decode attention and the fp32 linears (more per-token work)",
-    "weight_only.cpp": "weight-only linears dequantized tile by tile with torch (several times slower)",
-    "int8_gemm.cpp": "int8 linears on oneDNN's u8 x s8 GEMM, or on the torch reference where oneDNN is inexact",
-    "fp8_gemm.cpp": "FP8 linears on the torch reference (e4m3 values as fp32, torch's matmul)",
-    "lora_gemm.cpp": "LoRA adapters on torch's GEMMs",
+    "fused_decode.cpp": "the rollout engine runs torch ops for RMSNorm, RoPE, decode attention and the fp32 linears "
+    "(more per-token work)",
+    "weight_only.cpp": "the rollout engine runs weight-only linears dequantized tile by tile with torch (several "
+    "times slower)",
+    "int8_gemm.cpp": "the rollout engine runs int8 linears on oneDNN's u8 x s8 GEMM, or on the torch reference where "
+    "oneDNN is inexact",
+    "fp8_gemm.cpp": "the rollout engine runs FP8 linears on the torch reference (e4m3 values as fp32, torch's matmul)",
+    "lora_gemm.cpp": "the rollout engine runs LoRA adapters on torch's GEMMs",
+    "train_ops.cpp": "the learner runs HF's torch ops for RMSNorm and SwiGLU (more passes over the activations)",
 }
-"""What the engine runs instead of each library when it is missing (each kernel module's own fallback)."""
+"""What runs instead of each library when it is missing (each kernel module's own fallback)."""
 PARALLEL_BUILDS = 2
 """Compiles at once (each is one single-threaded compiler process): the machines here have 2 cores."""
 
@@ -45,10 +55,12 @@ class KernelBuild:
 
 def kernel_sources(cfg: Any) -> tuple[str, ...]:
     """The `csrc/` sources the rollout workers of `cfg` will load: none off the embedded engine on CPU; else the
-    fused decode ops and the weight-only / fp32 row kernels (every CPU engine), and the scheme's and LoRA's."""
+    fused decode ops and the weight-only / fp32 row kernels (every CPU engine), and the scheme's and LoRA's; then
+    the learner's fused ops (`learner.fused_ops`)."""
+    learner_sources = list(LEARNER_SOURCES) if cfg.learner.fused_ops else []
     rollout = cfg.rollout
     if rollout.backend != "embedded" or not str(rollout.device).startswith("cpu"):
-        return ()
+        return tuple(learner_sources)
     sources = ["fused_decode.cpp", "weight_only.cpp"]
     scheme = cfg.quant.scheme
     if scheme == "int8":
@@ -57,7 +69,14 @@ def kernel_sources(cfg: Any) -> tuple[str, ...]:
         sources.append("fp8_gemm.cpp")
     if cfg.model.lora.rank > 0:
         sources.append("lora_gemm.cpp")
-    return tuple(sources)
+    return tuple(sources + learner_sources)
+
+
+def source_path(source_name: str) -> Path:
+    """Where the kernel source `source_name` lives: `learner/csrc/` for the learner's, else the engine's `csrc/`."""
+    if source_name in LEARNER_SOURCES:
+        return Path(learner.__file__).with_name("csrc") / source_name
+    return engine_build.CSRC / source_name
 
 
 def compile_kernels(cfg: Any, sources: tuple[str, ...] | None = None, out: Any = None) -> list[KernelBuild]:
@@ -68,7 +87,7 @@ def compile_kernels(cfg: Any, sources: tuple[str, ...] | None = None, out: Any =
     if not sources:
         return []
     try:
-        targets = [kernel_target(name) for name in sources]
+        targets = [kernel_target(source_path(name)) for name in sources]
     except RuntimeError as err:  # no compiler on the machine: every library falls back
         failed = [KernelBuild(name, False, 0.0, str(err)) for name in sources]
         _report_failures(failed)
@@ -93,7 +112,7 @@ def _build(source_name: str, view: KernelBuilds) -> KernelBuild:
     view.compiling(source_name)
     start = time.monotonic()
     try:
-        build_library(source_name)
+        build_library(source_path(source_name))
     except (KernelBuildError, OSError, RuntimeError) as err:
         message = (
             f"{err.compiler_name}: {err.message}"
@@ -109,7 +128,7 @@ def _build(source_name: str, view: KernelBuilds) -> KernelBuild:
 
 def _report_failures(failures: list[KernelBuild]) -> None:
     for build in failures:
-        fallback = FALLBACKS.get(build.source_name, "its torch fallback")
+        fallback = FALLBACKS.get(build.source_name, "its module runs its torch fallback")
         message = "\n    ".join(build.error.splitlines())
-        print(f"asyncrl: kernel {build.source_name} did not compile:\n    {message}\n  the rollout engine runs "
-              f"{fallback} instead (slower); set $CXX to another C++ compiler to retry", file=sys.stderr)  # fmt: skip
+        print(f"asyncrl: kernel {build.source_name} did not compile:\n    {message}\n  {fallback} instead (slower); "
+              "set $CXX to another C++ compiler to retry", file=sys.stderr)  # fmt: skip

@@ -398,6 +398,10 @@ class LearnerConfig:
     (torch's default, MKL), `onednn` (oneDNN's fp32 GEMM from the same wheel: 1.8-2.2x MKL on AMD Zen 5, 1.05-1.25x
     on Zen 4), `auto` (a race of the two at the model's shape when the learner starts; oneDNN if it is 5% faster).
     The same fp32 values to summation order."""
+    fused_ops: bool = True
+    """RMSNorm and SwiGLU (`silu(gate) * up`) of Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM3) as one
+    C++ pass each, forward and backward, on CPU in fp32 (`learner/fused_ops.py`): the same values to rounding, fewer
+    passes over the activations; false: HF's torch ops. Other dtypes, FSDP2 shards and autocast take HF's ops."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)

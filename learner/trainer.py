@@ -34,6 +34,7 @@ from learner import aligned, distributed, reference
 from learner.acrl import AcrlReference
 from learner.batch import Batch, collate, overlong_shaping, token_logp  # noqa: F401 - re-exported
 from learner.fp32_gemm import use_fp32_gemm
+from learner.fused_ops import use_fused_ops
 from learner.losses import mismatch_metrics
 from learner.optimizer import adamw
 from learner.precision import LossScaler
@@ -90,8 +91,10 @@ class Learner:
 
             self.model, self.lora = lora.add_adapters(self.model, sections, self.quantized_head, resume_dir)
         self.fp32_gemm = use_fp32_gemm(self.model, sections.learner.fp32_gemm)  # on learner.threads threads
+        self.fused_ops = use_fused_ops(self.model, sections.learner.fused_ops)
         if self.reference is not None:
             use_fp32_gemm(self.reference, self.fp32_gemm.kernel)
+            use_fused_ops(self.reference, sections.learner.fused_ops)
         if self.ranks.world > 1:
             distributed.shard_model(self.model)
         self.model.train()
@@ -222,6 +225,7 @@ class Learner:
                 **{f"perf/{phase}_s": value for phase, value in seconds.items()},
                 "learner/threads": float(torch.get_num_threads()),
                 "learner/fp32_gemm_onednn": float(self.fp32_gemm.kernel == "onednn"),
+                "learner/fused_ops": float(self.fused_ops["swapped"]),
                 "perf/train_s": time.monotonic() - started,
                 "perf/fetch_wait_s": wait_s,
                 "perf/batch_tokens": float(batch.mask.sum()),

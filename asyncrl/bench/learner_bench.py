@@ -232,6 +232,7 @@ def _train_step_runner(ranks) -> Callable[[], object]:  # noqa: ANN001 - learner
     from learner.acrl import AcrlReference
     from learner.distributed import shard_model
     from learner.fp32_gemm import use_fp32_gemm
+    from learner.fused_ops import use_fused_ops
     from learner.precision import LossScaler
     from learner.update import train_on_batch
 
@@ -239,6 +240,7 @@ def _train_step_runner(ranks) -> Callable[[], object]:  # noqa: ANN001 - learner
     batch = _batch(model)
     cfg = _config("loss.weighting=tis", "optim.lr=1e-6")
     use_fp32_gemm(model, cfg.learner.fp32_gemm)  # as the learner does, before sharding
+    use_fused_ops(model, cfg.learner.fused_ops)
     if ranks.world > 1:
         shard_model(model)
     optimizer = adamw(model.parameters(), cfg.optim)  # as the learner's: fused on one rank, the loop on FSDP2's shards
@@ -421,6 +423,7 @@ def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noq
     """The fresh process of the SmolLM row: the GEMM peak, the model, `steps` learner steps, its peak RSS after the
     first step (the row's) and after all of them (the steady state: AdamW's state lives through the step)."""
     from learner.fp32_gemm import use_fp32_gemm
+    from learner.fused_ops import use_fused_ops
     from learner.group import apply_malloc_settings
     from quant_sync.publisher import WeightPublisher
 
@@ -435,6 +438,7 @@ def _smol_child(steps: int, overrides: tuple[str, ...], results) -> None:  # noq
     peaks = [_gemm_peak_flops(5)]
     model, batch = _smol_model(), _smol_batch()
     gemm = use_fp32_gemm(model, sections.learner.fp32_gemm)  # as the learner does, on its threads
+    use_fused_ops(model, sections.learner.fused_ops)
     optimizer = adamw(model.parameters(), sections.optim)  # the learner's (fused); weight decay 0 as the default
     publisher = WeightPublisher()
     runs, rss_gb, busy = [], [], {}
@@ -564,6 +568,7 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
     from common.builtin_model import resolve_model_path
     from learner.batch import micro_batch_budget, micro_batches
     from learner.fp32_gemm import use_fp32_gemm
+    from learner.fused_ops import use_fused_ops
     from learner.logprobs import inputs_read
     from learner.packing import pack_groups
     from quant_sync.publisher import WeightPublisher
@@ -580,6 +585,7 @@ def _builtin(quick: bool, overrides: tuple[str, ...] = ()) -> tuple[dict[str, fl
     threads = torch.get_num_threads()
     torch.set_num_threads(sections.learner.threads)
     gemm = use_fp32_gemm(model, sections.learner.fp32_gemm)  # as the learner does, on its threads
+    use_fused_ops(model, sections.learner.fused_ops)
     publisher = WeightPublisher()
     warmup, measured = (2, 8) if quick else (3, 30)
     runs = []

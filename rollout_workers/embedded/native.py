@@ -1,6 +1,6 @@
 """Load the embedded engine's small C++ kernel libraries (plain C ABI, called through ctypes).
 
-`native_build.py` compiles a source under `csrc/` once per machine into a cache (the driver does it before the
+`common/native_build.py` compiles a source under `csrc/` once per machine into a cache (the driver does it before the
 rollout workers start, with a progress bar: `asyncrl/kernels.py`); this module loads it, declares its functions and
 keeps the process going without it where it cannot be built (each kernel module then runs its torch fallback).
 Kernels pick their instruction set at run time (function-level target attributes and cpuid), so one build serves
@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
+from common import native_build
+from common.native_build import ENV_ISA_CAP, ISA_CAPS, isa_cap  # noqa: F401  (API: the engine's kernels read the cap)
 from rollout_workers.embedded.native_build import BASE_FLAGS, CSRC, build_library, compiler  # noqa: F401  (API)
 
-ENV_ISA_CAP = "ASYNCRL_ISA_CAP"
-ISA_CAPS = ("avx2",)
-"""The ISA caps `ASYNCRL_ISA_CAP` takes."""
 _AVX2_PROBES: dict[str, Callable[[Callable[..., int]], Callable[..., int]]] = {
     "i8_has_isa": lambda probe: lambda isa: probe(isa) if isa in (0, 1) else 0,  # portable, avx2
     "f8_has_isa": lambda probe: lambda isa: probe(isa) if isa == 0 else 0,  # portable (bf16 needs AVX512-BF16)
@@ -35,14 +32,6 @@ _AVX2_PROBES: dict[str, Callable[[Callable[..., int]], Callable[..., int]]] = {
     "lr_has_avx512f": lambda probe: lambda: 0,
 }
 """Each library's ISA probe (by symbol) as `ASYNCRL_ISA_CAP=avx2` answers it: only what an AVX2-only CPU runs."""
-
-
-def isa_cap() -> str:
-    """`ASYNCRL_ISA_CAP` ('' where unset); a ValueError naming the variable for a value not in ISA_CAPS."""
-    cap = os.environ.get(ENV_ISA_CAP, "")
-    if cap and cap not in ISA_CAPS:
-        raise ValueError(f"{ENV_ISA_CAP}={cap!r} is not one of {', '.join(ISA_CAPS)}")
-    return cap
 
 
 def _capped(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -60,32 +49,19 @@ def load_library(source_name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(build_library(source_name)))
 
 
-class NativeLibrary:
-    """One `csrc/` library of a kernel module, built or loaded on first `get()` (once per process, thread-safe) and
-    declared by `declare` (argument types, ABI check); `lib` stays None where it could not be (no compiler, a
-    failed build, a wrong ABI), and `error` says why (printed once to stderr with `note`, where given)."""
+class NativeLibrary(native_build.NativeLibrary):
+    """A `csrc/` library of a kernel module (`common.native_build.NativeLibrary`), its ISA probes answering under
+    `ASYNCRL_ISA_CAP`; a bad cap is an error, not a reason to run without the library."""
 
     def __init__(self, source_name: str, declare: Callable[[ctypes.CDLL], ctypes.CDLL], note: str = "") -> None:
-        self.source_name, self.declare, self.note = source_name, declare, note
-        self.lib: ctypes.CDLL | None = None
-        self.tried = False
-        self.error = ""
-        self._lock = threading.Lock()
+        super().__init__(CSRC / source_name, declare, note)
+
+    def load(self) -> ctypes.CDLL:
+        return _capped(super().load())
 
     def get(self) -> ctypes.CDLL | None:
-        if self.tried:
-            return self.lib
-        isa_cap()  # a bad ASYNCRL_ISA_CAP is an error, not a reason to run without the library
-        with self._lock:
-            if not self.tried:
-                try:
-                    self.lib = _capped(self.declare(load_library(self.source_name)))
-                except (OSError, RuntimeError, ValueError) as err:
-                    self.error = f"{type(err).__name__}: {err}"[:500]
-                    if self.note:
-                        print(f"{self.note}: {self.error}", file=sys.stderr)
-                self.tried = True
-        return self.lib
+        isa_cap()
+        return super().get()
 
 
 def chosen_kernel(env_var: str, kernels: Sequence[str], available: Sequence[str], library: NativeLibrary) -> str:

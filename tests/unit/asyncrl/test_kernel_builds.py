@@ -1,4 +1,4 @@
-"""The driver's compile step for the engine's C++ kernels (asyncrl/kernels.py): the lines it prints off a terminal,
+"""The driver's compile step for our C++ kernels (asyncrl/kernels.py): the lines it prints off a terminal,
 nothing on a second start (the cache), a failing compile's message with the kernel, the compiler's words and the
 fallback, and which kernels a config needs. Real compiler runs, on a small source in a scratch `csrc/`."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import console as console_module
-from asyncrl.kernels import compile_kernels, kernel_sources
+from asyncrl.kernels import compile_kernels, kernel_sources, source_path
 from common.config import load_config
 from rollout_workers.embedded import native_build
 
@@ -35,7 +35,7 @@ def _cfg(*overrides: str):
 def test_a_cold_cache_prints_a_line_per_kernel_and_a_second_start_prints_nothing(scratch: Path) -> None:
     lines: list[str] = []
     first = compile_kernels(_cfg(), ("small.cpp",), out=lines.append)
-    assert lines[0].startswith("compiling the engine's C++ kernels with ") and lines[0].endswith(": small.cpp")
+    assert lines[0].startswith("compiling the C++ kernels with ") and lines[0].endswith(": small.cpp")
     assert lines[1] == "compiling kernel small.cpp ..."
     assert lines[2].startswith("compiled kernel small.cpp in ") and lines[2].endswith(" s")
     assert len(lines) == 3
@@ -73,7 +73,8 @@ def test_a_failing_compile_names_the_kernel_the_compilers_message_and_the_fallba
     err = capsys.readouterr().err
     assert "asyncrl: kernel int8_gemm.cpp did not compile:" in err
     assert "undeclared_name" in err  # the compiler's own message
-    assert "oneDNN's u8 x s8 GEMM" in err and "instead (slower)" in err  # the engine's fallback
+    assert "the rollout engine runs int8 linears on oneDNN's u8 x s8 GEMM" in err  # the engine's fallback
+    assert "instead (slower)" in err
     with pytest.raises(native_build.KernelBuildError, match="int8_gemm.cpp") as raised:  # the worker's side
         native_build.build_library("int8_gemm.cpp")
     assert "undeclared_name" in raised.value.message
@@ -96,15 +97,30 @@ def test_on_a_terminal_a_bar_per_kernel_ends_with_its_time(
     monkeypatch.setattr(console_module, "is_terminal", lambda enabled: enabled)
     compile_kernels(_cfg(), ("small.cpp",))
     out = capsys.readouterr().out
-    assert "compiling the engine's C++ kernels" in out and "compiled kernel small.cpp in" in out
+    assert "compiling the C++ kernels" in out and "compiled kernel small.cpp in" in out
 
 
 def test_the_kernels_a_config_needs() -> None:
-    assert kernel_sources(_cfg()) == ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp")
-    assert kernel_sources(_cfg("quant.scheme=fp8")) == ("fused_decode.cpp", "weight_only.cpp", "fp8_gemm.cpp")
-    assert kernel_sources(_cfg("quant.scheme=w4a16", "model.lora.rank=8")) == (
-        "fused_decode.cpp", "weight_only.cpp", "lora_gemm.cpp",
+    assert kernel_sources(_cfg()) == ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", "train_ops.cpp")
+    assert kernel_sources(_cfg("quant.scheme=fp8", "learner.fused_ops=false")) == (
+        "fused_decode.cpp", "weight_only.cpp", "fp8_gemm.cpp",
     )  # fmt: skip
-    assert kernel_sources(_cfg("rollout.device=cuda")) == ()
+    assert kernel_sources(_cfg("quant.scheme=w4a16", "model.lora.rank=8")) == (
+        "fused_decode.cpp", "weight_only.cpp", "lora_gemm.cpp", "train_ops.cpp",
+    )  # fmt: skip
+    assert kernel_sources(_cfg("rollout.device=cuda")) == ("train_ops.cpp",)  # the learner's, on the CPU
+    assert kernel_sources(_cfg("rollout.device=cuda", "learner.fused_ops=false")) == ()
     for name in ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", "fp8_gemm.cpp", "lora_gemm.cpp"):
         assert (native_build.CSRC / name).is_file()
+        assert source_path(name) == native_build.CSRC / name
+    assert source_path("train_ops.cpp").is_file() and source_path("train_ops.cpp").parent.parent.name == "learner"
+
+
+def test_the_learner_s_kernel_failing_names_the_learner_s_fallback(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setenv("PATH", str(scratch))  # no compiler: the learner's kernel cannot be built either
+    (build,) = compile_kernels(_cfg(), ("train_ops.cpp",), out=lambda line: None)
+    assert "no C++ compiler found" in build.error
+    assert "the learner runs HF's torch ops for RMSNorm and SwiGLU" in capsys.readouterr().err

@@ -1,0 +1,213 @@
+// Fused fp32 ops of the learner's forward and backward on CPU: RMSNorm and SwiGLU (silu(gate) * up), each one
+// pass over its rows instead of the 5-9 torch ops (each a pass over memory) autograd runs for HF's modules.
+//
+// Built and loaded by learner/fused_ops.py (common/native_build.py compiles it: plain C ABI, no torch headers).
+// Pointers are to contiguous row-major fp32 memory. Each op's loops are one inline body compiled three times, for
+// AVX-512F, AVX2 and the baseline ISA (function-level target attributes); the caller picks with `isa` (to_isa() or
+// lower). Every sum runs in 8 fixed lanes and every element's arithmetic is the same sequence of fp32 operations
+// (the build passes -ffp-contract=off), so the three give the same bits, with any thread count. Values differ from torch's ops in rounding only: the norms' sums run
+// in another order, and the sigmoid's exp is Cephes' expf polynomial (within 2 ulp of expf).
+#include <cstdint>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// Branch-free selects (x < a ? a : x) must become vector blends: that needs no-trapping-math (GCC otherwise keeps
+// the branch, and the loop stays scalar).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+#define TO_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TO_X86 1
+#define TO_AVX512 __attribute__((target("avx512f")))
+#define TO_AVX2 __attribute__((target("avx2")))
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 8192;      // elements of an elementwise op per OpenMP iteration
+constexpr int64_t kNormBlock = 64;    // rows of RMSNorm's backward per partial weight-gradient row
+constexpr int64_t kParallelMin = 1 << 15;  // elements below which an op runs on one thread
+
+// exp(x) for x <= 0, Cephes' expf: a degree-6 polynomial on the remainder after n * ln 2, scaled by 2^n through
+// the exponent bits. Branch-free and call-free, so a loop of it vectorizes.
+TO_INLINE float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // x / ln 2, rounded (1.5 * 2^23)
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+
+// sigmoid(x) = 1 / (1 + exp(-x)), from exp(-|x|) <= 1 (no overflow for either sign).
+TO_INLINE float sigmoid(float x) {
+  const float ax = x < 0.0f ? -x : x;
+  const float e = exp_nonpositive(-ax);
+  const float inv = 1.0f / (1.0f + e);
+  return x >= 0.0f ? inv : e * inv;
+}
+
+TO_INLINE float sum_squares(const float* __restrict__ x, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * x[i + j];
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+// sum_i grad[i] * weight[i] * x[i] (the row's dot of the normalized input and its gradient, before the 1/rms)
+TO_INLINE float dot3(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ c, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += (a[i + j] * b[i + j]) * c[i + j];
+  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) total += (a[i] * b[i]) * c[i];
+  return total;
+}
+
+TO_INLINE void swiglu_span(const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ out,
+                           int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = (g * sigmoid(g)) * up[i];
+  }
+}
+
+// d silu(g) / dg = s (1 + g (1 - s)), s = sigmoid(g)
+TO_INLINE void swiglu_backward_span(const float* __restrict__ grad, const float* __restrict__ gate,
+                                    const float* __restrict__ up, float* __restrict__ grad_gate,
+                                    float* __restrict__ grad_up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i], d = grad[i];
+    const float s = sigmoid(g);
+    grad_up[i] = d * (g * s);
+    grad_gate[i] = (d * up[i]) * (s * (1.0f + g * (1.0f - s)));
+  }
+}
+
+TO_INLINE void norm_rows(const float* __restrict__ x, int64_t lo, int64_t hi, int64_t dim,
+                         const float* __restrict__ weight, float eps, float* __restrict__ out,
+                         float* __restrict__ rstd) {
+  for (int64_t r = lo; r < hi; ++r) {
+    const float* xr = x + r * dim;
+    float* yr = out + r * dim;
+    const float scale = 1.0f / __builtin_sqrtf(sum_squares(xr, dim) / static_cast<float>(dim) + eps);
+    rstd[r] = scale;
+    for (int64_t c = 0; c < dim; ++c) yr[c] = weight[c] * (xr[c] * scale);
+  }
+}
+
+// Rows lo..hi-1: grad_x, and their sum of grad * x_hat into grad_w_row (zeroed here).
+// y = w * x_hat, x_hat = x * rstd:  dx = rstd * (g w - x_hat * mean(g w x_hat)),  dw = sum_rows g * x_hat.
+TO_INLINE void norm_backward_rows(const float* __restrict__ grad, const float* __restrict__ x,
+                                  const float* __restrict__ weight, const float* __restrict__ rstd, int64_t lo,
+                                  int64_t hi, int64_t dim, float* __restrict__ grad_x,
+                                  float* __restrict__ grad_w_row) {
+  for (int64_t c = 0; c < dim; ++c) grad_w_row[c] = 0.0f;
+  for (int64_t r = lo; r < hi; ++r) {
+    const float* gr = grad + r * dim;
+    const float* xr = x + r * dim;
+    float* dxr = grad_x + r * dim;
+    const float scale = rstd[r];
+    const float mean = (dot3(gr, weight, xr, dim) * scale) / static_cast<float>(dim);
+    for (int64_t c = 0; c < dim; ++c) {
+      const float x_hat = xr[c] * scale;
+      dxr[c] = scale * (gr[c] * weight[c] - x_hat * mean);
+      grad_w_row[c] += gr[c] * x_hat;
+    }
+  }
+}
+
+inline int team(int threads, int64_t work) { return threads > 1 && work >= kParallelMin ? threads : 1; }
+
+// Each body compiled for each ISA (the always-inline helpers inherit the caller's target), picked by `isa`.
+#ifdef TO_X86
+#define TO_ISA_VARIANTS(CALL)        \
+  if (isa >= 2) {                    \
+    [&]() TO_AVX512 { CALL; }();     \
+  } else if (isa >= 1) {             \
+    [&]() TO_AVX2 { CALL; }();       \
+  } else {                           \
+    CALL;                            \
+  }
+#else
+#define TO_ISA_VARIANTS(CALL) CALL;
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int to_abi_version(void) { return 1; }
+
+// The best vector path here for `isa`: 2 AVX-512F, 1 AVX2, 0 the baseline (all give the same bits).
+int to_isa(void) {
+#ifdef TO_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return 2;
+  if (__builtin_cpu_supports("avx2")) return 1;
+#endif
+  return 0;
+}
+
+// out[i] = silu(gate[i]) * up[i], i < n.
+void to_swiglu(int isa, const float* gate, const float* up, float* out, int64_t n, int threads) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(team(threads, n))
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t lo = k * kChunk, len = n - lo < kChunk ? n - lo : kChunk;
+    TO_ISA_VARIANTS(swiglu_span(gate + lo, up + lo, out + lo, len))
+  }
+}
+
+// grad_gate = grad * up * silu'(gate), grad_up = grad * silu(gate), i < n.
+void to_swiglu_backward(int isa, const float* grad, const float* gate, const float* up, float* grad_gate,
+                        float* grad_up, int64_t n, int threads) {
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(team(threads, n))
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t lo = k * kChunk, len = n - lo < kChunk ? n - lo : kChunk;
+    TO_ISA_VARIANTS(swiglu_backward_span(grad + lo, gate + lo, up + lo, grad_gate + lo, grad_up + lo, len))
+  }
+}
+
+// out[r] = weight * (x[r] * rstd[r]), rstd[r] = 1 / sqrt(mean(x[r]^2) + eps), r < rows (HF's RMSNorm order).
+void to_rms_norm(int isa, const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* out,
+                 float* rstd, int threads) {
+  const int64_t blocks = (rows + kNormBlock - 1) / kNormBlock;
+#pragma omp parallel for schedule(static) num_threads(team(threads, rows * dim))
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kNormBlock, hi = lo + kNormBlock < rows ? lo + kNormBlock : rows;
+    TO_ISA_VARIANTS(norm_rows(x, lo, hi, dim, weight, eps, out, rstd))
+  }
+}
+
+// Rows of to_rms_norm_backward's grad_w_partial: one row of dim floats per block of kNormBlock rows.
+int64_t to_norm_partial_rows(int64_t rows) { return (rows + kNormBlock - 1) / kNormBlock; }
+
+// grad_x (rows, dim) and grad_w_partial (to_norm_partial_rows(rows), dim): the weight's gradient is the sum of its
+// rows (the caller sums them), a partial per fixed block of rows, so the value does not depend on the threads.
+void to_rms_norm_backward(int isa, const float* grad, const float* x, const float* weight, const float* rstd,
+                          int64_t rows, int64_t dim, float* grad_x, float* grad_w_partial, int threads) {
+  const int64_t blocks = to_norm_partial_rows(rows);
+#pragma omp parallel for schedule(static) num_threads(team(threads, rows * dim))
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kNormBlock, hi = lo + kNormBlock < rows ? lo + kNormBlock : rows;
+    TO_ISA_VARIANTS(norm_backward_rows(grad, x, weight, rstd, lo, hi, dim, grad_x, grad_w_partial + b * dim))
+  }
+}
+
+}  // extern "C"
