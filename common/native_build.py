@@ -30,6 +30,8 @@ from common.builtin_model import cache_root
 ENV_ISA_CAP = "ASYNCRL_ISA_CAP"
 ISA_CAPS = ("avx2",)
 """The ISA caps `ASYNCRL_ISA_CAP` takes: every library's run-time ISA probe answers as an AVX2-only CPU would."""
+INCLUDE = Path(__file__).with_name("csrc")
+"""Headers every kernel may include (`fp32_lanes.h`): on the include path, and part of each library's digest."""
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 """-ffp-contract=off: no fused multiply-adds the source does not write, so fp32 results round like torch's ops."""
 ERROR_LINES = 6
@@ -83,7 +85,8 @@ class KernelTarget:
 
 
 def _flag_attempts() -> list[list[str]]:
-    return [[*BASE_FLAGS, "-fopenmp"], list(BASE_FLAGS)]  # the second: a compiler without OpenMP, single-threaded
+    flags = [*BASE_FLAGS, f"-I{INCLUDE}"]
+    return [[*flags, "-fopenmp"], flags]  # the second: a compiler without OpenMP, single-threaded
 
 
 def kernel_target(source: Path) -> KernelTarget:
@@ -93,8 +96,9 @@ def kernel_target(source: Path) -> KernelTarget:
         known = ", ".join(sorted(path.name for path in source.parent.glob("*.cpp"))) or "none"
         raise FileNotFoundError(f"no kernel source {source.name!r} in {source.parent} (known: {known})")
     cxx = compiler()
-    salt = "\0".join([_compiler_version(cxx), *_flag_attempts()[0], platform.machine()])
-    digest = hashlib.sha256(source.read_bytes() + salt.encode()).hexdigest()[:16]
+    salt = "\0".join([_compiler_version(cxx), *BASE_FLAGS, "-fopenmp", platform.machine()])  # not the -I path
+    headers = b"".join(header.read_bytes() for header in sorted(INCLUDE.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + salt.encode()).hexdigest()[:16]
     return KernelTarget(source, cxx, cache_root() / "kernels" / f"{source.stem}-{digest}.so")
 
 

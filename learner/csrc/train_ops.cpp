@@ -5,9 +5,12 @@
 // Pointers are to contiguous row-major fp32 memory. Each op's loops are one inline body compiled three times, for
 // AVX-512F, AVX2 and the baseline ISA (function-level target attributes); the caller picks with `isa` (to_isa() or
 // lower). Every sum runs in 8 fixed lanes and every element's arithmetic is the same sequence of fp32 operations
-// (the build passes -ffp-contract=off), so the three give the same bits, with any thread count. Values differ from torch's ops in rounding only: the norms' sums run
-// in another order, and the sigmoid's exp is Cephes' expf polynomial (within 2 ulp of expf).
+// (the build passes -ffp-contract=off), so the three give the same bits, with any thread count. Values differ from
+// torch's ops in rounding only: the norms' sums run in another order, and the sigmoid's exp is Cephes' expf
+// polynomial (within 2 ulp of expf; common/csrc/fp32_lanes.h, shared with the engine's kernels).
 #include <cstdint>
+
+#include "fp32_lanes.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -27,27 +30,12 @@
 
 namespace {
 
+using fp32_lanes::exp_nonpositive;
+using fp32_lanes::sum_squares;
+
 constexpr int64_t kChunk = 8192;      // elements of an elementwise op per OpenMP iteration
 constexpr int64_t kNormBlock = 64;    // rows of RMSNorm's backward per partial weight-gradient row
 constexpr int64_t kParallelMin = 1 << 15;  // elements below which an op runs on one thread
-
-// exp(x) for x <= 0, Cephes' expf: a degree-6 polynomial on the remainder after n * ln 2, scaled by 2^n through
-// the exponent bits. Branch-free and call-free, so a loop of it vectorizes.
-TO_INLINE float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // x / ln 2, rounded (1.5 * 2^23)
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return y * __builtin_bit_cast(float, bits);
-}
 
 // sigmoid(x) = 1 / (1 + exp(-x)), from exp(-|x|) <= 1 (no overflow for either sign).
 TO_INLINE float sigmoid(float x) {
@@ -55,16 +43,6 @@ TO_INLINE float sigmoid(float x) {
   const float e = exp_nonpositive(-ax);
   const float inv = 1.0f / (1.0f + e);
   return x >= 0.0f ? inv : e * inv;
-}
-
-TO_INLINE float sum_squares(const float* __restrict__ x, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * x[i + j];
-  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) total += x[i] * x[i];
-  return total;
 }
 
 // sum_i grad[i] * weight[i] * x[i] (the row's dot of the normalized input and its gradient, before the 1/rms)

@@ -10,6 +10,8 @@
 // give HF's values; sums (norms' mean, attention's dot products and softmax) differ from torch's in order only.
 #include <cmath>
 #include <cstdint>
+
+#include "fp32_lanes.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -25,46 +27,11 @@
 
 namespace {
 
-// Helpers are plain inline functions: each FD_CLONES caller inlines them compiled for its own ISA.
-inline float sum_squares(const float* x, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * x[i + j];
-  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) total += x[i] * x[i];
-  return total;
-}
-
-inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the row's max), Cephes' expf: a degree-6 polynomial on the
-// remainder after n * ln 2, scaled by 2^n through the exponent bits (within 2 ulp of expf). Branch-free and
-// call-free, so a loop of it vectorizes, where a loop of expf calls does not.
-inline float exp_nonpositive(float x) {
-  x = __builtin_fmaxf(x, -87.0f);
-  // n = x / ln 2 rounded to the nearest integer (adding and subtracting 1.5 * 2^23 rounds in fp32, branch-free)
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return y * scale;
-}
+// Helpers are plain inline functions: each FD_CLONES caller inlines them compiled for its own ISA (sum_squares,
+// dot and exp_nonpositive, the exp of the softmax after subtracting the row's max, come from fp32_lanes.h).
+using fp32_lanes::dot;
+using fp32_lanes::exp_nonpositive;
+using fp32_lanes::sum_squares;
 
 // out[d] = sum_t weights[t] * values[t, d]: 8 columns at a time, their sums held in registers over t.
 inline void weighted_sum(const float* __restrict__ weights, const float* __restrict__ values, int64_t span,
