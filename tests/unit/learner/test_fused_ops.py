@@ -172,3 +172,13 @@ def test_a_learner_step_with_fused_ops_is_the_step_without_to_rounding() -> None
         params.append([p.detach().clone() for p in model.parameters()])
     for fused, plain in zip(params[1], params[0]):
         torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_the_isa_cap_holds_the_fused_ops_to_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCRL_ISA_CAP", "avx2")
+    assert fused_ops.best_isa() <= 1 and fused_ops.kernel_isa() in ("avx2", "baseline")
+    with pytest.raises(ValueError, match=r"fused ops ISA 2: this CPU runs 0\.\.[01] "):
+        swiglu(torch.randn(4), torch.randn(4), isa=2)
+    monkeypatch.setenv("ASYNCRL_ISA_CAP", "sse2")
+    with pytest.raises(ValueError, match="ASYNCRL_ISA_CAP='sse2' is not one of avx2"):
+        fused_ops.best_isa()
