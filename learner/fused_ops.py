@@ -23,6 +23,7 @@ expf polynomial, within 2 ulp): against float64, errors of the same size as torc
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 PROBE_ROWS = 3
 """Rows of the probe input on which a class's fused forward must give the module's own values."""
 PROBE_RTOL = 1e-4
+"""Relative and absolute tolerance of the probe: fp32 rounding passes, another formula (activation, scale) fails."""
 ISAS = ("baseline", "avx2", "avx512")
 """The library's vector paths by number (`to_isa`): every one gives the same bits."""
 
@@ -65,9 +67,14 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _cpu_isa() -> int:
+    return int(_lib().to_isa())
+
+
 def best_isa() -> int:
     """The best vector path this CPU runs (an index of `ISAS`), at most AVX2 under `ASYNCRL_ISA_CAP=avx2`."""
-    best = _lib().to_isa()
+    best = _cpu_isa()
     return min(best, 1) if isa_cap() == "avx2" else best
 
 
