@@ -1,9 +1,9 @@
 """Compile our C++ kernels once per machine, in the driver, before the rollout workers and the learner start.
 
-The rollout workers load small C++ libraries (`rollout_workers/embedded/csrc/*.cpp`), the learner one
+The rollout workers load small C++ libraries (`rollout_workers/embedded/csrc/*.cpp`), the learner one of its own
 (`learner/csrc/train_ops.cpp`: `learner.fused_ops`), built and cached by `common/native_build.py`. Built inside the
-workers, a first run sat for 10-60 s (2 cores, with or without neighbours)
-with nothing on the console, every worker compiling the same files at once. `compile_kernels` builds the ones the
+workers, a first run sat for 10-60 s (2 cores, with or without neighbours) with nothing on the console, every
+worker compiling the same files at once. `compile_kernels` builds the ones the
 config will load (`kernel_sources`), two at a time, with a line per kernel and its elapsed time on a terminal
 (`console.KernelBuilds`) and plain lines elsewhere; the workers then find them in the cache. A second start finds
 every one cached and prints nothing. A kernel that does not compile is not fatal, as in the workers: its error

@@ -44,11 +44,6 @@ def _capped(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def load_library(source_name: str) -> ctypes.CDLL:
-    """Build (or find in the cache) and load `csrc/<source_name>`."""
-    return ctypes.CDLL(str(build_library(source_name)))
-
-
 class NativeLibrary(native_build.NativeLibrary):
     """A `csrc/` library of a kernel module (`common.native_build.NativeLibrary`), its ISA probes answering under
     `ASYNCRL_ISA_CAP`; a bad cap is an error, not a reason to run without the library."""
