@@ -3,10 +3,10 @@
 HF's `LlamaRMSNorm` is five torch ops forward (`pow`, `mean`, `rsqrt`, two `mul`s) and autograd runs about twice as
 many backward; its MLP's `act_fn(gate_proj(x)) * up_proj(x)` is `silu` and `mul` forward and three passes backward,
 and saves `silu(gate)` beside `gate` and `up`. Each op is a pass over activations that no longer sit in cache: on
-the ~100M decode shape of `asyncrl bench e2e` (931-token micro-batches of a 1024 x 2816 Llama) the profiled step
-spent 1.0-1.3 s of 15-18 s in them. `csrc/train_ops.cpp` computes each in one pass over its rows (RMSNorm's backward:
-the input gradient and per-block partial sums of the weight gradient, summed here), and the MLP saves `gate` and
-`up` only.
+the ~100M decode shape of `asyncrl bench e2e` (931-token micro-batches of a 1024 x 2816 Llama) a profiled step
+spent 1.4 s of 18.8 s in them, 0.34 s fused; unprofiled, the step went from 15.02 to 14.68 s (docs/kernels.md).
+`csrc/train_ops.cpp` computes each in one pass over its rows (RMSNorm's backward: the input gradient and per-block
+partial sums of the weight gradient, summed here), and the MLP saves `gate` and `up` only.
 
 `use_fused_ops(model)` moves every module of the families whose forward is HF's Llama formula (`FAMILIES`: Llama,
 Mistral, Qwen2, Qwen3, SmolLM3) onto a subclass that runs the fused op (a class swap, as `learner.fp32_gemm` does:

@@ -33,13 +33,13 @@ def test_rms_norm_and_its_gradients_match_float64(isa: int, shape: tuple[int, ..
     x, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     weight = 1.0 + 0.3 * torch.randn(shape[-1], generator=gen)
     x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
-    _hf_rms_norm_grad = torch.autograd.grad(_functional_rms(x64, w64, 1e-6), (x64, w64), grad.double())
+    ref_grads = torch.autograd.grad(_functional_rms(x64, w64, 1e-6), (x64, w64), grad.double())
     x32, w32 = x.clone().requires_grad_(), weight.clone().requires_grad_()
     out = rms_norm(x32, w32, 1e-6, isa=isa)
     out.backward(grad)
     torch.testing.assert_close(out.double(), _functional_rms(x64, w64, 1e-6).detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x32.grad.double(), _hf_rms_norm_grad[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w32.grad.double(), _hf_rms_norm_grad[1], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(x32.grad.double(), ref_grads[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w32.grad.double(), ref_grads[1], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(out, _hf_rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)  # HF's module, fp32
 
 
