@@ -122,6 +122,15 @@ def pick_kernel(choice: str, in_features: int, out_features: int) -> KernelPick:
     return KernelPick(choice)
 
 
+def plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether our fp32 CPU kernels apply: every tensor a plain tensor or parameter (not a DTensor or another
+    subclass) of fp32 on the CPU, and no CPU autocast (`learner.fp32_gemm`, `learner.fused_ops`)."""
+    return not torch.is_autocast_enabled("cpu") and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
+        for t in tensors
+    )
+
+
 class _OnednnLinearFn(torch.autograd.Function):
     """A linear whose forward and backward GEMMs run on oneDNN."""
 
@@ -153,18 +162,8 @@ class OnednnLinear(torch.nn.Linear):
     """`nn.Linear` whose fp32 CPU GEMMs, forward and backward, run on oneDNN (`use_fp32_gemm`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if (
-            x.dtype == torch.float32
-            and weight.dtype == torch.float32
-            and x.device.type == "cpu"
-            and weight.device.type == "cpu"
-            and type(x) is torch.Tensor
-            and type(weight) in (torch.nn.Parameter, torch.Tensor)  # not a DTensor or another subclass
-            and x.numel() > 0
-            and not torch.is_autocast_enabled("cpu")
-        ):
-            return _OnednnLinearFn.apply(x, weight, self.bias)
+        if x.numel() > 0 and plain_fp32_cpu(x, self.weight):
+            return _OnednnLinearFn.apply(x, self.weight, self.bias)
         return super().forward(x)
 
 

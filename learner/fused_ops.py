@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from common.native_build import NativeLibrary, isa_cap
+from learner.fp32_gemm import plain_fp32_cpu
 
 SOURCE = Path(__file__).with_name("csrc") / "train_ops.cpp"
 ABI_VERSION = 1
@@ -153,18 +154,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, isa: int | None = None) -> torc
     return _SwigluFn.apply(gate, up, _isa(isa))
 
 
-def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
-    return not torch.is_autocast_enabled("cpu") and all(
-        type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
-        for t in tensors
-    )
-
-
 class FusedRMSNorm(torch.nn.Module):
     """Mixin of a swapped RMSNorm class (`use_fused_ops`): HF's formula in one pass where it applies."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() and _plain_fp32_cpu(x, self.weight):
+        if x.numel() and plain_fp32_cpu(x, self.weight):
             return rms_norm(x, self.weight, float(self.variance_epsilon))
         return super().forward(x)
 
@@ -175,7 +169,7 @@ class FusedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if gate.numel() and gate.shape == up.shape and _plain_fp32_cpu(gate, up):
+        if gate.numel() and gate.shape == up.shape and plain_fp32_cpu(gate, up):
             return self.down_proj(swiglu(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 
