@@ -56,8 +56,9 @@ class KernelBuild:
 def kernel_sources(cfg: Any) -> tuple[str, ...]:
     """The `csrc/` sources the rollout workers of `cfg` will load: none off the embedded engine on CPU; else the
     fused decode ops and the weight-only / fp32 row kernels (every CPU engine), and the scheme's and LoRA's; then
-    the learner's fused ops (`learner.fused_ops`)."""
-    learner_sources = list(LEARNER_SOURCES) if cfg.learner.fused_ops else []
+    the learner's library (`learner.native_ops`: the fused ops, and the transpose of `learner.fp32_gemm`'s oneDNN
+    weight gradient)."""
+    learner_sources = list(LEARNER_SOURCES) if cfg.learner.fused_ops or cfg.learner.fp32_gemm != "blas" else []
     rollout = cfg.rollout
     if rollout.backend != "embedded" or not str(rollout.device).startswith("cpu"):
         return tuple(learner_sources)

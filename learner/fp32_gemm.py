@@ -13,8 +13,11 @@ three GEMMs on oneDNN. Anything else falls back to `nn.Linear.forward`: another 
 autocast, an empty input.
 
 - forward: y = x W^T + b as oneDNN's linear of (x, W);
-- backward: dx = dy W as oneDNN's linear of (dy, W^T), dW = dy^T x as its linear of (dy^T, x^T) (strided views:
-  oneDNN reads them in place; copying them made dW up to 1.5x slower at 256 output features), db = sum(dy).
+- backward: dx = dy W as oneDNN's linear of (dy, W^T), dW = dy^T x as its linear of (dy^T, x^T), db = sum(dy). The
+  weight operands W^T and x^T are strided views, which oneDNN reads in place (copying x^T made dW up to 1.5x slower
+  at 256 output features); the input operand dy^T it copies to rows first, with torch's transposed copy (3-9 GB/s
+  at the learner's shapes), so it gets `learner.native_ops.transpose`'s tiled copy instead (2-3x that rate where
+  the library is built; torch's copy where not).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config_schema import FP32_GEMMS  # `learner.fp32_gemm`'s choices
+from learner.native_ops import transpose
 
 RACE_ROWS = 256
 """Rows of the race's linear: a micro-batch's order of magnitude (the learner's run 256-4,000 tokens)."""
@@ -151,8 +155,8 @@ class _OnednnLinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = onednn_linear(grad, weight.t()).view(ctx.input_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = onednn_linear(grad.t(), flat.t())
+        if ctx.needs_input_grad[1]:  # dy^T is oneDNN's input operand, which it copies to rows itself: `transpose`
+            grad_w = onednn_linear(transpose(grad), flat.t())
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum(0)
         return grad_x, grad_w, grad_b

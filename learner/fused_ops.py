@@ -22,66 +22,19 @@ expf polynomial, within 2 ulp): against float64, errors of the same size as torc
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.native_build import NativeLibrary, isa_cap
 from learner.fp32_gemm import plain_fp32_cpu
+from learner.native_ops import ISAS, LIBRARY, best_isa, kernel_isa, lib
 
-SOURCE = Path(__file__).with_name("csrc") / "train_ops.cpp"
-ABI_VERSION = 1
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 """transformers model families (`transformers.models.<family>`) whose RMSNorm and MLP classes the swap may take."""
 PROBE_ROWS = 3
 """Rows of the probe input on which a class's fused forward must give the module's own values."""
 PROBE_RTOL = 1e-4
 """Relative and absolute tolerance of the probe: fp32 rounding passes, another formula (activation, scale) fails."""
-ISAS = ("baseline", "avx2", "avx512")
-"""The library's vector paths by number (`to_isa`): every one gives the same bits."""
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    if lib.to_abi_version() != ABI_VERSION:
-        raise ValueError(f"train_ops ABI {lib.to_abi_version()}, expected {ABI_VERSION}")
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.to_swiglu.argtypes = [i32, p, p, p, i64, i32]
-    lib.to_swiglu_backward.argtypes = [i32, p, p, p, p, p, i64, i32]
-    lib.to_rms_norm.argtypes = [i32, p, i64, i64, p, f32, p, p, i32]
-    lib.to_norm_partial_rows.argtypes, lib.to_norm_partial_rows.restype = [i64], i64
-    lib.to_rms_norm_backward.argtypes = [i32, p, p, p, p, i64, i64, p, p, i32]
-    return lib
-
-
-LIBRARY = NativeLibrary(
-    SOURCE, _declare, note="the learner's fused RMSNorm and SwiGLU are unavailable, using torch ops"
-)
-
-
-def _lib() -> ctypes.CDLL:
-    lib = LIBRARY.get()
-    if lib is None:
-        raise RuntimeError(f"learner fused ops: {LIBRARY.error}")
-    return lib
-
-
-@functools.cache
-def _cpu_isa() -> int:
-    return int(_lib().to_isa())
-
-
-def best_isa() -> int:
-    """The best vector path this CPU runs (an index of `ISAS`), at most AVX2 under `ASYNCRL_ISA_CAP=avx2`."""
-    best = _cpu_isa()
-    return min(best, 1) if isa_cap() == "avx2" else best
-
-
-def kernel_isa() -> str:
-    """The vector path the fused ops run here (`avx512`, `avx2`, `baseline`), or `unavailable` (no library)."""
-    return "unavailable" if LIBRARY.get() is None else ISAS[best_isa()]
 
 
 def _isa(isa: int | None) -> int:
@@ -99,7 +52,7 @@ class _RmsNormFn(torch.autograd.Function):
         dim = x.shape[-1]
         rows = x.numel() // dim
         out, rstd = torch.empty_like(x), torch.empty(rows, dtype=torch.float32)
-        _lib().to_rms_norm(isa, x.data_ptr(), rows, dim, weight.data_ptr(), eps, out.data_ptr(), rstd.data_ptr(),
+        lib().to_rms_norm(isa, x.data_ptr(), rows, dim, weight.data_ptr(), eps, out.data_ptr(), rstd.data_ptr(),
                            torch.get_num_threads())  # fmt: skip
         ctx.save_for_backward(x, weight, rstd)
         ctx.isa = isa
@@ -109,12 +62,12 @@ class _RmsNormFn(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
         x, weight, rstd = ctx.saved_tensors
         grad = grad.contiguous()
-        lib = _lib()
+        ops = lib()
         dim = x.shape[-1]
         rows = x.numel() // dim
         grad_x = torch.empty_like(x)
-        partial = torch.empty((lib.to_norm_partial_rows(rows), dim), dtype=torch.float32)
-        lib.to_rms_norm_backward(ctx.isa, grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), rows,
+        partial = torch.empty((ops.to_norm_partial_rows(rows), dim), dtype=torch.float32)
+        ops.to_rms_norm_backward(ctx.isa, grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), rows,
                                  dim, grad_x.data_ptr(), partial.data_ptr(), torch.get_num_threads())  # fmt: skip
         return grad_x, partial.sum(0), None, None
 
@@ -124,7 +77,7 @@ class _SwigluFn(torch.autograd.Function):
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, isa: int) -> torch.Tensor:  # noqa: ANN001
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
-        _lib().to_swiglu(isa, gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
+        lib().to_swiglu(isa, gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
         ctx.save_for_backward(gate, up)
         ctx.isa = isa
         return out
@@ -134,7 +87,7 @@ class _SwigluFn(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad = grad.contiguous()
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        _lib().to_swiglu_backward(ctx.isa, grad.data_ptr(), gate.data_ptr(), up.data_ptr(), grad_gate.data_ptr(),
+        lib().to_swiglu_backward(ctx.isa, grad.data_ptr(), gate.data_ptr(), up.data_ptr(), grad_gate.data_ptr(),
                                   grad_up.data_ptr(), gate.numel(), torch.get_num_threads())  # fmt: skip
         return grad_gate, grad_up, None
 

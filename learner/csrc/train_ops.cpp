@@ -1,5 +1,6 @@
 // Fused fp32 ops of the learner's forward and backward on CPU: RMSNorm and SwiGLU (silu(gate) * up), each one
-// pass over its rows instead of the 5-9 torch ops (each a pass over memory) autograd runs for HF's modules.
+// pass over its rows instead of the 5-9 torch ops (each a pass over memory) autograd runs for HF's modules; and the
+// transposed copy of a matrix that oneDNN's weight gradient reads (to_transpose: a copy, no arithmetic).
 //
 // Built and loaded by learner/fused_ops.py (common/native_build.py compiles it: plain C ABI, no torch headers).
 // Pointers are to contiguous row-major fp32 memory. Each op's loops are one inline body compiled three times, for
@@ -36,6 +37,8 @@ using fp32_lanes::sum_squares;
 constexpr int64_t kChunk = 8192;      // elements of an elementwise op per OpenMP iteration
 constexpr int64_t kNormBlock = 64;    // rows of RMSNorm's backward per partial weight-gradient row
 constexpr int64_t kParallelMin = 1 << 15;  // elements below which an op runs on one thread
+constexpr int64_t kTile = 64;         // to_transpose: a tile of 64 x 64 floats (16 KB each side) stays in L1/L2
+constexpr int64_t kBlock = 8;         // to_transpose: the 8 x 8 blocks a tile is copied in
 
 // sigmoid(x) = 1 / (1 + exp(-x)), from exp(-|x|) <= 1 (no overflow for either sign).
 TO_INLINE float sigmoid(float x) {
@@ -109,6 +112,28 @@ TO_INLINE void norm_backward_rows(const float* __restrict__ grad, const float* _
   }
 }
 
+// dst[c][r] = src[r][c] for the tile's rows r0..r1-1 and columns c0..c1-1 (src rows x cols, dst cols x rows): 8 x 8
+// blocks through a local array, so that both sides move in runs of 8 consecutive floats.
+inline void transpose_tile(const float* __restrict__ src, int64_t rows, int64_t cols, float* __restrict__ dst,
+                           int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c += kBlock) {
+    const int64_t cn = c1 - c < kBlock ? c1 - c : kBlock;
+    for (int64_t r = r0; r < r1; r += kBlock) {
+      const int64_t rn = r1 - r < kBlock ? r1 - r : kBlock;
+      if (cn == kBlock && rn == kBlock) {
+        float block[kBlock][kBlock];
+        for (int64_t i = 0; i < kBlock; ++i)
+          for (int64_t j = 0; j < kBlock; ++j) block[j][i] = src[(r + i) * cols + c + j];
+        for (int64_t j = 0; j < kBlock; ++j)
+          for (int64_t i = 0; i < kBlock; ++i) dst[(c + j) * rows + r + i] = block[j][i];
+      } else {
+        for (int64_t j = 0; j < cn; ++j)
+          for (int64_t i = 0; i < rn; ++i) dst[(c + j) * rows + r + i] = src[(r + i) * cols + c + j];
+      }
+    }
+  }
+}
+
 inline int team(int threads, int64_t work) { return threads > 1 && work >= kParallelMin ? threads : 1; }
 
 // Each body compiled for each ISA (the always-inline helpers inherit the caller's target), picked by `isa`.
@@ -129,7 +154,7 @@ inline int team(int threads, int64_t work) { return threads > 1 && work >= kPara
 
 extern "C" {
 
-int to_abi_version(void) { return 1; }
+int to_abi_version(void) { return 2; }
 
 // The best vector path here for `isa`: 2 AVX-512F, 1 AVX2, 0 the baseline (all give the same bits).
 int to_isa(void) {
@@ -185,6 +210,18 @@ void to_rms_norm_backward(int isa, const float* grad, const float* x, const floa
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * kNormBlock, hi = lo + kNormBlock < rows ? lo + kNormBlock : rows;
     TO_ISA_VARIANTS(norm_backward_rows(grad, x, weight, rstd, lo, hi, dim, grad_x, grad_w_partial + b * dim))
+  }
+}
+
+// dst (cols, rows) = src (rows, cols) transposed, both contiguous row-major: a copy in 64 x 64 tiles, split over
+// threads by tile. torch's `t().contiguous()` moved 3-9 GB/s at the learner's shapes here; this about 2-3x that.
+void to_transpose(const float* src, int64_t rows, int64_t cols, float* dst, int threads) {
+  const int64_t row_tiles = (rows + kTile - 1) / kTile, col_tiles = (cols + kTile - 1) / kTile;
+#pragma omp parallel for schedule(static) num_threads(team(threads, rows * cols))
+  for (int64_t t = 0; t < row_tiles * col_tiles; ++t) {
+    const int64_t r0 = (t % row_tiles) * kTile, c0 = (t / row_tiles) * kTile;
+    transpose_tile(src, rows, cols, dst, r0, r0 + kTile < rows ? r0 + kTile : rows, c0,
+                   c0 + kTile < cols ? c0 + kTile : cols);
   }
 }
 

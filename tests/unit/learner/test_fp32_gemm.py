@@ -152,3 +152,28 @@ def test_a_learner_step_on_onednn_is_the_step_on_blas(onednn_calls: list) -> Non
         assert onednn.metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     for got, expected in zip(onednn_weights, blas_weights):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_large_weight_gradient_reads_the_tiled_transpose_and_keeps_its_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the learner's shapes dy^T comes from `native_ops.transpose`: the weight gradient is the one oneDNN gives
+    on torch's transposed copy, bit for bit, and nn.Linear's to rounding."""
+    from learner import fp32_gemm, native_ops
+
+    transposed: list[tuple[int, ...]] = []
+
+    def counted(matrix: torch.Tensor) -> torch.Tensor:
+        transposed.append(tuple(matrix.shape))
+        return native_ops.transpose(matrix)
+
+    monkeypatch.setattr(fp32_gemm, "transpose", counted)
+    rows, in_features, out_features = 300, 96, 1000  # dy: 300,000 elements, past TRANSPOSE_MIN_ELEMENTS
+    assert rows * out_features >= native_ops.TRANSPOSE_MIN_ELEMENTS
+    plain, swapped = _pair(bias=False, in_features=in_features, out_features=out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    grad_out = torch.randn(rows, out_features, generator=torch.Generator().manual_seed(2))
+    for module in (plain, swapped):
+        module(x).backward(grad_out)
+    assert transposed == [(rows, out_features)]
+    expected = fp32_gemm.onednn_linear(grad_out.t().contiguous(), x.t())
+    assert torch.equal(swapped.weight.grad, expected)
+    torch.testing.assert_close(swapped.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-4)

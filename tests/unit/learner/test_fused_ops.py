@@ -153,7 +153,7 @@ def test_modules_whose_forward_differs_or_does_not_apply_keep_their_own() -> Non
 def test_under_autocast_a_swapped_module_runs_hf_s_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     plain, swapped = _llama(), _llama()
     use_fused_ops(swapped)
-    monkeypatch.setattr(fused_ops, "_lib", lambda: pytest.fail("the fused library ran under autocast"))
+    monkeypatch.setattr(fused_ops, "lib", lambda: pytest.fail("the fused library ran under autocast"))
     ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(4))
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         assert torch.equal(swapped(input_ids=ids).logits, plain(input_ids=ids).logits)

@@ -1,0 +1,85 @@
+"""The learner's C++ library (`csrc/train_ops.cpp`): its loading, the vector path it runs, and its transposed copy.
+
+`learner.fused_ops` (RMSNorm, SwiGLU) and `learner.fp32_gemm` (the weight gradient's operands) call it. Built on
+first use by `common.native_build` (the driver compiles it up front with the engine's kernels, `asyncrl.kernels`);
+where it cannot be built, `LIBRARY.get()` is None and each caller runs its torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from common.native_build import NativeLibrary, isa_cap
+
+SOURCE = Path(__file__).with_name("csrc") / "train_ops.cpp"
+ABI_VERSION = 2
+ISAS = ("baseline", "avx2", "avx512")
+"""The library's vector paths by number (`to_isa`): every one gives the same bits."""
+TRANSPOSE_MIN_ELEMENTS = 1 << 18
+"""Matrices below this many elements (1 MB) are transposed by torch: the call costs about what it saves there."""
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if lib.to_abi_version() != ABI_VERSION:
+        raise ValueError(f"train_ops ABI {lib.to_abi_version()}, expected {ABI_VERSION}")
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.to_swiglu.argtypes = [i32, p, p, p, i64, i32]
+    lib.to_swiglu_backward.argtypes = [i32, p, p, p, p, p, i64, i32]
+    lib.to_rms_norm.argtypes = [i32, p, i64, i64, p, f32, p, p, i32]
+    lib.to_norm_partial_rows.argtypes, lib.to_norm_partial_rows.restype = [i64], i64
+    lib.to_rms_norm_backward.argtypes = [i32, p, p, p, p, i64, i64, p, p, i32]
+    lib.to_transpose.argtypes = [p, i64, i64, p, i32]
+    return lib
+
+
+LIBRARY = NativeLibrary(
+    SOURCE, _declare, note="the learner's fused RMSNorm and SwiGLU and its tiled transpose are unavailable: torch ops"
+)
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library; raises (with why it could not be built) where there is none."""
+    loaded = LIBRARY.get()
+    if loaded is None:
+        raise RuntimeError(f"learner native ops: {LIBRARY.error}")
+    return loaded
+
+
+@functools.cache
+def _cpu_isa() -> int:
+    return int(lib().to_isa())
+
+
+def best_isa() -> int:
+    """The best vector path this CPU runs (an index of `ISAS`), at most AVX2 under `ASYNCRL_ISA_CAP=avx2`."""
+    best = _cpu_isa()
+    return min(best, 1) if isa_cap() == "avx2" else best
+
+
+def kernel_isa() -> str:
+    """The vector path the fused ops run here (`avx512`, `avx2`, `baseline`), or `unavailable` (no library)."""
+    return "unavailable" if LIBRARY.get() is None else ISAS[best_isa()]
+
+
+def transpose(matrix: torch.Tensor) -> torch.Tensor:
+    """`matrix.t().contiguous()` of a 2-D fp32 CPU tensor, as a tiled copy on torch's threads where the library is
+    built and the matrix is contiguous and large (torch's own transposed copy ran at 3-9 GB/s on the learner's
+    shapes, about a third of the tiled one's rate). The same values either way: a copy."""
+    loaded = LIBRARY.get()
+    if (
+        loaded is None
+        or matrix.dim() != 2
+        or matrix.dtype != torch.float32
+        or matrix.device.type != "cpu"
+        or not matrix.is_contiguous()
+        or matrix.numel() < TRANSPOSE_MIN_ELEMENTS
+    ):
+        return matrix.t().contiguous()
+    rows, cols = matrix.shape
+    out = torch.empty((cols, rows), dtype=torch.float32)
+    loaded.to_transpose(matrix.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+    return out
