@@ -25,7 +25,7 @@ from asyncrl.console import KernelBuilds
 from common.native_build import KernelBuildError, build_library, compiler, kernel_target
 from rollout_workers.embedded import native_build as engine_build
 
-LEARNER_SOURCES = ("train_ops.cpp",)
+LEARNER_SOURCES = ("train_ops.cpp", "train_attention.cpp")
 """The learner's kernel sources (`learner/csrc/`); the others are the rollout engine's."""
 FALLBACKS = {
     "fused_decode.cpp": "the rollout engine runs torch ops for RMSNorm, RoPE, decode attention and the fp32 linears "
@@ -58,7 +58,8 @@ def kernel_sources(cfg: Any) -> tuple[str, ...]:
     fused decode ops and the weight-only / fp32 row kernels (every CPU engine), and the scheme's and LoRA's; then
     the learner's library (`learner.native_ops`: the fused ops, and the transpose of `learner.fp32_gemm`'s oneDNN
     weight gradient)."""
-    learner_sources = list(LEARNER_SOURCES) if cfg.learner.fused_ops or cfg.learner.fp32_gemm != "blas" else []
+    learner_sources = [name for name in LEARNER_SOURCES if cfg.learner.fused_ops or (
+        name == "train_ops.cpp" and cfg.learner.fp32_gemm != "blas")]  # fmt: skip
     rollout = cfg.rollout
     if rollout.backend != "embedded" or not str(rollout.device).startswith("cpu"):
         return tuple(learner_sources)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from learner.fp32_gemm import plain_fp32_cpu
+from learner.fused_attention import use_fused_attention
 from learner.native_ops import ISAS, LIBRARY, best_isa, kernel_isa, lib
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
@@ -184,15 +185,18 @@ def _fused_class(module: torch.nn.Module) -> type | None:
 
 def use_fused_ops(model: torch.nn.Module, enabled: bool = True) -> dict[str, Any]:
     """With `enabled` and the library built: swap every RMSNorm and MLP module of `FAMILIES` whose class passes the
-    probe onto its fused subclass. Returns what was done: modules swapped and the library's ISA (`kernel_isa`)."""
+    probe onto its fused subclass, and move the model's SDPA attention onto the fused one (`learner.fused_attention`,
+    where its CPU runs it). Returns what was done: modules swapped, the library's ISA (`kernel_isa`), and whether
+    attention moved."""
     if not enabled:
-        return {"swapped": 0, "isa": "off"}
+        return {"swapped": 0, "isa": "off", "attention": False}
+    attention = use_fused_attention(model)
     if LIBRARY.get() is None:
-        return {"swapped": 0, "isa": "unavailable"}
+        return {"swapped": 0, "isa": "unavailable", "attention": attention}
     swapped = 0
     for module in model.modules():
         fused_cls = _fused_class(module)
         if fused_cls is not None:
             module.__class__ = fused_cls
             swapped += 1
-    return {"swapped": swapped, "isa": kernel_isa()}
+    return {"swapped": swapped, "isa": kernel_isa(), "attention": attention}

@@ -21,8 +21,8 @@ the longest row, if longer). Backward: the gather of the loss positions' hidden 
 that reads a shared position into it, the sum over rows of the unpacked gradients.
 
 Packing pays only where groups share a prefix: `pack_groups` returns None (the caller runs the rows as they are) when
-it would save less than `MIN_SAVING` of the padded tokens, or when the model's attention is neither `eager` nor
-`sdpa` (a packed row needs a dense 4-D mask).
+it would save less than `MIN_SAVING` of the padded tokens, or when the model's attention is not `eager`, `sdpa` or
+the fused attention (SDPA's with a mask) (a packed row needs a dense 4-D mask).
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
+from learner.fused_attention import IMPLEMENTATION as FUSED_ATTENTION
+
 MAX_ROW_TOKENS = 512
 """A packed row's length past which a group's suffixes go on in another packed row (its attention is length^2)."""
 MIN_SAVING = 0.1
 """The share of the padded tokens (rows x longest row) that sharing must save for `pack_groups` to pack."""
-DENSE_MASK_ATTENTION = ("eager", "sdpa")
-"""Attention implementations that take a dense 4-D mask: bool for sdpa, additive float (0 / dtype min) for eager."""
+DENSE_MASK_ATTENTION = ("eager", "sdpa", FUSED_ATTENTION)
+"""Attention implementations that take a dense 4-D mask: bool for sdpa and the fused attention (which passes a mask
+to SDPA), additive float (0 / dtype min) for eager."""
 
 
 @dataclass(slots=True)

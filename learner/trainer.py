@@ -226,6 +226,7 @@ class Learner:
                 "learner/threads": float(torch.get_num_threads()),
                 "learner/fp32_gemm_onednn": float(self.fp32_gemm.kernel == "onednn"),
                 "learner/fused_ops": float(self.fused_ops["swapped"]),
+                "learner/fused_attention": float(self.fused_ops["attention"]),
                 "perf/train_s": time.monotonic() - started,
                 "perf/fetch_wait_s": wait_s,
                 "perf/batch_tokens": float(batch.mask.sum()),

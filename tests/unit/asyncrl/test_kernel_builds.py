@@ -101,20 +101,22 @@ def test_on_a_terminal_a_bar_per_kernel_ends_with_its_time(
 
 
 def test_the_kernels_a_config_needs() -> None:
-    assert kernel_sources(_cfg()) == ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", "train_ops.cpp")
+    learner = ("train_ops.cpp", "train_attention.cpp")
+    assert kernel_sources(_cfg()) == ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", *learner)
     assert kernel_sources(_cfg("quant.scheme=fp8", "learner.fused_ops=false", "learner.fp32_gemm=blas")) == (
         "fused_decode.cpp", "weight_only.cpp", "fp8_gemm.cpp",
     )  # fmt: skip
-    assert kernel_sources(_cfg("quant.scheme=fp8", "learner.fused_ops=false"))[-1] == "train_ops.cpp"  # the transpose
+    assert kernel_sources(_cfg("quant.scheme=fp8", "learner.fused_ops=false"))[-1] == "train_ops.cpp"  # transpose
     assert kernel_sources(_cfg("quant.scheme=w4a16", "model.lora.rank=8")) == (
-        "fused_decode.cpp", "weight_only.cpp", "lora_gemm.cpp", "train_ops.cpp",
+        "fused_decode.cpp", "weight_only.cpp", "lora_gemm.cpp", *learner,
     )  # fmt: skip
-    assert kernel_sources(_cfg("rollout.device=cuda")) == ("train_ops.cpp",)  # the learner's, on the CPU
+    assert kernel_sources(_cfg("rollout.device=cuda")) == learner  # the learner's, on the CPU
     assert kernel_sources(_cfg("rollout.device=cuda", "learner.fused_ops=false", "learner.fp32_gemm=blas")) == ()
     for name in ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", "fp8_gemm.cpp", "lora_gemm.cpp"):
         assert (native_build.CSRC / name).is_file()
         assert source_path(name) == native_build.CSRC / name
-    assert source_path("train_ops.cpp").is_file() and source_path("train_ops.cpp").parent.parent.name == "learner"
+    for name in learner:
+        assert source_path(name).is_file() and source_path(name).parent.parent.name == "learner"
 
 
 def test_the_learner_s_kernel_failing_names_the_learner_s_fallback(

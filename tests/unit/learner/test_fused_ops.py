@@ -10,7 +10,7 @@ from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from learner import fused_ops
+from learner import fused_attention, fused_ops
 from learner.acrl import AcrlReference
 from learner.fused_ops import FusedMLP, FusedRMSNorm, rms_norm, swiglu, use_fused_ops
 from learner.precision import LossScaler
@@ -124,7 +124,7 @@ def test_a_swapped_model_keeps_its_values_gradients_state_dict_and_random_stream
         expected = 2 + 5 + 4  # and each attention's q and k norms
     rng = torch.random.get_rng_state()
     done = use_fused_ops(swapped)
-    assert done == {"swapped": expected, "isa": fused_ops.kernel_isa()}
+    assert done == {"swapped": expected, "isa": fused_ops.kernel_isa(), "attention": fused_attention.available()}
     assert torch.equal(torch.random.get_rng_state(), rng)  # the probes drew from a forked stream
     assert sum(isinstance(m, (FusedMLP, FusedRMSNorm)) for m in swapped.modules()) == expected
     assert list(swapped.state_dict()) == list(plain.state_dict())
@@ -146,7 +146,7 @@ def test_modules_whose_forward_differs_or_does_not_apply_keep_their_own() -> Non
     bf16 = _llama().to(torch.bfloat16)
     assert use_fused_ops(bf16)["swapped"] == 0
     off = _llama()
-    assert use_fused_ops(off, enabled=False) == {"swapped": 0, "isa": "off"}
+    assert use_fused_ops(off, enabled=False) == {"swapped": 0, "isa": "off", "attention": False}
     assert not any(isinstance(m, (FusedMLP, FusedRMSNorm)) for m in off.modules())
 
 

@@ -1,0 +1,178 @@
+"""`learner.fused_attention`: the C++ causal attention gives SDPA's values and gradients (against float64), the same
+bits on any thread count, and every call it does not fit goes to HF's SDPA function. On a CPU without its path
+(AVX-512F), the model stays on SDPA."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from learner import fused_attention
+from learner.fused_attention import IMPLEMENTATION, attention_forward, available, use_fused_attention
+from learner.fused_ops import use_fused_ops
+from learner.logprobs import response_logp
+
+RUNS = available()  # the kernels' path: AVX-512F with FMA, and the library built
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The query shape of every call that ran the fused kernels."""
+    calls: list[tuple[int, ...]] = []
+    real = fused_attention._AttentionFn.apply
+
+    def counted(query: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(tuple(query.shape))
+        return real(query, *args)
+
+    monkeypatch.setattr(fused_attention._AttentionFn, "apply", counted)
+    return calls
+
+
+def _qkv(batch: int, heads: int, kv_heads: int, length: int, dim: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, heads, dim, generator=generator).transpose(1, 2)  # HF's layout: views
+    k = torch.randn(batch, length, kv_heads, dim, generator=generator).transpose(1, 2)
+    v = torch.randn(batch, length, kv_heads, dim, generator=generator).transpose(1, 2)
+    return [q, k, v]
+
+
+def _grads(run: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = run(*leaves)
+    out.backward(grad)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _module(groups: int = 2) -> torch.nn.Module:
+    """What HF's attention functions read of an attention module."""
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, groups
+    return module
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "length", "dim"), [(4, 2, 37, 64), (3, 3, 133, 32), (2, 1, 70, 128)])
+def test_values_and_gradients_match_float64_sdpa(heads: int, kv_heads: int, length: int, dim: int,
+                                                 fused_calls: list) -> None:  # fmt: skip
+    q, k, v = _qkv(2, heads, kv_heads, length, dim)
+    grad = torch.randn(2, length, heads, dim, generator=torch.Generator().manual_seed(1))
+    module = _module()
+
+    def fused(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+        return attention_forward(module, q_, k_, v_, None)[0]
+
+    module.num_key_value_groups = heads // kv_heads
+
+    def exact(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=heads != kv_heads)
+        return out.transpose(1, 2)
+
+    got = _grads(fused, q, k, v, grad)
+    expected = _grads(exact, *(t.double() for t in (q, k, v)), grad.double())
+    assert fused_calls == ([(2, heads, length, dim)] if RUNS else [])
+    for mine, ref in zip(got, expected):
+        assert mine.dtype == torch.float32 and mine.shape == ref.shape
+        torch.testing.assert_close(mine.double(), ref, rtol=0, atol=3e-5)
+
+
+def test_any_thread_count_gives_the_same_bits(fused_calls: list) -> None:
+    q, k, v = _qkv(3, 4, 2, 61, 64, seed=2)
+    grad = torch.randn(3, 61, 4, 64, generator=torch.Generator().manual_seed(3))
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(_grads(lambda *t: attention_forward(_module(), *t, None)[0], q, k, v, grad))
+    finally:
+        torch.set_num_threads(previous)
+    assert len(fused_calls) == (2 if RUNS else 0)
+    if RUNS:  # SDPA's kernel (elsewhere) makes no such promise
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_calls_it_does_not_fit_go_to_sdpa_with_their_arguments(fused_calls: list) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = _qkv(2, 4, 2, 9, 64)
+    padded = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
+    padded[1, :, :, 7:] = False
+    not_causal = _module()
+    not_causal.is_causal = False
+    cases = [
+        (_module(), q, k, v, padded, {}),  # a mask: padding or packed rows
+        (_module(), q, k, v, None, {"dropout": 0.1}),
+        (_module(), q.double(), k.double(), v.double(), None, {}),
+        (_module(), *_qkv(2, 4, 2, 9, 16), None, {}),  # head size 16
+        (_module(), q, *(t[:, :, :5] for t in (k, v)), None, {}),  # keys from a cache: other lengths
+        (not_causal, q, k, v, None, {}),
+        (_module(), q[:, :, :1], k[:, :, :1], v[:, :, :1], None, {}),  # one token
+    ]
+    for module, q_, k_, v_, mask, kwargs in cases:
+        torch.manual_seed(0)
+        got = attention_forward(module, q_, k_, v_, mask, **kwargs)[0]
+        torch.manual_seed(0)
+        expected = sdpa_attention_forward(module, q_, k_, v_, mask, **kwargs)[0]
+        assert torch.equal(got, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention_forward(_module(), q, k, v, None)
+    assert fused_calls == []
+
+
+def _pair(seed: int = 0) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    config = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(seed)
+    plain = LlamaForCausalLM(config).train()
+    fused = LlamaForCausalLM(copy.deepcopy(config)).train()  # a config of its own: the fused one changes it
+    fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+def test_a_model_moves_onto_it_where_its_cpu_runs_it_and_keeps_its_values(fused_calls: list, tmp_path) -> None:  # noqa: ANN001
+    plain, fused = _pair()
+    assert plain.config._attn_implementation == "sdpa"
+    assert use_fused_ops(fused)["attention"] is RUNS
+    assert fused.config._attn_implementation == (IMPLEMENTATION if RUNS else "sdpa")
+    ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(5))
+    results = []
+    for model in (plain, fused):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits.detach(), [p.grad for p in model.parameters()]))
+    assert fused_calls == ([(3, 2, 11, 64)] * 2 if RUNS else [])  # one call a layer
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for got, expected in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    fused.save_pretrained(tmp_path)  # what the learner exports: a directory any transformers loads
+    assert IMPLEMENTATION not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_shared_prompt_packing_passes_its_mask_to_sdpa(fused_calls: list) -> None:
+    plain, fused = _pair(seed=1)
+    use_fused_ops(fused)
+    generator = torch.Generator().manual_seed(6)
+    prompt = torch.randint(1, 40, (1, 12), generator=generator).repeat(4, 1)
+    ids = torch.cat([prompt, torch.randint(1, 40, (4, 3), generator=generator)], dim=1)
+    mask = torch.ones_like(ids)
+    pos = torch.arange(12, 15).repeat(4, 1)
+    groups = torch.zeros(4, dtype=torch.long)
+    with torch.no_grad():
+        got = response_logp(fused, ids, mask, pos, ids[:, 12:], torch.ones(4, 3), 1.0, groups=groups)
+        expected = response_logp(plain, ids, mask, pos, ids[:, 12:], torch.ones(4, 3), 1.0, groups=groups)
+    assert fused_calls == []  # packed rows carry a mask: SDPA's path
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_capped_to_avx2_or_switched_off_the_model_stays_on_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, model = _pair()
+    assert not use_fused_attention(model, enabled=False)
+    monkeypatch.setenv("ASYNCRL_ISA_CAP", "avx2")
+    assert not available() and not use_fused_attention(model)
+    assert model.config._attn_implementation == "sdpa"
