@@ -5,17 +5,19 @@ HF runs a Llama-family model's attention through torch's `scaled_dot_product_att
 runs the learner's rows (about 130 tokens, 64-wide heads) at about 49 GFLOP/s, a fifth of the fp32 GEMM rate: 0.70 s
 of a 15 s decode-shape step (`asyncrl bench e2e`). `csrc/train_attention.cpp` holds each batch row's kv head in
 register tiles (AVX-512F): the scores, softmax and output rows forward, with the softmax rows saved for the backward
-instead of recomputed (B x H x L x L floats: `MAX_SAVED_BYTES` bounds them), and the four products of the backward.
-On that shape, one thread: 6.0-6.7 ms forward and 8.8 ms backward against SDPA's 17-29 ms for both.
+instead of recomputed (B x H x L x L floats: `MAX_LEN` and `MAX_SAVED_BYTES` bound them), and the four products of
+the backward. A layer of that shape, one thread: 6.0-6.7 ms forward and 8.8 ms backward, where SDPA took 17.2-17.6
+ms for both on two; the whole step 15.41 -> 14.84 s (docs/kernels.md).
 
 `use_fused_attention(model)` registers the function with transformers (`AttentionInterface` and the SDPA mask
 builder under `IMPLEMENTATION`) and points the model's `_attn_implementation` at it, for models on `sdpa` whose
 library loaded and whose CPU runs its path. At a call, anything else goes to HF's SDPA function, with the mask HF
 built: a mask (padding, packed rows), dropout, a key length other than the query's (a cache), a non-causal module,
-another dtype or device, autocast, head sizes other than 32, 64 and 128, or rows past `MAX_SAVED_BYTES`.
+another dtype or device, autocast, head sizes other than 32, 64 and 128, rows longer than `MAX_LEN`, or calls
+past `MAX_SAVED_BYTES`.
 
 Numerics: fp32, one fixed order of fused multiply-adds per element and sums in 8 fixed lanes, so any thread count
-gives the same bits; against float64 within 1e-5 like SDPA's (tests/unit/learner/test_fused_attention.py).
+gives the same bits; against float64 within 3e-5 like SDPA's (tests/unit/learner/test_fused_attention.py).
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ SOURCE = Path(__file__).with_name("csrc") / "train_attention.cpp"
 ABI_VERSION = 1
 IMPLEMENTATION = "asyncrl_fused_sdpa"
 """The name under which the attention function and its mask builder (SDPA's) are registered with transformers."""
+MAX_LEN = 256
+"""The longest row the kernels take. Its saved softmax rows cost H x L floats a token and layer, against SDPA's one:
+on the e2e decode shape (133 tokens, 16 heads) 15% on top of the layer's other saved activations, 25% at 256."""
 MAX_SAVED_BYTES = 256 * 2**20
-"""The softmax rows a call may save for its backward (B x H x L x padded L floats); longer rows take SDPA's path."""
+"""The softmax rows a call may save for its backward (B x H x L x padded L floats); more take SDPA's path."""
 HEAD_DIMS = (32, 64, 128)
 
 
@@ -108,7 +113,9 @@ def applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if key.shape != value.shape or key.shape[0] != batch or key.shape[2] != length or key.shape[3] != dim:
         return False
     kv_heads = key.shape[1]
-    if length < 2 or dim not in HEAD_DIMS or kv_heads < 1 or heads % kv_heads or not plain_fp32_cpu(query, key, value):
+    if not 2 <= length <= MAX_LEN or dim not in HEAD_DIMS or kv_heads < 1 or heads % kv_heads:
+        return False
+    if not plain_fp32_cpu(query, key, value):
         return False
     return batch * heads * length * ((length + 31) // 32 * 32) * 4 <= MAX_SAVED_BYTES and available()
 

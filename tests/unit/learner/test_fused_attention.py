@@ -112,6 +112,7 @@ def test_calls_it_does_not_fit_go_to_sdpa_with_their_arguments(fused_calls: list
         (_module(), q, *(t[:, :, :5] for t in (k, v)), None, {}),  # keys from a cache: other lengths
         (not_causal, q, k, v, None, {}),
         (_module(), q[:, :, :1], k[:, :, :1], v[:, :, :1], None, {}),  # one token
+        (_module(), *_qkv(1, 2, 1, fused_attention.MAX_LEN + 1, 32), None, {}),  # a long row
     ]
     for module, q_, k_, v_, mask, kwargs in cases:
         torch.manual_seed(0)
