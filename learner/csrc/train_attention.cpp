@@ -42,99 +42,60 @@ struct Tiles {
   static constexpr int features = 64;  // output features of a tile
 };
 
-// out[r][j0 + c] = sum_d a[r][d] * bt[d][j0 + c] for r < rows, c < kCols (bt: D rows of ldb >= j0 + kCols floats)
-template <int D, int C>
-TA_INLINE void tile_scores(const float* __restrict__ a, int64_t lda, int rows, const float* __restrict__ bt,
-                           int64_t ldb, int64_t j0, float* __restrict__ out, int64_t ldo) {
-  float acc[kRows][C];
+// out[r][c] = sum_{k < count} a[r * lda + k * ka] * b[k * ldb + c] for r < rows, c < W, added to what out holds
+// with `accumulate`: the rank-1 updates of a register tile. The scores (k over features, b the transposed keys), the
+// outputs (k over keys, b the values) and the key and value gradients (k over queries, a a column of p or ds, one
+// call per head) are all this product. K > 0: count is K, known when compiling (the scores' head size: with a
+// run-time count there the kernel ran a few percent slower); KA > 0: ka is KA.
+template <int W, int K = 0, int KA = 1>
+TA_INLINE void tile_rank1(const float* __restrict__ a, int64_t lda, int64_t ka, int rows, const float* __restrict__ b,
+                          int64_t ldb, int64_t count, float* __restrict__ out, int64_t ldo, bool accumulate) {
+  const int64_t steps = K > 0 ? K : count, a_step = KA > 0 ? KA : ka;
+  float acc[kRows][W];
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
+    for (int c = 0; c < W; ++c) acc[r][c] = accumulate && r < rows ? out[r * ldo + c] : 0.0f;
   const float* arow[kRows];
   for (int r = 0; r < kRows; ++r) arow[r] = a + (r < rows ? r : rows - 1) * lda;
-  for (int d = 0; d < D; ++d) {
-    const float* b = bt + d * ldb + j0;
+  for (int64_t k = 0; k < steps; ++k) {
+    const float* bk = b + k * ldb;
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
-      const float x = arow[r][d];
+      const float x = arow[r][k * a_step];
 #pragma GCC unroll 32
-      for (int c = 0; c < C; ++c) acc[r][c] = __builtin_fmaf(x, b[c], acc[r][c]);
+      for (int c = 0; c < W; ++c) acc[r][c] = __builtin_fmaf(x, bk[c], acc[r][c]);
     }
   }
   for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + j0 + c] = acc[r][c];
+    for (int c = 0; c < W; ++c) out[r * ldo + c] = acc[r][c];
 }
 
-// The score columns j0..j0+kCols-1 of rows r < rows in tiles of T::cols columns.
+// out[r][j0 + c] = sum_d a[r][d] * bt[d][j0 + c], the score columns j0..j0+kCols-1 of rows r < rows (bt: D rows of
+// ldb >= j0 + kCols floats), in tiles of T::cols columns
 template <int D, class T>
 TA_INLINE void scores(const float* a, int64_t lda, int rows, const float* bt, int64_t ldb, int64_t j0, float* out,
                       int64_t ldo) {
-  for (int64_t c0 = j0; c0 < j0 + kCols; c0 += T::cols) tile_scores<D, T::cols>(a, lda, rows, bt, ldb, c0, out, ldo);
+  for (int64_t c0 = j0; c0 < j0 + kCols; c0 += T::cols)
+    tile_rank1<T::cols, D>(a, lda, 1, rows, bt + c0, ldb, D, out + c0, ldo, false);
 }
 
-// out[r][:F] = sum_{j < n} p[r][j] * v[j][:F] for r < rows (p: rows of ldp floats; v: rows of ldv floats)
-template <int D>
-TA_INLINE void tile_mix(const float* __restrict__ p, int64_t ldp, int rows, const float* __restrict__ v, int64_t ldv,
-                        int64_t n, float* __restrict__ out, int64_t ldo) {
-  float acc[kRows][D];
-  for (int r = 0; r < kRows; ++r)
-    for (int d = 0; d < D; ++d) acc[r][d] = 0.0f;
-  const float* prow[kRows];
-  for (int r = 0; r < kRows; ++r) prow[r] = p + (r < rows ? r : rows - 1) * ldp;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vr = v + j * ldv;
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) {
-      const float x = prow[r][j];
-#pragma GCC unroll 32
-      for (int d = 0; d < D; ++d) acc[r][d] = __builtin_fmaf(x, vr[d], acc[r][d]);
-    }
-  }
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < D; ++d) out[r * ldo + d] = acc[r][d];
-}
-
-// out[r][:F] = sum_h sum_{i >= j0} w_h[i][j0 + r] * x_h[i][:F] for r < rows: the transposed product (dv from p, dk
-// from ds), heads in order, then queries in order (x_h and out already offset to the tile's first feature)
-template <int D>
-TA_INLINE void tile_mix_t(const float* const* w, int64_t ldw, const float* const* x, int64_t ldx, int heads, int64_t j0,
-                          int rows, int64_t len, float* __restrict__ out, int64_t ldo) {
-  float acc[kRows][D];
-  for (int r = 0; r < kRows; ++r)
-    for (int d = 0; d < D; ++d) acc[r][d] = 0.0f;
-  for (int h = 0; h < heads; ++h) {
-    for (int64_t i = j0; i < len; ++i) {
-      const float* wi = w[h] + i * ldw + j0;  // padded rows: wi[r] is readable (0) for r >= rows
-      const float* xi = x[h] + i * ldx;
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) {
-        const float s = wi[r];
-#pragma GCC unroll 32
-        for (int d = 0; d < D; ++d) acc[r][d] = __builtin_fmaf(s, xi[d], acc[r][d]);
-      }
-    }
-  }
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < D; ++d) out[r * ldo + d] = acc[r][d];
-}
-
-// tile_mix over all D features, T::features at a time
+// out[r][:] = sum_{j < n} p[r][j] * v[j][:] for r < rows (p: rows of ldp floats; v: rows of ldv floats, D features),
+// T::features at a time
 template <int D, class T>
 TA_INLINE void mix(const float* p, int64_t ldp, int rows, const float* v, int64_t ldv, int64_t n, float* out,
                    int64_t ldo) {
   constexpr int F = T::features < D ? T::features : D;
-  for (int f = 0; f < D; f += F) tile_mix<F>(p, ldp, rows, v + f, ldv, n, out + f, ldo);
+  for (int f = 0; f < D; f += F) tile_rank1<F>(p, ldp, 1, rows, v + f, ldv, n, out + f, ldo, false);
 }
 
-// tile_mix_t over all D features, T::features at a time
+// out[r][:] = sum_h sum_{i >= j0} w_h[i][j0 + r] * x_h[i][:] for r < rows: the transposed product (dv from p, dk
+// from ds), heads in order, then queries in order, T::features at a time
 template <int D, class T>
 TA_INLINE void mix_t(const float* const* w, int64_t ldw, const float* const* x, int64_t ldx, int heads, int64_t j0,
                      int rows, int64_t len, float* out, int64_t ldo) {
   constexpr int F = T::features < D ? T::features : D;
-  const float* xf[16];
-  for (int f = 0; f < D; f += F) {
-    for (int h = 0; h < heads; ++h) xf[h] = x[h] + f;
-    tile_mix_t<F>(w, ldw, xf, ldx, heads, j0, rows, len, out + f, ldo);
-  }
+  for (int f = 0; f < D; f += F)
+    for (int h = 0; h < heads; ++h)
+      tile_rank1<F, 0, 0>(w[h] + j0 * ldw + j0, 1, ldw, rows, x[h] + j0 * ldx + f, ldx, len - j0, out + f, ldo, h > 0);
 }
 
 TA_INLINE float lane_sum(const float* p, int64_t n) {
