@@ -56,8 +56,8 @@ class KernelBuild:
 def kernel_sources(cfg: Any) -> tuple[str, ...]:
     """The `csrc/` sources the rollout workers of `cfg` will load: none off the embedded engine on CPU; else the
     fused decode ops and the weight-only / fp32 row kernels (every CPU engine), and the scheme's and LoRA's; then
-    the learner's library (`learner.native_ops`: the fused ops, and the transpose of `learner.fp32_gemm`'s oneDNN
-    weight gradient)."""
+    the learner's: `train_ops.cpp` (`learner.native_ops`: the fused ops, and the transpose of `learner.fp32_gemm`'s
+    oneDNN weight gradient) and `train_attention.cpp` (the fused attention, with `learner.fused_ops`)."""
     learner_sources = [name for name in LEARNER_SOURCES if cfg.learner.fused_ops or (
         name == "train_ops.cpp" and cfg.learner.fp32_gemm != "blas")]  # fmt: skip
     rollout = cfg.rollout

@@ -152,11 +152,13 @@ def _register() -> None:
 
 
 def use_fused_attention(model: torch.nn.Module, enabled: bool = True) -> bool:
-    """With `enabled`, a model on `sdpa` attention, the library built and a CPU that runs it: register the fused
-    attention and point the model's config at it (every module reads `config._attn_implementation` at each call).
-    Returns whether it did."""
+    """With `enabled`, a model on `sdpa` attention with its parameters on the CPU, the library built and a CPU that
+    runs it: register the fused attention and point the model's config at it (every module reads
+    `config._attn_implementation` at each call). Returns whether it did."""
     config = getattr(model, "config", None)
     if not enabled or getattr(config, "_attn_implementation", None) != "sdpa" or not available():
+        return False
+    if any(param.device.type != "cpu" for param in model.parameters()):  # a GPU learner keeps SDPA's CUDA kernels
         return False
     _register()
     config._attn_implementation = IMPLEMENTATION

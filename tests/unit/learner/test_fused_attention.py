@@ -171,9 +171,12 @@ def test_shared_prompt_packing_passes_its_mask_to_sdpa(fused_calls: list) -> Non
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
-def test_capped_to_avx2_or_switched_off_the_model_stays_on_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_capped_to_avx2_switched_off_or_off_the_cpu_the_model_stays_on_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     _, model = _pair()
     assert not use_fused_attention(model, enabled=False)
+    with torch.device("meta"):  # parameters off the CPU (a GPU learner): SDPA's kernels stay
+        elsewhere = LlamaForCausalLM(copy.deepcopy(model.config))
+    assert not use_fused_attention(elsewhere) and elsewhere.config._attn_implementation == "sdpa"
     monkeypatch.setenv("ASYNCRL_ISA_CAP", "avx2")
     assert not available() and not use_fused_attention(model)
     assert model.config._attn_implementation == "sdpa"
