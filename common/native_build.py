@@ -166,3 +166,11 @@ class NativeLibrary:
                         print(f"{self.note}: {self.error}", file=sys.stderr)
                 self.tried = True
         return self.lib
+
+    def require(self, what: str) -> ctypes.CDLL:
+        """The library, for a caller that has no torch fallback at this point: raises, naming `what` and why the
+        library could not be built, where `get()` is None."""
+        lib = self.get()
+        if lib is None:
+            raise RuntimeError(f"{what}: {self.error}")
+        return lib

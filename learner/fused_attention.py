@@ -69,10 +69,7 @@ def available() -> bool:
 
 
 def _lib() -> ctypes.CDLL:
-    lib = LIBRARY.get()
-    if lib is None:
-        raise RuntimeError(f"learner fused attention: {LIBRARY.error}")
-    return lib
+    return LIBRARY.require("learner fused attention")
 
 
 class _AttentionFn(torch.autograd.Function):
@@ -117,7 +114,7 @@ def applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
         return False
     if not plain_fp32_cpu(query, key, value):
         return False
-    return batch * heads * length * ((length + 31) // 32 * 32) * 4 <= MAX_SAVED_BYTES and available()
+    return available() and batch * heads * length * _lib().ta_padded(length) * 4 <= MAX_SAVED_BYTES
 
 
 def attention_forward(

@@ -43,10 +43,7 @@ LIBRARY = NativeLibrary(
 
 def lib() -> ctypes.CDLL:
     """The loaded library; raises (with why it could not be built) where there is none."""
-    loaded = LIBRARY.get()
-    if loaded is None:
-        raise RuntimeError(f"learner native ops: {LIBRARY.error}")
-    return loaded
+    return LIBRARY.require("learner native ops")
 
 
 @functools.cache

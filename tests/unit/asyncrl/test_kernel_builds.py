@@ -127,3 +127,19 @@ def test_the_learner_s_kernel_failing_names_the_learner_s_fallback(
     (build,) = compile_kernels(_cfg(), ("train_ops.cpp",), out=lambda line: None)
     assert "no C++ compiler found" in build.error
     assert "the learner runs HF's torch ops for RMSNorm and SwiGLU" in capsys.readouterr().err
+
+
+def test_a_native_library_loads_once_and_require_names_why_it_could_not(scratch: Path) -> None:
+    from common.native_build import NativeLibrary
+
+    def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+        lib.answer.restype = ctypes.c_int
+        return lib
+
+    good = NativeLibrary(scratch / "small.cpp", declare)
+    assert good.require("small kernel").answer() == 42 and good.get() is good.require("small kernel")
+    (scratch / "broken.cpp").write_text("this is not C++\n")
+    broken = NativeLibrary(scratch / "broken.cpp", declare)
+    assert broken.get() is None and broken.error  # the module's torch fallback runs
+    with pytest.raises(RuntimeError, match=r"^broken kernel: .*broken\.cpp"):
+        broken.require("broken kernel")
