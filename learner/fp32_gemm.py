@@ -18,6 +18,20 @@ autocast, an empty input.
   at 256 output features); the input operand dy^T it copies to rows first, with torch's transposed copy (3-9 GB/s
   at the learner's shapes), so it gets `learner.native_ops.transpose`'s tiled copy instead (2.5-3.6x that rate
   where the library is built; torch's copy where not).
+
+oneDNN reorders the weight operand into its blocked layout inside every call: on the ~100M decode shape of `asyncrl
+bench e2e` (5 micro-batches a step) the forward re-reads and rewrites each weight five times a step. Inside
+`packed_weights(model, available_bytes)` (each minibatch of a learner's update after its first) the forward reorders
+each weight once, at its first use, and reuses that copy until the block ends or the weight changes
+(`torch.ops.mkldnn._reorder_linear_weight`: the same values in oneDNN's layout, summed in the same order, so the same
+bits, tested; a one-row GEMM is never packed: oneDNN's matrix-vector kernel sums in another order). The copies live
+through the minibatch's forward and backward, as many bytes as the linear weights, so only while the machine's
+available memory is at least `PACK_MIN_AVAILABLE_FACTOR` times that (`pack_allowed`); they are freed before the
+optimizer step. Measured (Zen 4, 2026-12-05): the decode-shape step 15.20 -> 14.84 s (2 threads, medians of 4
+alternated pairs; forward 5.0 -> 4.7 s); the SmolLM2-135M row on oneDNN, one thread, 13.38-13.86 -> 13.04-13.17 s,
+its steady peak 4.2 -> 4.6-4.8 GB. Not in the first update: there the copies raised that row's first-step peak from
+2.7 to 3.3 GB (`learner_peak_rss_gb_smol`, target 3) and their page faults made the step slower. The backward's W^T
+is not packed: 0.1 s a step on the decode shape for another copy of every weight.
 """
 
 from __future__ import annotations
@@ -25,7 +39,8 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +56,12 @@ RACE_MIN_S = 0.05
 """Fewest seconds of timed rounds: a small shape runs many, so that its best round is an undisturbed one."""
 WIN_MARGIN = 1.05
 """oneDNN is picked only when it is at least this much faster: a tie keeps torch's default."""
+PACK_MIN_AVAILABLE_FACTOR = 8
+"""`packed_weights` packs only while the machine's available memory is at least this many times the bytes of the
+model's oneDNN linear weights (the copies' size): a learner short of memory keeps its peak."""
+
+_packing: dict[int, tuple[torch.Tensor, int, torch.Tensor]] | None = None
+"""Inside `packed_weights`: id(weight) -> (weight, its `_version` when packed, the packed copy); None outside."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +156,50 @@ def plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
     )
 
 
+def pack_allowed(model: torch.nn.Module, available_bytes: int | None) -> bool:
+    """Whether `packed_weights` may hold a packed copy of `model`'s oneDNN linear weights: `available_bytes` (the
+    machine's; None: unknown, no) at least `PACK_MIN_AVAILABLE_FACTOR` times their bytes."""
+    if available_bytes is None:
+        return False
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, OnednnLinear)}
+    packed_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    return packed_bytes > 0 and available_bytes >= PACK_MIN_AVAILABLE_FACTOR * packed_bytes
+
+
+@contextmanager
+def packed_weights(model: torch.nn.Module, available_bytes: int | None) -> Iterator[bool]:
+    """Within the block, `OnednnLinear`'s forward packs each weight once (module docstring); the copies are freed on
+    exit. Yields whether it packs (`pack_allowed`); blocks do not nest."""
+    global _packing
+    if _packing is not None:
+        raise RuntimeError("packed_weights: already inside a packed_weights block")
+    enabled = pack_allowed(model, available_bytes)
+    _packing = {} if enabled else None
+    try:
+        yield enabled
+    finally:
+        _packing = None
+
+
+def _forward_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """The weight operand of a forward GEMM of `rows` rows: inside `packed_weights`, its packed copy (made now if
+    there is none for the weight's current version), else the weight."""
+    if _packing is None or rows < 2:  # one row: oneDNN's matrix-vector kernel, which sums in another order
+        return weight
+    entry = _packing.get(id(weight))
+    if entry is None or entry[0] is not weight or entry[1] != weight._version:
+        entry = (weight, weight._version, reorder_weight(weight, rows))
+        _packing[id(weight)] = entry
+    return entry[2]
+
+
+def reorder_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`weight` in oneDNN's blocked layout for GEMMs of about `rows` rows (an opaque tensor `onednn_linear` takes as
+    its weight; the same values)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
 class _OnednnLinearFn(torch.autograd.Function):
     """A linear whose forward and backward GEMMs run on oneDNN."""
 
@@ -144,7 +209,7 @@ class _OnednnLinearFn(torch.autograd.Function):
         ctx.save_for_backward(flat, weight)
         ctx.input_shape = x.shape
         ctx.has_bias = bias is not None
-        return onednn_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return onednn_linear(flat, _forward_weight(weight, flat.shape[0]), bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001

@@ -60,9 +60,8 @@ def free_heap_bytes() -> int | None:
     return None if libc is None else int(libc.mallinfo2().fordblks)
 
 
-def available_memory_share() -> float | None:
-    """The machine's available memory over its total (`MemAvailable / MemTotal`, /proc/meminfo); None where
-    unknown."""
+def _meminfo_kib() -> dict[str, int]:
+    """MemTotal and MemAvailable of /proc/meminfo in KiB (those present; none where unreadable)."""
     fields = {}
     try:
         with open("/proc/meminfo") as meminfo:
@@ -71,10 +70,23 @@ def available_memory_share() -> float | None:
                 if name in ("MemTotal", "MemAvailable"):
                     fields[name] = int(rest.split()[0])
     except (OSError, ValueError, IndexError):
-        return None
+        return {}
+    return fields
+
+
+def available_memory_share() -> float | None:
+    """The machine's available memory over its total (`MemAvailable / MemTotal`, /proc/meminfo); None where
+    unknown."""
+    fields = _meminfo_kib()
     if fields.get("MemTotal", 0) <= 0 or "MemAvailable" not in fields:
         return None
     return fields["MemAvailable"] / fields["MemTotal"]
+
+
+def available_memory_bytes() -> int | None:
+    """The machine's available memory in bytes (`MemAvailable`, /proc/meminfo); None where unknown."""
+    kib = _meminfo_kib().get("MemAvailable")
+    return None if kib is None else kib * 1024
 
 
 def trim_heap(min_free_bytes: int = TRIM_MIN_FREE_BYTES, below_available_share: float = TRIM_BELOW_AVAILABLE) -> bool:

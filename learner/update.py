@@ -35,9 +35,10 @@ from common.config_rules import head_quantized
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batch_budget, micro_batches, overlong_shaping, rank_rows, token_logp
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
+from learner.fp32_gemm import packed_weights
 from learner.logprobs import entropy_with_grad
 from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
-from learner.memory import TRIM_BELOW_AVAILABLE, trim_heap
+from learner.memory import TRIM_BELOW_AVAILABLE, available_memory_bytes, trim_heap
 from learner.precision import LossScaler, autocast
 from learner.sections import LearnerSections, UpdateSections
 from quant_sync.export import base_weight_name, is_quantized_linear
@@ -512,9 +513,12 @@ def train_on_batch(
     skipped = False
     for (lo, hi), grad_end in zip(zip(bounds[:-1], bounds[1:]), grad_ends):
         optimizer.zero_grad(set_to_none=True)
-        loss_value, loss_metrics = minibatch_backward(
-            model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds, grad_end
-        )
+        # oneDNN's weight copies, freed before the optimizer step; not in the first update, whose peak and page
+        # faults they would raise (its activations, then AdamW's state on their pages: `trim_heap` below)
+        with packed_weights(model, None if allocates_state else available_memory_bytes()):
+            loss_value, loss_metrics = minibatch_backward(
+                model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds, grad_end
+            )
         with timed(seconds, "optimizer"):
             scaler.unscale_(params)
             grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree

@@ -8,7 +8,15 @@ import torch
 from tiny_learner import tiny_batch, tiny_config, tiny_model, with_behavior
 
 from learner.acrl import AcrlReference
-from learner.fp32_gemm import OnednnLinear, pick_kernel, race_shape, use_fp32_gemm
+from learner.fp32_gemm import (
+    PACK_MIN_AVAILABLE_FACTOR,
+    OnednnLinear,
+    pack_allowed,
+    packed_weights,
+    pick_kernel,
+    race_shape,
+    use_fp32_gemm,
+)
 from learner.precision import LossScaler
 from learner.update import train_on_batch
 
@@ -177,3 +185,101 @@ def test_a_large_weight_gradient_reads_the_tiled_transpose_and_keeps_its_bits(mo
     expected = fp32_gemm.onednn_linear(grad_out.t().contiguous(), x.t())
     assert torch.equal(swapped.weight.grad, expected)
     torch.testing.assert_close(swapped.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture
+def reorders(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of every weight `packed_weights` reorders."""
+    from learner import fp32_gemm
+
+    calls, real = [], fp32_gemm.reorder_weight
+
+    def counted(weight: torch.Tensor, rows: int) -> torch.Tensor:
+        calls.append(tuple(weight.shape))
+        return real(weight, rows)
+
+    monkeypatch.setattr(fp32_gemm, "reorder_weight", counted)
+    return calls
+
+
+def test_inside_packed_weights_each_weight_is_packed_once_and_gives_the_same_bits(reorders: list) -> None:
+    """Micro-batches of several sizes through one block: one reorder per weight, outputs and every gradient bit for
+    bit those of the unpacked forward; a changed weight (its version moves) is packed again; nothing outlives it."""
+    from learner import fp32_gemm
+
+    plain, swapped = _pair(bias=True, in_features=96, out_features=80)
+    plain.__class__ = OnednnLinear  # the same kernel
+    xs = [torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) for rows in (64, 31, 2, 1)]
+    grads = [torch.randn(x.shape[0], 80, generator=torch.Generator().manual_seed(9)) for x in xs]
+    got: dict[str, list[torch.Tensor]] = {}
+
+    def run(name: str, module: torch.nn.Module) -> None:
+        for x, grad in zip(xs, grads):
+            leaf = x.clone().requires_grad_()
+            out = module(leaf)
+            out.backward(grad)
+            got.setdefault(name, []).extend([out.detach(), leaf.grad])
+
+    run("plain", plain)  # outside the block: never packed
+    assert reorders == []
+    with packed_weights(swapped, available_bytes=2**40) as packing:
+        assert packing
+        run("packed", swapped)
+        assert reorders == [(80, 96)]  # once for the micro-batches (a one-row GEMM is never packed)
+        with torch.no_grad():
+            swapped.weight.mul_(1.0)  # an optimizer's in-place step: a new version
+        swapped(xs[0])
+        assert reorders == [(80, 96), (80, 96)]
+    assert fp32_gemm._packing is None
+    assert all(torch.equal(a, b) for a, b in zip(got["packed"], got["plain"]))
+    assert torch.equal(swapped.weight.grad, plain.weight.grad) and torch.equal(swapped.bias.grad, plain.bias.grad)
+
+
+def test_packing_only_with_memory_to_spare_and_never_nested(reorders: list) -> None:
+    from learner import fp32_gemm
+
+    _, swapped = _pair(bias=False, in_features=96, out_features=80)
+    weight_bytes = 96 * 80 * 4
+    assert pack_allowed(swapped, PACK_MIN_AVAILABLE_FACTOR * weight_bytes)
+    assert not pack_allowed(swapped, PACK_MIN_AVAILABLE_FACTOR * weight_bytes - 1)
+    assert not pack_allowed(swapped, None)  # unknown memory: no copies
+    assert not pack_allowed(torch.nn.Linear(96, 80), 2**40)  # not on oneDNN: nothing to pack
+    with packed_weights(swapped, available_bytes=None) as packing:
+        assert not packing
+        swapped(torch.randn(8, 96))
+    assert reorders == []
+    with packed_weights(swapped, available_bytes=2**40):
+        with pytest.raises(RuntimeError, match="already inside"), packed_weights(swapped, available_bytes=2**40):
+            pass
+        swapped(torch.randn(8, 96))  # the outer block still packs
+    assert reorders == [(80, 96)] and fp32_gemm._packing is None
+
+
+def test_a_learner_step_packs_each_minibatch_and_equals_the_unpacked_step(
+    monkeypatch: pytest.MonkeyPatch, reorders: list
+) -> None:
+    """`train_on_batch` packs inside each minibatch of every update after the first: the same metrics and weights,
+    bit for bit, as with packing off (no memory to spare), and no packed copy is left after the step."""
+    from learner import fp32_gemm, update
+
+    results, linears = {}, 0
+    for available in (2**40, None):
+        monkeypatch.setattr(update, "available_memory_bytes", lambda available=available: available)
+        model = tiny_model(seed=2, hidden=64)
+        use_fp32_gemm(model, "onednn")
+        linears = sum(type(m) is OnednnLinear for m in model.modules())
+        cfg = tiny_config("loss.weighting=tis", "loss.cap=2.0", "learner.minibatches=2")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        reorders.clear()
+        for seed in (4, 5):
+            batch = with_behavior(tiny_batch(seed=seed), model, seed=seed)
+            result = train_on_batch(
+                model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl)
+            )
+            assert fp32_gemm._packing is None
+        # each weight once a minibatch, from the second update on (the first allocates AdamW's state)
+        assert len(reorders) == (2 * linears if available else 0)
+        results[available] = (result, [p.detach().clone() for p in model.parameters()])
+    (on, on_weights), (off, off_weights) = results[2**40], results[None]
+    assert on.metrics == off.metrics
+    assert all(torch.equal(a, b) for a, b in zip(on_weights, off_weights))

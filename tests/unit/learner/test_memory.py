@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.memory import available_memory_share, free_heap_bytes, trim_heap
+from learner.memory import available_memory_bytes, available_memory_share, free_heap_bytes, trim_heap
 
 MIB = 2**20
 
@@ -33,3 +33,23 @@ def test_trim_heap_gives_the_free_pages_back_and_skips_a_heap_with_little_free()
 def test_the_available_share_is_read_from_the_kernel():
     share = available_memory_share()
     assert share is not None and 0.0 < share <= 1.0
+
+
+def test_the_available_bytes_are_read_from_the_kernel_and_unknown_without_meminfo(monkeypatch):
+    import builtins
+
+    share, available = available_memory_share(), available_memory_bytes()
+    assert share is not None and available is not None
+    with open("/proc/meminfo") as meminfo:
+        total_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:"))
+    assert 0 < available <= total_kib * 1024
+    assert abs(available / (total_kib * 1024) - share) < 0.05  # both MemAvailable, read moments apart
+    real_open = builtins.open
+
+    def no_meminfo(path, *args, **kwargs):
+        if str(path) == "/proc/meminfo":
+            raise PermissionError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    assert available_memory_bytes() is None and available_memory_share() is None
