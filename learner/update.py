@@ -515,10 +515,11 @@ def train_on_batch(
         optimizer.zero_grad(set_to_none=True)
         # oneDNN's weight copies, freed before the optimizer step; not in the first update, whose peak and page
         # faults they would raise (its activations, then AdamW's state on their pages: `trim_heap` below)
-        with packed_weights(model, None if allocates_state else available_memory_bytes()):
+        with packed_weights(model, None if allocates_state else available_memory_bytes()) as packing:
             loss_value, loss_metrics = minibatch_backward(
                 model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds, grad_end
             )
+        metrics["learner/packed_weights"] = float(packing)
         with timed(seconds, "optimizer"):
             scaler.unscale_(params)
             grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree
