@@ -118,6 +118,12 @@ constexpr int kRowBlock = 4;  // activation rows per micro-kernel call
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// A decode step reads every weight once, and a model's int8 weights outgrow L3 (101 MB for the ~100M decode shape of
+// `asyncrl bench e2e`), so they stream from DRAM. Each micro-kernel call prefetches the weights of the call after it
+// into L2 (prefetcht1; locality 2) while it computes: on Zen 4 (one thread, 9 layers' linears, 16 rows) 10.7-11.0 ->
+// 9.3-9.5 ms a decode step; also 6% at 1 row and 8% at 32. Same bits (a hint changes no value).
+inline void prefetch_l2(const void* address) { __builtin_prefetch(address, 0, 2); }
+
 inline float nonzero_scale(float amax) {
   const float scale = amax / kInt8Max;
   return scale > 0.0f ? scale : 1.0f;  // NaN and 0 -> 1, like torch.where(scale > 0, scale, 1)
@@ -209,11 +215,14 @@ I8_AVX2 void quantize_row_avx2(const float* x, int64_t k, float scale, int, int1
   for (; i < k; ++i) put(q, i, quantize_one(x[i], scale), 0);
 }
 
-// acc[r][h] = the int32 dot products of MR int16 activation rows (row stride kp) with one panel's 16 columns.
+// acc[r][h] = the int32 dot products of MR int16 activation rows (row stride kp) with one panel's 16 columns;
+// `next` (the next panel, or null) is prefetched into L2 on the way (see prefetch_l2).
 template <int MR>
-I8_AVX2 inline void micro_avx2(const int16_t* q, int64_t kp, const int8_t* panel, __m256i acc[MR][2]) {
+I8_AVX2 inline void micro_avx2(const int16_t* q, int64_t kp, const int8_t* panel, const int8_t* next,
+                               __m256i acc[MR][2]) {
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
   for (int64_t k2 = 0; k2 < kp / 2; ++k2) {
+    if (next && (k2 & 1) == 0) prefetch_l2(next + k2 * 32);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k2 * 32)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k2 * 32 + 16)));
     for (int r = 0; r < MR; ++r) {
@@ -229,10 +238,11 @@ I8_AVX2 inline void micro_avx2(const int16_t* q, int64_t kp, const int8_t* panel
 // out[r, c] = fl(fl(float(acc) * s_x[r]) * s_w[c]) (+ bias[c]) for one panel's `cols` valid columns;
 // with out_s32, the raw accumulators instead.
 template <int MR>
-I8_AVX2 void block_avx2(const int16_t* q, int64_t kp, const int8_t* panel, const float* sx, const float* sw,
-                        const float* bias, int64_t cols, float* out, int32_t* out_s32, int64_t out_stride) {
+I8_AVX2 void block_avx2(const int16_t* q, int64_t kp, const int8_t* panel, const int8_t* next, const float* sx,
+                        const float* sw, const float* bias, int64_t cols, float* out, int32_t* out_s32,
+                        int64_t out_stride) {
   __m256i acc[MR][2];
-  micro_avx2<MR>(q, kp, panel, acc);
+  micro_avx2<MR>(q, kp, panel, next, acc);
   for (int r = 0; r < MR; ++r) {
     alignas(32) int32_t lanes[kPanel];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][0]);
@@ -257,21 +267,21 @@ I8_AVX2 void block_avx2(const int16_t* q, int64_t kp, const int8_t* panel, const
   }
 }
 
-I8_AVX2 void panel_rows_avx2(const int16_t* q, int64_t rows, int64_t kp, const int8_t* panel, const float* sx,
-                             const float* sw, const float* bias, int64_t cols, float* out, int32_t* out_s32,
-                             int64_t out_stride) {
+I8_AVX2 void panel_rows_avx2(const int16_t* q, int64_t rows, int64_t kp, const int8_t* panel, const int8_t* next,
+                             const float* sx, const float* sw, const float* bias, int64_t cols, float* out,
+                             int32_t* out_s32, int64_t out_stride) {
   int64_t m = 0;
   for (; m + kRowBlock <= rows; m += kRowBlock) {
-    block_avx2<kRowBlock>(q + m * kp, kp, panel, sx + m, sw, bias, cols, out ? out + m * out_stride : nullptr,
+    block_avx2<kRowBlock>(q + m * kp, kp, panel, next, sx + m, sw, bias, cols, out ? out + m * out_stride : nullptr,
                           out_s32 ? out_s32 + m * out_stride : nullptr, out_stride);
   }
   const int64_t left = rows - m;
   const int16_t* qm = q + m * kp;
   float* om = out ? out + m * out_stride : nullptr;
   int32_t* sm = out_s32 ? out_s32 + m * out_stride : nullptr;
-  if (left == 3) block_avx2<3>(qm, kp, panel, sx + m, sw, bias, cols, om, sm, out_stride);
-  if (left == 2) block_avx2<2>(qm, kp, panel, sx + m, sw, bias, cols, om, sm, out_stride);
-  if (left == 1) block_avx2<1>(qm, kp, panel, sx + m, sw, bias, cols, om, sm, out_stride);
+  if (left == 3) block_avx2<3>(qm, kp, panel, next, sx + m, sw, bias, cols, om, sm, out_stride);
+  if (left == 2) block_avx2<2>(qm, kp, panel, next, sx + m, sw, bias, cols, om, sm, out_stride);
+  if (left == 1) block_avx2<1>(qm, kp, panel, next, sx + m, sw, bias, cols, om, sm, out_stride);
 }
 
 // ------------------------------------------------------------------------------------------------ AVX512-VNNI
@@ -308,12 +318,16 @@ I8_VNNI void block_vnni(const VnniCall& a, int64_t m, int64_t p) {
   const int8_t* q = a.q + m * a.kp;
   const uint8_t* panel = a.packed + p * a.kp * kPanel;
   const int64_t panel_bytes = a.kp * kPanel, n0 = p * kPanel;
+  // the next group of panels (the next call's weights), prefetched into L2 on the way: see prefetch_l2
+  const int64_t next_panels = min64(kVnniPanels, (a.n + kPanel - 1) / kPanel - p - kVnniPanels);
+  const uint8_t* next = panel + kVnniPanels * panel_bytes;
   __m512i acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_si512();
   for (int64_t k4 = 0; k4 < a.kp / 4; ++k4) {
     __m512i w[NR];
     for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(panel + j * panel_bytes + k4 * 64);
+    for (int64_t j = 0; j < next_panels; ++j) prefetch_l2(next + j * panel_bytes + k4 * 64);
     for (int r = 0; r < MR; ++r) {
       int32_t four;
       std::memcpy(&four, q + r * a.kp + k4 * 4, 4);
@@ -423,9 +437,11 @@ I8_AVX2 inline __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
   TARGET void NAME(const VnniCall& a, int64_t m, int64_t p) {                                            \
     const int8_t* q = a.q + m * a.kp;                                                                    \
     const uint8_t* panel = a.packed + p * a.kp * kPanel;                                                 \
+    const uint8_t* next = p + 1 < (a.n + kPanel - 1) / kPanel ? panel + a.kp * kPanel : nullptr;         \
     __m256i acc[MR][2];                                                                                  \
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();                         \
     for (int64_t k4 = 0; k4 < a.kp / 4; ++k4) {                                                          \
+      if (next) prefetch_l2(next + k4 * 64);                                                             \
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64));         \
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k4 * 64 + 32));    \
       for (int r = 0; r < MR; ++r) {                                                                     \
@@ -687,7 +703,8 @@ void gemm(int isa, const int16_t* q, int64_t rows, int64_t kp, const int8_t* pac
     int32_t* s32_p = out_s32 ? out_s32 + n0 : nullptr;
 #ifdef I8_X86
     if (isa == I8_ISA_AVX2) {
-      panel_rows_avx2(q, rows, kp, panel, sx, sw_p, bias_p, cols, out_p, s32_p, out_stride);
+      const int8_t* next = p + 1 < panels ? panel + kp * kPanel : nullptr;
+      panel_rows_avx2(q, rows, kp, panel, next, sx, sw_p, bias_p, cols, out_p, s32_p, out_stride);
       continue;
     }
 #endif
