@@ -68,8 +68,13 @@ CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "dapo_int8.yaml"
 INSTALL_HINT = "pip install 'asyncrl[bench]'"
 DECODE_NEW_TOKENS = 128
 DECODE_GROUPS = 4
-"""Prompts per step on the decode workload: x 8 samples x 128 tokens, a 100M-model step takes a minute or more on 2
-cores (the learner's backward alone 50-70 s), so the full run takes 4 steps (1 warm-up, 3 steady) of each."""
+"""Prompts per step on the decode workload: x 8 samples x 128 tokens."""
+DECODE_STEPS = 8
+"""Steps of each contender on the full decode workload: 1 warm-up and 7 steady (`e2e_metrics.warmup_steps`). A step
+takes 15-30 s on 2 cores, and consecutive steps of one run differ by up to 0.7 s (Zen 4, 2026-12-05), so 3 steady
+steps (the earlier 4-step run) put a single step's noise, and the one-time cost of the first step after the first
+update (the heap it gave back touched again), at a third of the steady figure; 7 steady steps (about 12 minutes for
+the four contenders) put it at a seventh."""
 DECODE_OVERRIDES = ("learner.skip_zero_adv=false",)
 """The random decode model earns no reward, so every advantage is 0 and `learner.skip_zero_adv` would skip every
 backward: the workload then measures no training at all. Off, the learner trains every row, as TRL does."""
@@ -111,7 +116,7 @@ def _workloads(quick: bool, work: Path, names: Sequence[str], steps: int | None)
             shape = QUICK_DECODE_SHAPE if quick else FULL_DECODE_SHAPE
             workloads.append(Workload(
                 name="decode", model_dir=build_decode_model(work / "decode_model", shape, DECODE_NEW_TOKENS),
-                steps=3 if quick else 4, groups_per_step=DECODE_GROUPS, group_size=config.train.group_size,
+                steps=3 if quick else DECODE_STEPS, groups_per_step=DECODE_GROUPS, group_size=config.train.group_size,
                 max_new_tokens=DECODE_NEW_TOKENS, learns=False, overrides=DECODE_OVERRIDES,
             ))  # fmt: skip
         else:
