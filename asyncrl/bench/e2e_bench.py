@@ -73,7 +73,7 @@ DECODE_STEPS = 8
 """Steps of each contender on the full decode workload: 1 warm-up and 7 steady (`e2e_metrics.warmup_steps`). A step
 takes 15-30 s on 2 cores, and consecutive steps of one run differ by up to 0.7 s (Zen 4, 2026-12-05), so 3 steady
 steps (the earlier 4-step run) put a single step's noise, and the one-time cost of the first step after the first
-update (the heap it gave back touched again), at a third of the steady figure; 7 steady steps (about 12 minutes for
+update (the heap it gave back touched again), at a third of the steady figure; 7 steady steps (about 13 minutes for
 the four contenders) put it at a seventh."""
 DECODE_OVERRIDES = ("learner.skip_zero_adv=false",)
 """The random decode model earns no reward, so every advantage is 0 and `learner.skip_zero_adv` would skip every
