@@ -320,7 +320,7 @@ I8_VNNI void block_vnni(const VnniCall& a, int64_t m, int64_t p) {
   const int64_t panel_bytes = a.kp * kPanel, n0 = p * kPanel;
   // the next group of panels (the next call's weights), prefetched into L2 on the way: see prefetch_l2
   const int64_t next_panels = min64(kVnniPanels, (a.n + kPanel - 1) / kPanel - p - kVnniPanels);
-  const uint8_t* next = panel + kVnniPanels * panel_bytes;
+  const uint8_t* next = next_panels > 0 ? panel + kVnniPanels * panel_bytes : panel;  // never past the buffer
   __m512i acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_si512();
