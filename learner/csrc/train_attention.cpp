@@ -223,7 +223,7 @@ inline int team(int threads, int64_t items) { return threads > 1 && items > 1 ? 
 
 extern "C" {
 
-int ta_abi_version(void) { return 1; }
+int ta_abi_version(void) { return 2; }
 
 // 1 where this CPU runs the kernels' path (AVX-512F and FMA), else 0 (the caller runs torch's attention).
 int ta_isa(void) {
@@ -277,6 +277,56 @@ void ta_backward(const float* q, const float* k, const float* v, const float* ou
   TA_PATH(backward_group, DIM, q, k, v, out, probs, grad, dq, dk, dv, s, b, g, vt, ds)
       TA_BY_HEAD_DIM(head_dim, TA_BACKWARD)
 #undef TA_BACKWARD
+    }
+  }
+}
+
+// Rotary position embedding of rows x (B, L, H, D) into out (same layout), as transformers' apply_rotary_pos_emb:
+// out = x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) over the halves of D, each product rounded
+// and then added (no fused multiply-adds: -ffp-contract=off), so the bits are torch's. cos and sin are (B or 1, L, D)
+// with rows of D contiguous, batch row b at b * cs_batch floats (0: one row for every batch row). out may be x.
+void ta_rope(const float* x, const float* cos, const float* sin, float* out, int64_t batch, int64_t len,
+             int64_t heads, int64_t head_dim, int64_t cs_batch, int threads) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(team(threads, batch * len))
+  for (int64_t row = 0; row < batch * len; ++row) {
+    const int64_t b = row / len, l = row % len;
+    const float* c = cos + b * cs_batch + l * head_dim;
+    const float* s = sin + b * cs_batch + l * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = x + (row * heads + h) * head_dim;
+      float* o = out + (row * heads + h) * head_dim;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = xr[d], x2 = xr[d + half];
+        const float lo = x1 * c[d] + (-x2) * s[d];
+        const float hi = x2 * c[d + half] + x1 * s[d + half];
+        o[d] = lo;
+        o[d + half] = hi;
+      }
+    }
+  }
+}
+
+// The gradient of ta_rope's input from the gradient g of its output (same layouts), as autograd computes it through
+// transformers' ops: dx1 = g1 * cos1 + g2 * sin2, dx2 = g2 * cos2 - g1 * sin1 (each product rounded). out may be g.
+void ta_rope_backward(const float* g, const float* cos, const float* sin, float* out, int64_t batch, int64_t len,
+                      int64_t heads, int64_t head_dim, int64_t cs_batch, int threads) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(team(threads, batch * len))
+  for (int64_t row = 0; row < batch * len; ++row) {
+    const int64_t b = row / len, l = row % len;
+    const float* c = cos + b * cs_batch + l * head_dim;
+    const float* s = sin + b * cs_batch + l * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* gr = g + (row * heads + h) * head_dim;
+      float* o = out + (row * heads + h) * head_dim;
+      for (int64_t d = 0; d < half; ++d) {
+        const float g1 = gr[d], g2 = gr[d + half];
+        const float lo = g1 * c[d] + g2 * s[d + half];
+        const float hi = g2 * c[d + half] + (-(g1 * s[d]));
+        o[d] = lo;
+        o[d + half] = hi;
+      }
     }
   }
 }

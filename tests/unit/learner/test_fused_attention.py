@@ -1,6 +1,7 @@
 """`learner.fused_attention`: the C++ causal attention gives SDPA's values and gradients (against float64), the same
-bits on any thread count, and every call it does not fit goes to HF's SDPA function. On a CPU without its path
-(AVX-512F), the model stays on SDPA."""
+bits on any thread count, and every call it does not fit goes to HF's SDPA function. Its rotary embedding gives
+transformers' bits, forward and backward, and a Llama model on it the bits of the model on the attention alone. On a
+CPU without its path (AVX-512F), the model stays on SDPA."""
 
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ RUNS = available()  # the kernels' path: AVX-512F with FMA, and the library buil
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The query shape of every call that ran the fused kernels."""
     calls: list[tuple[int, ...]] = []
-    real = fused_attention._AttentionFn.apply
+    real, real_rope = fused_attention._AttentionFn.apply, fused_attention._RopeAttentionFn.apply
 
     def counted(query: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(tuple(query.shape))
         return real(query, *args)
 
+    def counted_rope(query: torch.Tensor, *args: object) -> torch.Tensor:  # rows (B, L, H, D): counted as (B, H, L, D)
+        calls.append(tuple(query.transpose(1, 2).shape))
+        return real_rope(query, *args)
+
     monkeypatch.setattr(fused_attention._AttentionFn, "apply", counted)
+    monkeypatch.setattr(fused_attention._RopeAttentionFn, "apply", counted_rope)
     return calls
 
 
@@ -180,3 +186,63 @@ def test_capped_to_avx2_switched_off_or_off_the_cpu_the_model_stays_on_sdpa(monk
     monkeypatch.setenv("ASYNCRL_ISA_CAP", "avx2")
     assert not available() and not use_fused_attention(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def _rotary(batch: int, length: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Llama rotary tables (batch, length, dim) at random positions."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2, max_position_embeddings=512)
+    positions = torch.randint(0, 400, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return LlamaRotaryEmbedding(config)(torch.zeros(1), positions)
+
+
+@pytest.mark.parametrize(("batch", "rotary_batch", "heads", "dim"), [(3, 3, 4, 64), (2, 1, 2, 32), (1, 1, 3, 128)])
+def test_the_rotary_kernels_give_transformers_bits_forward_and_backward(batch: int, rotary_batch: int, heads: int,
+                                                                         dim: int) -> None:  # fmt: skip
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lib = fused_attention.LIBRARY.require("test")  # plain C++: built on every CPU that builds the library
+    length, generator = 29, torch.Generator().manual_seed(dim)
+    cos, sin = _rotary(rotary_batch, length, dim, seed=heads)
+    x = torch.randn(batch, length, heads, dim, generator=generator, requires_grad=True)
+    grad = torch.randn(batch, length, heads, dim, generator=generator)
+    expected, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)  # HF's (B, H, L, D) views
+    expected = expected.transpose(1, 2)
+    expected.backward(grad)
+    got = fused_attention._rope(lib.ta_rope, x.detach(), cos, sin, torch.empty_like(x))
+    assert torch.equal(got, expected.detach())
+    assert torch.equal(fused_attention._rope(lib.ta_rope_backward, grad, cos, sin, torch.empty_like(grad)), x.grad)
+    in_place = grad.clone()  # what the backward does with the attention's dq and dk
+    assert torch.equal(fused_attention._rope(lib.ta_rope_backward, in_place, cos, sin, in_place), x.grad)
+
+
+def test_llama_attention_with_the_rotary_kernel_gives_the_bits_of_the_attention_alone(fused_calls: list) -> None:
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    plain, fused = _pair(seed=2)
+    for model in (plain, fused):
+        use_fused_ops(model)
+    attention_types = {type(layer.self_attn) for layer in fused.model.layers}
+    assert attention_types == ({fused_attention._fused_rope_class()} if RUNS else {LlamaAttention})
+    for layer in plain.model.layers:  # the reference: transformers' rotary embedding, then the same attention kernel
+        layer.self_attn.__class__ = LlamaAttention
+    ids = torch.randint(0, 40, (3, 19), generator=torch.Generator().manual_seed(7))
+    results = []
+    for model in (plain, fused):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits.detach(), *(p.grad for p in model.parameters())])
+    assert fused_calls == [(3, 2, 19, 64)] * (4 if RUNS else 0)  # each model's two layers: the plain then the rotary
+    assert all(torch.equal(got, expected) for got, expected in zip(results[1], results[0]))
+    padded = torch.ones_like(ids)
+    padded[0, :4] = 0  # a padding mask: transformers' forward, SDPA with the mask
+    fused_calls.clear()
+    with torch.no_grad():
+        got, expected = (model(input_ids=ids, attention_mask=padded).logits for model in (fused, plain))
+    assert fused_calls == []
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    fused.eval()
+    with torch.no_grad():  # generation with a KV cache: transformers' forward
+        fused.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)
+    assert all(shape[2] == 5 for shape in fused_calls)  # only the prefill (no cache yet) runs a fused kernel
