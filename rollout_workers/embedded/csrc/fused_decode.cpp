@@ -78,6 +78,7 @@ struct Attention {
   float *keys, *values;
   int64_t max_len;
   float* out;
+  int64_t rows;  // the call's rows (n)
 };
 
 inline int64_t scratch_floats(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len) {
@@ -169,6 +170,36 @@ inline void softmax_in_place(float* s, int64_t span) {
   for (int64_t t = 0; t < span; ++t) s[t] = s[t] * inv_total;
 }
 
+// The keys and values a row's kv head h reads next after its own (the row's next head, or the next row's first):
+// the vector forms prefetch them into L2 while they work on this head, a cache line for each of this head's
+// positions, so that the next head's stream does not start cold (a decode step's cache outgrows L3 beside the
+// weights: one layer of 16 rows at 78 positions, 9 layers in turn, 0.32-0.36 -> 0.22-0.24 ms a call on Zen 4).
+// span 0 (no next row) prefetches nothing. A hint: the results are unchanged.
+struct NextHead {
+  const float *keys, *values;
+  int64_t span;
+};
+
+inline NextHead next_head(const Attention& a, int64_t i, int64_t h) {
+  const int64_t row = h + 1 < a.kv_heads ? i : i + 1;
+  if (row >= a.rows) return {nullptr, nullptr, 0};
+  const int64_t offset = (row * a.kv_heads + (h + 1) % a.kv_heads) * a.max_len * a.head_dim;
+  return {a.keys + offset, a.values + offset, a.positions[row] + 1};
+}
+
+// Prefetch position t's cache lines: this head's values (read after the softmax) and keys a few positions ahead
+// into L1, the next head's keys and values into L2.
+__attribute__((always_inline)) inline void prefetch_position(const float* keys, const float* values, const NextHead& next, int64_t t, int64_t D) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __builtin_prefetch(values + t * D + c, 0, 3);
+    __builtin_prefetch(keys + (t + 4) * D + c, 0, 3);
+    if (t < next.span) {
+      __builtin_prefetch(next.keys + t * D + c, 0, 2);
+      __builtin_prefetch(next.values + t * D + c, 0, 2);
+    }
+  }
+}
+
 #if defined(__x86_64__)
 // The vector variants (head_dim a multiple of the vector width; fd_decode_attention picks them): the scores of a
 // position are one vector of products reduced once, the weighted sum of values runs over two interleaved partial
@@ -224,13 +255,16 @@ __attribute__((target("avx512f,fma"))) void attend_row_avx512(const Attention& a
     prepare_head(a, i, h, q, tmp);
     const float* keys = a.keys + (i * a.kv_heads + h) * a.max_len * D;
     const float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
-    for (int64_t t = 0; t < span; ++t)
+    const NextHead next = next_head(a, i, h);
+    for (int64_t t = 0; t < span; ++t) {
+      prefetch_position(keys, values, next, t, D);
       for (int64_t j = 0; j < group; ++j) {
         const float *qj = q + j * D, *k = keys + t * D;
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
         for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k + d), acc);
         scores[j * a.max_len + t] = _mm512_reduce_add_ps(acc);
       }
+    }
     for (int64_t j = 0; j < group; ++j) {
       const float* w = scores + j * a.max_len;
       softmax_avx512(scores + j * a.max_len, span);
@@ -314,13 +348,16 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const Attention& a, int
     prepare_head(a, i, h, q, tmp);
     const float* keys = a.keys + (i * a.kv_heads + h) * a.max_len * D;
     const float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
-    for (int64_t t = 0; t < span; ++t)
+    const NextHead next = next_head(a, i, h);
+    for (int64_t t = 0; t < span; ++t) {
+      prefetch_position(keys, values, next, t, D);
       for (int64_t j = 0; j < group; ++j) {
         const float *qj = q + j * D, *k = keys + t * D;
         __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(k));
         for (int64_t d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(k + d), acc);
         scores[j * a.max_len + t] = reduce_add256(acc);
       }
+    }
     for (int64_t j = 0; j < group; ++j) {
       const float* w = scores + j * a.max_len;
       softmax_avx2(scores + j * a.max_len, span);
@@ -512,7 +549,7 @@ int fd_decode_attention(const float* qkv, int64_t qkv_stride, int64_t n, int64_t
     if (positions[i] < 0 || positions[i] >= max_len) return -1;
   if (heads % kv_heads != 0) return -1;
   const Attention a{qkv, qkv_stride, heads, kv_heads, head_dim, positions, cos, sin_rotate, q_norm, k_norm,
-                    norm_eps, keys, values, max_len, out};
+                    norm_eps, keys, values, max_len, out, n};
   const int64_t per_thread = scratch_floats(heads, kv_heads, head_dim, max_len);
   const bool parallel = threads > 1 && n > 1;
 #pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1) if (parallel)
