@@ -188,11 +188,14 @@ inline NextHead next_head(const Attention& a, int64_t i, int64_t h) {
 }
 
 // Prefetch position t's cache lines: this head's values (read after the softmax) and keys a few positions ahead
-// into L1, the next head's keys and values into L2.
-__attribute__((always_inline)) inline void prefetch_position(const float* keys, const float* values, const NextHead& next, int64_t t, int64_t D) {
+// (within its span) into L1, the next head's keys and values into L2. always_inline: as a plain inline function
+// GCC 12 compiled the vector forms' calls without their prefetches.
+__attribute__((always_inline)) inline void prefetch_position(const float* keys, const float* values, int64_t span,
+                                                             const NextHead& next, int64_t t, int64_t D) {
+  constexpr int64_t kAhead = 4;
   for (int64_t c = 0; c < D; c += 16) {
     __builtin_prefetch(values + t * D + c, 0, 3);
-    __builtin_prefetch(keys + (t + 4) * D + c, 0, 3);
+    if (t + kAhead < span) __builtin_prefetch(keys + (t + kAhead) * D + c, 0, 3);
     if (t < next.span) {
       __builtin_prefetch(next.keys + t * D + c, 0, 2);
       __builtin_prefetch(next.values + t * D + c, 0, 2);
@@ -257,7 +260,7 @@ __attribute__((target("avx512f,fma"))) void attend_row_avx512(const Attention& a
     const float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
     const NextHead next = next_head(a, i, h);
     for (int64_t t = 0; t < span; ++t) {
-      prefetch_position(keys, values, next, t, D);
+      prefetch_position(keys, values, span, next, t, D);
       for (int64_t j = 0; j < group; ++j) {
         const float *qj = q + j * D, *k = keys + t * D;
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
@@ -350,7 +353,7 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const Attention& a, int
     const float* values = a.values + (i * a.kv_heads + h) * a.max_len * D;
     const NextHead next = next_head(a, i, h);
     for (int64_t t = 0; t < span; ++t) {
-      prefetch_position(keys, values, next, t, D);
+      prefetch_position(keys, values, span, next, t, D);
       for (int64_t j = 0; j < group; ++j) {
         const float *qj = q + j * D, *k = keys + t * D;
         __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(k));
