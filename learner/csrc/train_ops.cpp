@@ -10,6 +10,9 @@
 // torch's ops in rounding only: the norms' sums run in another order, and the sigmoid's exp is Cephes' expf
 // polynomial (within 2 ulp of expf; common/csrc/fp32_lanes.h, shared with the engine's kernels).
 #include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "fp32_lanes.h"
 #ifdef _OPENMP
@@ -112,20 +115,52 @@ TO_INLINE void norm_backward_rows(const float* __restrict__ grad, const float* _
   }
 }
 
+// An 8 x 8 block transposed: dst row j = src column j (each side's rows `ld` floats apart). The portable form
+// goes through a local array; the AVX2 form (also the AVX-512 path's: 8-float rows are one ymm) in registers, 8
+// loads, 24 shuffles and 8 stores (unpack pairs of rows, shuffle pairs of pairs, swap 128-bit halves).
+inline void block8_portable(const float* __restrict__ src, int64_t ld_src, float* __restrict__ dst, int64_t ld_dst) {
+  float block[kBlock][kBlock];
+  for (int64_t i = 0; i < kBlock; ++i)
+    for (int64_t j = 0; j < kBlock; ++j) block[j][i] = src[i * ld_src + j];
+  for (int64_t j = 0; j < kBlock; ++j)
+    for (int64_t i = 0; i < kBlock; ++i) dst[j * ld_dst + i] = block[j][i];
+}
+
+#ifdef TO_X86
+TO_AVX2 inline void block8_avx2(const float* __restrict__ src, int64_t ld_src, float* __restrict__ dst,
+                                int64_t ld_dst) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(dst + j * ld_dst, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+    _mm256_storeu_ps(dst + (j + 4) * ld_dst, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+  }
+}
+#endif
+
 // dst[c][r] = src[r][c] for the tile's rows r0..r1-1 and columns c0..c1-1 (src rows x cols, dst cols x rows): 8 x 8
-// blocks through a local array, so that both sides move in runs of 8 consecutive floats.
+// blocks (`block8_*`; `vector`: the AVX2 form), so that both sides move in runs of 8 consecutive floats.
 inline void transpose_tile(const float* __restrict__ src, int64_t rows, int64_t cols, float* __restrict__ dst,
-                           int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+                           int64_t r0, int64_t r1, int64_t c0, int64_t c1, bool vector) {
   for (int64_t c = c0; c < c1; c += kBlock) {
     const int64_t cn = c1 - c < kBlock ? c1 - c : kBlock;
     for (int64_t r = r0; r < r1; r += kBlock) {
       const int64_t rn = r1 - r < kBlock ? r1 - r : kBlock;
       if (cn == kBlock && rn == kBlock) {
-        float block[kBlock][kBlock];
-        for (int64_t i = 0; i < kBlock; ++i)
-          for (int64_t j = 0; j < kBlock; ++j) block[j][i] = src[(r + i) * cols + c + j];
-        for (int64_t j = 0; j < kBlock; ++j)
-          for (int64_t i = 0; i < kBlock; ++i) dst[(c + j) * rows + r + i] = block[j][i];
+#ifdef TO_X86
+        if (vector) {
+          block8_avx2(src + r * cols + c, cols, dst + c * rows + r, rows);
+          continue;
+        }
+#endif
+        block8_portable(src + r * cols + c, cols, dst + c * rows + r, rows);
       } else {
         for (int64_t j = 0; j < cn; ++j)
           for (int64_t i = 0; i < rn; ++i) dst[(c + j) * rows + r + i] = src[(r + i) * cols + c + j];
@@ -154,7 +189,7 @@ inline int team(int threads, int64_t work) { return threads > 1 && work >= kPara
 
 extern "C" {
 
-int to_abi_version(void) { return 2; }
+int to_abi_version(void) { return 3; }
 
 // The best vector path here for `isa`: 2 AVX-512F, 1 AVX2, 0 the baseline (all give the same bits).
 int to_isa(void) {
@@ -215,13 +250,13 @@ void to_rms_norm_backward(int isa, const float* grad, const float* x, const floa
 
 // dst (cols, rows) = src (rows, cols) transposed, both contiguous row-major: a copy in 64 x 64 tiles, split over
 // threads by tile. torch's `t().contiguous()` moved 3-9 GB/s at the learner's shapes here; this about 2-3x that.
-void to_transpose(const float* src, int64_t rows, int64_t cols, float* dst, int threads) {
+void to_transpose(int isa, const float* src, int64_t rows, int64_t cols, float* dst, int threads) {
   const int64_t row_tiles = (rows + kTile - 1) / kTile, col_tiles = (cols + kTile - 1) / kTile;
 #pragma omp parallel for schedule(static) num_threads(team(threads, rows * cols))
   for (int64_t t = 0; t < row_tiles * col_tiles; ++t) {
     const int64_t r0 = (t % row_tiles) * kTile, c0 = (t / row_tiles) * kTile;
     transpose_tile(src, rows, cols, dst, r0, r0 + kTile < rows ? r0 + kTile : rows, c0,
-                   c0 + kTile < cols ? c0 + kTile : cols);
+                   c0 + kTile < cols ? c0 + kTile : cols, isa >= 1);
   }
 }
 

@@ -1,5 +1,5 @@
-"""`learner.native_ops.transpose`: the tiled copy gives `t().contiguous()`'s exact values at every shape and thread
-count, and torch's copy takes what the library does not apply to."""
+"""`learner.native_ops.transpose`: the tiled copy gives `t().contiguous()`'s exact values at every shape, thread
+count and vector path, and torch's copy takes what the library does not apply to."""
 
 from __future__ import annotations
 
@@ -17,17 +17,25 @@ def tiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     lib = native_ops.lib()
 
     class Counting:
-        def to_transpose(self, src: int, rows: int, cols: int, dst: int, threads: int) -> None:
+        def to_isa(self) -> int:
+            return lib.to_isa()
+
+        def to_transpose(self, isa: int, src: int, rows: int, cols: int, dst: int, threads: int) -> None:
             calls.append((rows, cols))
-            lib.to_transpose(src, rows, cols, dst, threads)
+            lib.to_transpose(isa, src, rows, cols, dst, threads)
 
     monkeypatch.setattr(native_ops.LIBRARY, "lib", Counting())
     return calls
 
 
+@pytest.mark.parametrize("isa", native_ops.ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(517, 515), (64, 4097), (4099, 70), (931, 2816), (1, 300_000), (300_000, 1)])
-def test_the_tiled_copy_is_the_transpose(shape: tuple[int, int], threads: int, tiled_calls: list) -> None:
+def test_the_tiled_copy_is_the_transpose(shape: tuple[int, int], threads: int, isa: str, tiled_calls: list,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Every vector path up to this CPU's best (a path it lacks runs its best: the same check)."""
+    best = native_ops.best_isa()
+    monkeypatch.setattr(native_ops, "best_isa", lambda: min(native_ops.ISAS.index(isa), best))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
