@@ -11,10 +11,14 @@ reuses again, and that is not cheap: on the ~100M decode shape of `asyncrl bench
 forward faulted 0.9M pages (3.7 GB) every step, 1.2-3.3 s of system time in a 15 s step. A learner rank now runs
 with glibc settings under which a step's allocations come from the heap and stay there (`learner.group`'s
 `LEARNER_MALLOC`: mmap threshold 1 GiB, automatic trimming off), so the publication reuses the pages the
-activations freed. The update gives pages back (`learner.update.train_on_batch`) after the first update, the one that
-allocates AdamW's state on top of the freed activations (without it that step's peak rose from 2.80-2.84 to
-2.90-3.24 GB on the SmolLM2 shape: `learner_peak_rss_gb_smol`, target 3), and after a later one only while the
-machine runs short of memory (`TRIM_BELOW_AVAILABLE`): later steps reuse what the first left. Measured on that row
+activations freed. The update gives pages back (`learner.update.train_on_batch`) only while the machine runs short of
+memory (`TRIM_BELOW_AVAILABLE`): later steps reuse what the first left. Until 2026-12-05 it also gave them back after
+the first update, the one that allocates AdamW's state on top of the freed activations, because the publication's
+quantizer then added four fp32 temporaries of the largest matrix (the SmolLM2 shape's first-step peak 3.02-3.24 GB
+without the trim, 2.71-2.84 with it: `learner_peak_rss_gb_smol`, target 3); the second step page-faulted all of it
+again, 2.3-2.5 s on top of a 14 s decode-shape step of `asyncrl bench e2e` (Zen 4, 2026-12-05). The quantizer now
+works in blocks of rows (`quant_sync.quantizers.WEIGHT_CHUNK_ELEMENTS`), and the first-step peak without the trim is
+2.73-2.77 GB. Measured on that row
 (`python -m asyncrl.bench.learner_bench --rows smol`, Zen 5, 2026-11-25, two runs each, alternated): step 14.18 and
 14.14 -> 13.03 and 12.74 s, forward 5.07 and 4.95 -> 3.69 and 3.67 s, `learner_mfu_smol` 0.64 -> 0.70 and 0.72,
 first-step peak 2.73 and 2.77 -> 2.72 and 2.75 GB, steady peak 4.22 -> 4.52-4.64 GB. It runs only when at least

@@ -540,9 +540,9 @@ def train_on_batch(
         scaler.update(finite=True)
         metrics.update(loss_metrics)
     optimizer.zero_grad(set_to_none=True)
-    # the activations', gradients' and AdamW temporaries' pages, before the caller publishes: after the update that
-    # allocated AdamW's state always, later only when the machine is short of memory (memory.py)
-    trim_heap(below_available_share=math.inf if allocates_state else TRIM_BELOW_AVAILABLE)
+    # the activations', gradients' and AdamW temporaries' pages, before the caller publishes: only when the machine
+    # is short of memory (memory.py; the first update too since the publication quantizes in blocks of rows)
+    trim_heap(below_available_share=TRIM_BELOW_AVAILABLE)
     if from_forward:  # each rank filled its own rows (in the batch's order, restored if it was changed)
         if order is not None:
             restore = torch.argsort(order)

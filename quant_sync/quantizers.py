@@ -79,14 +79,33 @@ def quantize_fp8_rows(x: torch.Tensor, trunc: bool = False) -> tuple[torch.Tenso
     return q, scale
 
 
-def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
-    """Quantize an (out, in) linear weight with a W8A8 scheme (`int8`, `fp8`, `fp8_trunc`)."""
+WEIGHT_CHUNK_ELEMENTS = 1 << 21
+"""`quantize_weight` quantizes a weight in blocks of rows of about this many elements (8 MiB of fp32): each row is
+quantized on its own, so the blocks give the whole matrix's bits, and the quantizer's fp32 temporaries (|x|, x / s,
+its rounding and clamp: four of the matrix's size at once, 0.45 GB for SmolLM2-135M's 49,152 x 576 head) stay
+small while the learner publishes on top of its step's memory."""
+
+
+def _quantize_rows(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     if scheme == "int8":
-        q, scale = quantize_int8_rows(weight)
-    elif scheme in ("fp8", "fp8_trunc"):
-        q, scale = quantize_fp8_rows(weight, trunc=scheme == "fp8_trunc")
-    else:
-        raise ValueError(f"quant.scheme {scheme!r} has no weight quantizer here (valid: int8, fp8, fp8_trunc)")
+        return quantize_int8_rows(weight)
+    if scheme in ("fp8", "fp8_trunc"):
+        return quantize_fp8_rows(weight, trunc=scheme == "fp8_trunc")
+    raise ValueError(f"quant.scheme {scheme!r} has no weight quantizer here (valid: int8, fp8, fp8_trunc)")
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """Quantize an (out, in) linear weight with a W8A8 scheme (`int8`, `fp8`, `fp8_trunc`), in blocks of rows
+    (`WEIGHT_CHUNK_ELEMENTS`)."""
+    rows = max(1, WEIGHT_CHUNK_ELEMENTS // max(weight.shape[-1], 1))
+    if weight.dim() != 2 or weight.shape[0] <= rows:
+        q, scale = _quantize_rows(weight, scheme)
+        return QuantizedWeight(q=q, scale=scale, scheme=scheme)
+    q, scale = _quantize_rows(weight[:rows], scheme)
+    q = torch.cat([q, q.new_empty((weight.shape[0] - rows, weight.shape[1]))])
+    scale = torch.cat([scale, scale.new_empty(weight.shape[0] - rows)])
+    for lo in range(rows, weight.shape[0], rows):
+        q[lo : lo + rows], scale[lo : lo + rows] = _quantize_rows(weight[lo : lo + rows], scheme)
     return QuantizedWeight(q=q, scale=scale, scheme=scheme)
 
 

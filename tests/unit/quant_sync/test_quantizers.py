@@ -139,3 +139,19 @@ def test_a_tiny_row_gets_its_own_scale_and_a_zero_row_stays_zero(scheme):
     assert torch.equal(quantized.q[1].to(torch.float32), torch.zeros(4))
     dequantized = quantized.dequantize()
     assert (dequantized[0] - weight[0]).abs().max() <= 0.07 * 3e-13  # the tiny row keeps its shape
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_trunc"])
+def test_a_weight_quantized_in_blocks_of_rows_has_the_whole_matrixs_bits(scheme, monkeypatch):
+    from quant_sync import quantizers
+
+    monkeypatch.setattr(quantizers, "WEIGHT_CHUNK_ELEMENTS", 3 * 40)  # blocks of 3 rows: 4 blocks, the last of 1
+    weight = torch.randn(10, 40, generator=torch.Generator().manual_seed(3)) * 0.05
+    weight[4] = 0.0  # a zero row inside a block
+    weight[9, 7] = 3.0  # the last block's row with its own large scale
+    blocked = quantizers.quantize_weight(weight, scheme)
+    monkeypatch.setattr(quantizers, "WEIGHT_CHUNK_ELEMENTS", 1 << 30)  # one block: the whole matrix at once
+    whole = quantizers.quantize_weight(weight, scheme)
+    assert blocked.q.dtype == whole.q.dtype and blocked.q.shape == whole.q.shape
+    assert torch.equal(blocked.q.view(torch.uint8), whole.q.view(torch.uint8))
+    assert torch.equal(blocked.scale, whole.scale) and blocked.scale.shape == (10,)
