@@ -186,7 +186,13 @@ def _fused_rope_class() -> type:
                 return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
             shape = (*hidden_states.shape[:-1], -1, self.head_dim)
             q, k, v = (proj(hidden_states).view(shape).contiguous() for proj in (self.q_proj, self.k_proj, self.v_proj))
-            out = _RopeAttentionFn.apply(q, k, v, *position_embeddings, self.scaling)
+            if plain_fp32_cpu(q, k, v):
+                out = _RopeAttentionFn.apply(q, k, v, *position_embeddings, self.scaling)
+            else:  # a projection wrapped to give another dtype or tensor type: transformers' rotation, then SDPA's
+                from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+                q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+                out, _ = attention_forward(self, q, k, v.transpose(1, 2), None, scaling=self.scaling)
             return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
     FusedRopeLlamaAttention.__qualname__ = FusedRopeLlamaAttention.__name__

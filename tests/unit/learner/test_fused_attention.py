@@ -217,7 +217,9 @@ def test_the_rotary_kernels_give_transformers_bits_forward_and_backward(batch: i
     assert torch.equal(fused_attention._rope(lib.ta_rope_backward, in_place, cos, sin, in_place), x.grad)
 
 
-def test_llama_attention_with_the_rotary_kernel_gives_the_bits_of_the_attention_alone(fused_calls: list) -> None:
+def test_llama_attention_with_the_rotary_kernel_gives_the_bits_of_the_attention_alone(
+    fused_calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     plain, fused = _pair(seed=2)
@@ -235,6 +237,20 @@ def test_llama_attention_with_the_rotary_kernel_gives_the_bits_of_the_attention_
         results.append([out.logits.detach(), *(p.grad for p in model.parameters())])
     assert fused_calls == [(3, 2, 19, 64)] * (4 if RUNS else 0)  # each model's two layers: the plain then the rotary
     assert all(torch.equal(got, expected) for got, expected in zip(results[1], results[0]))
+    real = fused_attention.plain_fp32_cpu
+
+    def rows_not_plain(*tensors: torch.Tensor) -> bool:  # the projections' rows (B, L, H, D) as if wrapped
+        return False if len(tensors) == 3 and tensors[0].shape[1:] == (19, 2, 64) else real(*tensors)
+
+    monkeypatch.setattr(fused_attention, "plain_fp32_cpu", rows_not_plain)
+    fused.zero_grad(set_to_none=True)
+    fused_calls.clear()
+    out = fused(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert fused_calls == [(3, 2, 19, 64)] * (2 if RUNS else 0)  # transformers' rotation, then the attention alone
+    rotated_apart = [out.logits.detach(), *(p.grad for p in fused.parameters())]
+    assert all(torch.equal(got, expected) for got, expected in zip(rotated_apart, results[0]))
+    monkeypatch.setattr(fused_attention, "plain_fp32_cpu", real)
     padded = torch.ones_like(ids)
     padded[0, :4] = 0  # a padding mask: transformers' forward, SDPA with the mask
     fused_calls.clear()
@@ -242,7 +258,9 @@ def test_llama_attention_with_the_rotary_kernel_gives_the_bits_of_the_attention_
         got, expected = (model(input_ids=ids, attention_mask=padded).logits for model in (fused, plain))
     assert fused_calls == []
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    fused.eval()
-    with torch.no_grad():  # generation with a KV cache: transformers' forward
-        fused.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)
-    assert all(shape[2] == 5 for shape in fused_calls)  # only the prefill (no cache yet) runs a fused kernel
+    fused_calls.clear()
+    with torch.no_grad():  # a KV cache (the prefill's too): transformers' forward, which writes the cache
+        generated = [model.eval().generate(ids[:1, :5], max_new_tokens=6, do_sample=False) for model in (fused, plain)]
+    assert torch.equal(generated[0], generated[1])
+    assert len(fused_calls) == (4 if RUNS else 0) and all(shape[2] == 5 for shape in fused_calls)  # the prefills'
+    # attention (keys as long as the queries), after transformers' rotation; the decode steps' go to SDPA
