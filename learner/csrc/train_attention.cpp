@@ -219,6 +219,30 @@ inline int team(int threads, int64_t items) { return threads > 1 && items > 1 ? 
     default: break;                   \
   }
 
+// ta_rope (kBackward false) and ta_rope_backward (true): each (row, head) pair of halves read, then written.
+template <bool kBackward>
+void rope_rows(const float* x, const float* cos, const float* sin, float* out, int64_t batch, int64_t len,
+               int64_t heads, int64_t head_dim, int64_t cs_batch, int threads) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(team(threads, batch * len))
+  for (int64_t row = 0; row < batch * len; ++row) {
+    const int64_t b = row / len, l = row % len;
+    const float* c = cos + b * cs_batch + l * head_dim;
+    const float* s = sin + b * cs_batch + l * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = x + (row * heads + h) * head_dim;
+      float* o = out + (row * heads + h) * head_dim;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = xr[d], x2 = xr[d + half];
+        const float lo = kBackward ? x1 * c[d] + x2 * s[d + half] : x1 * c[d] + (-x2) * s[d];
+        const float hi = kBackward ? x2 * c[d + half] + (-(x1 * s[d])) : x2 * c[d + half] + x1 * s[d + half];
+        o[d] = lo;
+        o[d + half] = hi;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -287,48 +311,14 @@ void ta_backward(const float* q, const float* k, const float* v, const float* ou
 // with rows of D contiguous, batch row b at b * cs_batch floats (0: one row for every batch row). out may be x.
 void ta_rope(const float* x, const float* cos, const float* sin, float* out, int64_t batch, int64_t len,
              int64_t heads, int64_t head_dim, int64_t cs_batch, int threads) {
-  const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(team(threads, batch * len))
-  for (int64_t row = 0; row < batch * len; ++row) {
-    const int64_t b = row / len, l = row % len;
-    const float* c = cos + b * cs_batch + l * head_dim;
-    const float* s = sin + b * cs_batch + l * head_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* xr = x + (row * heads + h) * head_dim;
-      float* o = out + (row * heads + h) * head_dim;
-      for (int64_t d = 0; d < half; ++d) {
-        const float x1 = xr[d], x2 = xr[d + half];
-        const float lo = x1 * c[d] + (-x2) * s[d];
-        const float hi = x2 * c[d + half] + x1 * s[d + half];
-        o[d] = lo;
-        o[d + half] = hi;
-      }
-    }
-  }
+  rope_rows<false>(x, cos, sin, out, batch, len, heads, head_dim, cs_batch, threads);
 }
 
 // The gradient of ta_rope's input from the gradient g of its output (same layouts), as autograd computes it through
 // transformers' ops: dx1 = g1 * cos1 + g2 * sin2, dx2 = g2 * cos2 - g1 * sin1 (each product rounded). out may be g.
 void ta_rope_backward(const float* g, const float* cos, const float* sin, float* out, int64_t batch, int64_t len,
                       int64_t heads, int64_t head_dim, int64_t cs_batch, int threads) {
-  const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(team(threads, batch * len))
-  for (int64_t row = 0; row < batch * len; ++row) {
-    const int64_t b = row / len, l = row % len;
-    const float* c = cos + b * cs_batch + l * head_dim;
-    const float* s = sin + b * cs_batch + l * head_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* gr = g + (row * heads + h) * head_dim;
-      float* o = out + (row * heads + h) * head_dim;
-      for (int64_t d = 0; d < half; ++d) {
-        const float g1 = gr[d], g2 = gr[d + half];
-        const float lo = g1 * c[d] + g2 * s[d + half];
-        const float hi = g2 * c[d + half] + (-(g1 * s[d]));
-        o[d] = lo;
-        o[d + half] = hi;
-      }
-    }
-  }
+  rope_rows<true>(g, cos, sin, out, batch, len, heads, head_dim, cs_batch, threads);
 }
 
 }  // extern "C"
