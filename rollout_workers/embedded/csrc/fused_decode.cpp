@@ -264,7 +264,8 @@ __attribute__((target("avx512f,fma"))) void attend_row_avx512(const Attention& a
       for (int64_t j = 0; j < group; ++j) {
         const float *qj = q + j * D, *k = keys + t * D;
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
-        for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k + d), acc);
+        for (int64_t d = 16; d < D; d += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k + d), acc);
         scores[j * a.max_len + t] = _mm512_reduce_add_ps(acc);
       }
     }
