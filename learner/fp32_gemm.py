@@ -16,8 +16,8 @@ autocast, an empty input.
 - backward: dx = dy W as oneDNN's linear of (dy, W^T), dW = dy^T x as its linear of (dy^T, x^T), db = sum(dy). The
   weight operands W^T and x^T are strided views, which oneDNN reads in place (copying x^T made dW up to 1.5x slower
   at 256 output features); the input operand dy^T it copies to rows first, with torch's transposed copy (3-9 GB/s
-  at the learner's shapes), so it gets `learner.native_ops.transpose`'s tiled copy instead (2.5-3.6x that rate
-  where the library is built; torch's copy where not).
+  at the learner's shapes), so it gets `learner.native_ops.transpose`'s tiled copy instead (4-6x that rate with
+  its AVX2 blocks, where the library is built; torch's copy where not).
 
 oneDNN reorders the weight operand into its blocked layout inside every call: on the ~100M decode shape of `asyncrl
 bench e2e` (5 micro-batches a step) the forward re-reads and rewrites each weight five times a step. Inside
