@@ -16,7 +16,8 @@ calls (a class swap to `_fused_rope_class()`: parameters, state-dict keys and ho
 q and k with six elementwise passes over (B, H, L, D) views, the kernel reads them back as (B, L, H, D) rows (a
 copy each), and the backward retraces all of it; `ta_rope` writes the rotated rows from the projections' outputs in
 one pass and `ta_rope_backward` returns the projections' gradients in one pass, with transformers' bits (each
-product rounded, then added). 3.2 ms a layer and micro-batch on the e2e decode shape, 0.17 s a step.
+product rounded, then added). transformers' passes took 3.2 ms a layer and micro-batch on the e2e decode shape
+(0.17 s a step).
 
 At a call, anything else goes to HF's SDPA function (and transformers' own rotary embedding), with the mask HF
 built: a mask (padding, packed rows), dropout, a key length other than the query's (a cache), a non-causal module,
