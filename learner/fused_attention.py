@@ -81,32 +81,43 @@ def _lib() -> ctypes.CDLL:
     return LIBRARY.require("learner fused attention")
 
 
+def _attend(ctx: Any, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, scale: float,
+            *saved: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`ta_forward` of rows q (B, L, H, D), k and v (B, L, KV, D) -> out (B, L, H, D); saves what `_attend_backward`
+    reads, then `saved`."""
+    lib = _lib()
+    batch, length, heads, dim = q_rows.shape
+    out = torch.empty_like(q_rows)
+    probs = torch.empty((batch, heads, length, lib.ta_padded(length)), dtype=torch.float32)
+    lib.ta_forward(q_rows.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), out.data_ptr(), probs.data_ptr(),
+                   batch, length, heads, k_rows.shape[2], dim, scale, torch.get_num_threads())  # fmt: skip
+    ctx.save_for_backward(q_rows, k_rows, v_rows, out, probs, *saved)
+    ctx.scale = scale
+    return out
+
+
+def _attend_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`ta_backward`: dq, dk, dv as rows, then the tensors `_attend` saved after its own."""
+    q_rows, k_rows, v_rows, out, probs, *saved = ctx.saved_tensors
+    grad = grad.contiguous()
+    batch, length, heads, dim = q_rows.shape
+    dq, dk, dv = torch.empty_like(q_rows), torch.empty_like(k_rows), torch.empty_like(v_rows)
+    _lib().ta_backward(q_rows.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), out.data_ptr(), probs.data_ptr(),
+                       grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), batch, length, heads,
+                       k_rows.shape[2], dim, ctx.scale, torch.get_num_threads())  # fmt: skip
+    return dq, dk, dv, *saved
+
+
 class _AttentionFn(torch.autograd.Function):
     """q (B, H, L, D), k and v (B, KV, L, D) -> out (B, L, H, D), causal, grouped-query heads."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
-        lib = _lib()
-        batch, heads, length, dim = q.shape
-        kv_heads = k.shape[1]
-        q_rows, k_rows, v_rows = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, L, heads, D)
-        out = torch.empty_like(q_rows)
-        probs = torch.empty((batch, heads, length, lib.ta_padded(length)), dtype=torch.float32)
-        lib.ta_forward(q_rows.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), out.data_ptr(), probs.data_ptr(),
-                       batch, length, heads, kv_heads, dim, scale, torch.get_num_threads())  # fmt: skip
-        ctx.save_for_backward(q_rows, k_rows, v_rows, out, probs)
-        ctx.scale = scale
-        return out
+        return _attend(ctx, *(t.transpose(1, 2).contiguous() for t in (q, k, v)), scale)  # rows (B, L, heads, D)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:  # noqa: ANN001
-        q_rows, k_rows, v_rows, out, probs = ctx.saved_tensors
-        grad = grad.contiguous()
-        batch, length, heads, dim = q_rows.shape
-        dq, dk, dv = torch.empty_like(q_rows), torch.empty_like(k_rows), torch.empty_like(v_rows)
-        _lib().ta_backward(q_rows.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), out.data_ptr(), probs.data_ptr(),
-                           grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), batch, length, heads,
-                           k_rows.shape[2], dim, ctx.scale, torch.get_num_threads())  # fmt: skip
+        dq, dk, dv = _attend_backward(ctx, grad)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 
@@ -126,27 +137,14 @@ class _RopeAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cos, sin, scale: float) -> torch.Tensor:  # noqa: ANN001
         lib = _lib()
-        batch, length, heads, dim = q.shape
         q_rows = _rope(lib.ta_rope, q, cos, sin, torch.empty_like(q))
         k_rows = _rope(lib.ta_rope, k, cos, sin, torch.empty_like(k))
-        out = torch.empty_like(q_rows)
-        probs = torch.empty((batch, heads, length, lib.ta_padded(length)), dtype=torch.float32)
-        lib.ta_forward(q_rows.data_ptr(), k_rows.data_ptr(), v.data_ptr(), out.data_ptr(), probs.data_ptr(),
-                       batch, length, heads, k.shape[2], dim, scale, torch.get_num_threads())  # fmt: skip
-        ctx.save_for_backward(q_rows, k_rows, v, out, probs, cos, sin)
-        ctx.scale = scale
-        return out
+        return _attend(ctx, q_rows, k_rows, v, scale, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
         lib = _lib()
-        q_rows, k_rows, v_rows, out, probs, cos, sin = ctx.saved_tensors
-        grad = grad.contiguous()
-        batch, length, heads, dim = q_rows.shape
-        dq, dk, dv = torch.empty_like(q_rows), torch.empty_like(k_rows), torch.empty_like(v_rows)
-        lib.ta_backward(q_rows.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), out.data_ptr(), probs.data_ptr(),
-                        grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), batch, length, heads,
-                        k_rows.shape[2], dim, ctx.scale, torch.get_num_threads())  # fmt: skip
+        dq, dk, dv, cos, sin = _attend_backward(ctx, grad)
         _rope(lib.ta_rope_backward, dq, cos, sin, dq)  # in place: each pair of halves is read before it is written
         _rope(lib.ta_rope_backward, dk, cos, sin, dk)
         return dq, dk, dv, None, None, None
@@ -165,14 +163,12 @@ def rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: 
         return False
     cos, sin = position_embeddings
     batch, length = hidden.shape[:2]
-    dim, heads, kv_heads = module.head_dim, config.num_attention_heads, config.num_key_value_heads
-    if not 2 <= length <= MAX_LEN or dim not in HEAD_DIMS or heads % kv_heads:
-        return False
+    dim = module.head_dim
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (length, dim):
         return False
     if not (cos.is_contiguous() and sin.is_contiguous() and plain_fp32_cpu(hidden, cos, sin)):
         return False
-    return available() and batch * heads * length * _lib().ta_padded(length) * 4 <= MAX_SAVED_BYTES
+    return _fits(batch, config.num_attention_heads, config.num_key_value_heads, length, dim)
 
 
 @functools.cache
@@ -208,10 +204,13 @@ def applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     batch, heads, length, dim = query.shape
     if key.shape != value.shape or key.shape[0] != batch or key.shape[2] != length or key.shape[3] != dim:
         return False
-    kv_heads = key.shape[1]
+    return plain_fp32_cpu(query, key, value) and _fits(batch, heads, key.shape[1], length, dim)
+
+
+def _fits(batch: int, heads: int, kv_heads: int, length: int, dim: int) -> bool:
+    """Whether the kernels take a call of this shape here: rows of 2..`MAX_LEN`, a head size of `HEAD_DIMS`, query
+    heads a multiple of the kv heads, saved softmax rows within `MAX_SAVED_BYTES`, and the kernels' path on this CPU."""
     if not 2 <= length <= MAX_LEN or dim not in HEAD_DIMS or kv_heads < 1 or heads % kv_heads:
-        return False
-    if not plain_fp32_cpu(query, key, value):
         return False
     return available() and batch * heads * length * _lib().ta_padded(length) * 4 <= MAX_SAVED_BYTES
 
