@@ -130,17 +130,20 @@ def micro_batch_budget(token_budget: int, model: torch.nn.Module) -> int:
 
 
 def micro_batches(
-    batch: Batch, lo: int, hi: int, token_budget: int, share_prefix: bool = False
+    batch: Batch, lo: int, hi: int, token_budget: int, share_prefix: bool = False, rows_layout: bool = False
 ) -> list[tuple[int, int]]:
     """Split rows lo..hi-1 into consecutive ranges whose padded size (rows x longest sequence) fits the budget; with
-    `share_prefix`, where sharing pays, ranges of whole groups whose packed size fits it (`learner.packing`).
+    `share_prefix`, where sharing pays, ranges of whole groups whose packed size fits it (`learner.packing`), or with
+    `rows_layout` (the model's attention packs tokens: `learner.packing.row_layout`) ranges of rows whose packed
+    tokens fit it.
 
     A single row longer than the budget still forms its own micro-batch (it cannot be split). A budget <= 0 (the
     unresolved `learner.micro_batch_tokens=0`) is `FALLBACK_MICRO_BATCH_TOKENS`: `micro_batch_budget` resolves it.
     """
     token_budget = token_budget if token_budget > 0 else FALLBACK_MICRO_BATCH_TOKENS
     if share_prefix:
-        packed = packed_micro_batches(batch.input_ids, batch.attention_mask, batch.group_index, lo, hi, token_budget)
+        packed = packed_micro_batches(batch.input_ids, batch.attention_mask, batch.group_index, lo, hi, token_budget,
+                                      rows_layout)  # fmt: skip
         if packed is not None:
             return packed
     lengths = batch.attention_mask[lo:hi].sum(-1).tolist()

@@ -19,6 +19,11 @@ one pass and `ta_rope_backward` returns the projections' gradients in one pass, 
 product rounded, then added). transformers' passes took 3.2 ms a layer and micro-batch on the e2e decode shape
 (0.17 s a step).
 
+Packed tokens (`learner.packing.pack_tokens`: each group's shared prompt once, no padding) come with a `RowLayout`
+under `ROWS_KWARG`: the attention gathers them into their rows, runs the rows as above (right padding needs no mask
+under the causal order), and each token takes its own row position's output; the gather's backward sums the shared
+prompt's key and value gradients over the group's rows. Rows the kernels do not take go to SDPA, causal, unmasked.
+
 At a call, anything else goes to HF's SDPA function (and transformers' own rotary embedding), with the mask HF
 built: a mask (padding, packed rows), dropout, a key length other than the query's (a cache), a non-causal module,
 another dtype or device, autocast, head sizes other than 32, 64 and 128, rows longer than `MAX_LEN`, or calls past
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +56,35 @@ on the e2e decode shape (133 tokens, 16 heads) 15% on top of the layer's other s
 MAX_SAVED_BYTES = 256 * 2**20
 """The softmax rows a call may save for its backward (B x H x L x padded L floats); more take SDPA's path."""
 HEAD_DIMS = (32, 64, 128)
+ROWS_KWARG = "asyncrl_rows"
+"""The keyword under which a decoder call hands its attention modules a `RowLayout` (transformers passes a model
+call's extra keywords on to every attention module and attention function)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowLayout:
+    """Packed tokens (one sequence of N: each group's shared prefix once, then each row's own tokens) whose attention
+    runs as the B rows of S positions they came from (`learner.packing.pack_groups` on this attention).
+
+    The linear layers, norms and MLP see every shared prefix once; the attention gathers each row's positions from
+    the packed tokens, attends causally row by row (right padding needs no mask under the causal order: a row's
+    tokens never see the positions past its end), and each packed token takes its own row position's output. A
+    prefix token takes its first row's; the other rows' copies feed only their own rows' later tokens as keys and
+    values, and the gather's backward adds their key and value gradients into the shared token.
+    """
+
+    gather: torch.Tensor  # (B * S,) long: the packed token at each row position (a real token past a row's end)
+    take: torch.Tensor  # (N,) long: the row position (b * S + s) whose attention output each packed token takes
+    rows: int
+    width: int
+
+    def to_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(N, ...) per packed token -> (B, S, ...) per row position (a gather; backward sums the copies)."""
+        return tokens.index_select(0, self.gather).view(self.rows, self.width, *tokens.shape[1:])
+
+    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) per row position -> (N, ...): each packed token's own row position."""
+        return rows.reshape(self.rows * self.width, *rows.shape[2:]).index_select(0, self.take)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -171,6 +206,43 @@ def rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: 
     return _fits(batch, config.num_attention_heads, config.num_key_value_heads, length, dim)
 
 
+def rows_rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_embeddings: Any, cache: Any, layout: RowLayout) -> bool:  # fmt: skip
+    """`rope_applies` for a packed call (hidden (1, N, C), the rotary tables (1, N, D)): the kernels take the rows
+    (B, S) the layout gathers."""
+    if cache is not None or attention_mask is not None or position_embeddings is None or hidden.dim() != 3:
+        return False
+    config = module.config
+    if config._attn_implementation != IMPLEMENTATION or (module.training and module.attention_dropout > 0):
+        return False
+    if not getattr(module, "is_causal", True) or hidden.shape[0] != 1:
+        return False
+    cos, sin = position_embeddings
+    if cos.shape != sin.shape or cos.shape != (1, hidden.shape[1], module.head_dim):
+        return False
+    if not plain_fp32_cpu(hidden, cos, sin):
+        return False
+    return _fits(layout.rows, config.num_attention_heads, config.num_key_value_heads, layout.width, module.head_dim)
+
+
+def _rows_rope_attention(module: torch.nn.Module, hidden: torch.Tensor, position_embeddings: Any,
+                         layout: RowLayout) -> torch.Tensor:  # fmt: skip
+    """The projections of packed `hidden` (1, N, C) gathered into the layout's rows, `_RopeAttentionFn` on them (or
+    transformers' rotation and SDPA's causal attention for a projection of another dtype), the output (1, N, H * D)
+    at each packed token's own row position."""
+    shape = (hidden.shape[1], -1, module.head_dim)
+    q, k, v = (layout.to_rows(proj(hidden).view(shape)) for proj in (module.q_proj, module.k_proj, module.v_proj))
+    cos, sin = (layout.to_rows(table[0]) for table in position_embeddings)  # (B, S, D)
+    if plain_fp32_cpu(q, k, v):
+        out = _RopeAttentionFn.apply(q, k, v, cos, sin, module.scaling)
+    else:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        out, _ = attention_forward(module, q, k, v.transpose(1, 2), None, scaling=module.scaling)
+    return layout.from_rows(out).view(1, hidden.shape[1], -1)
+
+
 @functools.cache
 def _fused_rope_class() -> type:
     """transformers' `LlamaAttention` whose forward runs `_RopeAttentionFn` where `rope_applies`."""
@@ -179,7 +251,11 @@ def _fused_rope_class() -> type:
     class FusedRopeLlamaAttention(LlamaAttention):
         def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
             cache = kwargs.pop("past_key_values", None) if cache is None else cache
-            if not rope_applies(self, hidden_states, attention_mask, position_embeddings, cache):
+            layout = kwargs.get(ROWS_KWARG)
+            if layout is not None and rows_rope_applies(self, hidden_states, attention_mask, position_embeddings,
+                                                        cache, layout):  # fmt: skip
+                return self.o_proj(_rows_rope_attention(self, hidden_states, position_embeddings, layout)), None
+            if layout is not None or not rope_applies(self, hidden_states, attention_mask, position_embeddings, cache):
                 return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
             shape = (*hidden_states.shape[:-1], -1, self.head_dim)
             q, k, v = (proj(hidden_states).view(shape).contiguous() for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -227,7 +303,14 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: (B, L, H, D) output, no weights. The fused kernels where they
-    apply (`applies`), else HF's SDPA function with the same arguments."""
+    apply (`applies`), else HF's SDPA function with the same arguments. With a `RowLayout` under `ROWS_KWARG`
+    (packed tokens, query (1, H, N, D)): the attention of the layout's rows, by the same rule, at each token's own
+    row position."""
+    layout = kwargs.pop(ROWS_KWARG, None)
+    if layout is not None:
+        q, k, v = (layout.to_rows(t[0].transpose(0, 1)).transpose(1, 2) for t in (query, key, value))  # (B, H, S, D)
+        out, _ = attention_forward(module, q, k, v, None, dropout, scaling, is_causal, **kwargs)
+        return layout.from_rows(out)[None], None
     if is_causal is not False and applies(module, query, key, value, attention_mask, dropout):
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         return _AttentionFn.apply(query, key, value, scale), None

@@ -119,6 +119,7 @@ def _loss_positions_logp(
             attention_mask=packed.attention_mask,
             position_ids=packed.position_ids,
             use_cache=False,
+            **packed.call_kwargs(),
         ).last_hidden_state  # (P, L, H)
         picked = hidden.reshape(-1, hidden.shape[-1])[packed.flat_index[rows, positions]]  # (N, H)
     logp, entropy = head_logp(model.get_output_embeddings(), picked, response_ids[rows, cols], temperature)

@@ -20,9 +20,18 @@ squared, so a group's suffixes are split over several packed rows (each with the
 the longest row, if longer). Backward: the gather of the loss positions' hidden states adds the gradients of every row
 that reads a shared position into it, the sum over rows of the unpacked gradients.
 
+On the learner's fused attention (`learner.fused_attention`) long responses behind short prompts pack as tokens,
+with no packed row and no mask: the packed tokens are one sequence, each group's prefix once and then every row's
+own tokens, with no padding, and the attention gathers them back into their rows (a `RowLayout`), attends causally
+row by row on the fused kernels and gives each token its own row position's output. Only the attention sees rows;
+the linear layers, norms and MLP, nearly all of a step, see each prefix once. The gathers cost about 1% of a token's
+work, so the layout pays from `MIN_ROWS_SAVING` of the padded tokens (the e2e decode workload's 6-token prompts
+before 128-token responses: 3.4%), up to `ROWS_MAX_EXPANSION` padded tokens per packed one; past that (long
+prompts, short responses) the attention's row-sized tensors cost more than masked packed rows.
+
 Packing pays only where groups share a prefix: `pack_groups` returns None (the caller runs the rows as they are) when
-it would save less than `MIN_SAVING` of the padded tokens, or when the model's attention is not `eager`, `sdpa` or
-the fused attention (SDPA's with a mask) (a packed row needs a dense 4-D mask).
+it would save less than `MIN_SAVING` of the padded tokens, or when the model's attention is not `eager`, `sdpa` or the
+fused attention (a packed row needs a dense 4-D mask).
 """
 
 from __future__ import annotations
@@ -32,11 +41,22 @@ from dataclasses import dataclass
 import torch
 
 from learner.fused_attention import IMPLEMENTATION as FUSED_ATTENTION
+from learner.fused_attention import ROWS_KWARG, RowLayout
 
 MAX_ROW_TOKENS = 512
 """A packed row's length past which a group's suffixes go on in another packed row (its attention is length^2)."""
 MIN_SAVING = 0.1
 """The share of the padded tokens (rows x longest row) that sharing must save for `pack_groups` to pack."""
+MIN_ROWS_SAVING = 0.01
+"""On the fused attention (a `RowLayout`), the share of the padded tokens (rows x longest row) that the packed tokens
+(each prefix once, no padding) must save."""
+ROWS_MAX_EXPANSION = 1.5
+"""The most padded tokens (rows x longest row) per packed token for a `RowLayout`: its attention holds the rows'
+positions (the gathered q, k and v, their output and softmax rows, saved for backward), the rest of the layer the
+packed tokens. Past it, packed rows with a mask hold less: SmolLM2-135M's 47-token prompts before 16-token
+responses (2.9 padded tokens per packed one) peaked at 3.24 GB in the first step on the row layout against 2.71-2.91
+GB on masked packed rows (target 3), at the same speed within the noise (13.76 s a step against 13.81-14.10;
+`python -m asyncrl.bench.learner_bench --rows smol`, Zen 4, 2026-12-05)."""
 DENSE_MASK_ATTENTION = ("eager", "sdpa", FUSED_ATTENTION)
 """Attention implementations that take a dense 4-D mask: bool for sdpa and the fused attention (which passes a mask
 to SDPA), additive float (0 / dtype min) for eager."""
@@ -48,13 +68,19 @@ class PackedRows:
 
     input_ids: torch.Tensor  # (P, L) long, 0 past a packed row's end
     position_ids: torch.Tensor  # (P, L) long: each token's position in its own row
-    attention_mask: torch.Tensor  # (P, 1, L, L): bool (True: attend), or additive float for eager attention
+    attention_mask: torch.Tensor  # (P, 1, L, L): bool (True: attend), or additive float for eager attention; (1, N)
+    # ones with a row layout (no padding: transformers builds no mask)
     flat_index: torch.Tensor  # (B, S) long: index of row b's position s in the packed tokens flattened to (P * L,)
+    rows: RowLayout | None = None  # the fused attention's layout (P = 1, L = N), which the decoder call passes on
 
     @property
     def tokens(self) -> int:
         """Tokens the decoder runs on, padding included: P x L."""
         return int(self.input_ids.numel())
+
+    def call_kwargs(self) -> dict[str, RowLayout]:
+        """The decoder call's keywords besides the inputs: the row layout, where there is one."""
+        return {} if self.rows is None else {ROWS_KWARG: self.rows}
 
 
 def _runs(group_index: list[int]) -> list[tuple[int, int]]:
@@ -92,16 +118,65 @@ def pays(runs: list[tuple[int, int]], prefixes: list[int], padded_tokens: int) -
     return saved >= MIN_SAVING * padded_tokens
 
 
+def _tokens_pay(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int], rows: int) -> bool:
+    """Whether packed tokens (each prefix once, no padding) are at least `MIN_ROWS_SAVING` fewer than the padded
+    rows' (rows x longest row), and at most `ROWS_MAX_EXPANSION` times fewer."""
+    padded = rows * int(max(lengths))
+    packed = int(sum(lengths)) - sum((hi - lo - 1) * prefix for (lo, hi), prefix in zip(runs, prefixes))
+    return MIN_ROWS_SAVING * padded <= padded - packed and padded <= ROWS_MAX_EXPANSION * packed
+
+
+def row_layout(attn_implementation: str | None) -> bool:
+    """Whether `pack_groups` packs for this attention implementation with a `RowLayout` (the fused attention)."""
+    return attn_implementation == FUSED_ATTENTION
+
+
+def model_row_layout(model: torch.nn.Module) -> bool:
+    """`row_layout` of a model's configured attention."""
+    return row_layout(getattr(getattr(model, "config", None), "_attn_implementation", None))
+
+
+def _token_ranges(
+    runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int], budget: int
+) -> list[tuple[int, int]]:
+    """Consecutive row ranges whose packed tokens (each group's prefix once per range, each row's suffix) fit
+    `budget`; a row over it alone takes a range of its own."""
+    ranges: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for (run_lo, run_hi), prefix in zip(runs, prefixes):
+        for row in range(run_lo, run_hi):
+            shares = row > max(start, run_lo)  # the group's prefix is already in this range
+            cost = int(lengths[row]) - (prefix if shares else 0)
+            if row > start and size + cost > budget:
+                ranges.append((start, row))
+                start, size, cost = row, 0, int(lengths[row])
+            size += cost
+    ranges.append((start, runs[-1][1]))
+    return ranges
+
+
 def packed_micro_batches(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, group_index: torch.Tensor, lo: int, hi: int, budget: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    lo: int,
+    hi: int,
+    budget: int,
+    rows_layout: bool = False,
 ) -> list[tuple[int, int]] | None:
     """Rows lo..hi-1 in consecutive ranges of whole groups whose packed size (groups x the longest packed group) fits
     `budget` tokens; a group over the budget alone is split into ranges of prefix + suffixes within it. None where
-    packing does not pay on these rows (`pays`): the caller plans them unpacked."""
+    packing does not pay on these rows (`pays`): the caller plans them unpacked.
+
+    `rows_layout` (`row_layout`: the fused attention packs tokens, not rows), where the rows' packed tokens pay
+    (`pack_tokens`): ranges of consecutive rows whose packed tokens fit the budget, a group's prefix counted once in
+    each range that holds its rows."""
     if hi - lo < 2:
         return None
     lengths = attention_mask[lo:hi].sum(-1).tolist()
     runs, prefixes = shared_prefixes(input_ids[lo:hi], lengths, group_index[lo:hi])
+    if rows_layout and _tokens_pay(runs, prefixes, lengths, hi - lo):
+        return [(lo + a, lo + b) for a, b in _token_ranges(runs, prefixes, lengths, budget)]
     if not pays(runs, prefixes, (hi - lo) * int(max(lengths))):
         return None
     ranges: list[tuple[int, int]] = []
@@ -136,10 +211,15 @@ def pack_groups(
     mask_dtype: torch.dtype = torch.float32,
 ) -> PackedRows | None:
     """The packed layout of right-padded rows `input_ids`, `attention_mask` (B, S) of groups `group_index` (B,), or
-    None where packing would save less than `MIN_SAVING` of B x S or the attention takes no dense mask.
+    None where packing would save less than `MIN_SAVING` of B x S or the attention takes no dense mask. On the fused
+    attention (`row_layout`): packed tokens with a `RowLayout` (`pack_tokens`).
 
     `mask_dtype`: the dtype of eager attention's additive mask (the attention scores' dtype).
     """
+    if row_layout(attn_implementation):
+        tokens = pack_tokens(input_ids, attention_mask, group_index)
+        if tokens is not None:
+            return tokens
     if attn_implementation not in DENSE_MASK_ATTENTION or input_ids.shape[0] < 2:
         return None
     rows, seq_len = input_ids.shape
@@ -199,3 +279,38 @@ def _mask(segment: torch.Tensor) -> torch.Tensor:
     causal = torch.ones((width, width), dtype=torch.bool).tril()
     query, key = segment[:, :, None], segment[:, None, :]
     return causal & ((key == 0) | (key == query))
+
+
+def pack_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_index: torch.Tensor) -> PackedRows | None:
+    """Right-padded rows (B, S) of groups (B,) as one sequence of N packed tokens (each group's shared prefix once,
+    then each row's suffix; no padding) with the `RowLayout` that gathers them back into their rows, or None where
+    that saves less than `MIN_ROWS_SAVING` of B x S or B x S is over `ROWS_MAX_EXPANSION` x N."""
+    rows, seq_len = input_ids.shape
+    if rows < 2:
+        return None
+    lengths = attention_mask.sum(-1).tolist()
+    runs, prefixes = shared_prefixes(input_ids, lengths, group_index)
+    if not _tokens_pay(runs, prefixes, lengths, rows):
+        return None
+    source: list[int] = []  # each packed token's row position (b * S + s): where it comes from and what it takes
+    positions: list[int] = []
+    gather = [0] * (rows * seq_len)  # each row position's packed token (token 0 past a row's end)
+    for (lo, hi), prefix in zip(runs, prefixes):
+        shared = len(source)
+        source.extend(range(lo * seq_len, lo * seq_len + prefix))
+        positions.extend(range(prefix))
+        for row in range(lo, hi):
+            at, end = row * seq_len, int(lengths[row])
+            gather[at : at + prefix] = range(shared, shared + prefix)
+            gather[at + prefix : at + end] = range(len(source), len(source) + end - prefix)
+            source.extend(range(at + prefix, at + end))
+            positions.extend(range(prefix, end))
+    take = torch.tensor(source)
+    gathered = torch.tensor(gather)
+    return PackedRows(
+        input_ids=input_ids.reshape(-1)[take][None],
+        position_ids=torch.tensor(positions)[None],
+        attention_mask=torch.ones((1, len(source)), dtype=torch.long),
+        flat_index=gathered.view(rows, seq_len),
+        rows=RowLayout(gather=gathered, take=take, rows=rows, width=seq_len),
+    )

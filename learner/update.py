@@ -39,6 +39,7 @@ from learner.fp32_gemm import packed_weights
 from learner.logprobs import entropy_with_grad
 from learner.losses import LossInputs, LossOutputs, advantages, group_discrepancy, loss_normalizer, policy_loss
 from learner.memory import TRIM_BELOW_AVAILABLE, available_memory_bytes, trim_heap
+from learner.packing import model_row_layout
 from learner.precision import LossScaler, autocast
 from learner.sections import LearnerSections, UpdateSections
 from quant_sync.export import base_weight_name, is_quantized_linear
@@ -90,7 +91,8 @@ def _plan(
 ) -> tuple[list[tuple[int, int]], int]:
     """This rank's micro-batches of rows lo..hi-1 and the number every rank runs (the max over ranks)."""
     mine = rank_rows(lo, hi, ranks.rank, ranks.world)
-    plan = micro_batches(batch, *mine, micro_batch_budget(learner.micro_batch_tokens, model), learner.share_prefix)
+    budget = micro_batch_budget(learner.micro_batch_tokens, model)
+    plan = micro_batches(batch, *mine, budget, learner.share_prefix, model_row_layout(model))
     count = int(all_reduce_(torch.tensor([len(plan)]), ranks, op="max"))
     return plan, count
 
@@ -379,7 +381,8 @@ def minibatch_backward(
     padding = (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)  # a rank short of micro-batches
     passes = [(bounds, True, False) for bounds in plan] + [(padding, False, False)] * (count - len(plan))
     passes += [(bounds, True, True) for bounds in micro_batches(batch, grad_end, rows[1], budget,
-                                                                sections.learner.share_prefix)]  # fmt: skip
+                                                                sections.learner.share_prefix,
+                                                                model_row_layout(model))]  # fmt: skip
     loss_sum = torch.zeros(())
     metric_sums: dict[str, float] = {}
     for (lo, hi), real, no_grad in passes:  # real: rows of the minibatch; no_grad: forward-only rows

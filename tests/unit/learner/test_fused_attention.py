@@ -161,20 +161,78 @@ def test_a_model_moves_onto_it_where_its_cpu_runs_it_and_keeps_its_values(fused_
     assert IMPLEMENTATION not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
 
 
-def test_shared_prompt_packing_passes_its_mask_to_sdpa(fused_calls: list) -> None:
+PROMPT, RESPONSE = 4, 20
+"""`_packed_case`'s shape: long responses behind a short shared prompt, what packs as tokens (`learner.packing`)."""
+
+
+def _packed_case(seed: int) -> tuple[torch.Tensor, ...]:
+    """Two groups of 3 rows behind a shared prompt, two of the responses shorter (right padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, 40, (2, PROMPT), generator=generator).repeat_interleave(3, 0)
+    ids = torch.cat([prompt, torch.randint(1, 40, (6, RESPONSE), generator=generator)], dim=1)
+    mask = torch.ones(6, RESPONSE)
+    mask[1, 13:], mask[4, 18:] = 0, 0
+    attention = torch.cat([torch.ones(6, PROMPT, dtype=torch.long), mask.long()], dim=1)
+    weights = torch.randn(6, RESPONSE, generator=generator) * mask
+    positions = torch.arange(PROMPT, PROMPT + RESPONSE).repeat(6, 1)
+    return ids, attention, positions, mask, torch.tensor([0] * 3 + [1] * 3), weights
+
+
+def _packed_logp(model: torch.nn.Module, case: tuple[torch.Tensor, ...], groups: bool) -> list[torch.Tensor]:
+    ids, attention, pos, mask, group_index, weights = case
+    model.zero_grad(set_to_none=True)
+    logp, _ = response_logp(model, ids, attention, pos, ids[:, PROMPT:] * mask.long(), mask, 0.7,
+                            groups=group_index if groups else None)  # fmt: skip
+    (logp * weights).sum().backward()
+    return [logp.detach(), *(p.grad for p in model.parameters())]
+
+
+def _on_fused_attention(model: torch.nn.Module) -> None:
+    """The model on the fused attention, and on its kernels where this CPU runs them (elsewhere the attention
+    function gives every call to SDPA: the row layout still applies)."""
+    use_fused_ops(model)
+    fused_attention._register()
+    model.config._attn_implementation = IMPLEMENTATION
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_packed_tokens_attend_as_their_rows_with_the_kernels(fused_calls: list, rope: bool) -> None:
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from learner.packing import pack_groups
+
     plain, fused = _pair(seed=1)
-    use_fused_ops(fused)
-    generator = torch.Generator().manual_seed(6)
-    prompt = torch.randint(1, 40, (1, 12), generator=generator).repeat(4, 1)
-    ids = torch.cat([prompt, torch.randint(1, 40, (4, 3), generator=generator)], dim=1)
-    mask = torch.ones_like(ids)
-    pos = torch.arange(12, 15).repeat(4, 1)
-    groups = torch.zeros(4, dtype=torch.long)
-    with torch.no_grad():
-        got = response_logp(fused, ids, mask, pos, ids[:, 12:], torch.ones(4, 3), 1.0, groups=groups)
-        expected = response_logp(plain, ids, mask, pos, ids[:, 12:], torch.ones(4, 3), 1.0, groups=groups)
-    assert fused_calls == []  # packed rows carry a mask: SDPA's path
-    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    _on_fused_attention(fused)
+    if not rope:  # transformers' rotation on the packed tokens, then the attention function's own row gather
+        for layer in fused.model.layers:
+            layer.self_attn.__class__ = LlamaAttention
+    case = _packed_case(seed=6)
+    ids, attention, _, _, group_index, _ = case
+    width = PROMPT + RESPONSE - 1  # the tokens the loss reads
+    packed = pack_groups(ids[:, :width], attention[:, :width], group_index, IMPLEMENTATION)
+    assert packed is not None and packed.rows is not None
+    assert packed.tokens == PROMPT * 2 + int(attention[:, PROMPT:width].sum())  # each prompt once, no padding
+    got = _packed_logp(fused, case, groups=True)
+    expected = _packed_logp(plain, case, groups=False)  # SDPA row by row, with the padding mask
+    assert fused_calls == [(6, 2, PROMPT + RESPONSE - 1, 64)] * (2 if RUNS else 0)  # each layer: the rows
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=2e-6)
+    for mine, ref in zip(got[1:], expected[1:]):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=5e-6 * float(ref.abs().max()))
+
+
+def test_packed_rows_the_kernels_do_not_take_run_sdpa_on_the_gathered_rows(
+    fused_calls: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, fused = _pair(seed=3)
+    _on_fused_attention(fused)
+    monkeypatch.setattr(fused_attention, "MAX_LEN", 8)  # rows of 23 positions: too long for the kernels
+    case = _packed_case(seed=8)
+    got = _packed_logp(fused, case, groups=True)
+    expected = _packed_logp(plain, case, groups=False)
+    assert fused_calls == []
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=2e-6)
+    for mine, ref in zip(got[1:], expected[1:]):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=5e-6 * float(ref.abs().max()))
 
 
 def test_capped_to_avx2_switched_off_or_off_the_cpu_the_model_stays_on_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:

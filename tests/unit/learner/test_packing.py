@@ -12,11 +12,12 @@ import pytest
 import torch
 from tiny_learner import VOCAB, tiny_batch, tiny_config, tiny_model, with_behavior
 
+import learner.fused_attention as fused_attention
 import learner.packing as packing
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batch_budget, micro_batches, token_logp
 from learner.losses import mismatch_metrics
-from learner.packing import pack_groups
+from learner.packing import FUSED_ATTENTION, pack_groups
 from learner.precision import LossScaler
 from learner.update import train_on_batch
 
@@ -138,6 +139,99 @@ def test_micro_batches_of_whole_groups_within_the_packed_budget():
     assert len(plan) < len(micro_batches(batch, 0, batch.rows, budget))  # fewer than unpacked
     one_group = micro_batches(batch, 0, batch.rows, 12, share_prefix=True)  # under one group's size: split by rows
     assert len(one_group) > 4 and one_group[-1][1] == batch.rows
+
+
+@pytest.fixture
+def any_expansion(monkeypatch):
+    """The row layout for these short rows too (their prompts are most of each row: `ROWS_MAX_EXPANSION` would pack
+    them as masked rows)."""
+    monkeypatch.setattr(packing, "ROWS_MAX_EXPANSION", 100.0)
+
+
+def test_packed_tokens_hold_each_prefix_once_and_gather_back_every_row_position(any_expansion):
+    batch = shared_batch(seed=2, same_start=True)
+    batch.attention_mask[5, -3:] = 0  # a shorter row: no padding among the packed tokens
+    lengths = batch.attention_mask.sum(-1)
+    packed = pack_groups(batch.input_ids, batch.attention_mask, batch.group_index, FUSED_ATTENTION)
+    assert packed is not None and packed.rows is not None and packed.input_ids.shape[0] == 1
+    layout = packed.rows
+    prefixes = [
+        packing._common_prefix(batch.input_ids, lo, lo + 4, int(lengths[lo : lo + 4].min())) for lo in (0, 4, 8)
+    ]
+    assert packed.tokens == int(lengths.sum()) - 3 * sum(prefixes)  # the rows' tokens, each prefix once
+    assert torch.equal(packed.attention_mask, torch.ones_like(packed.input_ids))  # transformers builds no mask
+    flat_ids, flat_pos = packed.input_ids[0], packed.position_ids[0]
+    for row in range(batch.rows):
+        n = int(lengths[row])
+        index = layout.gather.view(batch.rows, -1)[row, :n]
+        assert torch.equal(index, packed.flat_index[row, :n])
+        assert torch.equal(flat_ids[index], batch.input_ids[row, :n]) and torch.equal(flat_pos[index], torch.arange(n))
+    assert torch.equal(batch.input_ids.reshape(-1)[layout.take], flat_ids)  # each token's own row position
+    assert torch.equal(layout.gather[layout.take], torch.arange(packed.tokens))
+    x = torch.randn(packed.tokens, 3)
+    assert torch.equal(layout.from_rows(layout.to_rows(x)), x)
+    assert pack_groups(batch.input_ids[:1], batch.attention_mask[:1], batch.group_index[:1], FUSED_ATTENTION) is None
+
+
+def test_packed_token_micro_batches_fit_the_budget_and_split_groups_by_rows(any_expansion):
+    batch = shared_batch(seed=5, groups=4, group_size=4)
+    lengths = batch.attention_mask.sum(-1).tolist()
+    budget = 45
+    plan = micro_batches(batch, 0, batch.rows, budget, share_prefix=True, rows_layout=True)
+    assert plan[0][0] == 0 and plan[-1][1] == batch.rows and all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+    for lo, hi in plan:
+        packed = pack_groups(batch.input_ids[lo:hi], batch.attention_mask[lo:hi], batch.group_index[lo:hi],
+                             FUSED_ATTENTION)  # fmt: skip
+        tokens = packed.tokens if packed is not None else (hi - lo) * max(lengths[lo:hi])
+        assert tokens <= budget or hi - lo == 1
+    assert any(lo % 4 or hi % 4 for lo, hi in plan)  # groups split where the budget ends, not only between groups
+    assert len(plan) < len(micro_batches(batch, 0, batch.rows, budget))  # fewer than unpacked
+    single = batch.take(torch.arange(0, batch.rows, 4))  # one row per group: nothing shared, no padding
+    single.attention_mask[:] = 1
+    assert micro_batches(single, 0, single.rows, budget, share_prefix=True, rows_layout=True) == micro_batches(
+        single, 0, single.rows, budget
+    )
+
+
+def test_a_train_step_on_packed_tokens_matches_row_by_row(monkeypatch, any_expansion):
+    layouts = []
+    real = packing.pack_tokens
+    monkeypatch.setattr(packing, "pack_tokens", lambda *args: layouts.append(real(*args)) or layouts[-1])
+    outcomes = {}
+    for share in (False, True):
+        model = tiny_model(seed=6)  # 8-wide heads: the kernels do not take them, SDPA attends the gathered rows
+        batch = with_behavior(shared_batch(seed=6), copy.deepcopy(model), seed=2)
+        fused_attention._register()
+        model.config._attn_implementation = FUSED_ATTENTION
+        cfg = tiny_config("loss.weighting=tis", "loss.cap=2.0", f"learner.share_prefix={str(share).lower()}")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        result = train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
+        outcomes[share] = (result, [p.detach().clone() for p in model.parameters()])
+    (rows, rows_weights), (packed, packed_weights) = outcomes[False], outcomes[True]
+    assert layouts and all(layout is not None and layout.rows is not None for layout in layouts)
+    m = batch.mask.bool()
+    torch.testing.assert_close(packed.prox_logp[m], rows.prox_logp[m], **LOGP_TOL)
+    for key, value in rows.metrics.items():
+        assert packed.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for a, b in zip(packed_weights, rows_weights):
+        torch.testing.assert_close(a, b, rtol=0.0, atol=1e-6)
+
+
+def test_long_prompts_before_short_responses_pack_as_masked_rows_on_the_fused_attention():
+    batch = shared_batch(seed=3)  # prompts of most of each row
+    lengths = batch.attention_mask.sum(-1)
+    packed = pack_groups(batch.input_ids, batch.attention_mask, batch.group_index, FUSED_ATTENTION)
+    assert packed is not None and packed.rows is None and packed.attention_mask.dim() == 4  # SDPA with the mask
+    assert batch.rows * int(lengths.max()) > packing.ROWS_MAX_EXPANSION * (packed.input_ids != 0).sum()
+    plan = micro_batches(batch, 0, batch.rows, 60, share_prefix=True, rows_layout=True)
+    assert plan == micro_batches(batch, 0, batch.rows, 60, share_prefix=True)  # whole groups, as masked rows
+    long = batch.take(torch.arange(batch.rows))  # the same prompts before 40-token responses: packed tokens
+    long.input_ids = torch.cat([long.input_ids, torch.randint(1, VOCAB, (batch.rows, 40))], dim=1)
+    long.attention_mask = torch.cat([long.attention_mask, torch.ones(batch.rows, 40, dtype=torch.long)], dim=1)
+    long.input_ids[:, : int(lengths.min())] = batch.input_ids[:, : int(lengths.min())]
+    long.attention_mask[:] = 1
+    packed = pack_groups(long.input_ids, long.attention_mask, long.group_index, FUSED_ATTENTION)
+    assert packed is not None and packed.rows is not None
 
 
 def test_auto_micro_batch_budget_from_the_model_shape():
