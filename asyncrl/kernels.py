@@ -1,7 +1,8 @@
 """Compile our C++ kernels once per machine, in the driver, before the rollout workers and the learner start.
 
-The rollout workers load small C++ libraries (`rollout_workers/embedded/csrc/*.cpp`), the learner one of its own
-(`learner/csrc/train_ops.cpp`: `learner.fused_ops`), built and cached by `common/native_build.py`. Built inside the
+The rollout workers load small C++ libraries (`rollout_workers/embedded/csrc/*.cpp`), the learner its own
+(`learner/csrc/`: `learner.fused_ops`) and quant_sync's quantizer (`quant_sync/csrc/quantize.cpp`), built and cached
+by `common/native_build.py`. Built inside the
 workers, a first run sat for 10-60 s (2 cores, with or without neighbours) with nothing on the console, every
 worker compiling the same files at once. `compile_kernels` builds the ones the
 config will load (`kernel_sources`), two at a time, with a line per kernel and its elapsed time on a terminal
@@ -21,12 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import learner  # its csrc/ only: the package's __init__ imports nothing
+import quant_sync  # the same
 from asyncrl.console import KernelBuilds
 from common.native_build import KernelBuildError, build_library, compiler, kernel_target
 from rollout_workers.embedded import native_build as engine_build
 
 LEARNER_SOURCES = ("train_ops.cpp", "train_attention.cpp")
-"""The learner's kernel sources (`learner/csrc/`); the others are the rollout engine's."""
+"""The learner's kernel sources (`learner/csrc/`); the others are the rollout engine's and quant_sync's."""
+QUANT_SYNC_SOURCES = ("quantize.cpp",)
+"""quant_sync's (`quant_sync/csrc/`): the int8 quantizer the learner publishes with (`quant_sync.native`)."""
 FALLBACKS = {
     "fused_decode.cpp": "the rollout engine runs torch ops for RMSNorm, RoPE, decode attention and the fp32 linears "
     "(more per-token work)",
@@ -37,6 +41,8 @@ FALLBACKS = {
     "fp8_gemm.cpp": "the rollout engine runs FP8 linears on the torch reference (e4m3 values as fp32, torch's matmul)",
     "lora_gemm.cpp": "the rollout engine runs LoRA adapters on torch's GEMMs",
     "train_ops.cpp": "the learner runs HF's torch ops for RMSNorm and SwiGLU (more passes over the activations)",
+    "quantize.cpp": "the learner quantizes the int8 weights it publishes, and measures their error, with torch's ops "
+    "(about 0.2 s more a step on a 100M model)",
 }
 """What runs instead of each library when it is missing (each kernel module's own fallback)."""
 PARALLEL_BUILDS = 2
@@ -57,9 +63,11 @@ def kernel_sources(cfg: Any) -> tuple[str, ...]:
     """The `csrc/` sources the rollout workers of `cfg` will load: none off the embedded engine on CPU; else the
     fused decode ops and the weight-only / fp32 row kernels (every CPU engine), and the scheme's and LoRA's; then
     the learner's: `train_ops.cpp` (`learner.native_ops`: the fused ops, and the transpose of `learner.fp32_gemm`'s
-    oneDNN weight gradient) and `train_attention.cpp` (the fused attention, with `learner.fused_ops`)."""
+    oneDNN weight gradient) and `train_attention.cpp` (the fused attention, with `learner.fused_ops`), and with
+    `quant.scheme=int8` quant_sync's `quantize.cpp` (the learner's publication)."""
     learner_sources = [name for name in LEARNER_SOURCES if cfg.learner.fused_ops or (
         name == "train_ops.cpp" and cfg.learner.fp32_gemm != "blas")]  # fmt: skip
+    learner_sources += list(QUANT_SYNC_SOURCES) if cfg.quant.scheme == "int8" else []
     rollout = cfg.rollout
     if rollout.backend != "embedded" or not str(rollout.device).startswith("cpu"):
         return tuple(learner_sources)
@@ -75,9 +83,12 @@ def kernel_sources(cfg: Any) -> tuple[str, ...]:
 
 
 def source_path(source_name: str) -> Path:
-    """Where the kernel source `source_name` lives: `learner/csrc/` for the learner's, else the engine's `csrc/`."""
+    """Where the kernel source `source_name` lives: `learner/csrc/` for the learner's, `quant_sync/csrc/` for
+    quant_sync's, else the engine's `csrc/`."""
     if source_name in LEARNER_SOURCES:
         return Path(learner.__file__).with_name("csrc") / source_name
+    if source_name in QUANT_SYNC_SOURCES:
+        return Path(quant_sync.__file__).with_name("csrc") / source_name
     return engine_build.CSRC / source_name
 
 

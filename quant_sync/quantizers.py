@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quant_sync import native
+
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
 TRUNC_TOLERANCE = 1.0 + 2.0**-20
@@ -95,8 +97,12 @@ def _quantize_rows(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, tor
 
 
 def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
-    """Quantize an (out, in) linear weight with a W8A8 scheme (`int8`, `fp8`, `fp8_trunc`), in blocks of rows
-    (`WEIGHT_CHUNK_ELEMENTS`)."""
+    """Quantize an (out, in) linear weight with a W8A8 scheme (`int8`, `fp8`, `fp8_trunc`): int8 on the C++ kernel
+    where it takes the weight (`quant_sync.native`), else torch's ops in blocks of rows (`WEIGHT_CHUNK_ELEMENTS`)."""
+    if scheme == "int8" and native.takes(weight):  # one C++ pass a row, no temporaries; torch's bits
+        quantized = native.int8_rows(weight)
+        if quantized is not None:
+            return QuantizedWeight(q=quantized[0], scale=quantized[1], scheme=scheme)
     rows = max(1, WEIGHT_CHUNK_ELEMENTS // max(weight.shape[-1], 1))
     if weight.dim() != 2 or weight.shape[0] <= rows:
         q, scale = _quantize_rows(weight, scheme)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from quant_sync import native
 from quant_sync.quantizers import dequantize_published
 
 NORM_TO_LINEARS = {
@@ -46,6 +47,22 @@ def layer_type(name: str) -> str:
     return parts[-2] if len(parts) >= 2 else name
 
 
+def _squared_error(value: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> tuple[float, float]:
+    """(||dequantized - value||^2, ||value||^2) of one published tensor: one C++ pass a row for int8 per-row scales
+    (`quant_sync.native`), else torch's ops in chunks of ~8 MiB (not whole-tensor copies)."""
+    if scheme == "int8" and scale.dim() == 1 and q.shape == value.shape and native.takes(value):
+        return native.int8_row_errors(value, q, scale)
+    rows = max(1, 2**21 // max(value[0].numel(), 1))
+    err = norm = 0.0
+    for lo in range(0, value.shape[0], rows):
+        part = value[lo : lo + rows].detach().to(torch.float32)
+        residual = dequantize_published(q[lo : lo + rows], scale[lo : lo + rows], scheme).sub_(part)
+        # fp32 within a row (a few thousand terms), float64 across rows: 4x cheaper than float64 throughout
+        err += float(residual.mul_(residual).sum(-1).double().sum())
+        norm += float((part * part).sum(-1).double().sum())
+    return err, norm
+
+
 def quant_error_by_type(
     state: dict[str, torch.Tensor], published: dict[str, torch.Tensor], scheme: str = "int8"
 ) -> dict[str, float]:
@@ -55,14 +72,7 @@ def quant_error_by_type(
         scale = published.get(name + "_scale")
         if scale is None:
             continue
-        rows = max(1, 2**21 // max(value[0].numel(), 1))  # chunks of ~8 MiB, not whole-tensor copies
-        err = norm = 0.0
-        for lo in range(0, value.shape[0], rows):
-            part = value[lo : lo + rows].detach().to(torch.float32)
-            residual = dequantize_published(published[name][lo : lo + rows], scale[lo : lo + rows], scheme).sub_(part)
-            # fp32 within a row (a few thousand terms), float64 across rows: 4x cheaper than float64 throughout
-            err += float(residual.mul_(residual).sum(-1).double().sum())
-            norm += float((part * part).sum(-1).double().sum())
+        err, norm = _squared_error(value, published[name], scale, scheme)
         for key in ("all", layer_type(name)):
             acc = sums.setdefault(key, [0.0, 0.0])
             acc[0] += err

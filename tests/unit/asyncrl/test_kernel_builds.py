@@ -102,7 +102,8 @@ def test_on_a_terminal_a_bar_per_kernel_ends_with_its_time(
 
 def test_the_kernels_a_config_needs() -> None:
     learner = ("train_ops.cpp", "train_attention.cpp")
-    assert kernel_sources(_cfg()) == ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", *learner)
+    int8 = (*learner, "quantize.cpp")  # the learner publishes int8 weights with quant_sync's quantizer
+    assert kernel_sources(_cfg()) == ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", *int8)
     assert kernel_sources(_cfg("quant.scheme=fp8", "learner.fused_ops=false", "learner.fp32_gemm=blas")) == (
         "fused_decode.cpp", "weight_only.cpp", "fp8_gemm.cpp",
     )  # fmt: skip
@@ -110,13 +111,18 @@ def test_the_kernels_a_config_needs() -> None:
     assert kernel_sources(_cfg("quant.scheme=w4a16", "model.lora.rank=8")) == (
         "fused_decode.cpp", "weight_only.cpp", "lora_gemm.cpp", *learner,
     )  # fmt: skip
-    assert kernel_sources(_cfg("rollout.device=cuda")) == learner  # the learner's, on the CPU
-    assert kernel_sources(_cfg("rollout.device=cuda", "learner.fused_ops=false", "learner.fp32_gemm=blas")) == ()
+    assert kernel_sources(_cfg("rollout.device=cuda")) == int8  # the learner's, on the CPU
+    assert kernel_sources(_cfg("rollout.device=cuda", "learner.fused_ops=false", "learner.fp32_gemm=blas")) == (
+        "quantize.cpp",
+    )
+    assert kernel_sources(_cfg("rollout.device=cuda", "quant.scheme=fp8", "learner.fused_ops=false",
+                               "learner.fp32_gemm=blas")) == ()  # fmt: skip
     for name in ("fused_decode.cpp", "weight_only.cpp", "int8_gemm.cpp", "fp8_gemm.cpp", "lora_gemm.cpp"):
         assert (native_build.CSRC / name).is_file()
         assert source_path(name) == native_build.CSRC / name
     for name in learner:
         assert source_path(name).is_file() and source_path(name).parent.parent.name == "learner"
+    assert source_path("quantize.cpp").is_file() and source_path("quantize.cpp").parent.parent.name == "quant_sync"
 
 
 def test_the_learner_s_kernel_failing_names_the_learner_s_fallback(
