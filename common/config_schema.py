@@ -383,7 +383,8 @@ class LearnerConfig:
     """Token budget of one forward/backward micro-batch: its rows x their longest prompt + response (with
     `learner.share_prefix`, its packed groups x the longest), in tokens. 0: from the model's shape, the tokens whose
     saved activations fit `learner.batch.AUTO_ACTIVATION_BYTES` (SmolLM2-135M: about 510; the built-in tiny model:
-    the whole batch; `learner.batch.micro_batch_budget`)."""
+    the whole batch), and in updates after the first up to 4x the model's parameter bytes within an eighth of the
+    available memory (`learner.batch.micro_batch_budget`)."""
     share_prefix: bool = True
     """Run each group's common prefix (its prompt) through the model once per micro-batch, not once per response:
     the group's responses packed into one row with a block mask (`learner/packing.py`); the same log-probs to fp32

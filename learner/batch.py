@@ -107,6 +107,17 @@ micro-batch, MFU 0.63 and peak RSS 2.8 GB; one group, 280 tokens: 0.56 and 2.8 G
 most of the step on a model that small)."""
 FALLBACK_MICRO_BATCH_TOKENS = 512
 """The budget of `learner.micro_batch_tokens=0` for a model without a Llama-style config (no layer count or sizes)."""
+PARAM_ACTIVATION_FACTOR = 4
+"""`learner.micro_batch_tokens=0` in an update after the first (its weights packed, AdamW's state in place): the
+activation bytes a micro-batch may save grow to this many times the model's parameter bytes, within
+`AVAILABLE_ACTIVATION_SHARE` of the available memory. Each micro-batch streams every weight through the cores three
+times (the forward's GEMM, the input gradient's, and the weight gradient written and added): on the ~100M decode
+shape of `asyncrl bench e2e` (406 MB of weights) 948-token micro-batches (5 a step) took 15.27-15.71 s a step in the
+loop and 2,200-token ones (2 a step) 14.73-15.00 (Zen 4, 2026-12-05). The first update keeps `AUTO_ACTIVATION_BYTES`:
+its peak is what `learner_peak_rss_gb_smol` (issue 26, at most 3 GB) measures."""
+AVAILABLE_ACTIVATION_SHARE = 0.125
+"""The share of the available memory (`learner.memory.available_memory_bytes`) a micro-batch's activations may take
+in an update after the first."""
 
 
 def activation_bytes_per_token(config: object) -> int:
@@ -116,9 +127,11 @@ def activation_bytes_per_token(config: object) -> int:
     return 4 * int(config.num_hidden_layers) * (10 * hidden + 4 * inter)  # type: ignore[attr-defined]
 
 
-def micro_batch_budget(token_budget: int, model: torch.nn.Module) -> int:
-    """`learner.micro_batch_tokens` resolved: itself when > 0, else `AUTO_ACTIVATION_BYTES` over the model's
-    `activation_bytes_per_token` (at least 64 tokens)."""
+def micro_batch_budget(token_budget: int, model: torch.nn.Module, available_bytes: int | None = None) -> int:
+    """`learner.micro_batch_tokens` resolved: itself when > 0, else the activation bytes a micro-batch may save over
+    the model's `activation_bytes_per_token` (at least 64 tokens): `AUTO_ACTIVATION_BYTES`, or with `available_bytes`
+    (an update after the first) up to `PARAM_ACTIVATION_FACTOR` x its parameter bytes within
+    `AVAILABLE_ACTIVATION_SHARE` of that memory."""
     if token_budget > 0:
         return token_budget
     config = getattr(model, "config", None)
@@ -126,7 +139,12 @@ def micro_batch_budget(token_budget: int, model: torch.nn.Module) -> int:
         per_token = activation_bytes_per_token(config)
     except (AttributeError, TypeError):
         return FALLBACK_MICRO_BATCH_TOKENS
-    return max(64, AUTO_ACTIVATION_BYTES // max(per_token, 1))
+    allowance = AUTO_ACTIVATION_BYTES
+    if available_bytes is not None:
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        allowance = max(allowance, min(PARAM_ACTIVATION_FACTOR * param_bytes,
+                                       int(AVAILABLE_ACTIVATION_SHARE * available_bytes)))  # fmt: skip
+    return max(64, allowance // max(per_token, 1))
 
 
 def micro_batches(

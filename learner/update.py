@@ -87,11 +87,18 @@ def timed(seconds: dict[str, float] | None, phase: str) -> Iterator[None]:
 
 
 def _plan(
-    model: torch.nn.Module, batch: Batch, lo: int, hi: int, learner: LearnerConfig, ranks: Dist
+    model: torch.nn.Module,
+    batch: Batch,
+    lo: int,
+    hi: int,
+    learner: LearnerConfig,
+    ranks: Dist,
+    available_bytes: int | None = None,
 ) -> tuple[list[tuple[int, int]], int]:
-    """This rank's micro-batches of rows lo..hi-1 and the number every rank runs (the max over ranks)."""
+    """This rank's micro-batches of rows lo..hi-1 and the number every rank runs (the max over ranks);
+    `available_bytes`: `micro_batch_budget`'s (an update after the first)."""
     mine = rank_rows(lo, hi, ranks.rank, ranks.world)
-    budget = micro_batch_budget(learner.micro_batch_tokens, model)
+    budget = micro_batch_budget(learner.micro_batch_tokens, model, available_bytes)
     plan = micro_batches(batch, *mine, budget, learner.share_prefix, model_row_layout(model))
     count = int(all_reduce_(torch.tensor([len(plan)]), ranks, op="max"))
     return plan, count
@@ -364,8 +371,10 @@ def minibatch_backward(
     ranks: Dist = SINGLE,
     seconds: dict[str, float] | None = None,
     grad_end: int | None = None,
+    available_bytes: int | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Forward, loss and backward of PPO minibatch `rows` on this rank (gradients accumulate in the parameters).
+    `available_bytes` (an update after the first): the micro-batches' budget may grow with it (`micro_batch_budget`).
 
     `grad_end` (one rank only): rows grad_end..hi-1 have a zero advantage (`forward_only_order`): their forward runs
     without grad, their loss counts in the loss and its metrics, and they get no backward (their gradient is 0).
@@ -376,8 +385,9 @@ def minibatch_backward(
     grad_end = rows[1] if grad_end is None else grad_end
     if grad_end < rows[1] and ranks.world > 1:
         raise ValueError("minibatch_backward: rows without a backward need one rank (FSDP2's ranks run alike)")
-    plan, count = _plan(model, batch, rows[0], grad_end, sections.learner, ranks) if grad_end > rows[0] else ([], 0)
-    budget = micro_batch_budget(sections.learner.micro_batch_tokens, model)
+    plan, count = (_plan(model, batch, rows[0], grad_end, sections.learner, ranks, available_bytes)
+                   if grad_end > rows[0] else ([], 0))  # fmt: skip
+    budget = micro_batch_budget(sections.learner.micro_batch_tokens, model, available_bytes)
     padding = (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)  # a rank short of micro-batches
     passes = [(bounds, True, False) for bounds in plan] + [(padding, False, False)] * (count - len(plan))
     passes += [(bounds, True, True) for bounds in micro_batches(batch, grad_end, rows[1], budget,
@@ -516,11 +526,13 @@ def train_on_batch(
     skipped = False
     for (lo, hi), grad_end in zip(zip(bounds[:-1], bounds[1:]), grad_ends):
         optimizer.zero_grad(set_to_none=True)
-        # oneDNN's weight copies, freed before the optimizer step; not in the first update, whose peak and page
-        # faults they would raise (its activations, then AdamW's state on their pages: `trim_heap` below)
-        with packed_weights(model, None if allocates_state else available_memory_bytes()) as packing:
+        # oneDNN's weight copies, freed before the optimizer step, and micro-batches as large as the memory allows;
+        # not in the first update, whose peak and page faults they would raise (its activations, then AdamW's state
+        # on their pages)
+        available = None if allocates_state else available_memory_bytes()
+        with packed_weights(model, available) as packing:
             loss_value, loss_metrics = minibatch_backward(
-                model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds, grad_end
+                model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds, grad_end, available
             )
         metrics["learner/packed_weights"] = float(packing)
         with timed(seconds, "optimizer"):

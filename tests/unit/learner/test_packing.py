@@ -247,6 +247,35 @@ def test_auto_micro_batch_budget_from_the_model_shape():
     assert micro_batch_budget(0, torch.nn.Linear(2, 2)) == 512  # no decoder config: the fallback
 
 
+def test_updates_after_the_first_take_micro_batches_as_large_as_the_weights_and_memory_allow(monkeypatch):
+    import learner.batch as batch_module
+    import learner.update as update_module
+
+    model = tiny_model(hidden=64, layers=2)
+    per_token = batch_module.activation_bytes_per_token(model.config)
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(batch_module, "AUTO_ACTIVATION_BYTES", 100 * per_token)  # a model this small: scaled down
+    first = micro_batch_budget(0, model)
+    assert first == 100
+    roomy = micro_batch_budget(0, model, available_bytes=10**12)
+    assert batch_module.PARAM_ACTIVATION_FACTOR * param_bytes > 100 * per_token
+    assert roomy == batch_module.PARAM_ACTIVATION_FACTOR * param_bytes // per_token  # past the first update's
+    tight = micro_batch_budget(0, model, available_bytes=8 * 110 * per_token)  # an eighth of it
+    assert tight == 110
+    assert micro_batch_budget(0, model, available_bytes=0) == first  # never below the first update's
+    assert micro_batch_budget(100, model, available_bytes=10**12) == 100  # a configured budget stays
+    seen = []
+    real = update_module.micro_batch_budget
+    monkeypatch.setattr(update_module, "micro_batch_budget", lambda *args: seen.append(args[2:]) or real(*args))
+    cfg = tiny_config("loss.weighting=tis", "loss.cap=2.0")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        batch = with_behavior(shared_batch(seed=step), copy.deepcopy(model), seed=step)
+        train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
+        assert seen and all((args[0] if args else None) is None for args in seen) is (step == 0), seen
+        seen.clear()
+
+
 def test_a_train_step_with_shared_prefixes_matches_row_by_row():
     outcomes = {}
     for share in (False, True):
