@@ -73,8 +73,9 @@ DECODE_STEPS = 8
 """Steps of each contender on the full decode workload: 1 warm-up and 7 steady (`e2e_metrics.warmup_steps`). A step
 takes 15-30 s on 2 cores, and consecutive steps of one run differ by up to 0.7 s (Zen 4, 2026-12-05), so 3 steady
 steps (the earlier 4-step run) put a single step's noise, and the one-time cost of the first step after the first
-update (then: the heap it gave back touched again; now: the first packing of the weights), at a third of the steady
-figure; 7 steady steps (about 13 minutes for the four contenders) put it at a seventh."""
+update (then: the heap it gave back touched again; now: the memory of the first packing of the weights and of the
+larger micro-batches faulted in, 1.1-1.4 GB, 2-3 s of system time), at a third of the steady figure; 7 steady steps
+(about 13 minutes for the four contenders) put it at a seventh."""
 DECODE_OVERRIDES = ("learner.skip_zero_adv=false",)
 """The random decode model earns no reward, so every advantage is 0 and `learner.skip_zero_adv` would skip every
 backward: the workload then measures no training at all. Off, the learner trains every row, as TRL does."""

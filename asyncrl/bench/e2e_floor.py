@@ -4,7 +4,9 @@ Every contender trains in fp32 (the fairness pin), so no trainer's step can beat
 multiplies take at this machine's fp32 GEMM rate. The floor counts only the linear layers: 6 FLOPs per parameter
 per token (2 each for the forward, the input gradient and the weight gradient) over the tokens a step reads (each
 sample's prompt and its `max_new_tokens` minus the last token, which no contender feeds back). Attention, norms, the
-loss and the optimizer come on top, so it is a lower bound. The rate is the best of a few fp32 GEMMs of the
+loss and the optimizer come on top, so it is a lower bound for a trainer that runs every row's tokens; asyncrl's runs
+each group's shared prompt once (`learner.packing`: 3.4% fewer tokens on this workload), so its training can come
+within a few percent of it. The rate is the best of a few fp32 GEMMs of the
 step's own shapes (all the step's tokens against the model's MLP and attention projections) on all the machine's
 cores, on torch's `matmul` and on oneDNN's (`learner.fp32_gemm`), whichever is faster.
 
