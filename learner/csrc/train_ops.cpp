@@ -15,6 +15,7 @@
 #endif
 
 #include "fp32_lanes.h"
+#include "isa_variants.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -28,7 +29,6 @@
 #define TO_INLINE inline __attribute__((always_inline))
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TO_X86 1
-#define TO_AVX512 __attribute__((target("avx512f")))
 #define TO_AVX2 __attribute__((target("avx2")))
 #endif
 
@@ -174,19 +174,8 @@ inline void transpose_tile(const float* __restrict__ src, int64_t rows, int64_t 
 
 inline int team(int threads, int64_t work) { return threads > 1 && work >= kParallelMin ? threads : 1; }
 
-// Each body compiled for each ISA (the always-inline helpers inherit the caller's target), picked by `isa`.
-#ifdef TO_X86
-#define TO_ISA_VARIANTS(CALL)        \
-  if (isa >= 2) {                    \
-    [&]() TO_AVX512 { CALL; }();     \
-  } else if (isa >= 1) {             \
-    [&]() TO_AVX2 { CALL; }();       \
-  } else {                           \
-    CALL;                            \
-  }
-#else
-#define TO_ISA_VARIANTS(CALL) CALL;
-#endif
+// Each body compiled for each ISA, picked by `isa` (common/csrc/isa_variants.h).
+#define TO_ISA_VARIANTS(CALL) ISA_VARIANTS(CALL)
 
 }  // namespace
 
@@ -195,14 +184,7 @@ extern "C" {
 int to_abi_version(void) { return 3; }
 
 // The best vector path here for `isa`: 2 AVX-512F, 1 AVX2, 0 the baseline (all give the same bits).
-int to_isa(void) {
-#ifdef TO_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return 2;
-  if (__builtin_cpu_supports("avx2")) return 1;
-#endif
-  return 0;
-}
+int to_isa(void) { return isa_variants_best(); }
 
 // out[i] = silu(gate[i]) * up[i], i < n.
 void to_swiglu(int isa, const float* gate, const float* up, float* out, int64_t n, int threads) {

@@ -14,6 +14,8 @@
 // -ffp-contract=off), as double per row: a metric, in another summation order than torch's.
 #include <cstdint>
 
+#include "isa_variants.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -23,11 +25,6 @@
 #endif
 
 #define QS_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QS_X86 1
-#define QS_AVX512 __attribute__((target("avx512f")))
-#define QS_AVX2 __attribute__((target("avx2")))
-#endif
 
 namespace {
 
@@ -104,19 +101,8 @@ QS_INLINE bool int8_row(const float* w, int64_t cols, int8_t* q, float* scale) {
 
 inline int team(int threads, int64_t work) { return threads > 1 && work >= kParallelMin ? threads : 1; }
 
-// Each row's body compiled for each ISA (the always-inline helpers inherit the caller's target), picked by `isa`.
-#ifdef QS_X86
-#define QS_ISA_VARIANTS(CALL)        \
-  if (isa >= 2) {                    \
-    [&]() QS_AVX512 { CALL; }();     \
-  } else if (isa >= 1) {             \
-    [&]() QS_AVX2 { CALL; }();       \
-  } else {                           \
-    CALL;                            \
-  }
-#else
-#define QS_ISA_VARIANTS(CALL) CALL;
-#endif
+// Each row's body compiled for each ISA, picked by `isa` (common/csrc/isa_variants.h).
+#define QS_ISA_VARIANTS(CALL) ISA_VARIANTS(CALL)
 
 }  // namespace
 
@@ -125,14 +111,7 @@ extern "C" {
 int qs_abi_version() { return 1; }
 
 // The best vector path this CPU runs: 2 AVX-512F, 1 AVX2, 0 the baseline.
-int qs_isa() {
-#ifdef QS_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return 2;
-  if (__builtin_cpu_supports("avx2")) return 1;
-#endif
-  return 0;
-}
+int qs_isa() { return isa_variants_best(); }
 
 // Rows of `w` (rows x cols) to int8 `q` and `scale` (rows,); returns the rows left unwritten (a NaN or infinity).
 int64_t qs_int8_rows(int isa, const float* w, int64_t rows, int64_t cols, int8_t* q, float* scale, int threads) {
