@@ -123,7 +123,7 @@ def _tokens_pay(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[
     rows' (rows x longest row), and at most `ROWS_MAX_EXPANSION` times fewer."""
     padded = rows * int(max(lengths))
     packed = int(sum(lengths)) - sum((hi - lo - 1) * prefix for (lo, hi), prefix in zip(runs, prefixes))
-    return MIN_ROWS_SAVING * padded <= padded - packed and padded <= ROWS_MAX_EXPANSION * packed
+    return packed > 0 and MIN_ROWS_SAVING * padded <= padded - packed and padded <= ROWS_MAX_EXPANSION * packed
 
 
 def row_layout(attn_implementation: str | None) -> bool:

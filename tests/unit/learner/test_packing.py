@@ -171,6 +171,8 @@ def test_packed_tokens_hold_each_prefix_once_and_gather_back_every_row_position(
     x = torch.randn(packed.tokens, 3)
     assert torch.equal(layout.from_rows(layout.to_rows(x)), x)
     assert pack_groups(batch.input_ids[:1], batch.attention_mask[:1], batch.group_index[:1], FUSED_ATTENTION) is None
+    empty = torch.zeros_like(batch.attention_mask[:4])  # rows without a token: nothing to pack
+    assert pack_groups(batch.input_ids[:4], empty, batch.group_index[:4], FUSED_ATTENTION) is None
 
 
 def test_packed_token_micro_batches_fit_the_budget_and_split_groups_by_rows(any_expansion):
