@@ -186,15 +186,16 @@ class _RopeAttentionFn(torch.autograd.Function):
 
 
 def rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                 position_embeddings: Any, cache: Any) -> bool:  # fmt: skip
+                 position_embeddings: Any, cache: Any, layout: RowLayout | None = None) -> bool:  # fmt: skip
     """Whether a Llama attention call runs `_RopeAttentionFn`: the model on the fused attention, what `applies`
-    asks of the call, and the rotary tables (B or 1, L, D), fp32 and contiguous. Otherwise transformers' forward."""
+    asks of the call, and the rotary tables (B or 1, L, D), fp32 and contiguous. Otherwise transformers' forward.
+    With a `layout` (packed tokens: hidden (1, N, C), tables (1, N, D)) the kernels must take the rows it gathers."""
     config = module.config
     if config._attn_implementation != IMPLEMENTATION or cache is not None or position_embeddings is None:
         return False
     if attention_mask is not None or (module.training and module.attention_dropout > 0) or hidden.dim() != 3:
         return False
-    if not getattr(module, "is_causal", True):
+    if not getattr(module, "is_causal", True) or (layout is not None and hidden.shape[0] != 1):
         return False
     cos, sin = position_embeddings
     batch, length = hidden.shape[:2]
@@ -203,26 +204,9 @@ def rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: 
         return False
     if not (cos.is_contiguous() and sin.is_contiguous() and plain_fp32_cpu(hidden, cos, sin)):
         return False
+    if layout is not None:
+        batch, length = layout.rows, layout.width
     return _fits(batch, config.num_attention_heads, config.num_key_value_heads, length, dim)
-
-
-def rows_rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_embeddings: Any, cache: Any, layout: RowLayout) -> bool:  # fmt: skip
-    """`rope_applies` for a packed call (hidden (1, N, C), the rotary tables (1, N, D)): the kernels take the rows
-    (B, S) the layout gathers."""
-    if cache is not None or attention_mask is not None or position_embeddings is None or hidden.dim() != 3:
-        return False
-    config = module.config
-    if config._attn_implementation != IMPLEMENTATION or (module.training and module.attention_dropout > 0):
-        return False
-    if not getattr(module, "is_causal", True) or hidden.shape[0] != 1:
-        return False
-    cos, sin = position_embeddings
-    if cos.shape != sin.shape or cos.shape != (1, hidden.shape[1], module.head_dim):
-        return False
-    if not plain_fp32_cpu(hidden, cos, sin):
-        return False
-    return _fits(layout.rows, config.num_attention_heads, config.num_key_value_heads, layout.width, module.head_dim)
 
 
 def _rows_rope_attention(module: torch.nn.Module, hidden: torch.Tensor, position_embeddings: Any,
@@ -252,11 +236,10 @@ def _fused_rope_class() -> type:
         def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
             cache = kwargs.pop("past_key_values", None) if cache is None else cache
             layout = kwargs.get(ROWS_KWARG)
-            if layout is not None and rows_rope_applies(self, hidden_states, attention_mask, position_embeddings,
-                                                        cache, layout):  # fmt: skip
-                return self.o_proj(_rows_rope_attention(self, hidden_states, position_embeddings, layout)), None
-            if layout is not None or not rope_applies(self, hidden_states, attention_mask, position_embeddings, cache):
+            if not rope_applies(self, hidden_states, attention_mask, position_embeddings, cache, layout):
                 return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+            if layout is not None:
+                return self.o_proj(_rows_rope_attention(self, hidden_states, position_embeddings, layout)), None
             shape = (*hidden_states.shape[:-1], -1, self.head_dim)
             q, k, v = (proj(hidden_states).view(shape).contiguous() for proj in (self.q_proj, self.k_proj, self.v_proj))
             if plain_fp32_cpu(q, k, v):

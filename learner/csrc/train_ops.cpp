@@ -174,9 +174,6 @@ inline void transpose_tile(const float* __restrict__ src, int64_t rows, int64_t 
 
 inline int team(int threads, int64_t work) { return threads > 1 && work >= kParallelMin ? threads : 1; }
 
-// Each body compiled for each ISA, picked by `isa` (common/csrc/isa_variants.h).
-#define TO_ISA_VARIANTS(CALL) ISA_VARIANTS(CALL)
-
 }  // namespace
 
 extern "C" {
@@ -192,7 +189,7 @@ void to_swiglu(int isa, const float* gate, const float* up, float* out, int64_t 
 #pragma omp parallel for schedule(static) num_threads(team(threads, n))
   for (int64_t k = 0; k < chunks; ++k) {
     const int64_t lo = k * kChunk, len = n - lo < kChunk ? n - lo : kChunk;
-    TO_ISA_VARIANTS(swiglu_span(gate + lo, up + lo, out + lo, len))
+    ISA_VARIANTS(swiglu_span(gate + lo, up + lo, out + lo, len))
   }
 }
 
@@ -203,7 +200,7 @@ void to_swiglu_backward(int isa, const float* grad, const float* gate, const flo
 #pragma omp parallel for schedule(static) num_threads(team(threads, n))
   for (int64_t k = 0; k < chunks; ++k) {
     const int64_t lo = k * kChunk, len = n - lo < kChunk ? n - lo : kChunk;
-    TO_ISA_VARIANTS(swiglu_backward_span(grad + lo, gate + lo, up + lo, grad_gate + lo, grad_up + lo, len))
+    ISA_VARIANTS(swiglu_backward_span(grad + lo, gate + lo, up + lo, grad_gate + lo, grad_up + lo, len))
   }
 }
 
@@ -214,7 +211,7 @@ void to_rms_norm(int isa, const float* x, int64_t rows, int64_t dim, const float
 #pragma omp parallel for schedule(static) num_threads(team(threads, rows * dim))
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * kNormBlock, hi = lo + kNormBlock < rows ? lo + kNormBlock : rows;
-    TO_ISA_VARIANTS(norm_rows(x, lo, hi, dim, weight, eps, out, rstd))
+    ISA_VARIANTS(norm_rows(x, lo, hi, dim, weight, eps, out, rstd))
   }
 }
 
@@ -229,7 +226,7 @@ void to_rms_norm_backward(int isa, const float* grad, const float* x, const floa
 #pragma omp parallel for schedule(static) num_threads(team(threads, rows * dim))
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * kNormBlock, hi = lo + kNormBlock < rows ? lo + kNormBlock : rows;
-    TO_ISA_VARIANTS(norm_backward_rows(grad, x, weight, rstd, lo, hi, dim, grad_x, grad_w_partial + b * dim))
+    ISA_VARIANTS(norm_backward_rows(grad, x, weight, rstd, lo, hi, dim, grad_x, grad_w_partial + b * dim))
   }
 }
 

@@ -101,9 +101,6 @@ QS_INLINE bool int8_row(const float* w, int64_t cols, int8_t* q, float* scale) {
 
 inline int team(int threads, int64_t work) { return threads > 1 && work >= kParallelMin ? threads : 1; }
 
-// Each row's body compiled for each ISA, picked by `isa` (common/csrc/isa_variants.h).
-#define QS_ISA_VARIANTS(CALL) ISA_VARIANTS(CALL)
-
 }  // namespace
 
 extern "C" {
@@ -119,7 +116,7 @@ int64_t qs_int8_rows(int isa, const float* w, int64_t rows, int64_t cols, int8_t
 #pragma omp parallel for schedule(static) num_threads(team(threads, rows * cols)) reduction(+ : poisoned)
   for (int64_t r = 0; r < rows; ++r) {
     bool ok = true;
-    QS_ISA_VARIANTS(ok = int8_row(w + r * cols, cols, q + r * cols, scale + r))
+    ISA_VARIANTS(ok = int8_row(w + r * cols, cols, q + r * cols, scale + r))
     poisoned += ok ? 0 : 1;
   }
   return poisoned;
@@ -130,7 +127,7 @@ void qs_int8_error(int isa, const float* w, const int8_t* q, const float* scale,
                    double* err, double* norm, int threads) {
 #pragma omp parallel for schedule(static) num_threads(team(threads, rows * cols))
   for (int64_t r = 0; r < rows; ++r) {
-    QS_ISA_VARIANTS(row_error(w + r * cols, q + r * cols, cols, scale[r], err + r, norm + r))
+    ISA_VARIANTS(row_error(w + r * cols, q + r * cols, cols, scale[r], err + r, norm + r))
   }
 }
 
