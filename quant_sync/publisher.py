@@ -31,6 +31,7 @@ from quant_sync.manifest import (
     boot_id,
     chunk_digest,
 )
+from quant_sync.shm_owner import FILE_PREFIX, ShmOwner, sweep_stale
 from quant_sync.shm_ring import RING_MAX_VERSION_BYTES, ShmRing
 
 if TYPE_CHECKING:
@@ -82,10 +83,17 @@ class WeightPublisher:
         self.endpoint = bind(self._socket, host, port)
         if shm_dir == "auto":
             shm_dir = SHM_DIR if os.access(SHM_DIR, os.W_OK) else None
+        self._prefix = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._owner: ShmOwner | None = None
+        if shm_dir:
+            try:  # the files of publishers that died without closing go first (quant_sync.shm_owner)
+                self._owner = ShmOwner(shm_dir, self._prefix)
+                sweep_stale(shm_dir, keep_prefix=self._prefix)
+            except OSError:  # /dev/shm not writable after all: ZMQ alone
+                shm_dir = None
         self.shm_dir = shm_dir
         self.chunk_bytes = chunk_bytes
         self.keep_versions = max(1, keep_versions)
-        self._prefix = f"asyncrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._boot_id = boot_id()
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._latest: _Version | None = None
@@ -348,6 +356,9 @@ class WeightPublisher:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
 
 
 def _unlink(path: str | None) -> None:

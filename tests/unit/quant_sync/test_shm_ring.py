@@ -65,7 +65,7 @@ def test_adapter_versions_share_one_ring_file_and_arrive_exact():
         header = parse_header(publisher._latest.header)
         assert header.shm is not None and header.shm.endswith("-ring1") and header.shm_offset % RING_ALIGN == 0
         files = sorted(os.path.basename(path).rsplit("-", 1)[1]
-                       for path in glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "*")))  # fmt: skip
+                       for path in glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "-*")))  # fmt: skip
         assert files == ["ring1", "spare", "v0"]  # no file per adapter version
         assert subscriber.via_shm == 2 * RING_SLOTS + 3 and subscriber.rejected == subscriber.ring_overwritten == 0
         subscriber.close()

@@ -154,7 +154,7 @@ def test_shared_memory_files_are_evicted_and_removed():
         for version in range(4):
             publisher.publish(version, tensors(version), "int8")
         publisher._housekeeper.join()  # evicted files are unlinked in the background
-        files = glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "*"))
+        files = glob.glob(os.path.join(publisher.shm_dir, publisher._prefix + "-*"))
         assert sorted(os.path.basename(f).rsplit("-", 1)[1] for f in files if not f.endswith("-spare")) == ["v2", "v3"]
     finally:
         publisher.close()
