@@ -177,8 +177,8 @@ class Watchdog:
         buffer: dict[str, Any] = {"alive": alive}
         try:
             stats = buffer_stats()
-            keys = ("queued_groups", "leased_groups", "returned_groups", "parked_fetches", "consumed_groups",
-                    "cursor", "expired_leases", "lease_throttled", "skipped_prompts")  # fmt: skip
+            keys = ("queued_groups", "leased_groups", "returned_groups", "parked_fetches", "waiting_fetches",
+                    "consumed_groups", "cursor", "expired_leases", "lease_throttled", "skipped_prompts")  # fmt: skip
             buffer.update({key: stats.get(key, 0) for key in keys})
         except (BufferUnavailable, BufferRequestError) as err:
             buffer["error"] = _one_line(str(err))
@@ -190,8 +190,8 @@ class Watchdog:
              "errors": row.get("errors", 0), "last_error": _one_line(str(row.get("last_error") or ""))}
             for row in pool.describe()
         ]  # fmt: skip
-        parked = buffer.get("parked_fetches", 0)
-        learner = f"waiting in FetchBatch for step {self.step}" if parked else f"in step {self.step}"
+        waiting = buffer.get("waiting_fetches", 0)  # parked, or answered empty a moment ago and about to ask again
+        learner = f"waiting in FetchBatch for step {self.step}" if waiting else f"in step {self.step}"
         return {
             "buffer": buffer,
             "workers": workers,

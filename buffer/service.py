@@ -86,6 +86,10 @@ MAX_ENVELOPE_BYTES = 4096
 """A request whose routing envelope (the frames before the payload) is larger is dropped and counted as
 `rejected_bad_envelope`: a parked fetch keeps its envelope until answered."""
 EXPIRY_CHECK_S = 0.02
+FETCH_REISSUE_GRACE_S = 1.0
+"""A FetchBatch answered empty at its deadline still counts as waiting (`waiting_fetches`) this long, or until its
+peer asks again: the learner's fetch loop asks again at once, and a stats request in between (the watchdog's) would
+otherwise see no fetch waiting and report the learner as busy."""
 JOURNAL_NAME = "buffer.journal"
 HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -158,6 +162,7 @@ class BufferService:
         self.compact_bytes = compact_bytes
         self._compact_at = max(compact_bytes, 2 * journal.size_bytes()) if journal is not None else 0
         self.parked: list[_Parked] = []
+        self.expired_fetches: dict[tuple[bytes, ...], float] = {}  # envelope -> when its fetch was answered empty
         self.outbox: list[list[bytes]] = []  # replies to requests whose journal records are not committed yet
         self.syncing: deque[tuple[int, list[bytes]]] = deque()  # (commit_async seq, reply) waiting for the disk
         self.stopping = False
@@ -232,6 +237,8 @@ class BufferService:
         for parked in [p for p in self.parked if p.deadline <= now]:
             self.parked.remove(parked)
             groups, dropped = self.state.take_batch(parked.request.step, parked.request.num_groups)
+            if groups is None:
+                self.expired_fetches[tuple(parked.envelope)] = now
             self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped + dropped)
 
     def _maybe_compact(self) -> None:
@@ -290,6 +297,7 @@ class BufferService:
                 self._send_batch(envelope, msg.step, taken, dropped)
                 return None
             self.parked = [p for p in self.parked if p.envelope != envelope]  # a peer asks one thing at a time
+            self.expired_fetches.pop(tuple(envelope), None)
             if len(self.parked) >= MAX_PARKED:
                 raise wire.WireError("oversized", f"{MAX_PARKED} FetchBatch requests are waiting already")
             self.parked.append(_Parked(envelope, msg, time.monotonic() + msg.wait_s, dropped))
@@ -371,6 +379,9 @@ class BufferService:
     def stats(self) -> dict[str, float | int]:
         out = self.state.stats()
         out["parked_fetches"] = len(self.parked)
+        now = time.monotonic()
+        self.expired_fetches = {k: t for k, t in self.expired_fetches.items() if now - t < FETCH_REISSUE_GRACE_S}
+        out["waiting_fetches"] = len(self.parked) + len(self.expired_fetches)
         return out
 
 

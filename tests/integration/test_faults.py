@@ -148,7 +148,7 @@ def test_a_dataset_whose_every_prompt_is_skipped_fails_with_that_diagnosis(tmp_p
     assert "asyncrl up --resume" in line and "Traceback" not in out
     stall = next(r for r in records(tmp_path / "s") if r.get("event") == "stall")
     assert stall["diagnosis"] and stall["since_step"]["groups_pushed"] == 0 and stall["since_step"]["prompts_skipped"]
-    assert stall["buffer"]["parked_fetches"] == 1 and stall["learner"] == "waiting in FetchBatch for step 0"
+    assert stall["buffer"]["waiting_fetches"] == 1 and stall["learner"] == "waiting in FetchBatch for step 0"
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import zmq
 
 from buffer.client import BufferClient, BufferRequestError, BufferUnavailable
 from buffer.journal import read_records
+from buffer.service import FETCH_REISSUE_GRACE_S
 from common import wire
 from common.config import Config, DataConfig, to_dict
 from common.curve import ClientKeys, client_keys
@@ -178,6 +179,31 @@ def test_parked_fetch_is_answered_when_groups_arrive(tmp_path: Path) -> None:
         start = time.monotonic()
         empty = buffer.client.fetch_batch(step=1, num_groups=2, wait_s=0.3)  # the client gives up 5 s past wait_s
         assert not empty.ready and time.monotonic() - start > 0.25  # answered once its wait was over, not before
+
+
+def test_a_fetch_answered_empty_counts_as_waiting_until_its_peer_asks_again(tmp_path: Path) -> None:
+    """The watchdog tells a waiting learner from a busy one by `waiting_fetches`: a fetch answered empty at its
+    deadline still counts for FETCH_REISSUE_GRACE_S (the learner asks again at once), then no longer."""
+    with running_buffer(tmp_path) as buffer, BufferClient(buffer.endpoint, "worker") as worker:
+        empty = buffer.client.fetch_batch(step=0, num_groups=2, wait_s=0.2)
+        answered_at = time.monotonic()
+        stats = worker.stats()
+        assert not empty.ready and stats["parked_fetches"] == 0
+        if time.monotonic() - answered_at < FETCH_REISSUE_GRACE_S:  # the stats round trip took less than the grace
+            assert stats["waiting_fetches"] == 1
+        wait_until(
+            lambda: worker.stats()["waiting_fetches"] == 0, "the grace to pass", timeout_s=10 * FETCH_REISSUE_GRACE_S
+        )
+        assert time.monotonic() - answered_at >= FETCH_REISSUE_GRACE_S * 0.9
+        with ThreadPoolExecutor(1) as learner:
+            fetch = learner.submit(buffer.client.fetch_batch, step=0, num_groups=2, wait_s=30.0)
+            wait_until(lambda: worker.stats()["parked_fetches"] == 1, "the fetch to park")
+            assert worker.stats()["waiting_fetches"] == 1
+            leases, _ = worker.lease(2)
+            for lease in leases:
+                assert worker.push_group(lease.group, make_group(lease)).accepted
+            assert fetch.result(timeout=20).ready
+        assert worker.stats()["waiting_fetches"] == 0
 
 
 def test_a_commit_without_replies_does_not_wake_the_poll_forever(
