@@ -240,6 +240,7 @@ class BufferService:
             if groups is None:
                 self.expired_fetches[tuple(parked.envelope)] = now
             self._send_batch(parked.envelope, parked.request.step, groups, parked.dropped + dropped)
+        self._forget_expired_fetches(now)
 
     def _maybe_compact(self) -> None:
         """Rewrite the journal as a snapshot once it is past `compact_bytes` and twice its last compacted size, and
@@ -379,10 +380,13 @@ class BufferService:
     def stats(self) -> dict[str, float | int]:
         out = self.state.stats()
         out["parked_fetches"] = len(self.parked)
-        now = time.monotonic()
-        self.expired_fetches = {k: t for k, t in self.expired_fetches.items() if now - t < FETCH_REISSUE_GRACE_S}
+        self._forget_expired_fetches(time.monotonic())
         out["waiting_fetches"] = len(self.parked) + len(self.expired_fetches)
         return out
+
+    def _forget_expired_fetches(self, now: float) -> None:
+        if self.expired_fetches:  # bounded by the peers that fetched within the grace
+            self.expired_fetches = {k: t for k, t in self.expired_fetches.items() if now - t < FETCH_REISSUE_GRACE_S}
 
 
 _PUSH_REPLIES: dict[tuple[bool, str], bytes] = {}
