@@ -815,11 +815,28 @@ int i8_pack(int isa, const int8_t* w, int64_t n, int64_t k, int64_t kp, uint8_t*
   const int64_t group = vnni_layout(isa) || isa == I8_ISA_DOTPROD ? 4 : 2;
   const int offset = vnni_layout(isa) ? 128 : 0;
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  const uint32_t flip = offset ? 0x80808080u : 0u;  // (w + 128) as a byte is w's byte with its top bit flipped
   uint8_t* out = packed;  // written in order: panel, group of inputs, column, input within the group
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t i0 = 0; i0 < kp; i0 += group)
+  for (int64_t p = 0; p < panels; ++p) {
+    const bool full_panel = (p + 1) * kPanel <= n;
+    for (int64_t i0 = 0; i0 < kp; i0 += group) {
+      if (full_panel && i0 + group <= k) {  // no padding: each column's group is one copy (the 16 rows' cache
+        for (int64_t row = p * kPanel; row < (p + 1) * kPanel; ++row, out += group) {  // lines serve 16 groups)
+          if (group == 4) {
+            uint32_t four;
+            std::memcpy(&four, w + row * k + i0, 4);
+            four ^= flip;
+            std::memcpy(out, &four, 4);
+          } else {
+            std::memcpy(out, w + row * k + i0, 2);  // group 2: the AVX2 and portable layouts, no offset
+          }
+        }
+        continue;
+      }
       for (int64_t row = p * kPanel; row < (p + 1) * kPanel; ++row)
         for (int64_t i = i0; i < i0 + group; ++i) *out++ = static_cast<uint8_t>((row < n && i < k ? w[row * k + i] : 0) + offset);
+    }
+  }
   return 0;
 }
 
