@@ -93,12 +93,11 @@ def _plan(
     hi: int,
     learner: LearnerConfig,
     ranks: Dist,
-    available_bytes: int | None = None,
+    budget: int,
 ) -> tuple[list[tuple[int, int]], int]:
-    """This rank's micro-batches of rows lo..hi-1 and the number every rank runs (the max over ranks);
-    `available_bytes`: `micro_batch_budget`'s (an update after the first)."""
+    """This rank's micro-batches of rows lo..hi-1 within `budget` tokens each (`micro_batch_budget`) and the number
+    every rank runs (the max over ranks)."""
     mine = rank_rows(lo, hi, ranks.rank, ranks.world)
-    budget = micro_batch_budget(learner.micro_batch_tokens, model, available_bytes)
     plan = micro_batches(batch, *mine, budget, learner.share_prefix, model_row_layout(model))
     count = int(all_reduce_(torch.tensor([len(plan)]), ranks, op="max"))
     return plan, count
@@ -116,7 +115,9 @@ def proximal_logp(
     """lp and entropy (B, T) with the weights at the start of the step; each rank computes its rows, then a sum."""
     prox = torch.zeros_like(batch.behav_logp)
     entropy = torch.zeros_like(batch.behav_logp)
-    plan, count = _plan(model, batch, 0, batch.rows, learner, ranks)
+    plan, count = _plan(
+        model, batch, 0, batch.rows, learner, ranks, micro_batch_budget(learner.micro_batch_tokens, model)
+    )
     for i in range(count):
         lo, hi = plan[i] if i < len(plan) else (0, 1)  # past this rank's rows: a forward for FSDP's collectives
         with autocast(precision.train):
@@ -385,9 +386,10 @@ def minibatch_backward(
     grad_end = rows[1] if grad_end is None else grad_end
     if grad_end < rows[1] and ranks.world > 1:
         raise ValueError("minibatch_backward: rows without a backward need one rank (FSDP2's ranks run alike)")
-    plan, count = (_plan(model, batch, rows[0], grad_end, sections.learner, ranks, available_bytes)
-                   if grad_end > rows[0] else ([], 0))  # fmt: skip
     budget = micro_batch_budget(sections.learner.micro_batch_tokens, model, available_bytes)
+    plan, count = (
+        _plan(model, batch, rows[0], grad_end, sections.learner, ranks, budget) if grad_end > rows[0] else ([], 0)
+    )
     padding = (min(rows[0], batch.rows - 1), min(rows[0], batch.rows - 1) + 1)  # a rank short of micro-batches
     passes = [(bounds, True, False) for bounds in plan] + [(padding, False, False)] * (count - len(plan))
     passes += [(bounds, True, True) for bounds in micro_batches(batch, grad_end, rows[1], budget,
