@@ -54,6 +54,12 @@ def isa_cap() -> str:
     return cap
 
 
+def isa_variant(best: int) -> int:
+    """The `ISA_VARIANTS` path to run (common/csrc/isa_variants.h: 2 AVX-512F, 1 AVX2, 0 the baseline) on a CPU whose
+    best is `best`: at most AVX2 under `ASYNCRL_ISA_CAP=avx2`."""
+    return min(best, 1) if isa_cap() == "avx2" else best
+
+
 def compiler() -> str:
     """The C++ compiler to build with: `$CXX`, else the first of c++, g++, clang++ on the PATH."""
     for name in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):

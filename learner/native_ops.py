@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from common.native_build import NativeLibrary, isa_cap
+from common.native_build import NativeLibrary, isa_variant
 
 SOURCE = Path(__file__).with_name("csrc") / "train_ops.cpp"
 ABI_VERSION = 3
@@ -55,8 +55,7 @@ def _cpu_isa() -> int:
 
 def best_isa() -> int:
     """The best vector path this CPU runs (an index of `ISAS`), at most AVX2 under `ASYNCRL_ISA_CAP=avx2`."""
-    best = _cpu_isa()
-    return min(best, 1) if isa_cap() == "avx2" else best
+    return isa_variant(_cpu_isa())
 
 
 def kernel_isa() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.native_build import NativeLibrary, isa_cap
+from common.native_build import NativeLibrary, isa_variant
 
 SOURCE = Path(__file__).with_name("csrc") / "quantize.cpp"
 ABI_VERSION = 1
@@ -45,8 +45,7 @@ def _cpu_isa() -> int:
 
 def best_isa() -> int:
     """The best vector path this CPU runs (2 AVX-512F, 1 AVX2, 0 baseline), at most AVX2 under `ASYNCRL_ISA_CAP`."""
-    best = _cpu_isa()
-    return min(best, 1) if isa_cap() == "avx2" else best
+    return isa_variant(_cpu_isa())
 
 
 def takes(weight: torch.Tensor) -> bool:
