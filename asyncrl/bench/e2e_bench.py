@@ -74,8 +74,9 @@ DECODE_STEPS = 8
 takes 15-30 s on 2 cores, and consecutive steps of one run differ by up to 0.7 s (Zen 4, 2026-12-05), so 3 steady
 steps (the earlier 4-step run) put a single step's noise, and the one-time cost of the first step after the first
 update (then: the heap it gave back touched again; now: the memory of the first packing of the weights and of the
-larger micro-batches faulted in, 1.1-1.4 GB, 2-3 s of system time), at a third of the steady figure; 7 steady steps
-(about 13 minutes for the four contenders) put it at a seventh."""
+larger micro-batches faulted in, 1.1-1.4 GB: about 0.5 s on a machine with memory to spare, 2-3 s with 5.4 GB held
+in /dev/shm), at a third of the steady figure; 7 steady steps (about 13 minutes for the four contenders) put it at a
+seventh."""
 DECODE_OVERRIDES = ("learner.skip_zero_adv=false",)
 """The random decode model earns no reward, so every advantage is 0 and `learner.skip_zero_adv` would skip every
 backward: the workload then measures no training at all. Off, the learner trains every row, as TRL does."""
