@@ -24,14 +24,17 @@ bench e2e` (5 micro-batches a step) the forward re-reads and rewrites each weigh
 `packed_weights(model, available_bytes)` (each minibatch of a learner's update after its first) the forward reorders
 each weight once, at its first use, and reuses that copy until the block ends or the weight changes
 (`torch.ops.mkldnn._reorder_linear_weight`: the same values in oneDNN's layout, summed in the same order, so the same
-bits, tested; a one-row GEMM is never packed: oneDNN's matrix-vector kernel sums in another order). The copies live
-through the minibatch's forward and backward, as many bytes as the linear weights, so only while the machine's
+bits, tested; a one-row GEMM is never packed: oneDNN's matrix-vector kernel sums in another order). The backward's
+input gradient does the same with W^T (the tiled `transpose`, then the reorder: again the same bits). The copies live
+through the minibatch's forward and backward, twice as many bytes as the linear weights, so only while the machine's
 available memory is at least `PACK_MIN_AVAILABLE_FACTOR` times that (`pack_allowed`); they are freed before the
 optimizer step. Measured (Zen 4, 2026-12-05): the decode-shape step 15.20 -> 14.84 s (2 threads, medians of 4
 alternated pairs; forward 5.0 -> 4.7 s); the SmolLM2-135M row on oneDNN, one thread, 13.38-13.86 -> 13.04-13.17 s,
 its steady peak 4.2 -> 4.6-4.8 GB. Not in the first update: there the copies raised that row's first-step peak from
-2.7 to 3.3 GB (`learner_peak_rss_gb_smol`, target 3) and their page faults made the step slower. The backward's W^T
-is not packed: 0.1 s a step on the decode shape for another copy of every weight.
+2.7 to 3.3 GB (`learner_peak_rss_gb_smol`, target 3) and their page faults made the step slower. W^T packed for the
+backward (2026-12-05, seventh session; Zen 4, 2 threads, 2,064 rows): the input gradient's GEMMs 206-223 -> 222-227
+GFLOP/s, 0.24 s a decode-shape step, for 0.08 s of packing (0.15 s with torch's transposed copy); the step 13.22 ->
+13.14 s (means of 3 and 4 alternated steps, in the noise of single steps).
 """
 
 from __future__ import annotations
@@ -58,10 +61,13 @@ WIN_MARGIN = 1.05
 """oneDNN is picked only when it is at least this much faster: a tie keeps torch's default."""
 PACK_MIN_AVAILABLE_FACTOR = 8
 """`packed_weights` packs only while the machine's available memory is at least this many times the bytes of the
-model's oneDNN linear weights (the copies' size): a learner short of memory keeps its peak."""
+packed copies (`PACKED_COPIES` times the model's oneDNN linear weights): a learner short of memory keeps its peak."""
+PACKED_COPIES = 2
+"""Packed copies of each weight inside `packed_weights`: W (the forward's operand) and W^T (the input gradient's)."""
 
-_packing: dict[int, tuple[torch.Tensor, int, torch.Tensor]] | None = None
-"""Inside `packed_weights`: id(weight) -> (weight, its `_version` when packed, the packed copy); None outside."""
+_packing: dict[tuple[int, bool], tuple[torch.Tensor, int, torch.Tensor]] | None = None
+"""Inside `packed_weights`: (id(weight), transposed) -> (weight, its `_version` when packed, the packed copy); None
+outside."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,12 +163,13 @@ def plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def pack_allowed(model: torch.nn.Module, available_bytes: int | None) -> bool:
-    """Whether `packed_weights` may hold a packed copy of `model`'s oneDNN linear weights: `available_bytes` (the
-    machine's; None: unknown, no) at least `PACK_MIN_AVAILABLE_FACTOR` times their bytes."""
+    """Whether `packed_weights` may hold two packed copies of `model`'s oneDNN linear weights (W for the forward, W^T
+    for the backward): `available_bytes` (the machine's; None: unknown, no) at least `PACK_MIN_AVAILABLE_FACTOR`
+    times their bytes."""
     if available_bytes is None:
         return False
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, OnednnLinear)}
-    packed_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    packed_bytes = PACKED_COPIES * sum(w.numel() * w.element_size() for w in weights.values())
     return packed_bytes > 0 and available_bytes >= PACK_MIN_AVAILABLE_FACTOR * packed_bytes
 
 
@@ -181,15 +188,17 @@ def packed_weights(model: torch.nn.Module, available_bytes: int | None) -> Itera
         _packing = None
 
 
-def _forward_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """The weight operand of a forward GEMM of `rows` rows: inside `packed_weights`, its packed copy (made now if
-    there is none for the weight's current version), else the weight."""
+def _packed_weight(weight: torch.Tensor, rows: int, transposed: bool = False) -> torch.Tensor:
+    """The weight operand of a GEMM of `rows` rows: `weight` (the forward's) or its transpose (the backward's input
+    gradient, dy W as the linear of (dy, W^T)); inside `packed_weights`, its packed copy (made now if there is none
+    for the weight's current version), else the weight or a transposed view of it."""
     if _packing is None or rows < 2:  # one row: oneDNN's matrix-vector kernel, which sums in another order
-        return weight
-    entry = _packing.get(id(weight))
+        return weight.t() if transposed else weight
+    key = (id(weight), transposed)
+    entry = _packing.get(key)
     if entry is None or entry[0] is not weight or entry[1] != weight._version:
-        entry = (weight, weight._version, reorder_weight(weight, rows))
-        _packing[id(weight)] = entry
+        entry = (weight, weight._version, reorder_weight(transpose(weight) if transposed else weight, rows))
+        _packing[key] = entry
     return entry[2]
 
 
@@ -209,7 +218,7 @@ class _OnednnLinearFn(torch.autograd.Function):
         ctx.save_for_backward(flat, weight)
         ctx.input_shape = x.shape
         ctx.has_bias = bias is not None
-        return onednn_linear(flat, _forward_weight(weight, flat.shape[0]), bias).view(*x.shape[:-1], weight.shape[0])
+        return onednn_linear(flat, _packed_weight(weight, flat.shape[0]), bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
@@ -219,7 +228,7 @@ class _OnednnLinearFn(torch.autograd.Function):
             grad = grad.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = onednn_linear(grad, weight.t()).view(ctx.input_shape)
+            grad_x = onednn_linear(grad, _packed_weight(weight, grad.shape[0], transposed=True)).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:  # dy^T is oneDNN's input operand, which it copies to rows itself: `transpose`
             grad_w = onednn_linear(transpose(grad), flat.t())
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -204,8 +204,9 @@ def reorders(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 
 
 def test_inside_packed_weights_each_weight_is_packed_once_and_gives_the_same_bits(reorders: list) -> None:
-    """Micro-batches of several sizes through one block: one reorder per weight, outputs and every gradient bit for
-    bit those of the unpacked forward; a changed weight (its version moves) is packed again; nothing outlives it."""
+    """Micro-batches of several sizes through one block: one reorder of the weight (forward) and one of its transpose
+    (input gradient), outputs and every gradient bit for bit those of the unpacked ones; a changed weight (its version
+    moves) is packed again; nothing outlives the block."""
     from learner import fp32_gemm
 
     plain, swapped = _pair(bias=True, in_features=96, out_features=80)
@@ -226,11 +227,11 @@ def test_inside_packed_weights_each_weight_is_packed_once_and_gives_the_same_bit
     with packed_weights(swapped, available_bytes=2**40) as packing:
         assert packing
         run("packed", swapped)
-        assert reorders == [(80, 96)]  # once for the micro-batches (a one-row GEMM is never packed)
+        assert reorders == [(80, 96), (96, 80)]  # once for the micro-batches (a one-row GEMM is never packed)
         with torch.no_grad():
             swapped.weight.mul_(1.0)  # an optimizer's in-place step: a new version
         swapped(xs[0])
-        assert reorders == [(80, 96), (80, 96)]
+        assert reorders == [(80, 96), (96, 80), (80, 96)]
     assert fp32_gemm._packing is None
     assert all(torch.equal(a, b) for a, b in zip(got["packed"], got["plain"]))
     assert torch.equal(swapped.weight.grad, plain.weight.grad) and torch.equal(swapped.bias.grad, plain.bias.grad)
@@ -240,9 +241,9 @@ def test_packing_only_with_memory_to_spare_and_never_nested(reorders: list) -> N
     from learner import fp32_gemm
 
     _, swapped = _pair(bias=False, in_features=96, out_features=80)
-    weight_bytes = 96 * 80 * 4
-    assert pack_allowed(swapped, PACK_MIN_AVAILABLE_FACTOR * weight_bytes)
-    assert not pack_allowed(swapped, PACK_MIN_AVAILABLE_FACTOR * weight_bytes - 1)
+    copies_bytes = 2 * 96 * 80 * 4  # W and W^T
+    assert pack_allowed(swapped, PACK_MIN_AVAILABLE_FACTOR * copies_bytes)
+    assert not pack_allowed(swapped, PACK_MIN_AVAILABLE_FACTOR * copies_bytes - 1)
     assert not pack_allowed(swapped, None)  # unknown memory: no copies
     assert not pack_allowed(torch.nn.Linear(96, 80), 2**40)  # not on oneDNN: nothing to pack
     with packed_weights(swapped, available_bytes=None) as packing:
@@ -278,8 +279,8 @@ def test_a_learner_step_packs_each_minibatch_and_equals_the_unpacked_step(
                 model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl)
             )
             assert fp32_gemm._packing is None
-        # each weight once a minibatch, from the second update on (the first allocates AdamW's state)
-        assert len(reorders) == (2 * linears if available else 0)
+        # each weight and its transpose once a minibatch, from the second update on (the first allocates AdamW's state)
+        assert len(reorders) == (2 * 2 * linears if available else 0)
         results[available] = (result, [p.detach().clone() for p in model.parameters()])
     (on, on_weights), (off, off_weights) = results[2**40], results[None]
     assert on.metrics.pop("learner/packed_weights") == 1.0 and off.metrics.pop("learner/packed_weights") == 0.0
