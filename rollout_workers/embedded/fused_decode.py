@@ -37,7 +37,7 @@ ENV_ATTENTION_ISA = "ASYNCRL_ATTENTION_ISA"
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    if lib.fd_abi_version() != 2:
+    if lib.fd_abi_version() != 3:
         raise ValueError("fused_decode library: unexpected ABI version")
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.fd_rms_norm.argtypes, lib.fd_rms_norm.restype = [ptr, i64, i64, ptr, f32, ptr], None
@@ -49,6 +49,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fd_linear_isa.argtypes, lib.fd_linear_isa.restype = [], ctypes.c_int
     lib.fd_linear_t.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.fd_linear_t.restype = None
+    lib.fd_decode_layers_work_floats.argtypes = [i64] * 6
+    lib.fd_decode_layers_work_floats.restype = i64
+    cint = ctypes.c_int
+    lib.fd_decode_layers.argtypes = [ptr, cint, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
+                                     f32, ptr, ptr, i64, i64, ptr, ptr, cint, cint]  # fmt: skip
+    lib.fd_decode_layers.restype = ctypes.c_int
     return lib
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from quant_sync.adapter_buffers import PooledAdapters
 from quant_sync.export import LORA_A, LORA_B, LORA_SCALE, LORA_SCALING
 from quant_sync.quantizers import QuantizedWeight
-from rollout_workers.embedded import fused_decode
+from rollout_workers.embedded import fused_decode, native_layers
 from rollout_workers.embedded.arch import (  # noqa: F401 - re-exported: the engine's model API
     SUPPORTED_MODEL_TYPES,
     SUPPORTED_ROPE_TYPES,
@@ -50,6 +50,7 @@ from rollout_workers.embedded.linears import (  # noqa: F401 - re-exported: the 
     prepare_linear,
 )
 from rollout_workers.embedded.low_rank import LowRank, add_low_rank, stack_low_rank  # noqa: F401 - re-exported
+from rollout_workers.embedded.native_layers import LayersPlan
 from rollout_workers.embedded.offset_prefill import OffsetPrompts
 from rollout_workers.embedded.weight_only import GroupQuantized
 
@@ -129,6 +130,8 @@ class ModelWeights:
     head: Linear
     pooled: PooledAdapters | None = None
     """The adapter version these run, where it came in a pooled buffer (held: the pool does not rewrite it)."""
+    layers_plan: LayersPlan | bool | None = None
+    """`native_layers.plan_for(self)`, made at the first decode step (False: it does not apply; None: not made yet)."""
 
     @classmethod
     def build(
@@ -218,7 +221,7 @@ class ModelWeights:
         key = ("layers", dtype, target, None if pooled is None else pooled.others)  # what stacking reads beyond views
         adapters = stacked() if pooled is None else pooled.derived(key, stacked)
         layers = [dataclasses.replace(layer, **held) for layer, held in zip(self.layers, adapters)]
-        return dataclasses.replace(self, layers=layers, pooled=pooled)
+        return dataclasses.replace(self, layers=layers, pooled=pooled, layers_plan=None)
 
 
 ADAPTER_GROUPS = (
@@ -520,6 +523,9 @@ def forward_step(
         rows.append(weights.embed[prompts.tokens].reshape(m * seq, -1))
     x = torch.cat(rows) if len(rows) > 1 else rows[0]  # (N + M * S, hidden)
     fused = fused_decode.enabled_for(cache.keys)
+    if fused and prompts is None and prompt_hidden is None and _layers_plan(weights) is not None:
+        h = native_layers.decode_layers(weights.layers_plan, arch, x, decoding[1], cache)  # type: ignore[arg-type, index]
+        return linear(h, weights.head, None).to(torch.float32) if need_logits else None
     offset = None if prompts is None or prompts.starts is None else OffsetPrompts.of(prompts, cache)
     if prompts is not None:
         cos_p, sin_p = cache.cos[None, None, :seq], cache.sin_rotate[None, None, :seq]
@@ -549,6 +555,13 @@ def forward_step(
     if prompts is not None:
         last.append(h[n:].view(m, seq, -1)[torch.arange(m), prompts.lengths - 1])
     return linear(torch.cat(last) if len(last) > 1 else last[0], weights.head, None).to(torch.float32)
+
+
+def _layers_plan(weights: ModelWeights) -> LayersPlan | None:
+    """The weights' `native_layers` plan, made on first use (None where it does not apply)."""
+    if weights.layers_plan is None:
+        weights.layers_plan = native_layers.plan_for(weights) or False
+    return weights.layers_plan or None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 // Fused fp32 ops of the embedded engine's decode step on CPU: RMSNorm (with the residual add before it), decode
 // attention (q/k norms, RoPE, appending the new key and value to the cache, attention over it), one call each
 // instead of the 7-30 torch ops they take (each op costs microseconds of dispatch: that, not arithmetic, bounds a
-// small model's decode step), and a batch-invariant fp32 linear on a transposed weight.
+// small model's decode step), a batch-invariant fp32 linear on a transposed weight, and a whole decode step's layers
+// on int8 weights in one call (fd_decode_layers: the ops above, SiLU x up, and int8_gemm.cpp's i8_linear through a
+// function pointer).
 //
 // Built and loaded by rollout_workers/embedded/fused_decode.py (rollout_workers/embedded/native.py builds it:
 // plain C ABI, no torch headers). Pointers are to contiguous row-major fp32 memory unless a stride is given.
@@ -495,11 +497,78 @@ void lin_columns(const LinearT& p, int isa, int64_t n0) {
   lin_reference(p, 0, p.rows, n0, 64);
 }
 
+// out[r, j] = silu(gu[r, j]) * gu[r, I + j] for j < I (gu rows: gate_proj's I outputs, then up_proj's): silu(x) =
+// x / (1 + exp(-x)) for x >= 0 and x * e / (1 + e), e = exp(x), below (torch's formula where exp(-x) cannot
+// overflow, the same value to rounding where it could), each operation rounded.
+FD_CLONES void silu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gu + r * 2 * inter;
+    const float* up = gate + inter;
+    float* o = out + r * inter;
+    for (int64_t j = 0; j < inter; ++j) {
+      const float x = gate[j];
+      const float e = exp_nonpositive(x >= 0.0f ? -x : x);
+      const float silu = x >= 0.0f ? x / (1.0f + e) : (x * e) / (1.0f + e);
+      o[j] = silu * up[j];
+    }
+  }
+}
+
+// Every row of `a` (see fd_decode_attention), over `threads` OpenMP threads with their own slices of `scratch`.
+void attend_rows(const Attention& a, float* scratch, int threads, int isa) {
+  const int64_t per_thread = scratch_floats(a.heads, a.kv_heads, a.head_dim, a.max_len), n = a.rows;
+  const bool parallel = threads > 1 && n > 1;
+#pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1) if (parallel)
+  for (int64_t i = 0; i < n; ++i) {
+    int worker = 0;
+#ifdef _OPENMP
+    worker = omp_get_thread_num();
+#endif
+    float* mine = scratch + worker * per_thread;
+#if defined(__x86_64__)
+    if (isa >= 2 && a.head_dim % 16 == 0) {
+      attend_row_avx512(a, i, mine);
+      continue;
+    }
+    if (isa >= 1 && a.head_dim % 8 == 0) {
+      attend_row_avx2(a, i, mine);
+      continue;
+    }
+#endif
+    attend_row(a, i, mine);
+  }
+}
+
+// One int8 linear of fd_decode_layers, as int8_gemm.cpp's i8_linear takes it (packed by
+// rollout_workers/embedded/int8_linear.py for the kernel `isa`); bias may be null.
+struct FdInt8Linear {
+  const int8_t* packed;
+  int64_t out_features, in_features, padded_in;
+  const float *scale, *bias;
+};
+
+// One decoder layer of fd_decode_layers (q_norm and k_norm: Qwen3's, or null).
+struct FdLayer {
+  FdInt8Linear qkv, o_proj, gate_up, down;
+  const float *input_norm, *post_norm, *q_norm, *k_norm;
+};
+
+// int8_gemm.cpp's i8_linear (see there)
+using I8LinearFn = int (*)(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride, const int8_t* packed,
+                           int64_t n, int64_t kp, const float* sw, const float* bias, float* out, int64_t out_stride,
+                           int threads);
+
+int int8_linear(I8LinearFn fn, int isa, const FdInt8Linear& w, const float* x, int64_t rows, float* out,
+                int threads) {
+  return fn(isa, x, rows, w.in_features, w.in_features, w.packed, w.out_features, w.padded_in, w.scale, w.bias, out,
+            w.out_features, threads);
+}
+
 }  // namespace
 
 extern "C" {
 
-int fd_abi_version(void) { return 2; }
+int fd_abi_version(void) { return 3; }
 
 // Which path fd_linear_t runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the scalar loop (all give the same bits).
 int fd_linear_isa(void) {
@@ -554,26 +623,55 @@ int fd_decode_attention(const float* qkv, int64_t qkv_stride, int64_t n, int64_t
   if (heads % kv_heads != 0) return -1;
   const Attention a{qkv, qkv_stride, heads, kv_heads, head_dim, positions, cos, sin_rotate, q_norm, k_norm,
                     norm_eps, keys, values, max_len, out, n};
-  const int64_t per_thread = scratch_floats(heads, kv_heads, head_dim, max_len);
-  const bool parallel = threads > 1 && n > 1;
-#pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1) if (parallel)
-  for (int64_t i = 0; i < n; ++i) {
-    int worker = 0;
-#ifdef _OPENMP
-    worker = omp_get_thread_num();
-#endif
-    float* mine = scratch + worker * per_thread;
-#if defined(__x86_64__)
-    if (isa >= 2 && head_dim % 16 == 0) {
-      attend_row_avx512(a, i, mine);
-      continue;
-    }
-    if (isa >= 1 && head_dim % 8 == 0) {
-      attend_row_avx2(a, i, mine);
-      continue;
-    }
-#endif
-    attend_row(a, i, mine);
+  attend_rows(a, scratch, threads, isa);
+  return 0;
+}
+
+// Floats of fd_decode_layers' `work` for n rows.
+int64_t fd_decode_layers_work_floats(int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                     int64_t intermediate) {
+  return n * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + hidden + 3 * intermediate);
+}
+
+// The decoder layers of one decode step on int8 weights, every op of the step between the embedding and the LM head
+// in one call: rows i < n (cache slot i, position positions[i]) of the residual stream x (n, hidden; updated in
+// place) through each layer as rollout_workers/embedded/model.py runs it (RMSNorm, the qkv linear, decode
+// attention, o_proj, the residual add with the post-attention RMSNorm, gate_up, SiLU x up, down, the residual add
+// with the next layer's RMSNorm or `final_norm`), and h (n, hidden) = final_norm(x). Linears: `i8_linear` (the
+// address of int8_gemm.cpp's) with `i8_isa`; attention as fd_decode_attention with `attn_isa`, on layer l of the
+// cache keys / values (layers, slots, kv_heads, max_len, head_dim). `work`: fd_decode_layers_work_floats floats;
+// `attn_scratch`: threads x fd_scratch_floats. Returns 0, -1 for a position out of range or heads not a multiple
+// of kv_heads, or a linear's nonzero status.
+int fd_decode_layers(void* i8_linear, int i8_isa, const FdLayer* layers, int64_t num_layers, const float* final_norm,
+                     float* x, float* h, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t intermediate, const int64_t* positions, const float* cos,
+                     const float* sin_rotate, float eps, float* keys, float* values, int64_t slots, int64_t max_len,
+                     float* work, float* attn_scratch, int threads, int attn_isa) {
+  for (int64_t i = 0; i < n; ++i)
+    if (positions[i] < 0 || positions[i] >= max_len) return -1;
+  if (kv_heads < 1 || heads % kv_heads != 0) return -1;
+  const I8LinearFn fn = reinterpret_cast<I8LinearFn>(i8_linear);
+  const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, layer_floats = slots * kv_heads * max_len * head_dim;
+  float* qkv = work;
+  float* attn = qkv + n * qkv_width;
+  float* delta = attn + n * heads * head_dim;
+  float* gu = delta + n * hidden;
+  float* act = gu + n * 2 * intermediate;
+  norm_rows(x, n, hidden, layers[0].input_norm, eps, h);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const FdLayer& layer = layers[l];
+    const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
+    int status = int8_linear(fn, i8_isa, layer.qkv, h, n, qkv, threads);
+    if (status != 0) return status;
+    const Attention a{qkv, qkv_width, heads, kv_heads, head_dim, positions, cos, sin_rotate, layer.q_norm,
+                      layer.k_norm, eps, keys + l * layer_floats, values + l * layer_floats, max_len, attn, n};
+    attend_rows(a, attn_scratch, threads, attn_isa);
+    if ((status = int8_linear(fn, i8_isa, layer.o_proj, attn, n, delta, threads)) != 0) return status;
+    add_norm_rows(x, delta, n, hidden, layer.post_norm, eps, h);
+    if ((status = int8_linear(fn, i8_isa, layer.gate_up, h, n, gu, threads)) != 0) return status;
+    silu_mul_rows(gu, n, intermediate, act);
+    if ((status = int8_linear(fn, i8_isa, layer.down, act, n, delta, threads)) != 0) return status;
+    add_norm_rows(x, delta, n, hidden, next_norm, eps, h);
   }
   return 0;
 }
