@@ -32,7 +32,7 @@ optimizer step. Measured (Zen 4, 2026-12-05): the decode-shape step 15.20 -> 14.
 alternated pairs; forward 5.0 -> 4.7 s); the SmolLM2-135M row on oneDNN, one thread, 13.38-13.86 -> 13.04-13.17 s,
 its steady peak 4.2 -> 4.6-4.8 GB. Not in the first update: there the copies raised that row's first-step peak from
 2.7 to 3.3 GB (`learner_peak_rss_gb_smol`, target 3) and their page faults made the step slower. W^T packed for the
-backward (2026-12-05, seventh session; Zen 4, 2 threads, 2,064 rows): the input gradient's GEMMs 206-223 -> 222-227
+backward (2026-12-05, eighth session; Zen 4, 2 threads, 2,064 rows): the input gradient's GEMMs 206-223 -> 222-227
 GFLOP/s, 0.24 s a decode-shape step, for 0.08 s of packing (0.15 s with torch's transposed copy); the step 13.22 ->
 13.14 s (means of 3 and 4 alternated steps, in the noise of single steps).
 """
