@@ -17,6 +17,7 @@ the same values to rounding.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ from rollout_workers.embedded import fused_decode, int8_linear
 from rollout_workers.embedded.arch import ArchConfig
 
 if TYPE_CHECKING:
-    from rollout_workers.embedded.model import KVCache
+    from rollout_workers.embedded.model import KVCache, ModelWeights
 
 
 class _Int8LinearC(ctypes.Structure):
@@ -56,10 +57,10 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def plan_for(weights: object) -> LayersPlan | None:
-    """The plan of a `model.ModelWeights`, or None where `decode_layers` does not apply: a linear that is not int8 on
+def plan_for(weights: ModelWeights) -> LayersPlan | None:
+    """The plan of one weight version, or None where `decode_layers` does not apply: a linear that is not int8 on
     a C++ kernel, kernels that differ, a LoRA adapter, or no C++ libraries."""
-    layers = weights.layers  # type: ignore[attr-defined]
+    layers = weights.layers
     linears = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
     kernels = {w.kernel if isinstance(w, int8_linear.PackedInt8) else None for group in linears for w in group}
     if len(kernels) != 1 or next(iter(kernels)) not in int8_linear._COMPILED_KERNELS:
@@ -84,7 +85,7 @@ def plan_for(weights: object) -> LayersPlan | None:
         slot.qkv, slot.o_proj = linear(layer.qkv, layer.qkv_bias), linear(layer.o_proj, None)
         slot.gate_up, slot.down = linear(layer.gate_up, None), linear(layer.down, None)
         slot.input_norm, slot.post_norm, slot.q_norm, slot.k_norm = (_ptr(t) for t in norms)
-    final_norm = weights.norm.contiguous()  # type: ignore[attr-defined]
+    final_norm = weights.norm.contiguous()
     kernel = next(iter(kernels))
     return LayersPlan(descriptors, final_norm, int8_linear._ISA[kernel], layers[0].down.q.shape[1], tuple(kept))
 
@@ -105,7 +106,7 @@ def decode_layers(
     positions = positions.contiguous()
     keys, values = cache.keys, cache.values
     status = lib.fd_decode_layers(
-        _I8_LINEAR.address(), plan.kernel_isa, ctypes.addressof(plan.layers), len(plan.layers),
+        _i8_linear_address(), plan.kernel_isa, ctypes.addressof(plan.layers), len(plan.layers),
         plan.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(), n, hidden, heads, kv_heads, head_dim,
         plan.intermediate, positions.data_ptr(), cache.cos.data_ptr(), cache.sin_rotate.data_ptr(),
         arch.rms_norm_eps, keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], work.data_ptr(),
@@ -117,15 +118,7 @@ def decode_layers(
     return h
 
 
-class _I8LinearAddress:
-    """The address of int8_gemm.cpp's `i8_linear` (looked up once)."""
-
-    value: int | None = None
-
-    def address(self) -> int:
-        if self.value is None:
-            self.value = ctypes.cast(int8_linear._Library.get().i8_linear, ctypes.c_void_p).value  # type: ignore[union-attr]
-        return self.value  # type: ignore[return-value]
-
-
-_I8_LINEAR = _I8LinearAddress()
+@functools.cache
+def _i8_linear_address() -> int:
+    """The address of int8_gemm.cpp's `i8_linear`, which `fd_decode_layers` calls for every linear."""
+    return ctypes.cast(int8_linear._Library.lib.i8_linear, ctypes.c_void_p).value  # type: ignore[union-attr, return-value]
