@@ -99,7 +99,7 @@ def decode_layers(
     lib = fused_decode._Library.lib
     n, hidden = x.shape
     heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-    threads = max(1, min(torch.get_num_threads(), n))
+    threads = max(1, min(torch.get_num_threads(), n))  # the attention's (a row each); the linears take them all
     work = torch.empty(lib.fd_decode_layers_work_floats(n, hidden, heads, kv_heads, head_dim, plan.intermediate))
     attn_scratch = torch.empty(threads * lib.fd_scratch_floats(heads, kv_heads, head_dim, cache.max_len))
     h = torch.empty_like(x)
@@ -110,7 +110,7 @@ def decode_layers(
         plan.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(), n, hidden, heads, kv_heads, head_dim,
         plan.intermediate, positions.data_ptr(), cache.cos.data_ptr(), cache.sin_rotate.data_ptr(),
         arch.rms_norm_eps, keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], work.data_ptr(),
-        attn_scratch.data_ptr(), threads, fused_decode.attention_isa(),
+        attn_scratch.data_ptr(), threads, fused_decode.attention_isa(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"decode layers refused their arguments (status {status}; positions must lie in "

@@ -640,13 +640,14 @@ int64_t fd_decode_layers_work_floats(int64_t n, int64_t hidden, int64_t heads, i
 // with the next layer's RMSNorm or `final_norm`), and h (n, hidden) = final_norm(x). Linears: `i8_linear` (the
 // address of int8_gemm.cpp's) with `i8_isa`; attention as fd_decode_attention with `attn_isa`, on layer l of the
 // cache keys / values (layers, slots, kv_heads, max_len, head_dim). `work`: fd_decode_layers_work_floats floats;
-// `attn_scratch`: threads x fd_scratch_floats. Returns 0, -1 for a position out of range or heads not a multiple
+// `attn_scratch`: threads x fd_scratch_floats (`threads` run the attention's rows, `linear_threads` each linear's
+// columns). Returns 0, -1 for a position out of range or heads not a multiple
 // of kv_heads, or a linear's nonzero status.
 int fd_decode_layers(void* i8_linear, int i8_isa, const FdLayer* layers, int64_t num_layers, const float* final_norm,
                      float* x, float* h, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t intermediate, const int64_t* positions, const float* cos,
                      const float* sin_rotate, float eps, float* keys, float* values, int64_t slots, int64_t max_len,
-                     float* work, float* attn_scratch, int threads, int attn_isa) {
+                     float* work, float* attn_scratch, int threads, int attn_isa, int linear_threads) {
   for (int64_t i = 0; i < n; ++i)
     if (positions[i] < 0 || positions[i] >= max_len) return -1;
   if (kv_heads < 1 || heads % kv_heads != 0) return -1;
@@ -661,16 +662,16 @@ int fd_decode_layers(void* i8_linear, int i8_isa, const FdLayer* layers, int64_t
   for (int64_t l = 0; l < num_layers; ++l) {
     const FdLayer& layer = layers[l];
     const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
-    int status = int8_linear(fn, i8_isa, layer.qkv, h, n, qkv, threads);
+    int status = int8_linear(fn, i8_isa, layer.qkv, h, n, qkv, linear_threads);
     if (status != 0) return status;
     const Attention a{qkv, qkv_width, heads, kv_heads, head_dim, positions, cos, sin_rotate, layer.q_norm,
                       layer.k_norm, eps, keys + l * layer_floats, values + l * layer_floats, max_len, attn, n};
     attend_rows(a, attn_scratch, threads, attn_isa);
-    if ((status = int8_linear(fn, i8_isa, layer.o_proj, attn, n, delta, threads)) != 0) return status;
+    if ((status = int8_linear(fn, i8_isa, layer.o_proj, attn, n, delta, linear_threads)) != 0) return status;
     add_norm_rows(x, delta, n, hidden, layer.post_norm, eps, h);
-    if ((status = int8_linear(fn, i8_isa, layer.gate_up, h, n, gu, threads)) != 0) return status;
+    if ((status = int8_linear(fn, i8_isa, layer.gate_up, h, n, gu, linear_threads)) != 0) return status;
     silu_mul_rows(gu, n, intermediate, act);
-    if ((status = int8_linear(fn, i8_isa, layer.down, act, n, delta, threads)) != 0) return status;
+    if ((status = int8_linear(fn, i8_isa, layer.down, act, n, delta, linear_threads)) != 0) return status;
     add_norm_rows(x, delta, n, hidden, next_norm, eps, h);
   }
   return 0;

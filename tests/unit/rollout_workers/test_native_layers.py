@@ -71,7 +71,20 @@ def test_one_call_gives_the_per_op_steps_logits_and_cache(tmp_path, monkeypatch,
     assert torch.equal(fast_cache.keys[0], ops_cache.keys[0]) and torch.equal(fast_cache.values[0], ops_cache.values[0])
 
 
-def test_rows_get_the_same_bits_alone_and_in_a_batch(tmp_path, calls):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_get_the_same_bits_alone_and_in_a_batch(tmp_path, calls, threads):
+    """On one thread or two (the linears split their columns over them, the attention its rows), a row alone
+    and in a batch of three: the same bits."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _rows_alone_and_together(tmp_path)
+    finally:
+        torch.set_num_threads(previous)
+    assert calls == [3, 1, 1, 1]
+
+
+def _rows_alone_and_together(tmp_path) -> None:
     hf = make_model(tmp_path, "llama")
     arch = ArchConfig.from_model_dir(tmp_path)
     weights = _weights(hf, arch)
@@ -82,7 +95,6 @@ def test_rows_get_the_same_bits_alone_and_in_a_batch(tmp_path, calls):
             cache.copy_slot(row, 0, int(PROMPT_LENGTHS[row]))
         alone = decode(arch, weights, cache, torch.tensor([3 + row]), PROMPT_LENGTHS[row : row + 1].clone())
         assert torch.equal(alone[0], together[row])
-    assert calls == [3, 1, 1, 1]
 
 
 def test_a_position_past_the_cache_is_refused(tmp_path, calls):
