@@ -53,7 +53,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fd_decode_layers_work_floats.restype = i64
     cint = ctypes.c_int
     lib.fd_decode_layers.argtypes = [ptr, cint, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
-                                     f32, ptr, ptr, i64, i64, ptr, ptr, cint, cint, cint]  # fmt: skip
+                                     f32, ptr, ptr, i64, i64, ptr, ptr, cint, cint, cint, ptr, ptr, ptr]  # fmt: skip
     lib.fd_decode_layers.restype = ctypes.c_int
     return lib
 

@@ -10,8 +10,9 @@ sampling stay in Python. Every op computes each row on its own, as before: a seq
 any batch.
 
 It applies to a step of decode rows only (prompts joining the step take `model.forward_step`'s path) whose weights
-are all int8 on one C++ kernel with no LoRA adapters (`plan_for`); anything else runs the per-op path, which gives
-the same values to rounding.
+are all int8 on one C++ kernel, their LoRA adapters (if any) on `csrc/lora_gemm.cpp` (`plan_for`), which runs them
+after their linears as `low_rank.add_low_rank` does; anything else runs the per-op path, which gives the same values
+to rounding.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from rollout_workers.embedded import fused_decode, int8_linear
 from rollout_workers.embedded.arch import ArchConfig
+from rollout_workers.embedded.low_rank import LowRank, _native_lora
 
 if TYPE_CHECKING:
     from rollout_workers.embedded.model import KVCache, ModelWeights
@@ -35,10 +37,17 @@ class _Int8LinearC(ctypes.Structure):
                 ("padded_in", ctypes.c_int64), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]  # fmt: skip
 
 
+class _LoraC(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("a_scale", ctypes.c_void_p), ("rank", ctypes.c_int64),
+                ("members", ctypes.c_int64), ("ranks", ctypes.c_void_p), ("cols", ctypes.c_void_p),
+                ("bs", ctypes.c_void_p), ("b_scales", ctypes.c_void_p), ("scalings", ctypes.c_void_p)]  # fmt: skip
+
+
 class _LayerC(ctypes.Structure):
     _fields_ = [("qkv", _Int8LinearC), ("o_proj", _Int8LinearC), ("gate_up", _Int8LinearC), ("down", _Int8LinearC),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p)]  # fmt: skip
+                ("k_norm", ctypes.c_void_p), ("qkv_lora", ctypes.POINTER(_LoraC)), ("o_lora", ctypes.POINTER(_LoraC)),
+                ("gate_up_lora", ctypes.POINTER(_LoraC)), ("down_lora", ctypes.POINTER(_LoraC))]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +58,10 @@ class LayersPlan:
     final_norm: torch.Tensor
     kernel_isa: int
     intermediate: int
-    kept: tuple[torch.Tensor, ...]
-    """Every tensor the descriptors point into (float copies of the biases included)."""
+    max_rank: int
+    """The largest LoRA rank of any linear (0: no adapters): the adapters' scratch is rows x this."""
+    kept: tuple[object, ...]
+    """Every tensor and ctypes array the descriptors point into (float copies of the biases included)."""
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -59,17 +70,29 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 def plan_for(weights: ModelWeights) -> LayersPlan | None:
     """The plan of one weight version, or None where `decode_layers` does not apply: a linear that is not int8 on
-    a C++ kernel, kernels that differ, a LoRA adapter, or no C++ libraries."""
+    a C++ kernel, kernels that differ, a LoRA adapter on torch's GEMMs, or no C++ libraries."""
     layers = weights.layers
     linears = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
     kernels = {w.kernel if isinstance(w, int8_linear.PackedInt8) else None for group in linears for w in group}
     if len(kernels) != 1 or next(iter(kernels)) not in int8_linear._COMPILED_KERNELS:
         return None
-    if any(layer.qkv_lora or layer.o_lora or layer.gate_up_lora or layer.down_lora for layer in layers):
+    adapters = [a for layer in layers for a in (layer.qkv_lora, layer.o_lora, layer.gate_up_lora, layer.down_lora)]
+    if any(a is not None and a.native is None for a in adapters):  # adapters on torch's GEMMs
         return None
     if fused_decode._Library.get() is None or int8_linear._Library.get() is None:
         return None
-    kept: list[torch.Tensor] = []
+    kept: list[object] = []
+
+    def lora(adapter: LowRank | None) -> ctypes._Pointer | None:
+        if adapter is None:
+            return None
+        int8 = adapter.a_scale is not None
+        ranks, cols, bs, *b_scales, scalings = adapter.native  # type: ignore[misc]  # checked above
+        descriptor = _LoraC(adapter.a.data_ptr(), _ptr(adapter.a_scale), adapter.a.shape[0], len(adapter.b_t),
+                            ctypes.addressof(ranks), ctypes.addressof(cols), ctypes.addressof(bs),
+                            ctypes.addressof(b_scales[0]) if int8 else None, ctypes.addressof(scalings))  # fmt: skip
+        kept.extend((adapter, descriptor))
+        return ctypes.pointer(descriptor)
 
     def linear(weight: int8_linear.PackedInt8, bias: torch.Tensor | None) -> _Int8LinearC:
         bias32 = None if bias is None else bias.to(torch.float32).contiguous()
@@ -85,9 +108,16 @@ def plan_for(weights: ModelWeights) -> LayersPlan | None:
         slot.qkv, slot.o_proj = linear(layer.qkv, layer.qkv_bias), linear(layer.o_proj, None)
         slot.gate_up, slot.down = linear(layer.gate_up, None), linear(layer.down, None)
         slot.input_norm, slot.post_norm, slot.q_norm, slot.k_norm = (_ptr(t) for t in norms)
+        for name in ("qkv_lora", "o_lora", "gate_up_lora", "down_lora"):
+            pointer = lora(getattr(layer, name))
+            if pointer is not None:
+                setattr(slot, name, pointer)
     final_norm = weights.norm.contiguous()
     kernel = next(iter(kernels))
-    return LayersPlan(descriptors, final_norm, int8_linear._ISA[kernel], layers[0].down.q.shape[1], tuple(kept))
+    max_rank = max((a.a.shape[0] for a in adapters if a is not None), default=0)
+    return LayersPlan(
+        descriptors, final_norm, int8_linear._ISA[kernel], layers[0].down.q.shape[1], max_rank, tuple(kept)
+    )
 
 
 def decode_layers(
@@ -103,6 +133,7 @@ def decode_layers(
     work = torch.empty(lib.fd_decode_layers_work_floats(n, hidden, heads, kv_heads, head_dim, plan.intermediate))
     attn_scratch = torch.empty(threads * lib.fd_scratch_floats(heads, kv_heads, head_dim, cache.max_len))
     h = torch.empty_like(x)
+    low = torch.empty(n * plan.max_rank) if plan.max_rank else None
     positions = positions.contiguous()
     keys, values = cache.keys, cache.values
     status = lib.fd_decode_layers(
@@ -111,6 +142,7 @@ def decode_layers(
         plan.intermediate, positions.data_ptr(), cache.cos.data_ptr(), cache.sin_rotate.data_ptr(),
         arch.rms_norm_eps, keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], work.data_ptr(),
         attn_scratch.data_ptr(), threads, fused_decode.attention_isa(), torch.get_num_threads(),
+        *_lora_addresses(plan), _ptr(low),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"decode layers refused their arguments (status {status}; positions must lie in "
@@ -122,3 +154,12 @@ def decode_layers(
 def _i8_linear_address() -> int:
     """The address of int8_gemm.cpp's `i8_linear`, which `fd_decode_layers` calls for every linear."""
     return ctypes.cast(int8_linear._Library.lib.i8_linear, ctypes.c_void_p).value  # type: ignore[union-attr, return-value]
+
+
+def _lora_addresses(plan: LayersPlan) -> tuple[int | None, int | None]:
+    """lora_gemm.cpp's `lr_apply` and `lr_apply_q8` by address where the plan has adapters (their library then
+    loaded: `LowRank.native` is made only where it is), else nulls."""
+    if not plan.max_rank:
+        return None, None
+    lib = _native_lora()
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (lib.lr_apply, lib.lr_apply_q8))  # type: ignore[union-attr, return-value]

@@ -547,10 +547,23 @@ struct FdInt8Linear {
   const float *scale, *bias;
 };
 
-// One decoder layer of fd_decode_layers (q_norm and k_norm: Qwen3's, or null).
+// A LoRA adapter on one linear of fd_decode_layers, as lora_gemm.cpp's lr_apply (a_scale null: fp32 matrices) or
+// lr_apply_q8 (int8 matrices with per-rank scales) takes it (packed by rollout_workers/embedded/low_rank.py).
+struct FdLora {
+  const void* a;
+  const float* a_scale;
+  int64_t rank, members;
+  const int64_t *ranks, *cols;
+  const void* const* bs;
+  const float* const* b_scales;
+  const float* scalings;
+};
+
+// One decoder layer of fd_decode_layers (q_norm and k_norm: Qwen3's, or null; an adapter: null for none).
 struct FdLayer {
   FdInt8Linear qkv, o_proj, gate_up, down;
   const float *input_norm, *post_norm, *q_norm, *k_norm;
+  const FdLora *qkv_lora, *o_lora, *gate_up_lora, *down_lora;
 };
 
 // int8_gemm.cpp's i8_linear (see there)
@@ -558,10 +571,38 @@ using I8LinearFn = int (*)(int isa, const float* x, int64_t rows, int64_t k, int
                            int64_t n, int64_t kp, const float* sw, const float* bias, float* out, int64_t out_stride,
                            int threads);
 
-int int8_linear(I8LinearFn fn, int isa, const FdInt8Linear& w, const float* x, int64_t rows, float* out,
-                int threads) {
-  return fn(isa, x, rows, w.in_features, w.in_features, w.packed, w.out_features, w.padded_in, w.scale, w.bias, out,
-            w.out_features, threads);
+// lora_gemm.cpp's lr_apply and lr_apply_q8 (see there)
+using LrApplyFn = int (*)(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a, int64_t r, float* low,
+                          int64_t n_members, const int64_t* ranks, const int64_t* cols, const float* const* bps,
+                          const float* scalings, float* out, int64_t os);
+using LrApplyQ8Fn = int (*)(const float* x, int64_t rows, int64_t k, int64_t xs, const int8_t* qa, const float* sa,
+                            int64_t r, float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols,
+                            const int8_t* const* qbs, const float* const* sbs, const float* scalings, float* out,
+                            int64_t os);
+
+// The linears' kernels: int8_gemm.cpp's i8_linear, and lora_gemm.cpp's two adapter products (null where no adapter
+// comes), with the adapters' (rows, rank) scratch.
+struct Kernels {
+  I8LinearFn i8_linear;
+  int i8_isa, threads;
+  LrApplyFn lr_apply;
+  LrApplyQ8Fn lr_apply_q8;
+  float* low;
+};
+
+// out = x W^T (+ bias) (+ s * B (A x) where `lora` is not null); 0 or the failing kernel's status.
+int linear_with_adapter(const Kernels& kern, const FdInt8Linear& w, const FdLora* lora, const float* x, int64_t rows,
+                        float* out) {
+  const int status = kern.i8_linear(kern.i8_isa, x, rows, w.in_features, w.in_features, w.packed, w.out_features,
+                                    w.padded_in, w.scale, w.bias, out, w.out_features, kern.threads);
+  if (status != 0 || lora == nullptr) return status;
+  const int64_t k = w.in_features, n = w.out_features;
+  if (lora->a_scale != nullptr)
+    return kern.lr_apply_q8(x, rows, k, k, static_cast<const int8_t*>(lora->a), lora->a_scale, lora->rank, kern.low,
+                            lora->members, lora->ranks, lora->cols, reinterpret_cast<const int8_t* const*>(lora->bs),
+                            lora->b_scales, lora->scalings, out, n);
+  return kern.lr_apply(x, rows, k, k, static_cast<const float*>(lora->a), lora->rank, kern.low, lora->members,
+                       lora->ranks, lora->cols, reinterpret_cast<const float* const*>(lora->bs), lora->scalings, out, n);
 }
 
 }  // namespace
@@ -641,17 +682,20 @@ int64_t fd_decode_layers_work_floats(int64_t n, int64_t hidden, int64_t heads, i
 // address of int8_gemm.cpp's) with `i8_isa`; attention as fd_decode_attention with `attn_isa`, on layer l of the
 // cache keys / values (layers, slots, kv_heads, max_len, head_dim). `work`: fd_decode_layers_work_floats floats;
 // `attn_scratch`: threads x fd_scratch_floats (`threads` run the attention's rows, `linear_threads` each linear's
-// columns). Returns 0, -1 for a position out of range or heads not a multiple
+// columns). A layer's LoRA adapters run after their linears on `lr_apply` / `lr_apply_q8` (lora_gemm.cpp's, by
+// address; null where none comes) with `low`, n x the largest rank floats. Returns 0, -1 for a position out of range or heads not a multiple
 // of kv_heads, or a linear's nonzero status.
 int fd_decode_layers(void* i8_linear, int i8_isa, const FdLayer* layers, int64_t num_layers, const float* final_norm,
                      float* x, float* h, int64_t n, int64_t hidden, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t intermediate, const int64_t* positions, const float* cos,
                      const float* sin_rotate, float eps, float* keys, float* values, int64_t slots, int64_t max_len,
-                     float* work, float* attn_scratch, int threads, int attn_isa, int linear_threads) {
+                     float* work, float* attn_scratch, int threads, int attn_isa, int linear_threads,
+                     void* lr_apply, void* lr_apply_q8, float* low) {
   for (int64_t i = 0; i < n; ++i)
     if (positions[i] < 0 || positions[i] >= max_len) return -1;
   if (kv_heads < 1 || heads % kv_heads != 0) return -1;
-  const I8LinearFn fn = reinterpret_cast<I8LinearFn>(i8_linear);
+  const Kernels kern{reinterpret_cast<I8LinearFn>(i8_linear), i8_isa, linear_threads,
+                     reinterpret_cast<LrApplyFn>(lr_apply), reinterpret_cast<LrApplyQ8Fn>(lr_apply_q8), low};
   const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, layer_floats = slots * kv_heads * max_len * head_dim;
   float* qkv = work;
   float* attn = qkv + n * qkv_width;
@@ -662,16 +706,16 @@ int fd_decode_layers(void* i8_linear, int i8_isa, const FdLayer* layers, int64_t
   for (int64_t l = 0; l < num_layers; ++l) {
     const FdLayer& layer = layers[l];
     const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
-    int status = int8_linear(fn, i8_isa, layer.qkv, h, n, qkv, linear_threads);
+    int status = linear_with_adapter(kern, layer.qkv, layer.qkv_lora, h, n, qkv);
     if (status != 0) return status;
     const Attention a{qkv, qkv_width, heads, kv_heads, head_dim, positions, cos, sin_rotate, layer.q_norm,
                       layer.k_norm, eps, keys + l * layer_floats, values + l * layer_floats, max_len, attn, n};
     attend_rows(a, attn_scratch, threads, attn_isa);
-    if ((status = int8_linear(fn, i8_isa, layer.o_proj, attn, n, delta, linear_threads)) != 0) return status;
+    if ((status = linear_with_adapter(kern, layer.o_proj, layer.o_lora, attn, n, delta)) != 0) return status;
     add_norm_rows(x, delta, n, hidden, layer.post_norm, eps, h);
-    if ((status = int8_linear(fn, i8_isa, layer.gate_up, h, n, gu, linear_threads)) != 0) return status;
+    if ((status = linear_with_adapter(kern, layer.gate_up, layer.gate_up_lora, h, n, gu)) != 0) return status;
     silu_mul_rows(gu, n, intermediate, act);
-    if ((status = int8_linear(fn, i8_isa, layer.down, act, n, delta, linear_threads)) != 0) return status;
+    if ((status = linear_with_adapter(kern, layer.down, layer.down_lora, act, n, delta)) != 0) return status;
     add_norm_rows(x, delta, n, hidden, next_norm, eps, h);
   }
   return 0;

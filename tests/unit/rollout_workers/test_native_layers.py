@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_engine import engine_for, make_model
@@ -115,7 +117,7 @@ def test_only_int8_weights_on_a_cpp_kernel_take_it(tmp_path, monkeypatch):
     assert native_layers.plan_for(_weights(hf, arch)) is None
     monkeypatch.setenv(int8_linear.ENV_KERNEL, KERNELS[0])
     weights = _weights(hf, arch)
-    weights.layers[1].down_lora = object()  # an adapter on any linear
+    weights.layers[1].down_lora = SimpleNamespace(native=None)  # an adapter on torch's GEMMs (no C++ form)
     assert native_layers.plan_for(weights) is None
 
 
@@ -133,3 +135,37 @@ def test_an_engine_generates_through_it_with_prompts_joining(tmp_path, calls):
         assert alone.response_ids == seq.response_ids
         torch.testing.assert_close(torch.tensor(alone.behav_logp), torch.tensor(seq.behav_logp), rtol=0, atol=1e-5)
     assert model._layers_plan(engine._weights) is not None
+
+
+@pytest.mark.parametrize("keep_int8", [True, False])  # int8 adapters (lr_apply_q8), float32 ones (lr_apply)
+def test_lora_adapters_run_inside_the_one_call_as_after_each_linear(tmp_path, calls, keep_int8):
+    """A rank-4 adapter on every linear of an int8 base: the one call's logits and cache equal the per-op path's
+    (`add_low_rank` after each linear) to fp32 rounding."""
+    from asyncrl.bench.engine_bench import lora_adapter_tensors
+    from quant_sync.export import decode_adapters, pack_adapters
+    from rollout_workers.embedded.low_rank import _native_lora
+
+    hf = make_model(tmp_path, "llama")
+    arch = ArchConfig.from_model_dir(tmp_path)
+    base = export_rollout_tensors(hf.state_dict(), "int8", quantize_head=True)
+    encoded = lora_adapter_tensors(hf.state_dict(), rank=4, sync_dtype="int8", seed=3)
+    adapters = decode_adapters(pack_adapters(encoded), keep_int8=keep_int8)
+    if _native_lora() is None:  # no AVX-512F: the adapters run on torch's GEMMs, and so on the per-op path
+        weights = ModelWeights.build(arch, build_weight_map(WeightUpdate(1, {**base, **adapters}, "int8")))
+        assert weights.layers[0].qkv_lora.native is None and native_layers.plan_for(weights) is None
+        return
+    results = {}
+    for one_call in (True, False):
+        weights = ModelWeights.build(arch, build_weight_map(WeightUpdate(1, {**base, **adapters}, "int8")))
+        assert weights.layers[0].qkv_lora is not None
+        if not one_call:
+            weights.layers_plan = False
+        cache = _prefilled(arch, weights)
+        results[one_call] = (decode(arch, weights, cache, torch.tensor([3, 4, 5]), PROMPT_LENGTHS.clone()), cache)
+    assert calls == [3]
+    (fast, fast_cache), (ops, ops_cache) = results[True], results[False]
+    torch.testing.assert_close(fast, ops, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_cache.keys, ops_cache.keys, rtol=1e-5, atol=1e-5)
+    base_only = decode(arch, _weights(hf, arch), _prefilled(arch, _weights(hf, arch)), torch.tensor([3, 4, 5]),
+                       PROMPT_LENGTHS.clone())  # fmt: skip
+    assert not torch.allclose(base_only, fast, atol=1e-3)  # the adapters took part
