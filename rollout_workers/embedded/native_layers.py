@@ -18,7 +18,6 @@ to rounding.
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +59,9 @@ class LayersPlan:
     intermediate: int
     max_rank: int
     """The largest LoRA rank of any linear (0: no adapters): the adapters' scratch is rows x this."""
+    kernels: tuple[int, int | None, int | None]
+    """The addresses of int8_gemm.cpp's `i8_linear` and, where adapters come, lora_gemm.cpp's `lr_apply` and
+    `lr_apply_q8` (else nulls): looked up once per version, not per step."""
     kept: tuple[object, ...]
     """Every tensor and ctypes array the descriptors point into (float copies of the biases included)."""
 
@@ -115,8 +117,11 @@ def plan_for(weights: ModelWeights) -> LayersPlan | None:
     final_norm = weights.norm.contiguous()
     kernel = next(iter(kernels))
     max_rank = max((a.a.shape[0] for a in adapters if a is not None), default=0)
+    lora_lib = _native_lora() if max_rank else None  # loaded: `LowRank.native` is made only where it is
+    lora_fns = (_address(lora_lib.lr_apply), _address(lora_lib.lr_apply_q8)) if lora_lib else (None, None)
+    kernels = (_address(int8_linear._Library.lib.i8_linear), *lora_fns)  # type: ignore[union-attr]
     return LayersPlan(
-        descriptors, final_norm, int8_linear._ISA[kernel], layers[0].down.q.shape[1], max_rank, tuple(kept)
+        descriptors, final_norm, int8_linear._ISA[kernel], layers[0].down.q.shape[1], max_rank, kernels, tuple(kept)
     )
 
 
@@ -137,12 +142,12 @@ def decode_layers(
     positions = positions.contiguous()
     keys, values = cache.keys, cache.values
     status = lib.fd_decode_layers(
-        _i8_linear_address(), plan.kernel_isa, ctypes.addressof(plan.layers), len(plan.layers),
+        plan.kernels[0], plan.kernel_isa, ctypes.addressof(plan.layers), len(plan.layers),
         plan.final_norm.data_ptr(), x.data_ptr(), h.data_ptr(), n, hidden, heads, kv_heads, head_dim,
         plan.intermediate, positions.data_ptr(), cache.cos.data_ptr(), cache.sin_rotate.data_ptr(),
         arch.rms_norm_eps, keys.data_ptr(), values.data_ptr(), keys.shape[1], keys.shape[3], work.data_ptr(),
         attn_scratch.data_ptr(), threads, fused_decode.attention_isa(), torch.get_num_threads(),
-        *_lora_addresses(plan), _ptr(low),
+        *plan.kernels[1:], _ptr(low),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"decode layers refused their arguments (status {status}; positions must lie in "
@@ -150,16 +155,6 @@ def decode_layers(
     return h
 
 
-@functools.cache
-def _i8_linear_address() -> int:
-    """The address of int8_gemm.cpp's `i8_linear`, which `fd_decode_layers` calls for every linear."""
-    return ctypes.cast(int8_linear._Library.lib.i8_linear, ctypes.c_void_p).value  # type: ignore[union-attr, return-value]
-
-
-def _lora_addresses(plan: LayersPlan) -> tuple[int | None, int | None]:
-    """lora_gemm.cpp's `lr_apply` and `lr_apply_q8` by address where the plan has adapters (their library then
-    loaded: `LowRank.native` is made only where it is), else nulls."""
-    if not plan.max_rank:
-        return None, None
-    lib = _native_lora()
-    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (lib.lr_apply, lib.lr_apply_q8))  # type: ignore[union-attr, return-value]
+def _address(function: ctypes._CFuncPtr) -> int:
+    """A C function's address, for `fd_decode_layers` to call it."""
+    return ctypes.cast(function, ctypes.c_void_p).value  # type: ignore[return-value]
