@@ -37,7 +37,7 @@ ENV_ATTENTION_ISA = "ASYNCRL_ATTENTION_ISA"
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    if lib.fd_abi_version() != 3:
+    if lib.fd_abi_version() != 4:
         raise ValueError("fused_decode library: unexpected ABI version")
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.fd_rms_norm.argtypes, lib.fd_rms_norm.restype = [ptr, i64, i64, ptr, f32, ptr], None

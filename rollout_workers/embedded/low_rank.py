@@ -230,11 +230,29 @@ def _adjacent_rows(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.
 
 def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    if lib.lr_abi_version() != 4:
+    if lib.lr_abi_version() != 5:
         raise ValueError("lora_gemm library: unexpected ABI version")
-    lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.lr_apply.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.lr_apply.restype = ctypes.c_int
-    lib.lr_apply_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.lr_apply_q8.argtypes = [
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ctypes.c_int,
+    ]
     lib.lr_apply_q8.restype = ctypes.c_int
     lib.lr_dequantize_rows.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
     lib.lr_dequantize_rows.restype = None
@@ -308,14 +326,15 @@ def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.
             ranks, cols, panels, b_scales, scalings = adapter.native
             done = lib.lr_apply_q8(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
                                    adapter.a_scale.data_ptr(), adapter.a.shape[0], low.data_ptr(), len(adapter.b_t),
-                                   ranks, cols, panels, b_scales, scalings, out.data_ptr(), out.shape[-1])  # fmt: skip
+                                   ranks, cols, panels, b_scales, scalings, out.data_ptr(), out.shape[-1],
+                                   torch.get_num_threads())  # fmt: skip
             if done != 0:
                 raise RuntimeError("lora_gemm: lr_apply_q8 refused (no AVX-512F on this CPU), yet adapters were packed")
             return out
         ranks, cols, b_ts, scalings = adapter.native
         done = lib.lr_apply(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), adapter.a.data_ptr(),  # type: ignore[union-attr]
                             adapter.a.shape[0], low.data_ptr(), len(adapter.b_t), ranks, cols, b_ts, scalings,
-                            out.data_ptr(), out.shape[-1])  # fmt: skip
+                            out.data_ptr(), out.shape[-1], torch.get_num_threads())  # fmt: skip
         if done != 0:
             raise RuntimeError("lora_gemm: lr_apply refused (no AVX-512F on this CPU), yet its adapters were packed")
         return out

@@ -574,11 +574,11 @@ using I8LinearFn = int (*)(int isa, const float* x, int64_t rows, int64_t k, int
 // lora_gemm.cpp's lr_apply and lr_apply_q8 (see there)
 using LrApplyFn = int (*)(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a, int64_t r, float* low,
                           int64_t n_members, const int64_t* ranks, const int64_t* cols, const float* const* bps,
-                          const float* scalings, float* out, int64_t os);
+                          const float* scalings, float* out, int64_t os, int threads);
 using LrApplyQ8Fn = int (*)(const float* x, int64_t rows, int64_t k, int64_t xs, const int8_t* qa, const float* sa,
                             int64_t r, float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols,
                             const int8_t* const* qbs, const float* const* sbs, const float* scalings, float* out,
-                            int64_t os);
+                            int64_t os, int threads);
 
 // The linears' kernels: int8_gemm.cpp's i8_linear, and lora_gemm.cpp's two adapter products (null where no adapter
 // comes), with the adapters' (rows, rank) scratch.
@@ -600,16 +600,17 @@ int linear_with_adapter(const Kernels& kern, const FdInt8Linear& w, const FdLora
   if (lora->a_scale != nullptr)
     return kern.lr_apply_q8(x, rows, k, k, static_cast<const int8_t*>(lora->a), lora->a_scale, lora->rank, kern.low,
                             lora->members, lora->ranks, lora->cols, reinterpret_cast<const int8_t* const*>(lora->bs),
-                            lora->b_scales, lora->scalings, out, n);
+                            lora->b_scales, lora->scalings, out, n, kern.threads);
   return kern.lr_apply(x, rows, k, k, static_cast<const float*>(lora->a), lora->rank, kern.low, lora->members,
-                       lora->ranks, lora->cols, reinterpret_cast<const float* const*>(lora->bs), lora->scalings, out, n);
+                       lora->ranks, lora->cols, reinterpret_cast<const float* const*>(lora->bs), lora->scalings, out, n,
+                       kern.threads);
 }
 
 }  // namespace
 
 extern "C" {
 
-int fd_abi_version(void) { return 3; }
+int fd_abi_version(void) { return 4; }
 
 // Which path fd_linear_t runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the scalar loop (all give the same bits).
 int fd_linear_isa(void) {

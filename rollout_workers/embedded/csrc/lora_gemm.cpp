@@ -4,10 +4,14 @@
 // in fp32 with AVX-512F register tiles (explicit FMAs; summation order differs from MKL's: ~1e-7 relative).
 // bt_i is member i's B^T (rank_i, n_i), unscaled, in panels of 32 columns (the subscriber decodes them so:
 // quant_sync/adapter_buffers.py); s_i multiplies each output tile once, as peft scales its output (not B).
+// Both halves run on the caller's thread count (the engine's torch threads: a worker's `rollout.threads`), split so
+// that each output is summed by one thread in one order: the bits do not depend on the count.
 // Plain C ABI for ctypes. lr_apply returns 0 when done, -1 when this CPU lacks AVX-512F (the caller's torch path).
 // lr_dequantize_rows and lr_dequantize_panels decode an int8 adapter version into those float32 layouts in one pass
 // (any x86-64 CPU): each value is float(q) * s, one rounding, bit for bit torch's `q.float() * s`.
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <immintrin.h>
 
 namespace {
@@ -34,87 +38,148 @@ template <int MR, int NR, typename T>
 __attribute__((target("avx512f"))) void a_tile(const float* x, int64_t xs, const T* a, int64_t k, float* low,
                                                int64_t ls, const float* sa) {
     __m512 acc[MR][NR];
+    #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
     int64_t p = 0;
     for (; p + 16 <= k; p += 16) {
         __m512 av[NR];
+        #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) av[j] = load16(a + j * k + p);
+        #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
             __m512 xv = _mm512_loadu_ps(x + i * xs + p);
+            #pragma GCC unroll 8
             for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
         }
     }
     if (p < k) {
         __m512 av[NR];
+        #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) av[j] = load_first(a + j * k + p, k - p);
+        #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
             __m512 xv = load_first(x + i * xs + p, k - p);
+            #pragma GCC unroll 8
             for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, av[j], acc[i][j]);
         }
     }
+    #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) {
             const float sum = _mm512_reduce_add_ps(acc[i][j]);
             low[i * ls + j] = sa ? sum * sa[j] : sum;
         }
 }
 
-template <int MR, typename T>
-__attribute__((target("avx512f"))) void a_rows(const float* x, int64_t xs, const T* a, int64_t k, int64_t r,
-                                               float* low, int64_t ls, const float* sa) {
-    int64_t j = 0;
-    for (; j + 4 <= r; j += 4) a_tile<MR, 4>(x, xs, a + j * k, k, low + j, ls, sa ? sa + j : nullptr);
-    for (; j < r; ++j) a_tile<MR, 1>(x, xs, a + j * k, k, low + j, ls, sa ? sa + j : nullptr);
-}
-
-// out[m, c] += s * sum_q low[m, q] * bt[q, c] for a tile of MR rows, over all n columns. bp is bt packed in panels
-// of 32 columns (panel t holds bt[:, 32t : 32t + 32] row after row, zero-padded: quant_sync/adapter_buffers.py
-// writes them, or low_rank.py's _panels), so each panel streams in order (16 rows of bt read side by side, or
-// masked loads, ran 10-20% slower); the last panel's columns past n are computed on zeros and masked off at the
-// store. For int8 panels `low` already holds B's per-rank scales.
-template <int MR, typename T>
-__attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, const T* bp, int64_t rank, int64_t n,
-                                               float s, float* out, int64_t os) {
+// out[m, c] += s * sum_q low[m, q] * bt[q, c] for a tile of MR rows and the NP panels of 32 columns from column c0
+// (the last of them may end past n). bp is bt packed in panels of 32 columns (panel t holds bt[:, 32t : 32t + 32] row
+// after row, zero-padded: quant_sync/adapter_buffers.py writes them, or low_rank.py's _panels), so each panel streams
+// in order (16 rows of bt read side by side, or masked loads, ran 10-20% slower); columns past n are computed on zeros
+// and masked off at the store. For int8 panels `low` already holds B's per-rank scales. Two panels a tile (NP = 2)
+// halve the broadcasts of `low` per multiply-add: the B half 0.96 -> 0.82 ms a step at the engine bench's shapes (8
+// layers, 32 rows, one Zen 4 thread, hot caches). Every output's sum runs over q in order whatever the tile: the same
+// bits for any NP, row tile or thread split.
+template <int MR, int NP, typename T>
+__attribute__((target("avx512f"))) void b_tile(const float* low, int64_t ls, const T* bp, int64_t rank, int64_t n,
+                                               int64_t c0, float s, float* out, int64_t os) {
     const __m512 sv = _mm512_set1_ps(s);
-    for (int64_t c = 0; c < n; c += 32) {
-        const T* panel = bp + (c / 32) * rank * 32;
-        __m512 acc[MR][2];
+    const T* panel = bp + (c0 / 32) * rank * 32;
+    __m512 acc[MR][2 * NP];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+        #pragma GCC unroll 8
+        for (int j = 0; j < 2 * NP; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < rank; ++q) {
+        __m512 b[2 * NP];
+        #pragma GCC unroll 8
+        for (int t = 0; t < NP; ++t) {
+            b[2 * t] = load16(panel + t * rank * 32 + q * 32);
+            b[2 * t + 1] = load16(panel + t * rank * 32 + q * 32 + 16);
+        }
+        #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
-            acc[i][0] = _mm512_setzero_ps();
-            acc[i][1] = _mm512_setzero_ps();
-        }
-        for (int64_t q = 0; q < rank; ++q) {
-            __m512 b0 = load16(panel + q * 32), b1 = load16(panel + q * 32 + 16);
-            for (int i = 0; i < MR; ++i) {
-                __m512 l = _mm512_set1_ps(low[i * ls + q]);
-                acc[i][0] = _mm512_fmadd_ps(l, b0, acc[i][0]);
-                acc[i][1] = _mm512_fmadd_ps(l, b1, acc[i][1]);
-            }
-        }
-        const int64_t left = n - c;
-        const __mmask16 m0 = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __mmask16 m1 = left >= 32 ? (__mmask16)0xFFFF : left <= 16 ? (__mmask16)0 : (__mmask16)((1u << (left - 16)) - 1u);
-        for (int i = 0; i < MR; ++i) {  // out + s * acc, as peft scales its output (not B)
-            float* o = out + i * os + c;
-            _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_mul_ps(acc[i][0], sv)));
-            _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_mul_ps(acc[i][1], sv)));
+            const __m512 l = _mm512_set1_ps(low[i * ls + q]);
+            #pragma GCC unroll 8
+            for (int j = 0; j < 2 * NP; ++j) acc[i][j] = _mm512_fmadd_ps(l, b[j], acc[i][j]);
         }
     }
+    if (c0 + 32 * NP <= n) {  // out + s * acc, as peft scales its output (not B)
+        #pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i)
+            #pragma GCC unroll 8
+            for (int j = 0; j < 2 * NP; ++j) {
+                float* o = out + i * os + c0 + 16 * j;
+                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(acc[i][j], sv)));
+            }
+        return;
+    }
+    #pragma GCC unroll 8
+    for (int j = 0; j < 2 * NP; ++j) {  // the last columns, masked
+        const int64_t left = n - c0 - 16 * j;
+        const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+        #pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            float* o = out + i * os + c0 + 16 * j;
+            _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), _mm512_mul_ps(acc[i][j], sv)));
+        }
+    }
+}
+
+// The B half of one member over its 64-column tiles [t0, t1): rows outer (4 at a time), columns inner, so that the
+// output rows are walked in order (columns outer, rows inner ran 25% slower).
+template <typename T>
+__attribute__((target("avx512f"))) void b_block(const float* low, int64_t ls, const T* bp, int64_t rank, int64_t n,
+                                                int64_t t0, int64_t t1, int64_t rows, float s, float* out, int64_t os) {
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4)
+        for (int64_t t = t0; t < t1; ++t) {
+            if (64 * t + 32 < n) b_tile<4, 2>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
+            else b_tile<4, 1>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
+        }
+    for (; m < rows; ++m)
+        for (int64_t t = t0; t < t1; ++t) {
+            if (64 * t + 32 < n) b_tile<1, 2>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
+            else b_tile<1, 1>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
+        }
+}
+
+// The A half for adapter rows [j0, j1): rows outer (4 at a time), 4 adapter rows at a time inner.
+template <typename T>
+__attribute__((target("avx512f"))) void a_block(const float* x, int64_t xs, const T* a, int64_t k, int64_t r,
+                                                int64_t j0, int64_t j1, int64_t rows, float* low, const float* sa) {
+    auto tiles = [&](auto mr, int64_t m) {
+        constexpr int MR = decltype(mr)::value;
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) a_tile<MR, 4>(x + m * xs, xs, a + j * k, k, low + m * r + j, r, sa ? sa + j : nullptr);
+        for (; j < j1; ++j) a_tile<MR, 1>(x + m * xs, xs, a + j * k, k, low + m * r + j, r, sa ? sa + j : nullptr);
+    };
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) tiles(std::integral_constant<int, 4>{}, m);
+    for (; m < rows; ++m) tiles(std::integral_constant<int, 1>{}, m);
 }
 
 // Both products of a fused group: float32 adapters (sa, sbs null) or int8 ones with per-rank scales, whose
 //   low[m, j] = sa[j] * dot(x[m, :k], float(qa[j, :k])),  out[m, c] += s * sum_q (low[m, q] * sb[q]) * float(qb[q, c])
 // equal the float32 products of the dequantized values up to the order of the roundings (the scales are applied to
 // each sum, not to each element): a quarter of the adapter bytes a decode step streams, none decoded per version.
+// `threads` OpenMP threads split the A half by runs of adapter rows and the B half by runs of each member's 64-column
+// tiles: each output is summed by one thread in the same order, so the bits do not depend on `threads`.
 template <typename T>
 __attribute__((target("avx512f"))) void apply(const float* x, int64_t rows, int64_t k, int64_t xs, const T* a,
                                               const float* sa, int64_t r, float* low, int64_t n_members,
                                               const int64_t* ranks, const int64_t* cols, const T* const* bps,
-                                              const float* const* sbs, const float* scalings, float* out, int64_t os) {
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) a_rows<4>(x + m * xs, xs, a, k, r, low + m * r, r, sa);
-    for (; m < rows; ++m) a_rows<1>(x + m * xs, xs, a, k, r, low + m * r, r, sa);
+                                              const float* const* sbs, const float* scalings, float* out, int64_t os,
+                                              int threads) {
+    const int parts = threads > 1 ? threads : 1;
+    const int64_t a_groups = (r + 3) / 4;  // each part: a contiguous run of groups of 4 adapter rows
+#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
+    for (int p = 0; p < parts; ++p) {
+        const int64_t j0 = 4 * (a_groups * p / parts), j1 = std::min(r, 4 * (a_groups * (p + 1) / parts));
+        if (j0 < j1) a_block(x, xs, a, k, r, j0, j1, rows, low, sa);
+    }
     if (sbs) {
         for (int64_t i = 0; i < n_members; ++i) {
             const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0;
@@ -122,13 +187,13 @@ __attribute__((target("avx512f"))) void apply(const float* x, int64_t rows, int6
                 for (int64_t q = 0; q < rank; ++q) low[mm * r + r0 + q] *= sbs[i][q];
         }
     }
-    for (int64_t i = 0; i < n_members; ++i) {
-        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
-        int64_t mm = 0;
-        for (; mm + 4 <= rows; mm += 4)
-            b_rows<4>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
-        for (; mm < rows; ++mm) b_rows<1>(low + mm * r + r0, r, bps[i], rank, n, scalings[i], out + mm * os + c0, os);
-    }
+#pragma omp parallel for collapse(2) schedule(static) num_threads(parts) if (parts > 1)
+    for (int64_t i = 0; i < n_members; ++i)  // each (member, part): a contiguous run of its 64-column tiles
+        for (int p = 0; p < parts; ++p) {
+            const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
+            const int64_t tiles = (n + 63) / 64, t0 = tiles * p / parts, t1 = tiles * (p + 1) / parts;
+            if (t0 < t1) b_block(low + r0, r, bps[i], rank, n, t0, t1, rows, scalings[i], out + c0, os);
+        }
 }
 
 // out[i, c] = float(q[i, c]) * s[i] for i < rows, c < cols (row-major, contiguous).
@@ -204,7 +269,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequantize_panels<true
 
 extern "C" {
 
-int lr_abi_version(void) { return 4; }
+int lr_abi_version(void) { return 5; }
 
 // q (rows, cols) int8, s (rows,) float32 -> out (rows, cols) float32: A (count * r, in), or B^T (count * r, out).
 // avx512: 1 lets it use AVX-512F where the CPU has it, 0 runs the portable loop (ASYNCRL_ISA_CAP, tests).
@@ -231,12 +296,12 @@ int lr_has_avx512f(void) { return has_avx512f() ? 1 : 0; }
 
 // x (rows, k) row stride xs; a (R, k) contiguous; low (rows, R) scratch; members: ranks [2 * n_members] (first and
 // end row of A), cols [2 * n_members] (first and end output column), bps[i]: member i's B^T (rank_i, n_i) in panels
-// (b_rows), scalings[i] its s; out (rows, *) row stride os.
+// (b_tile), scalings[i] its s; out (rows, *) row stride os; `threads` OpenMP threads (1: the calling thread alone).
 int lr_apply(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a, int64_t r, float* low,
              int64_t n_members, const int64_t* ranks, const int64_t* cols, const float* const* bps,
-             const float* scalings, float* out, int64_t os) {
+             const float* scalings, float* out, int64_t os, int threads) {
     if (!has_avx512f()) return -1;
-    apply<float>(x, rows, k, xs, a, nullptr, r, low, n_members, ranks, cols, bps, nullptr, scalings, out, os);
+    apply<float>(x, rows, k, xs, a, nullptr, r, low, n_members, ranks, cols, bps, nullptr, scalings, out, os, threads);
     return 0;
 }
 
@@ -244,9 +309,9 @@ int lr_apply(const float* x, int64_t rows, int64_t k, int64_t xs, const float* a
 // per-rank scales sbs[i] (rank_i,); otherwise the arguments of lr_apply. `low` is (rows, R) scratch.
 int lr_apply_q8(const float* x, int64_t rows, int64_t k, int64_t xs, const int8_t* qa, const float* sa, int64_t r,
                 float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols, const int8_t* const* qbs,
-                const float* const* sbs, const float* scalings, float* out, int64_t os) {
+                const float* const* sbs, const float* scalings, float* out, int64_t os, int threads) {
     if (!has_avx512f()) return -1;
-    apply<int8_t>(x, rows, k, xs, qa, sa, r, low, n_members, ranks, cols, qbs, sbs, scalings, out, os);
+    apply<int8_t>(x, rows, k, xs, qa, sa, r, low, n_members, ranks, cols, qbs, sbs, scalings, out, os, threads);
     return 0;
 }
 

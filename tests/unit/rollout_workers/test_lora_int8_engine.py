@@ -64,6 +64,51 @@ def test_the_int8_kernel_equals_the_float32_product_of_the_dequantized_adapters(
         torch.testing.assert_close(torch_path, got, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_the_kernel_gives_the_same_bits_on_any_thread_count_past_one_panel_pair(int8):
+    """Outputs of whole 64-column tiles, a pair with a ragged second panel and a lone last panel (130 = 64 + 64 + 2,
+    100 = 64 + 36), rows off the 4-row tiles, adapter rows off the 4-row groups (13): 1, 2 and 3 threads give the
+    bits of one, and equal float64 (int8 adapters on lr_apply_q8, float32 ones on lr_apply)."""
+    gen = torch.Generator().manual_seed(7)
+    inp, outs = 80, [130, 100, 64]
+    if int8:
+        members = [_int8_member(5, outs[0], inp, 1), _int8_member(8, outs[1], inp, 2), None]
+    else:
+        members = [_float_member(5, outs[0], inp, 1), _float_member(8, outs[1], inp, 2), None]
+    stacked = stack_low_rank(members, outs)
+    assert stacked is not None and (stacked.native is not None) == (_native_lora() is not None)
+    x, base = torch.randn(9, inp, generator=gen), torch.randn(9, sum(outs), generator=gen)
+    want, col = base.double().clone(), 0
+    for member, out in zip(members, outs):
+        if member is not None:
+            a, b, scaling = _float64(member, int8)
+            want[:, col : col + out] += scaling * (x.double() @ a.t()) @ b.t()
+        col += out
+    previous, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(add_low_rank(x, base.clone(), stacked))
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(results[0].double(), want, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(result, results[0]) for result in results[1:])
+    assert torch.equal(results[0][:, 230:], base[:, 230:])  # the member without an adapter: untouched
+
+
+def _float_member(rank: int, out: int, inp: int, seed: int, scaling: float = 2.0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rank, inp, generator=gen), torch.randn(out, rank, generator=gen), scaling
+
+
+def _float64(member, int8: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    if not int8:
+        a, b, scaling = member
+        return a.double(), b.double(), scaling
+    qa, qb, scaling, sa, sb = member
+    return qa.double() * sa.double()[:, None], qb.double() * sb.double()[None, :], scaling
+
+
 def _micro():
     from transformers import AutoModelForCausalLM
 
