@@ -173,12 +173,17 @@ __attribute__((target("avx512f"))) void apply(const float* x, int64_t rows, int6
                                               const int64_t* ranks, const int64_t* cols, const T* const* bps,
                                               const float* const* sbs, const float* scalings, float* out, int64_t os,
                                               int threads) {
-    const int parts = threads > 1 ? threads : 1;
-    const int64_t a_groups = (r + 3) / 4;  // each part: a contiguous run of groups of 4 adapter rows
-#pragma omp parallel for schedule(static) num_threads(parts) if (parts > 1)
-    for (int p = 0; p < parts; ++p) {
+    const int parts = threads > 1 ? threads : 1;  // one: no OpenMP region at all (a decode step makes 64 calls)
+    const int64_t a_groups = (r + 3) / 4;
+    auto a_part = [&](int p) {  // a contiguous run of groups of 4 adapter rows
         const int64_t j0 = 4 * (a_groups * p / parts), j1 = std::min(r, 4 * (a_groups * (p + 1) / parts));
         if (j0 < j1) a_block(x, xs, a, k, r, j0, j1, rows, low, sa);
+    };
+    if (parts == 1) {
+        a_part(0);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(parts)
+        for (int p = 0; p < parts; ++p) a_part(p);
     }
     if (sbs) {
         for (int64_t i = 0; i < n_members; ++i) {
@@ -187,13 +192,18 @@ __attribute__((target("avx512f"))) void apply(const float* x, int64_t rows, int6
                 for (int64_t q = 0; q < rank; ++q) low[mm * r + r0 + q] *= sbs[i][q];
         }
     }
-#pragma omp parallel for collapse(2) schedule(static) num_threads(parts) if (parts > 1)
-    for (int64_t i = 0; i < n_members; ++i)  // each (member, part): a contiguous run of its 64-column tiles
-        for (int p = 0; p < parts; ++p) {
-            const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
-            const int64_t tiles = (n + 63) / 64, t0 = tiles * p / parts, t1 = tiles * (p + 1) / parts;
-            if (t0 < t1) b_block(low + r0, r, bps[i], rank, n, t0, t1, rows, scalings[i], out + c0, os);
-        }
+    auto b_part = [&](int64_t i, int p) {  // member i's contiguous run p of its 64-column tiles
+        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
+        const int64_t tiles = (n + 63) / 64, t0 = tiles * p / parts, t1 = tiles * (p + 1) / parts;
+        if (t0 < t1) b_block(low + r0, r, bps[i], rank, n, t0, t1, rows, scalings[i], out + c0, os);
+    };
+    if (parts == 1) {
+        for (int64_t i = 0; i < n_members; ++i) b_part(i, 0);
+    } else {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(parts)
+        for (int64_t i = 0; i < n_members; ++i)
+            for (int p = 0; p < parts; ++p) b_part(i, p);
+    }
 }
 
 // out[i, c] = float(q[i, c]) * s[i] for i < rows, c < cols (row-major, contiguous).
