@@ -90,8 +90,8 @@ SMOL_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536
 LORA_RANK = 16
 """Rank of the random adapters of the `lora_*` rows (here and in `asyncrl bench sync`)."""
 LORA_ROUNDS = 8
-"""Alternating rounds of the `lora_*` rows. With 3 rounds of 16 tokens, `lora_decode_overhead` read 0.068-0.136
-between runs of the same code (Zen 4, one thread); its target (0.10) is inside that spread."""
+"""Alternating rounds of the `lora_*` rows. With 3 rounds of 16 tokens, `lora_decode_overhead` read 0.09-0.15 over
+four runs of the same code (Zen 4, one thread), its target (0.10) inside that spread; with 8 of 32, 0.071-0.086."""
 LORA_NEW_TOKENS = 32
 """New tokens per sequence in each round of the `lora_*` rows (batch 32)."""
 QUICK_GRID = (("big", 32, ("none", "int8")), ("big", 1, ("none", "w8a16")), ("smol", 32, ("none", "int8")))
