@@ -11,7 +11,6 @@
 // (any x86-64 CPU): each value is float(q) * s, one rounding, bit for bit torch's `q.float() * s`.
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <immintrin.h>
 
 namespace {
@@ -128,37 +127,42 @@ __attribute__((target("avx512f"))) void b_tile(const float* low, int64_t ls, con
     }
 }
 
+// The B half of MR rows over one member's 64-column tiles [t0, t1) (a tile past its 32nd column: two panels).
+template <int MR, typename T>
+__attribute__((target("avx512f"))) void b_rows(const float* low, int64_t ls, const T* bp, int64_t rank, int64_t n,
+                                               int64_t t0, int64_t t1, float s, float* out, int64_t os) {
+    for (int64_t t = t0; t < t1; ++t) {
+        if (64 * t + 32 < n) b_tile<MR, 2>(low, ls, bp, rank, n, 64 * t, s, out, os);
+        else b_tile<MR, 1>(low, ls, bp, rank, n, 64 * t, s, out, os);
+    }
+}
+
 // The B half of one member over its 64-column tiles [t0, t1): rows outer (4 at a time), columns inner, so that the
 // output rows are walked in order (columns outer, rows inner: the adapters of a decode step 2-4% slower).
 template <typename T>
 __attribute__((target("avx512f"))) void b_block(const float* low, int64_t ls, const T* bp, int64_t rank, int64_t n,
                                                 int64_t t0, int64_t t1, int64_t rows, float s, float* out, int64_t os) {
     int64_t m = 0;
-    for (; m + 4 <= rows; m += 4)
-        for (int64_t t = t0; t < t1; ++t) {
-            if (64 * t + 32 < n) b_tile<4, 2>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
-            else b_tile<4, 1>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
-        }
-    for (; m < rows; ++m)
-        for (int64_t t = t0; t < t1; ++t) {
-            if (64 * t + 32 < n) b_tile<1, 2>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
-            else b_tile<1, 1>(low + m * ls, ls, bp, rank, n, 64 * t, s, out + m * os, os);
-        }
+    for (; m + 4 <= rows; m += 4) b_rows<4>(low + m * ls, ls, bp, rank, n, t0, t1, s, out + m * os, os);
+    for (; m < rows; ++m) b_rows<1>(low + m * ls, ls, bp, rank, n, t0, t1, s, out + m * os, os);
 }
 
-// The A half for adapter rows [j0, j1): rows outer (4 at a time), 4 adapter rows at a time inner.
+// The A half of MR rows for adapter rows [j0, j1), 4 adapter rows at a time.
+template <int MR, typename T>
+__attribute__((target("avx512f"))) void a_rows(const float* x, int64_t xs, const T* a, int64_t k, int64_t r,
+                                               int64_t j0, int64_t j1, float* low, const float* sa) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) a_tile<MR, 4>(x, xs, a + j * k, k, low + j, r, sa ? sa + j : nullptr);
+    for (; j < j1; ++j) a_tile<MR, 1>(x, xs, a + j * k, k, low + j, r, sa ? sa + j : nullptr);
+}
+
+// The A half for adapter rows [j0, j1): rows outer (4 at a time), adapter rows inner.
 template <typename T>
 __attribute__((target("avx512f"))) void a_block(const float* x, int64_t xs, const T* a, int64_t k, int64_t r,
                                                 int64_t j0, int64_t j1, int64_t rows, float* low, const float* sa) {
-    auto tiles = [&](auto mr, int64_t m) {
-        constexpr int MR = decltype(mr)::value;
-        int64_t j = j0;
-        for (; j + 4 <= j1; j += 4) a_tile<MR, 4>(x + m * xs, xs, a + j * k, k, low + m * r + j, r, sa ? sa + j : nullptr);
-        for (; j < j1; ++j) a_tile<MR, 1>(x + m * xs, xs, a + j * k, k, low + m * r + j, r, sa ? sa + j : nullptr);
-    };
     int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) tiles(std::integral_constant<int, 4>{}, m);
-    for (; m < rows; ++m) tiles(std::integral_constant<int, 1>{}, m);
+    for (; m + 4 <= rows; m += 4) a_rows<4>(x + m * xs, xs, a, k, r, j0, j1, low + m * r, sa);
+    for (; m < rows; ++m) a_rows<1>(x + m * xs, xs, a, k, r, j0, j1, low + m * r, sa);
 }
 
 // Both products of a fused group: float32 adapters (sa, sbs null) or int8 ones with per-rank scales, whose
