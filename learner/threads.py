@@ -21,11 +21,16 @@ next step checks again.
 
 A model of fewer than `TINY_PARAMS` parameters keeps `learner.threads` with no trial. Two cases skip the trial
 and take `high`: a synchronous run (`staleness.max_lag=0`: the workers wait, idle, while
-the learner trains, so its threads take every core), and a model of at least `SPLIT_PARAMS` parameters while the
-learner is the bound and its threads at `high` kept at least `BUSY_SHARE` of their cores busy (`perf/learner_cpu_util`
-of the previous step): its GEMMs split well, so the low count only makes the bound slower (a trial's low step cost 12
-of 33 seconds of a 4-step run of the 100M decode workload of `asyncrl bench e2e`). When the high count's threads do
-not get their cores (another process holds them), the trial runs as for a small model.
+the learner trains, so its threads take every core), and a model of at least `SPLIT_PARAMS` parameters whose
+threads at `high` kept at least `BUSY_SHARE` of their cores busy (`perf/learner_cpu_util` of the last step at
+`high`): its GEMMs split well, so the low count only makes the learner slower (a trial's low step cost 12 of 33
+seconds of a 4-step run of the 100M decode workload of `asyncrl bench e2e`). That holds while the learner waits for
+its batches too: the wait is then the workers generating on every core, and a learner on the low count leaves a core
+to workers that soon stand at the staleness bound, idle. On that workload with fp32 rollout (generation 12 core-s
+a step against training's 29; Zen 4, 2026-12-06) the learner waited 3-8 s a step, so the low count, which this case
+took before, ran every third step at 25 s instead of 14: 21.7 s a step against 20.45 with 2 threads throughout.
+When the high count's threads do not get their cores (another process holds them), the trial runs as for a small
+model.
 
 `high` is `learner.threads_max`, or with 0 the cores this process may run on (at most those). The loop seconds of
 step k run from the end of its batch's fetch to the end of the next one's: training, publication, the driver, and
@@ -119,8 +124,8 @@ class ThreadsPolicy:
             return self.high
         if self.tiny:  # GEMMs too small to split: a second thread only takes a core from the workers
             return self.low
-        if not self.trial and step >= self.next_check and self.large and learner_bound and self.busy_at_high:
-            self.decided = self.high  # GEMMs that split well, on cores they got: the low count only slows the bound
+        if not self.trial and step >= self.next_check and self.large and self.busy_at_high:
+            self.decided = self.high  # GEMMs that split well, on cores they got: the low count only idles a core
             self.next_check = step + 1
         elif not self.trial and step >= self.next_check:
             if learner_bound:  # compare the two counts on the loop's rate

@@ -53,7 +53,10 @@ def test_a_large_model_whose_threads_get_their_cores_keeps_the_high_count_withou
     big = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS)
     assert _run_busy(big, range(WARMUP_STEPS + 20), cpu_util=1.9) == [2] * (WARMUP_STEPS + 20)
     assert not big.trial
-    assert _run_busy(big, range(30, 35), cpu_util=1.9, learner_bound=False) == [1] * 5  # generation bound: low
+    # waiting for its batches too: the low count would only leave the workers a core they idle on at the staleness bound
+    assert _run_busy(big, range(30, 35), cpu_util=1.9, learner_bound=False) == [2] * 5
+    assert not big.trial
+    assert _run_busy(big, range(35, 37), cpu_util=1.0, learner_bound=False) == [2, 1]  # its cores taken: not busy
     small = ThreadsPolicy("measured", low=1, high=2, parameters=SPLIT_PARAMS - 1)
     counts = _run_busy(small, range(WARMUP_STEPS + 2), cpu_util=1.9)
     assert counts[WARMUP_STEPS:] == [1, 2]  # a small model's GEMMs may not split: it still measures both counts
