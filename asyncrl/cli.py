@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", default=None, help="bench e2e only: comma-separated, of builtin,decode,smol "
                        "(default builtin,decode; smol: SmolLM2-135M-Instruct against TRL, issue 26)")  # fmt: skip
     bench.add_argument("--steps", type=int, default=None, help="bench e2e only: steps of every workload")
-    bench.add_argument("--contenders", default=None, help="bench e2e only: only these (trl,async,sync,fp32,best)")
+    bench.add_argument("--contenders", default=None,
+                       help="bench e2e only: only these (trl,trl_malloc,async,sync,fp32,best,lora)")  # fmt: skip
     probe = sub.add_parser("probe", help="measure each quant scheme's rollout mismatch on a model, before training")
     from asyncrl.probe import add_arguments as probe_arguments  # torch-free: argparse only
 

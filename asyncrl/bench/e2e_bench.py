@@ -46,8 +46,16 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.bench import BenchResult
 from asyncrl.bench import e2e_metrics as figures_of
 from asyncrl.bench.e2e_floor import ceilings as floor_ceilings
-from asyncrl.bench.e2e_floor import decode_floor
-from asyncrl.bench.e2e_runs import ASYNCRL_CONTENDERS, CONTENDERS, Run, load_asyncrl_config, run_asyncrl, run_trl
+from asyncrl.bench.e2e_floor import decode_floor, generation_core_s
+from asyncrl.bench.e2e_runs import (
+    ASYNCRL_CONTENDERS,
+    CONTENDERS,
+    TRL_CONTENDERS,
+    Run,
+    load_asyncrl_config,
+    run_asyncrl,
+    run_trl,
+)
 from asyncrl.bench.e2e_workloads import (
     FULL_DECODE_SHAPE,
     QUICK_DECODE_SHAPE,
@@ -145,8 +153,8 @@ def _contenders(workload: str, quick: bool, only: Sequence[str] | None) -> list[
         contenders = ["trl", "async"] if quick else ["trl", *ASYNCRL_CONTENDERS]
     elif workload == "smol":
         contenders = ["trl", "async"] if quick else ["trl", "async", "sync", "fp32"]
-    else:
-        contenders = ["trl", "async", "sync", "fp32"]  # `best` filters zero-variance groups: a random model's all are
+    else:  # `trl_malloc`: how much of TRL's training is its allocator's page faults (3-4 minutes on the full shape)
+        contenders = ["trl", "trl_malloc", "async", "sync", "fp32"]  # no `best`: a random model's groups are all
     return [name for name in contenders if only is None or name in only]
 
 
@@ -167,11 +175,12 @@ def _trl_settings(workload: Workload, seed: int, out_dir: Path, config: Config) 
 
 def _run_one(workload: Workload, contender: str, seed: int, work: Path, prompts_path: Path, quick: bool) -> Run:
     timeout_s = RUN_TIMEOUT_S[quick]
-    if contender == "trl":
+    if contender in TRL_CONTENDERS:
         config = load_asyncrl_config(str(CONFIG_PATH), workload.overrides)
-        settings = _trl_settings(workload, seed, work / "trl" / f"{workload.name}-trl-s{seed}", config)
+        settings = _trl_settings(workload, seed, work / "trl" / f"{workload.name}-{contender}-s{seed}", config)
         data = data_config(overrides=workload.overrides)
-        return run_trl(settings, workload, data, seed, work, prompts_path, timeout_s, config.algo.overlong.len)
+        return run_trl(settings, workload, data, seed, work, prompts_path, timeout_s, config.algo.overlong.len,
+                       contender)  # fmt: skip
     return run_asyncrl(str(CONFIG_PATH), workload, contender, seed, work, timeout_s)
 
 
@@ -293,8 +302,11 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
         checked = _check_and_evaluate(chosen, runs, work, fairness_errors)
         for workload in chosen:  # after the runs: the cores are idle again, the model directory still there
             if workload.name == "decode":
-                floor = decode_floor(workload.model_dir, work / "decode_prompts.jsonl", workload.samples_per_step,
-                                     workload.max_new_tokens)  # fmt: skip
+                prompts = work / "decode_prompts.jsonl"
+                floor = decode_floor(workload.model_dir, prompts, workload.samples_per_step, workload.max_new_tokens)
+                config = load_asyncrl_config(str(CONFIG_PATH), [*workload.overrides, *ASYNCRL_CONTENDERS["async"]])
+                floor.update(generation_core_s(workload.model_dir, prompts, config, workload.samples_per_step,
+                                               workload.max_new_tokens))  # fmt: skip
     finally:
         for model_dir in decode_dirs:
             shutil.rmtree(model_dir, ignore_errors=True)  # 400 MB of random weights
@@ -335,6 +347,10 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
         trl_step_s = figures.get("decode_trl", {}).get("steady_step_s", math.nan)
         metrics.update(decode_params=float(decode_params), decode_bound_step_s=bound_s,
                        decode_bound_vs_trl_samples_s=trl_step_s / bound_s)  # fmt: skip
+    if "decode_trl_malloc" in figures and "decode_async" in figures:  # the decode ratio against TRL given our malloc
+        metrics["decode_async_vs_trl_malloc_samples_s"] = (
+            figures["decode_async"]["steady_samples_s"] / figures["decode_trl_malloc"]["steady_samples_s"]
+        )
         if "decode_train_floor_s" in metrics:
             gen_core_s = runs["decode_sync"][0].gen_core_s_per_sample * decode.samples_per_step
             metrics.update(floor_ceilings(metrics, bound_s, gen_core_s, cores))
@@ -348,8 +364,10 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
         "work_dir": str(work),
         "seeds": seeds,
         "workloads": [asdict(w) for w in workloads],
-        "trl_settings": {key: runs[key][0].settings for key in runs if key.endswith("_trl")},
-        "asyncrl_argv": {key: runs[key][0].settings["argv"] for key in runs if not key.endswith("_trl")},
+        "trl_settings": {key: runs[key][0].settings for key in runs if runs[key][0].contender in TRL_CONTENDERS},
+        "asyncrl_argv": {
+            key: runs[key][0].settings["argv"] for key in runs if runs[key][0].contender not in TRL_CONTENDERS
+        },
         "accuracy_curves": {
             key: figures_of.accuracy_curve(r) for key, r in runs.items() if key.split("_", 1)[0] in learning
         },

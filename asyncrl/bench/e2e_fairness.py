@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench.e2e_runs import Run
+from asyncrl.bench.e2e_runs import TRL_CONTENDERS, Run
 from asyncrl.bench.e2e_workloads import Workload
 from common.config import DataConfig
 
@@ -100,7 +100,7 @@ def check_run(run: Run, workload: Workload, rows: list[dict[str, Any]], data: Da
 
     source = make_source(data)
     by_index = {int(row["index"]): row for row in rows}
-    if run.contender == "trl":
+    if run.contender in TRL_CONTENDERS:
         samples = trl_samples(run.out_dir)
     else:
         answers = {i: str(row["answer"]) for i, row in by_index.items()}
@@ -137,7 +137,7 @@ def _check_order(run: Run, workload: Workload, rows: list[dict[str, Any]], sampl
         per_step.setdefault(sample.step, []).append(sample)
     if sorted(per_step) != list(range(workload.steps)):
         raise FairnessError(f"{where}: trained steps {sorted(per_step)[:8]}..., expected 0..{workload.steps - 1}")
-    if run.contender == "trl":
+    if run.contender in TRL_CONTENDERS:
         for step, batch in per_step.items():
             expected = [rows[step * groups + g] for g in range(groups) for _ in range(size)]
             if [(s.prompt, s.answer) for s in batch] != [(r["prompt"], r["answer"]) for r in expected]:

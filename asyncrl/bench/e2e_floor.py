@@ -16,6 +16,11 @@ decode ratios cannot pass on these cores while training stays fp32:
   core-seconds) / cores: training at the GEMM rate, generation perfectly overlapped, nothing thrown away;
 - `decode_ceiling_async_vs_sync`: the synchronous run's seconds per step over `decode_bound_step_s`: what removing
   every idle core-second from the synchronous run could give; asynchrony gains only idle time.
+- `decode_ceiling_int8_vs_fp32`: the same packing with fp32 rollout over it with INT8 rollout: (the synchronous
+  run's training core-seconds + a step's fp32 generation core-seconds) over (the same + its INT8 generation
+  core-seconds), both generations measured here on idle cores as a worker runs them (`generation_core_s`: a lease's
+  rows at once on `rollout.threads` threads). On shared cores INT8 rollout shortens only the generation's part of a
+  step; what it gains beyond this ceiling in a run is the fp32 workers' slowing of the learner beside them.
 """
 
 from __future__ import annotations
@@ -24,12 +29,21 @@ import json
 import math
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.bench.e2e_workloads import parameter_shapes
 
+if TYPE_CHECKING:
+    from common.config import Config
+
 GEMM_REPEATS = 3
 """Timed repeats per shape after one warm-up; the best is kept (the floor is what the hardware can do)."""
+GEN_REPEATS = 2
+"""Timed generations per rollout scheme after one warm-up; the fastest is kept."""
+GEN_SCHEMES = {"int8": "int8", "fp32": "none"}
+"""The rollouts `generation_core_s` measures: metric suffix -> `quant.scheme`."""
 
 
 def linear_parameters(model_dir: str) -> tuple[int, int, int]:
@@ -90,6 +104,58 @@ def decode_floor(model_dir: str, prompts_path: Path, samples_per_step: int, max_
     }
 
 
+def generation_core_s(model_dir: str, prompts_path: Path, config: Config, samples_per_step: int,
+                      max_new_tokens: int) -> dict[str, float]:  # fmt: skip
+    """`decode_gen_core_s_per_step_<int8|fp32>`: the core-seconds one step's generation takes on idle cores with
+    INT8 and with fp32 rollout, on our engine as a worker runs it: a lease's rows (`rollout.groups_per_lease` x
+    `train.group_size`, each prompt repeated for its group) at once on `rollout.threads` torch threads, the LM head
+    quantized as `quant.lm_head` says, each response run to `max_new_tokens` (the decode model never emits its EOS);
+    the fastest of `GEN_REPEATS` after a warm-up, scaled to the step's samples."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.config_rules import head_quantized
+    from quant_sync.export import export_rollout_tensors
+    from quant_sync.update import WeightUpdate
+    from rollout_workers.embedded.engine import EmbeddedEngine
+    from rollout_workers.engine import SamplingParams
+
+    rollout = config.rollout
+    group = config.train.group_size
+    rows = [json.loads(line) for line in prompts_path.read_text().splitlines() if line.strip()]
+    lease = rows[: rollout.groups_per_lease]
+    if len(lease) < rollout.groups_per_lease:
+        raise ValueError(f"{prompts_path}: {len(lease)} prompts, a lease needs {rollout.groups_per_lease}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(row["prompt"])["input_ids"] for row in lease for _ in range(group)]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    state = {name: value.detach() for name, value in model.state_dict().items()}
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=rollout.temperature)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(rollout.threads)
+    out: dict[str, float] = {}
+    try:
+        for suffix, scheme in GEN_SCHEMES.items():
+            quant = replace(config.quant, scheme=scheme)
+            engine = EmbeddedEngine(model_dir, max_batch=rollout.max_batch, max_seq_len=rollout.max_seq_len,
+                                    precision=config.precision.rollout, prefix_cache=rollout.prefix_cache)  # fmt: skip
+            tensors = export_rollout_tensors(state, scheme, quantize_head=head_quantized(quant, rollout))
+            engine.stage_weights(WeightUpdate(0, tensors, scheme))
+            engine.apply_staged()
+            best = math.inf
+            for attempt in range(GEN_REPEATS + 1):
+                start = time.perf_counter()
+                done = engine.generate(prompts, params)
+                elapsed = time.perf_counter() - start
+                if any(len(completion.response_ids) != max_new_tokens for completion in done):
+                    raise RuntimeError(f"{model_dir}: a response ended before {max_new_tokens} tokens")
+                best = elapsed if attempt else best  # the first call is the warm-up
+            out[f"decode_gen_core_s_per_step_{suffix}"] = best * rollout.threads * samples_per_step / len(prompts)
+    finally:
+        torch.set_num_threads(threads_before)
+    return out
+
+
 def ceilings(
     metrics: dict[str, float], bound_step_s: float, gen_core_s_per_step: float, cores: int
 ) -> dict[str, float]:
@@ -97,9 +163,12 @@ def ceilings(
     floor_s = metrics.get("decode_train_floor_s", math.nan)
     out = {
         f"decode_{who}_train_vs_floor": metrics.get(f"decode_{who}_steady_train_s", math.nan) / floor_s
-        for who in ("trl", "sync", "async")
+        for who in ("trl", "trl_malloc", "sync", "async")
     }
     packed_s = (gen_core_s_per_step + floor_s * cores) / cores
     out["decode_ceiling_vs_trl_samples_s"] = metrics.get("decode_trl_steady_step_s", math.nan) / packed_s
     out["decode_ceiling_async_vs_sync"] = metrics.get("decode_sync_steady_step_s", math.nan) / bound_step_s
+    train_core_s = bound_step_s * cores - gen_core_s_per_step  # the synchronous run's training, in core-seconds
+    int8_s, fp32_s = (metrics.get(f"decode_gen_core_s_per_step_{suffix}", math.nan) for suffix in GEN_SCHEMES)
+    out["decode_ceiling_int8_vs_fp32"] = (train_core_s + fp32_s) / (train_core_s + int8_s)
     return out

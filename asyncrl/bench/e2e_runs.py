@@ -1,6 +1,8 @@
 """Running the contenders of `asyncrl bench e2e`, each as its own process, and reading back what they did.
 
-Contenders (`CONTENDERS`): `trl` (TRL `GRPOTrainer`, `asyncrl.bench.e2e_trl`) and asyncrl's `asyncrl up CONFIG`
+Contenders (`CONTENDERS`): `trl` (TRL `GRPOTrainer`, `asyncrl.bench.e2e_trl`), `trl_malloc` (the same with the
+glibc malloc settings of an asyncrl learner rank: how much of TRL's time is its allocator's) and asyncrl's
+`asyncrl up CONFIG`
 with overrides: `async` (the config as given, dynamic sampling off), `sync` (`staleness.max_lag=0`), `fp32`
 (`quant.scheme=none`: fp32 rollout weights), `best` (the config as given, dynamic sampling included: asyncrl's
 own best row, not a throughput row) and `lora` (issue 20's row: `configs/dapo_int8_lora.yaml`'s rank-16 adapters on
@@ -39,7 +41,9 @@ ASYNCRL_CONTENDERS: dict[str, tuple[str, ...]] = {
     "lora": ("algo.filter_groups=false", *LORA_OVERRIDES, "checkpoint.merge_lora=true"),
 }
 """asyncrl contenders: the overrides each applies to the config (besides the workload's shape)."""
-CONTENDERS = ("trl", *ASYNCRL_CONTENDERS)
+TRL_CONTENDERS: dict[str, bool] = {"trl": False, "trl_malloc": True}
+"""TRL contenders: whether each runs with `learner.group.LEARNER_MALLOC` (`e2e_trl`'s spec `malloc`)."""
+CONTENDERS = (*TRL_CONTENDERS, *ASYNCRL_CONTENDERS)
 
 
 @dataclass(slots=True)
@@ -177,16 +181,16 @@ def _asyncrl_row(record: dict[str, Any], launched: float, samples_per_step: int,
 
 
 def run_trl(settings: dict[str, Any], workload: Workload, data: DataConfig, seed: int, work: Path,
-            prompts_path: Path, timeout_s: float, overlong_len: int = 0) -> Run:  # fmt: skip
-    """TRL's contender in its own process; `overlong_len`: the asyncrl config's `algo.overlong.len`, given to TRL as
-    its soft overlong punishment (`e2e_trl`)."""
-    name = f"{workload.name}-trl-s{seed}"
+            prompts_path: Path, timeout_s: float, overlong_len: int = 0, contender: str = "trl") -> Run:  # fmt: skip
+    """A TRL contender (`TRL_CONTENDERS`) in its own process; `overlong_len`: the asyncrl config's
+    `algo.overlong.len`, given to TRL as its soft overlong punishment (`e2e_trl`)."""
+    name = f"{workload.name}-{contender}-s{seed}"
     out_dir = work / "trl" / name
     spec = {"out_dir": str(out_dir), "model_dir": workload.model_dir, "prompts_path": str(prompts_path),
             "num_prompts": workload.steps * workload.groups_per_step, "trl_settings": settings,
             "data": asdict(data), "save_final": workload.learns,
             "overlong": {"max_completion_len": workload.max_new_tokens, "soft_punish_cache": overlong_len},
-            "torch_threads": len(os.sched_getaffinity(0))}  # fmt: skip
+            "torch_threads": len(os.sched_getaffinity(0)), "malloc": TRL_CONTENDERS[contender]}  # fmt: skip
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     launched = _launch([sys.executable, "-m", "asyncrl.bench.e2e_trl", str(spec_path)], work / f"{name}.log", timeout_s)
@@ -204,7 +208,7 @@ def run_trl(settings: dict[str, Any], workload: Workload, data: DataConfig, seed
     resolved = json.loads((out_dir / "trl_config.json").read_text())
     final = out_dir / "final"
     return Run(
-        workload=workload.name, contender="trl", seed=seed, out_dir=str(out_dir), rows=rows,
+        workload=workload.name, contender=contender, seed=seed, out_dir=str(out_dir), rows=rows,
         total_generated_samples=float(samples), gen_core_s_per_sample=gen_s * resolved["torch_threads"] / samples,
         final_dir=str(final) if final.is_dir() else "", launched_unix=launched, settings={"set": settings, **resolved},
     )  # fmt: skip

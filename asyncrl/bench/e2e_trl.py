@@ -11,7 +11,8 @@ TRL trains on the first `num_prompts` dumped rows. What it writes to the spec's 
 |---|---|---|
 | `rewards.jsonl` | reward call (a step's batch) | step, prompts, answers, completions, completion_tokens, rewards |
 | `steps.jsonl` | optimizer step | step, time (unix s, step end), gen_s (generation + scoring) |
-| `trl_config.json` | - | every resolved `GRPOConfig` field, TRL's version, torch threads, the reward functions |
+| `trl_config.json` | - | every resolved `GRPOConfig` field, TRL's version, torch threads, the reward functions, the
+glibc malloc settings that took (`malloc`) |
 | `final/` | - | the trained model (when `save_final`), for the shared held-out evaluation |
 
 The reward is our task's (`common.tasks.make_source(data).reward`) wrapped in TRL's reward-function signature,
@@ -20,6 +21,11 @@ ALGORITHMS.md), TRL's own `trl.rewards.get_soft_overlong_punishment` with the sa
 advantages come from the same shaped reward (TRL sums its reward functions before the group normalisation, as
 asyncrl adds the shaping to the reward before it). `rewards.jsonl` logs the task's reward alone, as asyncrl logs
 its accuracy; `trl_config.json`'s `reward_funcs` names what TRL was given.
+
+With the spec's `malloc` true (the `trl_malloc` contender) the process first sets the glibc malloc settings an
+asyncrl learner rank runs with (`learner.group.LEARNER_MALLOC`, by `mallopt`, before torch allocates): what a TRL
+user could set with MALLOC_MMAP_THRESHOLD_ and friends, so that the bench shows how much of TRL's training time is
+its allocator's page faults rather than its computation.
 """
 
 from __future__ import annotations
@@ -133,6 +139,11 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     out_dir = Path(spec["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
+    malloc: dict[str, int] = {}
+    if spec.get("malloc", False):
+        from learner.group import apply_malloc_settings
+
+        malloc = apply_malloc_settings()  # before torch's first allocations, as a learner rank does
     import torch
 
     torch.set_num_threads(spec["torch_threads"])  # the harness gives all the machine's cores, as asyncrl gets
@@ -150,7 +161,7 @@ def main(spec_path: str) -> int:
         reward_funcs.append(get_soft_overlong_punishment(**overlong))
         names.append(f"soft_overlong_punishment({overlong['max_completion_len']}, {overlong['soft_punish_cache']})")
     resolved = {"trl_version": trl.__version__, "torch_threads": torch.get_num_threads(), "reward_funcs": names,
-                "resolved": json.loads(config.to_json_string())}  # fmt: skip
+                "malloc": malloc, "resolved": json.loads(config.to_json_string())}  # fmt: skip
     (out_dir / "trl_config.json").write_text(json.dumps(resolved, indent=1))
     generation_seconds: list[float] = []
     trainer = trl.GRPOTrainer(

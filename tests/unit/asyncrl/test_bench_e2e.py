@@ -36,7 +36,7 @@ def _run(result, key: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 6 asyncrl start-ups and 2 TRL ones on a shared 2-core machine
+@pytest.mark.timeout(1500)  # 6 asyncrl start-ups and 3 TRL ones on a shared 2-core machine
 def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) -> None:
     result, _ = quick
     assert set(result.ratios) == set(RATIO_NAMES)
@@ -57,6 +57,11 @@ def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) ->
     assert resolved["bf16"] is False and resolved["use_vllm"] is False and resolved["shuffle_dataset"] is False
     assert trl["torch_threads"] == written["metrics"]["cores"]
     assert trl["reward_funcs"] == ["task_reward", "soft_overlong_punishment(8, 4)"]  # the config's algo.overlong
+    from learner.group import LEARNER_MALLOC
+
+    assert trl["malloc"] == {} and written["details"]["trl_settings"]["decode_trl"]["malloc"] == {}
+    assert written["details"]["trl_settings"]["decode_trl_malloc"]["malloc"] == LEARNER_MALLOC  # every one took
+    assert written["metrics"]["decode_async_vs_trl_malloc_samples_s"] > 0
     async_argv = written["details"]["asyncrl_argv"]
     assert "staleness.max_lag=0" in async_argv["decode_sync"] and "quant.scheme=none" in async_argv["decode_fp32"]
     assert all("algo.filter_groups=false" in argv for argv in async_argv.values())
@@ -66,6 +71,8 @@ def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) ->
     metrics = written["metrics"]
     assert metrics["decode_train_floor_s"] > 0 and metrics["decode_fp32_gemm_gflops"] > 0
     assert metrics["decode_ceiling_vs_trl_samples_s"] > 0 and metrics["decode_ceiling_async_vs_sync"] > 0
+    assert metrics["decode_gen_core_s_per_step_fp32"] > 0 and metrics["decode_gen_core_s_per_step_int8"] > 0
+    assert metrics["decode_ceiling_int8_vs_fp32"] > 0
 
 
 @pytest.mark.slow
@@ -94,6 +101,7 @@ def test_quick_both_sides_trained_the_same_prompts_with_our_reward(quick) -> Non
     assert {s.reward for s in ours} == {0.0, 1.0} and {s.reward for s in trl} == {0.0, 1.0}
     checked = result.metrics
     assert checked["builtin_trl_samples_checked"] == checked["builtin_async_samples_checked"] == len(trl)
+    assert checked["decode_trl_malloc_samples_checked"] == checked["decode_trl_samples_checked"] > 0
     sync = asyncrl_samples(_run(result, "decode_sync")["out_dir"], tokenizer, answers)
     decode_groups = result.details["workloads"][1]["groups_per_step"]
     for sample in sync:  # synchronous: step s trains exactly problems s*G .. s*G+G-1
