@@ -347,13 +347,13 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
         trl_step_s = figures.get("decode_trl", {}).get("steady_step_s", math.nan)
         metrics.update(decode_params=float(decode_params), decode_bound_step_s=bound_s,
                        decode_bound_vs_trl_samples_s=trl_step_s / bound_s)  # fmt: skip
+        if "decode_train_floor_s" in metrics:
+            gen_core_s = runs["decode_sync"][0].gen_core_s_per_sample * decode.samples_per_step
+            metrics.update(floor_ceilings(metrics, bound_s, gen_core_s, cores))
     if "decode_trl_malloc" in figures and "decode_async" in figures:  # the decode ratio against TRL given our malloc
         metrics["decode_async_vs_trl_malloc_samples_s"] = (
             figures["decode_async"]["steady_samples_s"] / figures["decode_trl_malloc"]["steady_samples_s"]
         )
-        if "decode_train_floor_s" in metrics:
-            gen_core_s = runs["decode_sync"][0].gen_core_s_per_sample * decode.samples_per_step
-            metrics.update(floor_ceilings(metrics, bound_s, gen_core_s, cores))
     metrics.update(_lora_vs_full(figures))
     ratios = figures_of.ratios(figures, bound_s)
     learning = {workload.name for workload in workloads if workload.learns}

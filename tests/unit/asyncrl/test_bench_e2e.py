@@ -274,3 +274,32 @@ def test_trl_s_overlong_punishment_is_our_overlong_shaping() -> None:
     ours = overlong_shaping(torch.tensor(lengths), torch.tensor(truncated), max_len, cache_len).tolist()
     assert ours == pytest.approx(theirs, abs=1e-7)
     assert ours[:4] == [0.0] * 4 and ours[4] == pytest.approx(-0.25) and ours[-1] == -1.0
+
+
+def _decode_run(contender: str, step_s: float, train_s: float, gen_core_s_per_sample: float) -> Run:
+    rows = [StepRow(step=k, end_s=step_s * (k + 1), accuracy=0.0, trained_samples=32, generated_samples=32,
+                    generated_tokens=32 * 128, train_s=train_s, wait_s=step_s - train_s) for k in range(5)]  # fmt: skip
+    settings = {"argv": [], "learner_core_s_per_train_s": 2.0}
+    return Run(workload="decode", contender=contender, seed=0, out_dir="", rows=rows, total_generated_samples=160,
+               gen_core_s_per_sample=gen_core_s_per_sample, settings=settings)  # fmt: skip
+
+
+def test_the_decode_ceilings_are_written_with_or_without_a_trl_contender(tmp_path: Path) -> None:
+    from asyncrl.bench.e2e_bench import _result
+    from asyncrl.bench.e2e_workloads import Workload
+
+    workload = Workload(name="decode", model_dir="", steps=5, groups_per_step=4, group_size=8, max_new_tokens=128,
+                        learns=False)  # fmt: skip
+    runs = {"decode_async": [_decode_run("async", 16.0, 14.4, 0.1)],
+            "decode_sync": [_decode_run("sync", 16.0, 14.0, 0.1)],  # training 28 core-s, generation 3.2 a step
+            "decode_fp32": [_decode_run("fp32", 20.0, 14.0, 0.4)]}  # fmt: skip
+    floor = {"decode_train_floor_s": 12.0, "decode_gen_core_s_per_step_int8": 3.0,
+             "decode_gen_core_s_per_step_fp32": 11.0}  # fmt: skip
+    metrics = _result([workload], runs, floor, 100_000_000, {"decode": 1}, tmp_path).metrics
+    assert metrics["decode_ceiling_int8_vs_fp32"] == pytest.approx((28.0 + 11.0) / (28.0 + 3.0))
+    assert metrics["decode_ceiling_async_vs_sync"] == pytest.approx(16.0 / ((28.0 + 3.2) / 2))
+    assert "decode_async_vs_trl_malloc_samples_s" not in metrics  # no such contender ran
+    runs["decode_trl_malloc"] = [_decode_run("trl_malloc", 30.0, 17.0, 0.8)]
+    metrics = _result([workload], runs, floor, 100_000_000, {"decode": 1}, tmp_path).metrics
+    assert metrics["decode_async_vs_trl_malloc_samples_s"] == pytest.approx(30.0 / 16.0)
+    assert metrics["decode_ceiling_int8_vs_fp32"] == pytest.approx((28.0 + 11.0) / (28.0 + 3.0))
