@@ -42,7 +42,7 @@ from asyncrl.operations import Operations, OperationsSections
 from asyncrl.startup import StartupClock
 from asyncrl.supervise import BufferSupervisor, WorkerPool
 from asyncrl.watchdog import RunFailed, Watchdog, actor_death, failure
-from common import actors
+from common import actors, train_gate
 from common.config import Config, live_update, to_dict
 from common.config_rules import worker_cpu_priority
 from learner.sections import LearnerSections
@@ -56,6 +56,21 @@ wait returns as soon as the step is done (a step's result used to wait for a 100
 
 class StartupError(RuntimeError):
     """Bad input found before any service started (dataset rows, model directory): the message names it."""
+
+
+def _train_gate(cfg: Config, run_dir: Path, launcher: str) -> Path | None:
+    """The train gate's file (`common.train_gate`), named in the environment the local actors start with, when this
+    machine's embedded CPU workers should pause while the learner trains on every core
+    (`rollout.pause_during_training`); None otherwise (a Ray cluster's workers run elsewhere)."""
+    rollout = cfg.rollout
+    if not rollout.pause_during_training or launcher != "local" or rollout.backend != "embedded":
+        return None
+    if rollout.device != "cpu":
+        return None
+    path = run_dir / ".train_gate"
+    path.unlink(missing_ok=True)  # a resumed run's old gate: open again
+    os.environ[train_gate.ENV_VAR] = str(path)
+    return path
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -152,6 +167,7 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         to_dict(cfg), run_dir, logger.event, logger.info, resume_step=start_step if resume is not None else None
     )
     ray_start, launcher = raycluster.RayStart(), actors.launcher()
+    gate = _train_gate(cfg, run_dir, launcher)
     try:
         # Ray starts on a thread while this one starts the buffer and imports the actors' classes (both ~1 s)
         if launcher == "ray":
@@ -177,6 +193,9 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     finally:
         signals.restore()
         actors.shutdown()  # local actors still there (a failed run); none under Ray
+        if gate is not None:
+            os.environ.pop(train_gate.ENV_VAR, None)
+            gate.unlink(missing_ok=True)
         ray_start.settle()  # a start still under way ends first, or its cluster would be left behind
         if launcher == "ray":
             import ray

@@ -226,6 +226,10 @@ class RolloutConfig:
     """Embedded engine: keep retired sequences' K/V (up to a quarter of the full KV cache's positions, LRU) so that a
     prompt beginning with their tokens (a multi-turn episode's next turn, a shared system prompt) prefills only the
     rest; emptied on every weight swap (rollout_workers/embedded/prefix_cache.py)."""
+    pause_during_training: bool = True
+    """Embedded CPU workers on the learner's machine pause between decode steps while the learner's step trains on
+    every core (`common.train_gate`: filling its short gaps cost it more than they gained); `ray.launcher=local`
+    only."""
     device: str = "cpu"
     """Device of the embedded engine: `cpu`, `cuda` or `cuda:N` (GPU path written to torch's APIs, untested on GPU)."""
     max_restarts: int = in_range(0, default=5)

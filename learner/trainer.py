@@ -29,6 +29,7 @@ import torch
 
 from common.config import set_key
 from common.config_rules import head_quantized
+from common.train_gate import TrainGate
 from common.wire import Trajectory
 from learner import aligned, distributed, reference
 from learner.acrl import AcrlReference
@@ -121,6 +122,10 @@ class Learner:
             parameters=sum(param.numel() for param in self.model.parameters()),
             synchronous=sections.staleness.max_lag == 0,
         )  # fmt: skip
+        self.cores = cores
+        self.train_gate = TrainGate.from_env() if self.ranks.is_main else None  # common.train_gate: workers pause
+        if self.train_gate is not None:
+            self.train_gate.open()  # a learner restarted after one that died mid-step: the workers go on at once
         self.loop_mark: tuple[float, int] | None = None  # the end of the last step's fetch and its trained samples
         self.last_train_s = 0.0  # the last step's training seconds (perf/train_s)
         self.client = self.publisher = None
@@ -190,10 +195,18 @@ class Learner:
         lr = self.schedule.lr(step, float(lengths.mean()))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        result = train_on_batch(
-            self.model, self.optimizer, self.scaler, batch, sections, self.acrl_reference, self.ranks, self.version,
-            reference=self.reference,  # the frozen initial model of the KL penalty (None: loss.kl.coef = 0)
-        )  # fmt: skip  # self.version: the weights this step starts from (the latest published)
+        # on every core, the workers on this machine would only fill its gaps at a loss (common.train_gate)
+        gate = self.train_gate if self.train_gate is not None and torch.get_num_threads() >= self.cores else None
+        if gate is not None:
+            gate.close()
+        try:
+            result = train_on_batch(
+                self.model, self.optimizer, self.scaler, batch, sections, self.acrl_reference, self.ranks, self.version,
+                reference=self.reference,  # the frozen initial model of the KL penalty (None: loss.kl.coef = 0)
+            )  # fmt: skip  # self.version: the weights this step starts from (the latest published)
+        finally:
+            if gate is not None:
+                gate.open()
         if result.skipped:
             self.skipped_steps += 1
         seconds = dict(result.seconds)
@@ -228,6 +241,7 @@ class Learner:
                 "learner/fused_ops": float(self.fused_ops["swapped"]),
                 "learner/fused_attention": float(self.fused_ops["attention"]),
                 "perf/train_s": time.monotonic() - started,
+                "perf/gate_closed": float(gate is not None),  # the workers here paused through this step's training
                 "perf/fetch_wait_s": wait_s,
                 "perf/batch_tokens": float(batch.mask.sum()),
             }

@@ -30,6 +30,7 @@ import numpy as np
 
 from buffer.client import BufferClient, BufferRequestError, BufferUnavailable, Heartbeat
 from common.curve import client_keys
+from common.train_gate import TrainGate
 from common.wire import PromptLease, Trajectory
 from rollout_workers.cpu_priority import lower_to_idle
 from rollout_workers.sections import WorkerSections
@@ -94,6 +95,9 @@ class RolloutWorker:
                 max_seq_len=rollout.max_seq_len, precision=self.sections.precision.rollout, device=rollout.device,
                 prefix_cache=rollout.prefix_cache,
             )  # fmt: skip
+            gate = TrainGate.from_env() if rollout.device == "cpu" else None  # the learner's cores: common.train_gate
+            if gate is not None:
+                self.engine.before_step = gate.wait
         self.params = SamplingParams(
             max_new_tokens=rollout.max_new_tokens,
             temperature=rollout.temperature,

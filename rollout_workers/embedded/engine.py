@@ -37,6 +37,7 @@ import contextlib
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,9 @@ class EmbeddedEngine:
         self._queue: deque[_Group] = deque()
         self.swaps = 0
         self.build_errors = 0
+        self.before_step: Callable[[], object] | None = None
+        """Called before each scheduler step: a worker on the learner's machine waits here while the learner trains
+        on every core (`common.train_gate`)."""
         """Staged versions dropped because their build failed (the running version kept decoding)."""
         self.last_build_error = ""
         self.retracted_tokens = 0
@@ -302,6 +306,8 @@ class EmbeddedEngine:
 
         Tensors made during the step are created on the engine's device (`torch.device` as the default device).
         """
+        if self.before_step is not None:
+            self.before_step()
         with self._device_scope():
             return self._step()
 

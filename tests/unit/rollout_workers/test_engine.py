@@ -519,3 +519,24 @@ def test_the_array_uniforms_are_the_scalar_ones_bit_for_bit():
     assert draws.dtype == torch.float32
     assert torch.equal(draws, torch.tensor([_uniform(key, step) for key, step in zip(keys, steps)]))
     assert bool((draws > 0).all()) and bool((draws < 1).all())
+
+
+def test_a_closed_train_gate_holds_the_next_decode_step_and_changes_no_token(tmp_path):
+    import threading
+    import time
+
+    from common.train_gate import TrainGate
+
+    model = make_model(tmp_path, "llama")
+    params = SamplingParams(max_new_tokens=6, seed=5)
+    free = engine_for(model, tmp_path).generate(PROMPTS, params)
+    engine, gate = engine_for(model, tmp_path), TrainGate(tmp_path / "gate")
+    calls: list[float] = []
+    engine.before_step = lambda: calls.append(gate.wait())
+    gate.close()
+    threading.Timer(0.3, gate.open).start()  # the learner's step ends
+    start = time.monotonic()
+    gated = engine.generate(PROMPTS, params)
+    assert time.monotonic() - start >= 0.25 and calls[0] >= 0.25  # the first step waited for the gate
+    assert len(calls) >= 6 and all(waited == 0.0 for waited in calls[1:])  # once open, every step went straight on
+    assert [c.response_ids for c in gated] == [c.response_ids for c in free]
