@@ -2,12 +2,11 @@
 
 Contenders (`CONTENDERS`): `trl` (TRL `GRPOTrainer`, `asyncrl.bench.e2e_trl`), `trl_malloc` (the same with the
 glibc malloc settings of an asyncrl learner rank: how much of TRL's time is its allocator's) and asyncrl's
-`asyncrl up CONFIG`
-with overrides: `async` (the config as given, dynamic sampling off), `sync` (`staleness.max_lag=0`), `fp32`
-(`quant.scheme=none`: fp32 rollout weights), `best` (the config as given, dynamic sampling included: asyncrl's
-own best row, not a throughput row) and `lora` (issue 20's row: `configs/dapo_int8_lora.yaml`'s rank-16 adapters on
-every decoder linear with its learning rate, dynamic sampling off as for `async`; the adapters are merged into
-`final-merged/` for the shared held-out evaluation).
+`asyncrl up CONFIG` with overrides: `async` (the config as given, dynamic sampling off), `sync`
+(`staleness.max_lag=0`), `fp32` (`quant.scheme=none`: fp32 rollout weights), `best` (the config as given, dynamic
+sampling included: asyncrl's own best row, not a throughput row) and `lora` (issue 20's row:
+`configs/dapo_int8_lora.yaml`'s rank-16 adapters on every decoder linear with its learning rate, dynamic sampling
+off as for `async`; the adapters are merged into `final-merged/` for the shared held-out evaluation).
 
 Every run becomes a `Run`: the wall time from launching its process to the end of each step (`StepRow.end_s`),
 the train accuracy of each step's trained batch, the samples and tokens generated, and the phases each contender

@@ -11,8 +11,7 @@ TRL trains on the first `num_prompts` dumped rows. What it writes to the spec's 
 |---|---|---|
 | `rewards.jsonl` | reward call (a step's batch) | step, prompts, answers, completions, completion_tokens, rewards |
 | `steps.jsonl` | optimizer step | step, time (unix s, step end), gen_s (generation + scoring) |
-| `trl_config.json` | - | every resolved `GRPOConfig` field, TRL's version, torch threads, the reward functions, the
-glibc malloc settings that took (`malloc`) |
+| `trl_config.json` | - | resolved `GRPOConfig` fields, TRL's version, torch threads, reward functions, `malloc` |
 | `final/` | - | the trained model (when `save_final`), for the shared held-out evaluation |
 
 The reward is our task's (`common.tasks.make_source(data).reward`) wrapped in TRL's reward-function signature,
@@ -20,7 +19,7 @@ plus, where the asyncrl config shapes overlong responses (`algo.overlong.len` > 
 ALGORITHMS.md), TRL's own `trl.rewards.get_soft_overlong_punishment` with the same lengths, so that both sides'
 advantages come from the same shaped reward (TRL sums its reward functions before the group normalisation, as
 asyncrl adds the shaping to the reward before it). `rewards.jsonl` logs the task's reward alone, as asyncrl logs
-its accuracy; `trl_config.json`'s `reward_funcs` names what TRL was given.
+its accuracy; `trl_config.json`'s `reward_funcs` names what TRL was given, its `malloc` the glibc settings that took.
 
 With the spec's `malloc` true (the `trl_malloc` contender) the process first sets the glibc malloc settings an
 asyncrl learner rank runs with (`learner.group.LEARNER_MALLOC`, by `mallopt`, before torch allocates): what a TRL
