@@ -20,7 +20,7 @@ from common.train_gate import TrainGate
 gate = TrainGate(sys.argv[1])
 print("ready", flush=True)
 waited = gate.wait()
-print(f"{waited:.3f} {time.time():.3f}", flush=True)
+print(f"{waited!r} {time.time()!r}", flush=True)
 """
 
 
