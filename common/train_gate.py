@@ -4,9 +4,9 @@ On one machine the workers run under SCHED_IDLE (`rollout_workers.cpu_priority`)
 the learner's step splits over every core (a large model: `learner.threads`' measured policy), those gaps are short:
 a worker runs a sliver of a decode step, the learner's next GEMM finds its caches full of the worker's weights, and
 the step slows by more than the generation gains. On the 100M decode workload of `asyncrl bench e2e` (2 Zen 4
-cores, 2026-12-06) the learner trained 14.5-15.6 s a step beside generating workers and 13.1-13.9 s behind the gate
-(13.0-13.4 with the workers stopped outright), while its wait for the next batch stayed 1.4-1.9 s: 15.5-15.9 s a
-step against 16.6-17.1.
+cores, 2026-12-06) the learner trained 13.7-15.6 s a step beside generating workers (14.5-15.6 in three of four
+runs) and 13.1-13.9 s behind the gate (13.0-13.4 with the workers stopped outright), while its wait for the next
+batch stayed 1.4-1.9 s: 15.5-15.9 s a step against 16.1-17.1.
 
 The gate is an 8-byte file both sides map: 0.0 when open, the wall time the learner closed it otherwise. The
 learner closes it around a train step that runs on every core (`Learner.train_step`) and opens it after; a worker
