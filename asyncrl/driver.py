@@ -63,9 +63,8 @@ def _train_gate(cfg: Config, run_dir: Path, launcher: str) -> Path | None:
     machine's embedded CPU workers should pause while the learner trains on every core
     (`rollout.pause_during_training`); None otherwise (a Ray cluster's workers run elsewhere)."""
     rollout = cfg.rollout
-    if not rollout.pause_during_training or launcher != "local" or rollout.backend != "embedded":
-        return None
-    if rollout.device != "cpu":
+    own_cpu_workers = launcher == "local" and (rollout.backend, rollout.device) == ("embedded", "cpu")
+    if not (rollout.pause_during_training and own_cpu_workers):
         return None
     path = run_dir / ".train_gate"
     path.unlink(missing_ok=True)  # a resumed run's old gate: open again

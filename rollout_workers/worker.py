@@ -95,7 +95,7 @@ class RolloutWorker:
                 max_seq_len=rollout.max_seq_len, precision=self.sections.precision.rollout, device=rollout.device,
                 prefix_cache=rollout.prefix_cache,
             )  # fmt: skip
-            gate = TrainGate.from_env() if rollout.device == "cpu" else None  # the learner's cores: common.train_gate
+            gate = TrainGate.from_env()  # named by the driver for its own CPU workers only (common.train_gate)
             if gate is not None:
                 self.engine.before_step = gate.wait
         self.params = SamplingParams(

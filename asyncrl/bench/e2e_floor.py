@@ -114,10 +114,8 @@ def generation_core_s(model_dir: str, prompts_path: Path, config: Config, sample
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from asyncrl.bench.engine_bench import built_engine
     from common.config_rules import head_quantized
-    from quant_sync.export import export_rollout_tensors
-    from quant_sync.update import WeightUpdate
-    from rollout_workers.embedded.engine import EmbeddedEngine
     from rollout_workers.engine import SamplingParams
 
     rollout = config.rollout
@@ -129,19 +127,16 @@ def generation_core_s(model_dir: str, prompts_path: Path, config: Config, sample
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer(row["prompt"])["input_ids"] for row in lease for _ in range(group)]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    state = {name: value.detach() for name, value in model.state_dict().items()}
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=rollout.temperature)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(rollout.threads)
     out: dict[str, float] = {}
     try:
         for suffix, scheme in GEN_SCHEMES.items():
-            quant = replace(config.quant, scheme=scheme)
-            engine = EmbeddedEngine(model_dir, max_batch=rollout.max_batch, max_seq_len=rollout.max_seq_len,
-                                    precision=config.precision.rollout, prefix_cache=rollout.prefix_cache)  # fmt: skip
-            tensors = export_rollout_tensors(state, scheme, quantize_head=head_quantized(quant, rollout))
-            engine.stage_weights(WeightUpdate(0, tensors, scheme))
-            engine.apply_staged()
+            head = head_quantized(replace(config.quant, scheme=scheme), rollout)
+            engine = built_engine(model, model_dir, scheme, quantize_head=head, max_batch=rollout.max_batch,
+                                  max_seq_len=rollout.max_seq_len, precision=config.precision.rollout,
+                                  prefix_cache=rollout.prefix_cache, device="cpu")  # fmt: skip
             best = math.inf
             for attempt in range(GEN_REPEATS + 1):
                 start = time.perf_counter()

@@ -174,14 +174,19 @@ def lora_adapter_tensors(
     return adapters
 
 
-def _engine(model, model_dir: str, scheme: str, adapters: dict[str, torch.Tensor] | None = None, **kwargs):
+def built_engine(model, model_dir: str, scheme: str, adapters: dict[str, torch.Tensor] | None = None,
+                 quantize_head: bool | None = None, **kwargs):  # fmt: skip
+    """An embedded engine on `model`'s weights published as `scheme` (and `adapters`), applied: the LM head quantized
+    as `quantize_head` says (default: as the main job's `quant.lm_head=auto` does); `kwargs` go to the engine
+    (default `max_seq_len` 128, the bench's device)."""
     from quant_sync.export import export_rollout_tensors
     from quant_sync.update import WeightUpdate
     from rollout_workers.embedded.engine import EmbeddedEngine
 
-    engine = EmbeddedEngine(model_dir, max_seq_len=128, device=str(_device()), **kwargs)
+    engine = EmbeddedEngine(model_dir, **{"max_seq_len": 128, "device": str(_device()), **kwargs})
     state = {name: value.cpu() for name, value in model.state_dict().items()}
-    published = {**export_rollout_tensors(state, scheme, quantize_head=_head_quantized(scheme)), **(adapters or {})}
+    head = _head_quantized(scheme) if quantize_head is None else quantize_head
+    published = {**export_rollout_tensors(state, scheme, quantize_head=head), **(adapters or {})}
     engine.stage_weights(WeightUpdate(0, published, scheme))
     engine.apply_staged()
     return engine
@@ -262,7 +267,7 @@ def _swap_gaps(model, model_dir: str, batch: int, new_tokens: int, swaps: int) -
     from quant_sync.update import WeightUpdate
     from rollout_workers.engine import SamplingParams
 
-    engine = _engine(model, model_dir, "int8", max_batch=batch)
+    engine = built_engine(model, model_dir, "int8", max_batch=batch)
     state = {name: value.cpu() for name, value in model.state_dict().items()}
     tensors = export_rollout_tensors(state, "int8", quantize_head=_head_quantized("int8"))
     prompts = _prompts(model, batch).tolist()
@@ -432,7 +437,7 @@ def _scheme_rows(
         model, model_dir = models[model_name]
         state = {name: value.cpu() for name, value in model.state_dict().items()}  # type: ignore[attr-defined]
         prompts = _prompts(model, batch)
-        engines = {scheme: _engine(model, model_dir, scheme, max_batch=batch) for scheme in schemes}
+        engines = {scheme: built_engine(model, model_dir, scheme, max_batch=batch) for scheme in schemes}
         new_tokens = _new_tokens(model_name, batch, quick)
         rates = _best_alternating(
             {scheme: _engine_rate(engine, prompts, new_tokens) for scheme, engine in engines.items()}, rounds
@@ -458,8 +463,8 @@ def _engine_vs_hf(models: dict[str, tuple[object, str]], rounds: int, quick: boo
     tokens = {("tiny", 1): 48, ("tiny", 64): 48, ("big", 1): 8 if quick else 32, ("big", 64): 6 if quick else 16}
     for name in ("tiny", "big"):
         model, model_dir = models[name]
-        fp32 = _engine(model, model_dir, "none", max_batch=64)
-        int8 = _engine(model, model_dir, "int8", max_batch=64)
+        fp32 = built_engine(model, model_dir, "none", max_batch=64)
+        int8 = built_engine(model, model_dir, "int8", max_batch=64)
         for batch in (1, 64):
             new_tokens, prompts = tokens[name, batch], _prompts(model, batch)
             contenders = {"engine": _engine_rate(fp32, prompts, new_tokens), "hf": _hf_rate(model, prompts, new_tokens)}
@@ -482,11 +487,11 @@ def _lora_decode(model, model_dir: str) -> dict[str, float]:
     batch, prompts = 32, _prompts(model, 32)
     state = {name: value.cpu() for name, value in model.state_dict().items()}
     engines = {
-        "base": _engine(model, model_dir, "int8", max_batch=batch),
-        "lora": _engine(
+        "base": built_engine(model, model_dir, "int8", max_batch=batch),
+        "lora": built_engine(
             model, model_dir, "int8", adapters=lora_adapter_tensors(state, sync_dtype=LORA_SYNC_DTYPE), max_batch=batch
         ),  # fmt: skip
-        "fp32": _engine(model, model_dir, "int8", adapters=lora_adapter_tensors(state), max_batch=batch),
+        "fp32": built_engine(model, model_dir, "int8", adapters=lora_adapter_tensors(state), max_batch=batch),
     }
     new_tokens = LORA_NEW_TOKENS  # --quick too: with 6 tokens the ratio was noise
     rates = _best_alternating({k: _engine_rate(e, prompts, new_tokens) for k, e in engines.items()}, LORA_ROUNDS)
