@@ -68,12 +68,12 @@ def test_the_kernel_each_scheme_runs_is_named():
 
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *_: None))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    assert engine_bench.kernel_of(engine_bench._engine(model, model_dir, "w8a16")) == (
+    assert engine_bench.kernel_of(engine_bench.built_engine(model, model_dir, "w8a16")) == (
         f"weight_only:{weight_only.kernel_name()}"
     )
-    assert engine_bench.kernel_of(engine_bench._engine(model, model_dir, "int8")).startswith("int8:")
-    assert engine_bench.kernel_of(engine_bench._engine(model, model_dir, "fp8")).startswith("fp8:")
-    assert "batch-invariant" in engine_bench.kernel_of(engine_bench._engine(model, model_dir, "none"))
+    assert engine_bench.kernel_of(engine_bench.built_engine(model, model_dir, "int8")).startswith("int8:")
+    assert engine_bench.kernel_of(engine_bench.built_engine(model, model_dir, "fp8")).startswith("fp8:")
+    assert "batch-invariant" in engine_bench.kernel_of(engine_bench.built_engine(model, model_dir, "none"))
     assert engine_bench.int8_kernel() != "unknown"
 
 
