@@ -72,7 +72,7 @@ def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) ->
     assert metrics["decode_train_floor_s"] > 0 and metrics["decode_fp32_gemm_gflops"] > 0
     assert metrics["decode_ceiling_vs_trl_samples_s"] > 0 and metrics["decode_ceiling_async_vs_sync"] > 0
     assert metrics["decode_gen_core_s_per_step_fp32"] > 0 and metrics["decode_gen_core_s_per_step_int8"] > 0
-    assert metrics["decode_ceiling_int8_vs_fp32"] > 0
+    assert metrics["decode_ceiling_int8_vs_fp32"] > 0 and metrics["decode_ceiling_int8_free_vs_fp32"] > 0
 
 
 @pytest.mark.slow
@@ -298,6 +298,7 @@ def test_the_decode_ceilings_are_written_with_or_without_a_trl_contender(tmp_pat
     metrics = _result([workload], runs, floor, 100_000_000, {"decode": 1}, tmp_path).metrics
     assert metrics["decode_ceiling_int8_vs_fp32"] == pytest.approx((28.0 + 11.0) / (28.0 + 3.0))
     assert metrics["decode_ceiling_async_vs_sync"] == pytest.approx(16.0 / ((28.0 + 3.2) / 2))
+    assert metrics["decode_ceiling_int8_free_vs_fp32"] == pytest.approx(20.0 / 14.4)  # fp32 step / INT8 training
     assert "decode_async_vs_trl_malloc_samples_s" not in metrics  # no such contender ran
     runs["decode_trl_malloc"] = [_decode_run("trl_malloc", 30.0, 17.0, 0.8)]
     metrics = _result([workload], runs, floor, 100_000_000, {"decode": 1}, tmp_path).metrics
