@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.bench import BenchResult
 from asyncrl.bench import e2e_metrics as figures_of
 from asyncrl.bench.e2e_floor import ceilings as floor_ceilings
-from asyncrl.bench.e2e_floor import decode_floor, generation_core_s
+from asyncrl.bench.e2e_floor import decode_floor, generation_core_s, int8_free_ceiling
 from asyncrl.bench.e2e_runs import (
     ASYNCRL_CONTENDERS,
     CONTENDERS,
@@ -350,6 +350,7 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
         if "decode_train_floor_s" in metrics:
             gen_core_s = runs["decode_sync"][0].gen_core_s_per_sample * decode.samples_per_step
             metrics.update(floor_ceilings(metrics, bound_s, gen_core_s, cores))
+    metrics.update(int8_free_ceiling(figures))
     if "decode_trl_malloc" in figures and "decode_async" in figures:  # the decode ratio against TRL given our malloc
         metrics["decode_async_vs_trl_malloc_samples_s"] = (
             figures["decode_async"]["steady_samples_s"] / figures["decode_trl_malloc"]["steady_samples_s"]

@@ -22,9 +22,9 @@ decode ratios cannot pass on these cores while training stays fp32:
   rows at once on `rollout.threads` threads). On shared cores INT8 rollout shortens only the generation's part of a
   step; what it gains beyond this ceiling in a run is the fp32 workers' slowing of the learner beside them, and of
   each other (two fp32 workers side by side took 1.27-1.30x their idle core-seconds in the loop, 2026-12-06).
-- `decode_ceiling_int8_free_vs_fp32`: the fp32-rollout run's seconds per step over the asynchronous (INT8) run's
-  training seconds per step: what `int8_vs_fp32_e2e` would read if INT8 generation cost the loop nothing, with
-  every slowing above counted as it happened in the run.
+- `decode_ceiling_int8_free_vs_fp32` (`int8_free_ceiling`): the fp32-rollout run's seconds per step over the
+  asynchronous (INT8) run's training seconds per step: what `int8_vs_fp32_e2e` would read if INT8 generation cost
+  the loop nothing, with every slowing above counted as it happened in the run.
 """
 
 from __future__ import annotations
@@ -170,6 +170,13 @@ def ceilings(
     train_core_s = bound_step_s * cores - gen_core_s_per_step  # the synchronous run's training, in core-seconds
     int8_s, fp32_s = (metrics.get(f"decode_gen_core_s_per_step_{suffix}", math.nan) for suffix in GEN_SCHEMES)
     out["decode_ceiling_int8_vs_fp32"] = (train_core_s + fp32_s) / (train_core_s + int8_s)
-    out["decode_ceiling_int8_free_vs_fp32"] = (metrics.get("decode_fp32_steady_step_s", math.nan)
-                                               / metrics.get("decode_async_steady_train_s", math.nan))  # fmt: skip
     return out
+
+
+def int8_free_ceiling(figures: dict[str, dict[str, float]]) -> dict[str, float]:
+    """`decode_ceiling_int8_free_vs_fp32` (module doc) from the contenders' figures, when the fp32-rollout and the
+    asynchronous runs both ran (the synchronous one is not needed), else nothing."""
+    if "decode_fp32" not in figures or "decode_async" not in figures:
+        return {}
+    return {"decode_ceiling_int8_free_vs_fp32": figures["decode_fp32"]["steady_step_s"]
+            / figures["decode_async"]["steady_train_s"]}  # fmt: skip
