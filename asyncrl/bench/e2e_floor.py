@@ -21,7 +21,7 @@ decode ratios cannot pass on these cores while training stays fp32:
   core-seconds), both generations measured here on idle cores as a worker runs them (`generation_core_s`: a lease's
   rows at once on `rollout.threads` threads). On shared cores INT8 rollout shortens only the generation's part of a
   step; what it gains beyond this ceiling in a run is the fp32 workers' slowing of the learner beside them, and of
-  each other (two fp32 workers side by side took 1.27-1.30x their idle core-seconds in the loop, 2026-12-06).
+  each other (two fp32 workers side by side took 1.20-1.30x their idle core-seconds in the loop, 2026-12-06).
 - `decode_ceiling_int8_free_vs_fp32` (`int8_free_ceiling`): the fp32-rollout run's seconds per step over the
   asynchronous (INT8) run's training seconds per step: what `int8_vs_fp32_e2e` would read if INT8 generation cost
   the loop nothing, with every slowing above counted as it happened in the run.
