@@ -10,8 +10,8 @@ within a few percent of it. The rate is the best of a few fp32 GEMMs of the
 step's own shapes (all the step's tokens against the model's MLP and attention projections) on all the machine's
 cores, on torch's `matmul` and on oneDNN's (`learner.fp32_gemm`), whichever is faster.
 
-From it, with the synchronous run's generation core-seconds (`e2e_metrics.bound_step_s`), the two ceilings the
-decode ratios cannot pass on these cores while training stays fp32:
+From it, with the synchronous run's generation core-seconds (`e2e_metrics.bound_step_s`), the ceilings the decode
+ratios cannot pass on these cores while training stays fp32 (the last from the fp32 and asynchronous runs alone):
 - `decode_ceiling_vs_trl_samples_s`: TRL's seconds per step over (our generation's core-seconds + the floor's
   core-seconds) / cores: training at the GEMM rate, generation perfectly overlapped, nothing thrown away;
 - `decode_ceiling_async_vs_sync`: the synchronous run's seconds per step over `decode_bound_step_s`: what removing
