@@ -123,13 +123,13 @@ class EmbeddedEngine:
         self._queue: deque[_Group] = deque()
         self.swaps = 0
         self.build_errors = 0
-        self.before_step: Callable[[], object] | None = None
-        """Called before each scheduler step: a worker on the learner's machine waits here while the learner trains
-        on every core (`common.train_gate`)."""
         """Staged versions dropped because their build failed (the running version kept decoding)."""
         self.last_build_error = ""
         self.retracted_tokens = 0
         """Tokens whose K/V was recomputed after a swap (retract mode)."""
+        self.before_step: Callable[[], object] | None = None
+        """Called before each scheduler step: a worker on the learner's machine waits here while the learner trains
+        on every core (`common.train_gate`)."""
         budget = max(PREFIX_CACHE_MIN_TOKENS, max_batch * self.max_seq_len // PREFIX_CACHE_SHARE)
         self.prefix_cache = PrefixCache(budget)
         self.prefix_cache_enabled = prefix_cache
