@@ -136,10 +136,27 @@ def _check_rollout(cfg: Config) -> None:
         raise ConfigError("`rollout.num_workers` must be at least 1 to start a run")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.rollout.device):
         raise ConfigError(f"`rollout.device` must be cpu, cuda or cuda:N, got {cfg.rollout.device!r}")
+    _check_learner_device(cfg)
     if cfg.rollout.max_seq_len <= cfg.rollout.max_new_tokens:
         raise ConfigError(
             f"`rollout.max_seq_len` ({cfg.rollout.max_seq_len}) must exceed `rollout.max_new_tokens` "
             f"({cfg.rollout.max_new_tokens}): each slot holds the prompt and the response"
+        )
+
+
+def _check_learner_device(cfg: Config) -> None:
+    learner = cfg.learner
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", learner.device):
+        raise ConfigError(f"`learner.device` must be cpu, cuda or cuda:N, got {learner.device!r}")
+    if learner.device == "cpu":
+        return
+    aligned = learner.rollout_aligned or (cfg.model.lora.rank > 0 and lora_base(learner, cfg.quant) == "rollout")
+    if aligned:
+        raise ConfigError(
+            f"`learner.device={learner.device}` does not run rollout-aligned forwards yet (`learner.rollout_aligned`, "
+            "or LoRA's `learner.lora_base=rollout`, the default with a quantized `quant.scheme`): their quantized "
+            "operands are CPU code; set `learner.rollout_aligned=false` / `learner.lora_base=full`, or "
+            "`learner.device=cpu`"
         )
 
 

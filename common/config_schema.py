@@ -421,6 +421,11 @@ class LearnerConfig:
     then the one with fewer loop seconds per trained sample, checked again every 50 steps)."""
     world_size: int = in_range(1, default=1)
     """Learner ranks (FSDP2, gloo on CPU), each a Ray actor requesting `ray.learner_cpus / world_size` CPUs."""
+    device: str = "cpu"
+    """Where each learner rank trains: `cpu`; `cuda` (rank r on GPU r modulo the GPUs it sees: under Ray, the one
+    `ray.learner_gpus` gave it; FSDP2 over NCCL, CPU tensors over gloo); `cuda:N` (rank r on GPU N + r of the node's,
+    e.g. past the rollout's GPUs on one node). The CPU kernels (`learner.fp32_gemm`, `learner.fused_ops`) and the
+    train gate apply on `cpu` only (learner/devices.py; written to torch's CUDA APIs, untested on GPU)."""
     lora_base: str = one_of(LORA_BASES, default="auto")
     """With `model.lora.rank > 0`, the frozen base under the adapters: `rollout` runs it on the published quantized
     weights with the engine's numerics (zero base mismatch), `full` in fp32; `auto`: `rollout` when `quant.scheme`
@@ -544,6 +549,9 @@ class RayConfig:
     started with `ray start --resources '{"rollout_node": 1}'`."""
     learner_resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources of the whole learner, split evenly over its rank actors like `learner_cpus`."""
+    learner_gpus: float = in_range(0.0, default=0.0)
+    """GPU request of the whole learner, split evenly over its rank actors like `learner_cpus`; 0 with
+    `learner.device` on CUDA: one GPU per rank. Ignored with `learner.device=cpu`."""
     allow_unauthenticated: bool = False
     """With `ray.address`: accept a cluster that runs without token authentication (anyone who reaches its ports
     can run code as its user). Off: such a cluster is refused; on: a warning every run (docs/security.md)."""

@@ -129,9 +129,11 @@ class LocalActorClass:
     def __init__(self, cls: type, options: dict[str, Any]) -> None:
         if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
             raise TypeError(f"a local actor's class must be importable by name: {cls.__qualname__} is not")
-        unknown = set(options) - {"num_cpus", "max_concurrency", "resources"}
+        unknown = set(options) - {"num_cpus", "num_gpus", "max_concurrency", "resources"}
         if unknown:
-            raise TypeError(f"local actors take num_cpus, max_concurrency and resources, not {sorted(unknown)}")
+            raise TypeError(
+                f"local actors take num_cpus, num_gpus, max_concurrency and resources, not {sorted(unknown)}"
+            )
         if options.get("resources"):
             raise ValueError(f"custom resources {options['resources']} need a Ray cluster: set `ray.launcher=ray`")
         self.cls, self.options = cls, options

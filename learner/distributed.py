@@ -1,4 +1,5 @@
-"""Learner ranks: torch.distributed (gloo on CPU, NCCL on GPU) and FSDP2 (`torch.distributed.fsdp.fully_shard`).
+"""Learner ranks: torch.distributed (gloo on CPU, NCCL for CUDA tensors: `learner.devices`) and FSDP2
+(`torch.distributed.fsdp.fully_shard`).
 
 Data parallel over responses, parameters sharded: every decoder layer is its own FSDP2 unit, the root holds the
 embeddings, final norm and LM head. Rank 0 talks to the buffer and to quant_sync; it collates each batch and
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from learner.batch import Batch
+from learner.devices import model_device, process_group_backend
 
 # Wire codes of the batch fields' dtypes for the broadcast header (bool travels as uint8: gloo has no bool).
 _DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8}
@@ -60,9 +62,15 @@ def local_rendezvous(directory: str) -> str:
     return f"{FILE_RENDEZVOUS}{directory}/store"
 
 
-def init_distributed(rank: int, world: int, rendezvous: str, timeout_s: float = 300.0) -> Dist:
-    """Join the learner's process group (gloo on CPU, NCCL when CUDA is available) at `rendezvous`: `host:port`
-    of `start_rendezvous`, or `local_rendezvous`'s file (gloo's own sockets then listen on loopback only)."""
+def init_distributed(
+    rank: int, world: int, rendezvous: str, timeout_s: float = 300.0, device: torch.device | None = None
+) -> Dist:
+    """Join the learner's process group at `rendezvous`: `host:port` of `start_rendezvous`, or `local_rendezvous`'s
+    file (gloo's own sockets then listen on loopback only). Ranks on `device` CPU (the default) use gloo, on CUDA
+    `learner.devices.CUDA_BACKEND` (NCCL for CUDA tensors, gloo for CPU ones), after selecting their GPU."""
+    device = torch.device("cpu") if device is None else device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL's communicators are made: each rank on its own GPU
     if world == 1:
         return Dist()
     if not rendezvous:
@@ -75,23 +83,26 @@ def init_distributed(rank: int, world: int, rendezvous: str, timeout_s: float = 
     else:
         host, port = rendezvous.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = process_group_backend(device)  # by where the ranks compute: a CPU learner on a GPU machine keeps gloo
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return Dist(rank=rank, world=world)
 
 
 def shard_model(model: torch.nn.Module) -> None:
-    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, LM head).
+    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, LM head), on a mesh of the
+    model's device type (every rank's model already on its device: `learner.devices.rank_device`).
 
     The root reshards after forward too (FSDP2 keeps it gathered by default), so that between forwards every
     parameter is this rank's shard: the step's snapshot, restore and norm_update work on shards.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(model_device(model).type, (dist.get_world_size(),))
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -49,10 +49,13 @@ def apply_malloc_settings(settings: dict[str, int] | None = None) -> dict[str, i
     return {name: value for name, value in chosen.items() if mallopt(MALLOPT_PARAMS[name], value) == 1}
 
 
-def actor_options(ray_cfg: RayConfig, world: int) -> dict[str, Any]:
-    """Ray options of one learner rank: its share of `ray.learner_cpus` and resources (no `runtime_env`: see the
-    module docstring)."""
+def actor_options(ray_cfg: RayConfig, world: int, device: str = "cpu") -> dict[str, Any]:
+    """Ray options of one learner rank: its share of `ray.learner_cpus` and resources, and with `learner.device` on
+    CUDA of `ray.learner_gpus` (0: one GPU a rank; a local actor sees every GPU and picks its own,
+    `learner.devices.rank_device`). No `runtime_env`: see the module docstring."""
     options: dict[str, Any] = {"num_cpus": ray_cfg.learner_cpus / world}
+    if device.startswith("cuda"):  # learner.devices.on_cuda, without importing torch into the driver
+        options["num_gpus"] = ray_cfg.learner_gpus / world if ray_cfg.learner_gpus > 0 else 1.0
     resources = {name: amount / world for name, amount in ray_cfg.learner_resources.items()}
     if resources:
         options["resources"] = resources
@@ -112,7 +115,7 @@ class LearnerGroup:
             else:  # one machine: a file store, no port
                 self.store_dir = tempfile.mkdtemp(prefix="asyncrl-rdzv-")
                 address = local_rendezvous(self.store_dir)
-        actor = actors.remote(LearnerActor, **actor_options(ray_cfg, world))
+        actor = actors.remote(LearnerActor, **actor_options(ray_cfg, world, sections.learner.device))
         section_values = to_dict(sections)
         self.ranks = [
             actor.remote(section_values, model_dir, buffer_endpoint, rank=rank, rendezvous=address,

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from learner.devices import model_device
 from learner.packing import pack_groups
 
 LOGITS_CHUNK_ELEMENTS = 2**24
@@ -83,12 +84,17 @@ def response_logp(
     input_ids, attention_mask: (B, S); response_pos (position of each response token), response_ids, mask: (B, T).
     `groups` (B,): the rows' group ids, to run each group's shared prefix once (`learner.packing`); None: row by row.
     """
+    home, device = mask.device, model_device(model)
+    if device != home:  # a GPU learner (`learner.devices`): the inputs go to the model, the results come back
+        moved = [t.to(device) for t in (input_ids, attention_mask, response_pos, response_ids, mask)]
+        input_ids, attention_mask, response_pos, response_ids, mask = moved  # `groups` stay: packing reads them there
     if not _plain_head(model) or not bool(mask.any()):
-        return full_logits_logp(model, input_ids, attention_mask, response_pos, response_ids, mask, temperature)
-    args = (input_ids, attention_mask, response_pos, response_ids, mask, temperature, groups)
-    if _is_fsdp(model):
-        return _fsdp_method(model)(*args)
-    return _loss_positions_logp(model, *args)
+        args = (input_ids, attention_mask, response_pos, response_ids, mask, temperature)
+        logp, entropy = full_logits_logp(model, *args)
+    else:
+        args = (input_ids, attention_mask, response_pos, response_ids, mask, temperature, groups)
+        logp, entropy = _fsdp_method(model)(*args) if _is_fsdp(model) else _loss_positions_logp(model, *args)
+    return logp.to(home), entropy.to(home)  # differentiable copies; no-ops on one device
 
 
 def _loss_positions_logp(
@@ -107,7 +113,9 @@ def _loss_positions_logp(
     input_ids, attention_mask = inputs_read(input_ids, attention_mask)
     packed = None
     if groups is not None:
-        packed = pack_groups(input_ids, attention_mask, groups, getattr(model.config, "_attn_implementation", None))
+        attn = getattr(model.config, "_attn_implementation", None)
+        packed = pack_groups(input_ids.cpu(), attention_mask.cpu(), groups.cpu(), attn)  # a layout built on the CPU,
+        packed = None if packed is None else packed.to(input_ids.device)  # then where the model is
     rows, cols = mask.nonzero(as_tuple=True)  # (N,) each
     positions = (response_pos[rows, cols] - 1).clamp_min(0)  # the hidden state at p - 1 predicts token p
     if packed is None:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from common.config_rules import lora_base
 from learner import aligned
+from learner.devices import cpu_state
 from learner.distributed import SINGLE, Dist, full_state_dict
 from quant_sync.export import (
     LORA_A,
@@ -270,9 +271,9 @@ class Adapters:
             return {}
         if publisher is None:
             raise ValueError("Adapters.publish: rank 0 needs the weight publisher")
-        adapters = adapter_tensors(model, self.sync_dtype, gathered)
+        adapters = cpu_state(adapter_tensors(model, self.sync_dtype, gathered))  # quant_sync publishes CPU tensors
         if self.base_version is None:
-            base = base_state_dict(model, state)
+            base = cpu_state(base_state_dict(model, state))
             tensors = export_rollout_tensors(base, self.scheme, quantize_head=self.quantized_head)
             if self.aligned_base:  # the base forwards run on exactly the tensors the workers get (QaRL)
                 aligned.install_operands(model, tensors, self.scheme)

@@ -82,6 +82,14 @@ class PackedRows:
         """The decoder call's keywords besides the inputs: the row layout, where there is one."""
         return {} if self.rows is None else {ROWS_KWARG: self.rows}
 
+    def to(self, device: torch.device) -> PackedRows:
+        """The same layout with its tensors on `device` (a GPU learner's: `learner.devices`); itself when there. The
+        row layout stays: it serves the CPU's fused attention only."""
+        if self.position_ids.device == device:
+            return self
+        move = (self.input_ids, self.position_ids, self.attention_mask, self.flat_index)
+        return PackedRows(*(tensor.to(device) for tensor in move), rows=self.rows)
+
 
 def _runs(group_index: list[int]) -> list[tuple[int, int]]:
     """Consecutive rows of equal group id, as (lo, hi) ranges."""

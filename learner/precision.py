@@ -1,12 +1,12 @@
 """Training precision (`precision.train`): fp32 master weights, autocast compute, dynamic loss scaling for fp16.
 
-The recipe of mixed-precision training (and of the FP16 paper, sec. 3.2): parameters, gradients and AdamW state
-stay in fp32 (the master weights); forwards and backwards run under `torch.autocast("cpu", dtype)` so matmuls
-compute in bf16 or fp16. Log-softmax and the loss run in fp32 (autocast's fp32 list, and `token_logp` upcasts the
-logits). Both autocast dtypes work on CPU with torch >= 2.6; on CPUs without bf16 / fp16 matrix units the GEMMs
-are emulated (several times slower than fp32: `asyncrl bench learner`), so on such machines they buy numerics, not
-speed. The proximal forward runs in the same precision as the current one, so that r = exp(lc - lp) is exactly 1
-before the first update (a precision gap between them would masquerade as policy change).
+The recipe of mixed-precision training (and of the FP16 paper, sec. 3.2): parameters, gradients and AdamW state stay in
+fp32 (the master weights); forwards and backwards run under `torch.autocast(device, dtype)` (`cpu`, or `cuda` for a GPU
+learner) so matmuls compute in bf16 or fp16. Log-softmax and the loss run in fp32 (autocast's fp32 list, and
+`token_logp` upcasts the logits). Both autocast dtypes work on CPU with torch >= 2.6; on CPUs without bf16 / fp16 matrix
+units the GEMMs are emulated (several times slower than fp32: `asyncrl bench learner`), so on such machines they buy
+numerics, not speed. The proximal forward runs in the same precision as the current one, so that r = exp(lc - lp) is
+exactly 1 before the first update (a precision gap between them would masquerade as policy change).
 
 fp16's 5-bit exponent underflows small gradients, hence dynamic loss scaling (`LossScaler`): the loss is
 multiplied by `scale` before backward and the gradients divided by it before clipping; a step whose gradients are
@@ -35,12 +35,13 @@ def compute_dtype(precision: str) -> torch.dtype:
     return COMPUTE_DTYPES[precision]
 
 
-def autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
-    """Autocast to the compute dtype of `precision` on CPU (a no-op context for fp32)."""
+def autocast(precision: str, device_type: str = "cpu") -> contextlib.AbstractContextManager[Any]:
+    """Autocast to the compute dtype of `precision` for the model's `device_type` (`cpu`, or `cuda` for a GPU learner:
+    `learner.devices`); a no-op context for fp32."""
     dtype = compute_dtype(precision)
     if dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=dtype)
+    return torch.autocast(device_type, dtype=dtype)
 
 
 @dataclass(slots=True)

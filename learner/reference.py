@@ -39,6 +39,7 @@ def initial_reference(
     ranks: Dist,
     policy: torch.nn.Module | None = None,
     trust_remote_code: bool = False,
+    device: torch.device | None = None,
 ) -> torch.nn.Module | None:
     """The frozen reference model for `kl`, or None when `kl.coef` is 0 (nothing is loaded).
 
@@ -56,6 +57,8 @@ def initial_reference(
             model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
         apply_uaq(reference, uaq_scale)
+    if device is not None:  # the policy's device (`learner.device`): a copy of it is there already
+        reference.to(device)
     reference.requires_grad_(False)
     reference.eval()
     if ranks.world > 1:

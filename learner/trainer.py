@@ -34,6 +34,7 @@ from common.wire import Trajectory
 from learner import aligned, distributed, reference
 from learner.acrl import AcrlReference
 from learner.batch import Batch, collate, overlong_shaping, token_logp  # noqa: F401 - re-exported
+from learner.devices import cpu_state, model_device, rank_device
 from learner.fp32_gemm import use_fp32_gemm
 from learner.fused_ops import use_fused_ops
 from learner.losses import mismatch_metrics
@@ -67,7 +68,8 @@ class Learner:
         sections = self.sections = LearnerSections.load(section_values)
         torch.set_num_threads(sections.learner.threads)
         torch.manual_seed(sections.train.seed)
-        self.ranks = distributed.init_distributed(rank, sections.learner.world_size, rendezvous)
+        self.device = rank_device(sections.learner.device, rank)  # before anything loads: a missing GPU fails fast
+        self.ranks = distributed.init_distributed(rank, sections.learner.world_size, rendezvous, device=self.device)
         self.model_dir = model_dir
         self.quantized_head = head_quantized(sections.quant, sections.rollout)  # quant.lm_head, `auto` resolved
         self.trust_remote_code = sections.model.trust_remote_code
@@ -75,12 +77,12 @@ class Learner:
         source = str(Path(resume_model) / "model") if resume_model else model_dir
         self.model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, trust_remote_code=self.trust_remote_code
-        )  # fp32 master weights
+        ).to(self.device)  # fp32 master weights
         if not resume_model:  # a checkpoint holds the reparametrized weights already
             apply_uaq(self.model, sections.quant.uaq.scale)  # before the optimizer sees the parameters
         self.reference = reference.initial_reference(  # KL's frozen initial model (None: loss.kl.coef = 0); a resumed
             sections.loss.kl, model_dir, sections.quant.uaq.scale, self.ranks,  # run rebuilds it from model_dir
-            policy=None if resume_model else self.model, trust_remote_code=self.trust_remote_code,
+            policy=None if resume_model else self.model, trust_remote_code=self.trust_remote_code, device=self.device,
         )  # fmt: skip
         if sections.learner.rollout_aligned:
             aligned.make_rollout_aligned(
@@ -91,11 +93,12 @@ class Learner:
             from learner import lora
 
             self.model, self.lora = lora.add_adapters(self.model, sections, self.quantized_head, resume_dir)
-        self.fp32_gemm = use_fp32_gemm(self.model, sections.learner.fp32_gemm)  # on learner.threads threads
-        self.fused_ops = use_fused_ops(self.model, sections.learner.fused_ops)
+        on_cpu = self.device.type == "cpu"  # the CPU kernels: a GPU keeps torch's own
+        self.fp32_gemm = use_fp32_gemm(self.model, sections.learner.fp32_gemm if on_cpu else "blas")  # learner.threads
+        self.fused_ops = use_fused_ops(self.model, sections.learner.fused_ops and on_cpu)
         if self.reference is not None:
             use_fp32_gemm(self.reference, self.fp32_gemm.kernel)
-            use_fused_ops(self.reference, sections.learner.fused_ops)
+            use_fused_ops(self.reference, sections.learner.fused_ops and on_cpu)
         if self.ranks.world > 1:
             distributed.shard_model(self.model)
         self.model.train()
@@ -123,7 +126,8 @@ class Learner:
             synchronous=sections.staleness.max_lag == 0,
         )  # fmt: skip
         self.cores = cores
-        self.train_gate = TrainGate.from_env() if self.ranks.is_main else None  # common.train_gate: workers pause
+        # common.train_gate: the workers on this machine pause while a CPU learner trains on every core
+        self.train_gate = TrainGate.from_env() if self.ranks.is_main and on_cpu else None
         if self.train_gate is not None:
             self.train_gate.open()  # a learner restarted after one that died mid-step: the workers go on at once
         self.loop_mark: tuple[float, int] | None = None  # the end of the last step's fetch and its trained samples
@@ -157,7 +161,7 @@ class Learner:
         if self.lora is not None:  # the quantized base once, then the adapters alone (gathered on rank 0 with FSDP2)
             self.version = version
             return self.lora.publish(self.model, self.publisher, version, self.ranks)
-        state = distributed.full_state_dict(self.model, self.ranks)
+        state = cpu_state(distributed.full_state_dict(self.model, self.ranks))  # quant_sync publishes CPU tensors
         if not self.ranks.is_main:
             return {}
         scheme = self.sections.quant.scheme
@@ -340,7 +344,7 @@ class Learner:
         return out_dir
 
     def _load_training_state(self, path: Path) -> None:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")  # loading moves AdamW's state to the params
         fused = self.optimizer.param_groups[0].get("fused")  # a loaded group brings its run's kernel choice
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"], self.ranks)
         for group in self.optimizer.param_groups:  # the resumed run's optim.* (lr is set every step) and kernel
@@ -382,6 +386,7 @@ class Learner:
                 chunk = prompts[lo : lo + 64]
                 ids = {"input_ids": [encode(prompt) for prompt in chunk]}
                 enc = self.tokenizer.pad(ids, return_tensors="pt", padding=True, padding_side="left")
+                enc = {key: value.to(model_device(model)) for key, value in enc.items()}
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id)
                 texts = self.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 correct += sum(source.reward(t, a) for t, a in zip(texts, answers[lo : lo + 64]))

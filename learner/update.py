@@ -34,6 +34,7 @@ from common.config import AlgoConfig, LearnerConfig, LossConfig, PrecisionConfig
 from common.config_rules import head_quantized
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batch_budget, micro_batches, overlong_shaping, rank_rows, token_logp
+from learner.devices import model_device
 from learner.distributed import SINGLE, Dist, all_reduce_, local, to_float
 from learner.fp32_gemm import packed_weights
 from learner.logprobs import entropy_with_grad
@@ -120,7 +121,7 @@ def proximal_logp(
     )
     for i in range(count):
         lo, hi = plan[i] if i < len(plan) else (0, 1)  # past this rank's rows: a forward for FSDP's collectives
-        with autocast(precision.train):
+        with autocast(precision.train, model_device(model).type):
             logp, ent = token_logp(model, batch.select(lo, hi), rollout.temperature, learner.share_prefix)
         if i < len(plan):
             prox[lo:hi], entropy[lo:hi] = logp, ent
@@ -167,15 +168,16 @@ NORM_CHUNK_ELEMENTS = 2**20
 
 @torch.no_grad()
 def _param_sums(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """(sum of (new - old)^2, sum of old^2) of one local tensor, in float64, a chunk at a time."""
-    sums = torch.zeros(2, dtype=torch.float64)
+    """(sum of (new - old)^2, sum of old^2) of one local tensor, in float64, a chunk at a time; on the CPU (the
+    step's bookkeeping device, `learner.devices`), computed where the tensor is."""
+    sums = torch.zeros(2, dtype=torch.float64, device=new.device)
     new_flat, old_flat = new.reshape(-1), old.reshape(-1)
     for lo in range(0, new_flat.numel(), NORM_CHUNK_ELEMENTS):
         chunk = slice(lo, lo + NORM_CHUNK_ELEMENTS)
         prior = old_flat[chunk].double()
         delta = new_flat[chunk].double().sub_(prior)
         sums += torch.stack((torch.dot(delta, delta), torch.dot(prior, prior)))  # fewer ops than pow + sum
-    return sums
+    return sums.cpu()
 
 
 def quantized_parameter_ids(model: torch.nn.Module, quant: QuantConfig, rollout: RolloutConfig) -> frozenset[int]:
@@ -397,11 +399,12 @@ def minibatch_backward(
                                                                 model_row_layout(model))]  # fmt: skip
     loss_sum = torch.zeros(())
     metric_sums: dict[str, float] = {}
+    device_type = model_device(model).type  # autocast's: `cpu`, or `cuda` for a GPU learner (learner.devices)
     for (lo, hi), real, no_grad in passes:  # real: rows of the minibatch; no_grad: forward-only rows
         micro = batch.select(lo, hi)
         entropy_grad = entropy_with_grad(loss_cfg.entropy_coef > 0)  # the entropy bonus needs H's gradient
         grad_mode = torch.no_grad() if no_grad else contextlib.nullcontext()
-        with timed(seconds, "forward"), autocast(sections.precision.train), entropy_grad, grad_mode:
+        with timed(seconds, "forward"), autocast(sections.precision.train, device_type), entropy_grad, grad_mode:
             cur_logp, entropy = token_logp(model, micro, sections.rollout.temperature, sections.learner.share_prefix)
         if not real:  # zero-weight pass so that FSDP2's reduce-scatter sees every rank
             with timed(seconds, "backward"):
@@ -531,7 +534,8 @@ def train_on_batch(
         # oneDNN's weight copies, freed before the optimizer step, and micro-batches as large as the memory allows;
         # not in the first update, whose peak and page faults they would raise (its activations, then AdamW's state
         # on their pages)
-        available = None if allocates_state else available_memory_bytes()
+        # (the machine's memory: a GPU learner's activations are not there, so it keeps the first update's budget)
+        available = None if allocates_state or model_device(model).type != "cpu" else available_memory_bytes()
         with packed_weights(model, available) as packing:
             loss_value, loss_metrics = minibatch_backward(
                 model, batch, (lo, hi), inputs, sections, scaler, ranks, seconds, grad_end, available

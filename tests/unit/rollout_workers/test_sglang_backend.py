@@ -221,3 +221,4 @@ def test_gpu_recipes_are_valid_configs(recipe):
     cfg = load_config(path, ["model.path=builtin:micro"])  # the recipes name a local 7B directory
     assert cfg.quant.scheme in ("fp8", "int8") and cfg.precision.rollout == "bf16"
     assert (cfg.rollout.backend == "sglang") == (cfg.quant.scheme == "fp8")  # SGLang cannot reload w8a8_int8
+    assert (cfg.learner.device, cfg.learner.world_size) == ("cuda:4", 4)  # the learner on GPUs 4-7, past the rollout
