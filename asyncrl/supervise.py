@@ -69,6 +69,17 @@ class _Worker:
     stop_ref: Any = None
 
 
+def worker_options(ray_cfg: RayConfig) -> dict[str, Any]:
+    """Ray options of one rollout worker actor: `ray.worker_cpus`, its GPUs (`ray.worker_gpus`: Ray's request, after
+    which the worker sees only those) and custom resources."""
+    options: dict[str, Any] = {"num_cpus": ray_cfg.worker_cpus, "max_concurrency": 4}
+    if ray_cfg.worker_gpus:
+        options["num_gpus"] = ray_cfg.worker_gpus
+    if ray_cfg.worker_resources:
+        options["resources"] = dict(ray_cfg.worker_resources)
+    return options
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -86,10 +97,7 @@ class WorkerPool:
 
         self.rollout = sections.rollout  # max_restarts, restart_backoff_s
         self.args = (to_dict(sections), model_dir, buffer_endpoint, weights_endpoint)
-        options: dict[str, Any] = {"num_cpus": ray_cfg.worker_cpus, "max_concurrency": 4}
-        if ray_cfg.worker_resources:
-            options["resources"] = dict(ray_cfg.worker_resources)
-        self.actor_cls = actors.remote(RolloutWorker, **options)
+        self.actor_cls = actors.remote(RolloutWorker, **worker_options(ray_cfg))
         self.event = event
         self.workers: dict[str, _Worker] = {}
         self.generation: dict[int, int] = {}  # slot -> restarts of that slot

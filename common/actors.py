@@ -51,12 +51,12 @@ class ActorTimeoutError(TimeoutError):
 
 
 def resolve_launcher(ray_cfg: RayConfig) -> str:
-    """`ray` or `local` for `ray.launcher`: `auto` is `local` on one machine (no `ray.address`, no custom resources,
-    which only a Ray cluster can place), else `ray`."""
+    """`ray` or `local` for `ray.launcher`: `auto` is `local` on one machine (no `ray.address`, no custom resources
+    and no GPU requests, which only Ray can place), else `ray`."""
     if ray_cfg.launcher != "auto":
         return ray_cfg.launcher
-    single_machine = not ray_cfg.address and not ray_cfg.worker_resources and not ray_cfg.learner_resources
-    return "local" if single_machine else "ray"
+    placed = ray_cfg.worker_resources or ray_cfg.learner_resources or ray_cfg.worker_gpus or ray_cfg.learner_gpus
+    return "local" if not ray_cfg.address and not placed else "ray"
 
 
 def use(launcher: str) -> None:

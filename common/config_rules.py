@@ -245,6 +245,12 @@ def _check_optim_and_resources(cfg: Config) -> None:
             "`ray.launcher=local` starts every actor on this machine: it takes no `ray.address` and no "
             "`ray.worker_resources` / `ray.learner_resources` (set `ray.launcher=ray` or `auto` for a Ray cluster)"
         )
+    if cfg.ray.launcher == "local" and (cfg.ray.worker_gpus or cfg.ray.learner_gpus):
+        raise ConfigError(
+            "`ray.worker_gpus` / `ray.learner_gpus` are Ray's GPU requests: `ray.launcher=local` places nothing (its "
+            "workers use `rollout.device`, its learner ranks GPU r of `learner.device`); set `ray.launcher=ray` or "
+            "`auto`, or drop them"
+        )
 
 
 def _check_model(cfg: Config) -> None:

@@ -551,7 +551,12 @@ class RayConfig:
     """Custom Ray resources of the whole learner, split evenly over its rank actors like `learner_cpus`."""
     learner_gpus: float = in_range(0.0, default=0.0)
     """GPU request of the whole learner, split evenly over its rank actors like `learner_cpus`; 0 with
-    `learner.device` on CUDA: one GPU per rank. Ignored with `learner.device=cpu`."""
+    `learner.device` on CUDA: one GPU per rank (Ray's request; the local launcher starts the ranks on this machine,
+    where rank r takes GPU r of `learner.device`). Ignored with `learner.device=cpu`. Above 0: Ray's launcher."""
+    worker_gpus: float = in_range(0.0, default=0.0)
+    """GPU request of each rollout worker actor: Ray gives it those GPUs and it sees only them, so `rollout.device:
+    cuda` (or an SGLang server with `rollout.sglang.gpus_per_server: 0`, which inherits them) runs on its own.
+    Above 0: Ray's launcher (`ray.launcher` auto picks it)."""
     allow_unauthenticated: bool = False
     """With `ray.address`: accept a cluster that runs without token authentication (anyone who reaches its ports
     can run code as its user). Off: such a cluster is refused; on: a warning every run (docs/security.md)."""

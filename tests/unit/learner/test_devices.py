@@ -1,5 +1,6 @@
-"""`learner.device`: the config's rules, each rank's device, the process group's backend, the ranks' Ray options, and
-a learner that asks for a GPU it does not have (this machine has none: the CUDA path itself is untested here)."""
+"""`learner.device`: the config's rules, each rank's device, the process group's backend, the ranks' and the workers'
+Ray GPU requests, and a learner that asks for a GPU it does not have (this machine has none: the CUDA path itself is
+untested here)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,21 @@ def test_gpu_ranks_ask_ray_for_their_gpus():
     shared = load_config(None, ["ray.num_cpus=4", "ray.learner_cpus=2", "ray.learner_gpus=1"]).ray
     assert actor_options(shared, 2, "cuda:0") == {"num_cpus": 1.0, "num_gpus": 0.5}
     LocalActorClass(LearnerActor, actor_options(ray_cfg, 1, "cuda"))  # the local launcher takes the request too
+
+
+def test_gpu_requests_go_to_ray_and_each_worker_asks_for_its_own():
+    from asyncrl.supervise import worker_options
+    from common import actors
+
+    for key in ("ray.worker_gpus=1", "ray.learner_gpus=2"):  # only Ray places GPUs: auto picks it
+        assert actors.resolve_launcher(load_config(None, ["ray.launcher=auto", key]).ray) == "ray"
+        with pytest.raises(ConfigError, match="are Ray's GPU requests: `ray.launcher=local` places nothing"):
+            load_config(None, ["ray.launcher=local", key])
+    assert actors.resolve_launcher(load_config(None, ["learner.device=cuda"]).ray) == "local"  # GPU r for rank r
+    ray_cfg = load_config(None, ["ray.num_cpus=4", "ray.worker_gpus=1", "ray.worker_resources={rollout_node: 0.5}"]).ray
+    assert worker_options(ray_cfg) == {"num_cpus": 0.5, "max_concurrency": 4, "num_gpus": 1.0,
+                                       "resources": {"rollout_node": 0.5}}  # fmt: skip
+    assert "num_gpus" not in worker_options(load_config(None, []).ray)
 
 
 def test_published_state_is_moved_to_the_cpu_and_models_report_their_device():
