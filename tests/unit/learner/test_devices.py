@@ -96,3 +96,47 @@ def test_published_state_is_moved_to_the_cpu_and_models_report_their_device():
     assert cpu_state({"w": weight})["w"] is weight  # nothing copied on a CPU learner
     assert model_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
     assert model_device(torch.nn.ReLU()) == torch.device("cpu")  # no parameters
+
+
+def test_the_prepared_gpu_check_passes_the_cpu_against_itself_and_refuses_a_missing_gpu(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-m", "learner.device_check", "--device", "cpu", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["device"] == "cpu"
+    assert {name: check["value"] for name, check in result["checks"].items()} == {
+        "prox_logp_max_abs": 0.0,
+        "loss_rel": 0.0,
+        "grad_norm_rel": 0.0,
+        "update_rel": 0.0,
+        "bf16_update_finite": 1.0,
+    }  # the same computation twice: the same bits
+    if not torch.cuda.is_available():  # this machine: the check refuses, naming what is missing
+        done = subprocess.run([sys.executable, "-m", "learner.device_check", "--device", "cuda"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 2 and "sees no GPU" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "learner.device_check", "--device", "gpu"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and "--device must be cpu, cuda or cuda:N, got 'gpu'" in done.stderr
+
+
+def test_the_gpu_check_fails_when_the_two_sides_differ(monkeypatch):
+    from learner import device_check
+
+    real, calls = device_check.one_update, []
+
+    def nudged(model, device, precision="fp32"):
+        calls.append(precision)
+        if len(calls) == 2:  # the checked device's side: one weight matrix moved by 0.01
+            with torch.no_grad():
+                model.get_input_embeddings().weight.add_(1e-2)
+        return real(model, device, precision)
+
+    monkeypatch.setattr(device_check, "one_update", nudged)
+    out = device_check.compare(torch.device("cpu"))
+    assert not out["ok"] and not out["checks"]["prox_logp_max_abs"]["ok"] and not out["checks"]["loss_rel"]["ok"]
