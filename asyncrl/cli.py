@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=None, help="bench e2e only: steps of every workload")
     bench.add_argument("--contenders", default=None,
                        help="bench e2e only: only these (trl,trl_malloc,async,sync,fp32,best,lora)")  # fmt: skip
+    bench.add_argument("--learner-device", dest="learner_device", default=None,
+                       help="bench e2e only: where every side trains, cpu (default) or cuda[:N] (a GPU machine: "
+                       "our learner there, rollout workers on the CPUs; untested on GPU)")  # fmt: skip
     probe = sub.add_parser("probe", help="measure each quant scheme's rollout mismatch on a model, before training")
     from asyncrl.probe import add_arguments as probe_arguments  # torch-free: argparse only
 
@@ -154,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"asyncrl: {err.args[0]}", file=sys.stderr)
             return 2
         e2e_options = {"seeds": args.seeds, "workloads": args.workloads, "steps": args.steps,
-                       "contenders": args.contenders}  # fmt: skip
+                       "contenders": args.contenders, "learner_device": args.learner_device}  # fmt: skip
         options = {key: value for key, value in e2e_options.items() if value is not None}
         if options and args.name != "e2e":
-            print(f"asyncrl: --{' --'.join(options)}: bench e2e only", file=sys.stderr)
+            flags = " ".join("--" + key.replace("_", "-") for key in options)
+            print(f"asyncrl: {flags}: bench e2e only", file=sys.stderr)
             return 2
         result = bench(args.quick, **options)
         print_table(result)

@@ -28,6 +28,12 @@ keeps only the named ones. The figures and the bound are defined in `asyncrl.ben
 the issues' names (`e2e_metrics.RATIO_NAMES`, `SMOL_RATIO_NAMES`), those of the workloads that ran. On the decode
 workload the fp32 floor of a training step and the ceilings it sets (`asyncrl.bench.e2e_floor`) are measured after
 the runs, on the idle cores.
+
+`learner_device` (`--learner-device cuda`, for a machine with a GPU): every training side on the GPU, as
+`learner.device` puts our learner there (rollout workers stay on the CPUs) and TRL (`use_cpu` off) its generation
+and training. The CPU floor, the bound and the ceilings are not measured then (they bound a learner on these cores:
+`e2e_fraction_of_bound_decode` is null). Written to the libraries' APIs and untested on GPU: no GPU was lent; a
+machine without one is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -165,6 +171,7 @@ def _trl_settings(workload: Workload, seed: int, out_dir: Path, config: Config) 
     if config.loss.agg != "token_mean" or config.algo.adv != "grpo":
         raise ValueError(f"{CONFIG_PATH}: TRL's shape is set for loss.agg=token_mean and algo.adv=grpo")
     return trl_settings(
+        use_cpu=config.learner.device == "cpu",  # `--learner-device`: TRL trains where our learner does
         out_dir=str(out_dir), seed=seed, steps=workload.steps, groups_per_step=workload.groups_per_step,
         group_size=workload.group_size, max_new_tokens=workload.max_new_tokens,
         temperature=config.rollout.temperature, lr=config.optim.lr, eps_low=config.loss.eps_low,
@@ -273,10 +280,12 @@ def _names(given: str | Sequence[str] | None, valid: Sequence[str], default: Seq
 
 def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
         workloads: str | Sequence[str] | None = None, steps: int | None = None,
-        contenders: str | Sequence[str] | None = None) -> BenchResult:  # fmt: skip
+        contenders: str | Sequence[str] | None = None, learner_device: str = "cpu") -> BenchResult:  # fmt: skip
     """The whole bench (see the module doc). `seeds`: of the learning workloads (default 3 on builtin, 1 on smol,
     1 with `quick`); `workloads` (names or "a,b"; default `DEFAULT_WORKLOADS`); `steps`: every workload's steps
-    instead of its own; `contenders`: only these (default each workload's); runs are kept in `work_dir`."""
+    instead of its own; `contenders`: only these (default each workload's); `learner_device`: where every side
+    trains (module doc); runs are kept in `work_dir`."""
+    _check_learner_device(learner_device)
     names = _names(workloads, WORKLOADS, DEFAULT_WORKLOADS, "workload")
     only = None if contenders is None else _names(contenders, CONTENDERS, CONTENDERS, "contender")
     if steps is not None and steps < 2:
@@ -293,6 +302,8 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="bench-e2e-", dir="runs")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     chosen = _workloads(quick, work, names, steps)
+    if learner_device != "cpu":  # our contenders' learner (and, through the config, TRL) on the GPU
+        chosen = [replace(w, overrides=(*w.overrides, f"learner.device={learner_device}")) for w in chosen]
     decode_dirs = [workload.model_dir for workload in chosen if workload.name == "decode"]
     decode_params = parameter_count(decode_dirs[0]) if decode_dirs else 0
     fairness_errors: list[str] = []
@@ -301,7 +312,7 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
         runs = _run_all(chosen, per_workload, work, quick, only)
         checked = _check_and_evaluate(chosen, runs, work, fairness_errors)
         for workload in chosen:  # after the runs: the cores are idle again, the model directory still there
-            if workload.name == "decode":
+            if workload.name == "decode" and learner_device == "cpu":  # a bound of a learner on these cores
                 prompts = work / "decode_prompts.jsonl"
                 floor = decode_floor(workload.model_dir, prompts, workload.samples_per_step, workload.max_new_tokens)
                 config = load_asyncrl_config(str(CONFIG_PATH), [*workload.overrides, *ASYNCRL_CONTENDERS["async"]])
@@ -315,6 +326,21 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
     if fairness_errors:  # the CLI writes the JSON, then fails naming them: these figures compare nothing
         result.details["fairness_errors"] = fairness_errors
     return result
+
+
+def _check_learner_device(device: str) -> None:
+    """`--learner-device`: cpu, or a CUDA device this machine has (refused before anything runs)."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise SystemExit(f"asyncrl bench e2e: --learner-device must be cpu, cuda or cuda:N, got {device!r}")
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"asyncrl bench e2e --learner-device {device}: this machine sees no GPU "
+                         f"(torch {torch.__version__}, torch.cuda.is_available() is False)")  # fmt: skip
 
 
 def _lora_vs_full(figures: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -342,7 +368,10 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
     metrics.update(target_train_acc=figures_of.TARGET_ACC, cores=float(cores))
     bound_s = math.nan
     decode = next((workload for workload in workloads if workload.name == "decode"), None)
-    if decode is not None and "decode_sync" in runs:
+    cpu_learner = decode is not None and not any(  # the bound packs a learner's core-seconds on these cores
+        item.startswith("learner.device=") and item != "learner.device=cpu" for item in decode.overrides
+    )
+    if decode is not None and "decode_sync" in runs and cpu_learner:
         bound_s = figures_of.bound_step_s(runs["decode_sync"][0], decode.samples_per_step, cores)
         trl_step_s = figures.get("decode_trl", {}).get("steady_step_s", math.nan)
         metrics.update(decode_params=float(decode_params), decode_bound_step_s=bound_s,

@@ -39,10 +39,11 @@ from typing import Any
 def trl_settings(
     *, out_dir: str, seed: int, steps: int, groups_per_step: int, group_size: int, max_new_tokens: int,
     temperature: float, lr: float, eps_low: float, eps_high: float, grad_clip: float, weight_decay: float,
-    betas: tuple[float, float],
+    betas: tuple[float, float], use_cpu: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """`GRPOConfig` keyword arguments for the asyncrl shape: one generation of `groups_per_step * group_size`
-    samples and one optimizer step per step, DAPO token-mean loss, no KL, fp32, no vLLM."""
+    samples and one optimizer step per step, DAPO token-mean loss, no KL, fp32, no vLLM; on the CPU unless `use_cpu`
+    is off (`asyncrl bench e2e --learner-device`: then on the GPU accelerate picks)."""
     return {
         "output_dir": out_dir,
         "seed": seed,
@@ -71,7 +72,7 @@ def trl_settings(
         "fp16": False,
         "gradient_checkpointing": False,  # TRL's default recomputes activations; asyncrl does not
         "use_vllm": False,
-        "use_cpu": True,
+        "use_cpu": use_cpu,
         "shuffle_dataset": False,  # the dumped prompts in stream order, as asyncrl's buffer hands them out
         "remove_unused_columns": False,  # the reward needs the `answer` column
         "model_init_kwargs": {"dtype": "float32"},

@@ -173,6 +173,26 @@ def test_bench_refuses_without_trl_and_names_the_extra() -> None:
     assert "needs trl" in done.stderr and "pip install 'asyncrl[bench]'" in done.stderr
 
 
+def test_a_gpu_learner_device_is_refused_here_before_anything_runs_and_moves_trl_too(tmp_path: Path) -> None:
+    from asyncrl.bench.e2e_bench import _trl_settings
+    from asyncrl.bench.e2e_workloads import Workload
+    from common.config import load_config
+
+    code = ("import sys, torch; torch.cuda.is_available = lambda: False; from asyncrl.cli import main; "
+            "sys.exit(main(['bench', 'e2e', '--quick', '--learner-device', 'cuda']))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1 and "--learner-device cuda: this machine sees no GPU" in done.stderr
+    assert not (tmp_path / "runs").exists()  # refused before the bench made its work directory
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "bench", "e2e", "--learner-device", "tpu"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1 and "--learner-device must be cpu, cuda or cuda:N, got 'tpu'" in done.stderr
+    workload = Workload(name="builtin", model_dir="m", steps=2, groups_per_step=2, group_size=2, max_new_tokens=4,
+                        learns=True)  # fmt: skip
+    for device, use_cpu in (("cpu", True), ("cuda", False)):  # TRL generates and trains where our learner trains
+        config = load_config(None, [f"learner.device={device}"])
+        assert _trl_settings(workload, 0, tmp_path / "trl", config)["use_cpu"] is use_cpu
+
+
 def test_bench_json_is_strict_with_null_for_a_figure_never_reached(tmp_path: Path) -> None:
     from asyncrl.bench import BenchResult
 
