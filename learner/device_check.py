@@ -42,13 +42,18 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)  # fmt: skip
-    model = LlamaForCausalLM(config)
+    return seeded_(LlamaForCausalLM(config), seed, scale=0.1).train()
+
+
+@torch.no_grad()
+def seeded_(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
+    """`model`'s weights from our own seeded generator, in name order (not transformers' initialisers, so that they
+    depend on the seed alone): norms 1 + N(0, 0.1), every other tensor N(0, scale). Returns `model`."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
-    return model.train()
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=generator)
+        param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
+    return model
 
 
 def seeded_groups(seed: int = 0) -> list[list[Any]]:

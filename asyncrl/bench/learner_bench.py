@@ -85,13 +85,9 @@ def _model(seed: int = 0) -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=PROMPT_LEN + RESPONSE_LEN,
         tie_word_embeddings=False,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
-    return model.train()
+    from learner.device_check import seeded_
+
+    return seeded_(LlamaForCausalLM(config), seed, scale=0.08).train()
 
 
 def _batch(model: torch.nn.Module, seed: int = 0):

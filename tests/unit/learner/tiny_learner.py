@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from common.config import load_config
 from common.wire import Trajectory
 from learner.batch import Batch
+from learner.device_check import seeded_
 from learner.sections import UpdateSections
 
 VOCAB = 24
@@ -30,13 +31,7 @@ def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCaus
         tie_word_embeddings=False,
         attn_implementation="eager",
     )
-    model = LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise)
-    return model.train()
+    return seeded_(LlamaForCausalLM(config), seed, scale=0.15).train()
 
 
 def tiny_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> Batch:
