@@ -104,8 +104,11 @@ def actor_death(message: str) -> str:
     process = _process_name(klass.group(1) if klass else "Learner" if "Learner" in message else "")
     if process.startswith("a Ray task"):
         process = "a Ray actor of the run"
-    detail = re.search(r"exit detail:\s*([^.]+)", message, flags=re.IGNORECASE)
+    # the detail's first sentence: up to a period that ends it (`learner.device=cuda` in an error keeps its dots)
+    detail = re.search(r"exit detail:\s*(.+?)(?:\.\s|\.?$)", message, flags=re.IGNORECASE | re.MULTILINE)
     how = detail.group(1).strip() if detail else "it exited unexpectedly"
+    if how.startswith("its constructor raised"):  # an error it reported, not a crash
+        return f"{process} (pid {pid.group(1) if pid else '?'}) died ({how})"
     return f"{process} (pid {pid.group(1) if pid else '?'}) died ({how}: killed by a signal, out of memory or a crash)"
 
 

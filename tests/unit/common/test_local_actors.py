@@ -97,8 +97,20 @@ def test_without_the_zygote_an_actor_is_a_fresh_interpreter(local, monkeypatch):
 
 def test_a_constructor_error_is_the_actor_death(local):
     broken = actors.remote(BrokenInit).remote()
-    with pytest.raises(actors.died_errors(), match="constructor raised KeyError: KeyError: 'no such model'"):
+    with pytest.raises(actors.died_errors(), match="constructor raised KeyError: 'no such model'") as caught:
         actors.get(broken.anything.remote(), timeout=60)
+    assert "KeyError: KeyError" not in str(caught.value)  # the traceback's last line names the type once
+    assert actor_death(str(caught.value)).endswith("died (its constructor raised KeyError: 'no such model')")
+
+
+def test_the_death_of_an_actor_keeps_its_errors_dots_and_a_crash_gets_its_hint():
+    error = "RuntimeError: `learner.device=cuda` but this learner process sees no GPU (torch 2.13.0)"
+    message = f"The actor died. class_name: LearnerActor, pid=7, exit detail: its constructor raised {error}."
+    assert actor_death(message) == f"the learner (pid 7) died (its constructor raised {error})"
+    ray_text = ("The actor died unexpectedly before finishing this task. class_name: RolloutWorker, Worker PID: 42, "
+                "exit detail: Worker exits unexpectedly by a signal. SystemExit is raised.")  # fmt: skip
+    assert actor_death(ray_text) == ("a rollout worker (pid 42) died (Worker exits unexpectedly by a signal: killed "
+                                     "by a signal, out of memory or a crash)")  # fmt: skip
 
 
 def test_max_concurrency_runs_calls_on_threads(local):
