@@ -20,6 +20,15 @@ SIMULATED_SCHEMES = ("fp8_trunc", "w4a16", "w8a16")
 W8A8_SCHEMES = ("int8", "fp8", "fp8_trunc")
 
 
+DEVICE_NAMES = re.compile(r"cpu|cuda(:\d+)?")
+"""What `rollout.device` and `learner.device` (and the commands that take one) accept: cpu, cuda or cuda:N."""
+
+
+def is_device_name(name: str) -> bool:
+    """Whether `name` is one of `DEVICE_NAMES`."""
+    return DEVICE_NAMES.fullmatch(name) is not None
+
+
 def head_quantized(quant: QuantConfig, rollout: RolloutConfig) -> bool:
     """Whether the rollout's LM head is quantized (`quant.lm_head`, `auto` resolved): the learner that publishes the
     weights and the rollout-aligned forward both ask this."""
@@ -134,7 +143,7 @@ def _check_rollout(cfg: Config) -> None:
         raise ConfigError("`learner.rollout_aligned=true` needs a quantized `quant.scheme` (int8, fp8, ...), got none")
     if cfg.rollout.num_workers < 1:
         raise ConfigError("`rollout.num_workers` must be at least 1 to start a run")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", cfg.rollout.device):
+    if not is_device_name(cfg.rollout.device):
         raise ConfigError(f"`rollout.device` must be cpu, cuda or cuda:N, got {cfg.rollout.device!r}")
     _check_learner_device(cfg)
     if cfg.rollout.max_seq_len <= cfg.rollout.max_new_tokens:
@@ -146,7 +155,7 @@ def _check_rollout(cfg: Config) -> None:
 
 def _check_learner_device(cfg: Config) -> None:
     learner = cfg.learner
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", learner.device):
+    if not is_device_name(learner.device):
         raise ConfigError(f"`learner.device` must be cpu, cuda or cuda:N, got {learner.device!r}")
     if learner.device == "cpu":
         return

@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -130,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="`learner.device` to check against the CPU (cuda, cuda:N)")
     parser.add_argument("--json", dest="json_path", default="", help="also write the result here")
     args = parser.parse_args(argv)
+    from common.config_rules import is_device_name
     from learner.devices import rank_device
 
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+    if not is_device_name(args.device):
         print(f"device_check: --device must be cpu, cuda or cuda:N, got {args.device!r}", file=sys.stderr)
         return 2
     try:

@@ -22,18 +22,13 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 """The process group of CUDA ranks: NCCL for CUDA tensors, gloo for CPU ones (one group, chosen by tensor device)."""
 
 
-def on_cuda(device: str) -> bool:
-    """Whether `learner.device` puts the ranks on GPUs."""
-    return device.startswith("cuda")
-
-
 def rank_device(device: str, rank: int) -> torch.device:
     """The torch device of learner rank `rank` for `learner.device` (validated: cpu, cuda or cuda:N).
 
     `cuda`: GPU `rank` modulo the GPUs this process sees (under Ray, the one GPU `ray.learner_gpus` assigned it);
     `cuda:N`: GPU N + `rank` (ranks on consecutive GPUs from N: a node's rollout on GPUs 0..N-1, its learner after).
     Raises with what is missing when this process sees no GPU, or not that one."""
-    if not on_cuda(device):
+    if device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + (" (a CPU build)" if torch.version.cuda is None else "")

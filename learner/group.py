@@ -54,7 +54,7 @@ def actor_options(ray_cfg: RayConfig, world: int, device: str = "cpu") -> dict[s
     CUDA of `ray.learner_gpus` (0: one GPU a rank; a local actor sees every GPU and picks its own,
     `learner.devices.rank_device`). No `runtime_env`: see the module docstring."""
     options: dict[str, Any] = {"num_cpus": ray_cfg.learner_cpus / world}
-    if device.startswith("cuda"):  # learner.devices.on_cuda, without importing torch into the driver
+    if device != "cpu":  # `learner.device` on CUDA (the driver does not import torch, nor learner.devices)
         options["num_gpus"] = ray_cfg.learner_gpus / world if ray_cfg.learner_gpus > 0 else 1.0
     resources = {name: amount / world for name, amount in ray_cfg.learner_resources.items()}
     if resources:

@@ -322,7 +322,7 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
         for model_dir in decode_dirs:
             shutil.rmtree(model_dir, ignore_errors=True)  # 400 MB of random weights
     seeds_run = {workload.name: per_workload[workload.name] for workload in chosen}
-    result = _result(chosen, runs, {**checked, **floor}, decode_params, seeds_run, work)
+    result = _result(chosen, runs, {**checked, **floor}, decode_params, seeds_run, work, learner_device)
     if fairness_errors:  # the CLI writes the JSON, then fails naming them: these figures compare nothing
         result.details["fairness_errors"] = fairness_errors
     return result
@@ -330,9 +330,9 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
 
 def _check_learner_device(device: str) -> None:
     """`--learner-device`: cpu, or a CUDA device this machine has (refused before anything runs)."""
-    import re
+    from common.config_rules import is_device_name
 
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+    if not is_device_name(device):
         raise SystemExit(f"asyncrl bench e2e: --learner-device must be cpu, cuda or cuda:N, got {device!r}")
     if device == "cpu":
         return
@@ -357,7 +357,7 @@ def _lora_vs_full(figures: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict[str, float], decode_params: int,
-            seeds: dict[str, int], work: Path) -> BenchResult:  # fmt: skip
+            seeds: dict[str, int], work: Path, learner_device: str = "cpu") -> BenchResult:  # fmt: skip
     from asyncrl.bench.e2e_table import print_contenders
 
     figures = {key: figures_of.contender_figures(key_runs) for key, key_runs in runs.items()}
@@ -368,10 +368,8 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
     metrics.update(target_train_acc=figures_of.TARGET_ACC, cores=float(cores))
     bound_s = math.nan
     decode = next((workload for workload in workloads if workload.name == "decode"), None)
-    cpu_learner = decode is not None and not any(  # the bound packs a learner's core-seconds on these cores
-        item.startswith("learner.device=") and item != "learner.device=cpu" for item in decode.overrides
-    )
-    if decode is not None and "decode_sync" in runs and cpu_learner:
+    # the bound packs a learner's core-seconds on these cores: none with the learner on a GPU (`--learner-device`)
+    if decode is not None and "decode_sync" in runs and learner_device == "cpu":
         bound_s = figures_of.bound_step_s(runs["decode_sync"][0], decode.samples_per_step, cores)
         trl_step_s = figures.get("decode_trl", {}).get("steady_step_s", math.nan)
         metrics.update(decode_params=float(decode_params), decode_bound_step_s=bound_s,
