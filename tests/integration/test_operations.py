@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.bench.chaos_faults import records  # metrics.jsonl so far; a line still being written is left out
 from buffer.journal import read_records
 from common import wire
 
@@ -50,11 +51,6 @@ def kill_if_running(proc: subprocess.Popen) -> None:
     """SIGKILL a run's process group (`start_up`) if its driver is still there: a test's cleanup."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
