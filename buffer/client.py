@@ -23,6 +23,7 @@ with no key, a wrong server key or a key the buffer does not allow is refused at
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -203,7 +204,10 @@ class BufferClient:
                 resends += 1
                 self.resends += 1
                 self._connect()  # queued by ZMQ until the (restarted) service accepts the connection
-                self._socket.send(data, flags=zmq.NOBLOCK)
+                # nowhere to queue it yet (a refused CurveZMQ handshake): as if unanswered, the next drop sends it
+                # again, or the deadline gives up (`_request`: BufferUnavailable)
+                with contextlib.suppress(zmq.Again):
+                    self._socket.send(data, flags=zmq.NOBLOCK)
                 continue
             if time.monotonic() >= deadline:
                 return None
