@@ -185,7 +185,11 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
             try:
                 return _train(cfg, run_dir, model_dir, buffers, logger, checkpoint_dir, signals, clock, watchdog, parts)
             except (Exception, KeyboardInterrupt) as err:  # the last line names the process, the step and the resume
-                if not _learner_died(err) or restarts == cfg.learner.max_restarts or signals.requested:
+                # not restarted either: a learner whose first start raised in its constructor (a config or machine
+                # error raises again, as Ray assumes); after a death its constructor may have met a passing fault
+                first_start_raised = restarts == 0 and actors.init_failed(err)
+                last = restarts == cfg.learner.max_restarts or signals.requested or first_start_raised
+                if not _learner_died(err) or last:
                     raise failure(err, watchdog.step, run_dir) from err
                 checkpoint_dir, watchdog = _restart_learner(cfg, run_dir, buffers, logger, watchdog, parts, err)
         raise AssertionError("unreachable: the last attempt returns or raises")

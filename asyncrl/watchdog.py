@@ -99,14 +99,17 @@ def actor_death(message: str) -> str:
     """`the learner (pid 123) died: <exit detail>` from a RayActorError's text (its format is Ray's; Ray does not
     say which signal ended the process: its parent is the raylet) or a local actor's ActorDiedError (the same
     fields; its exit detail names the signal: the driver is its parent)."""
-    klass = re.search(r"class_name:\s*(\w+)", message)
+    message = re.sub(r"\x1b\[[0-9;]*m", "", message)  # Ray colours the function's name
+    klass = re.search(r"class_name:\s*(\w+)|ray::(\w+)\.__init__", message)
     pid = re.search(r"(?:pid[=:]|Worker PID:)\s*(\d+)", message, flags=re.IGNORECASE)
-    process = _process_name(klass.group(1) if klass else "Learner" if "Learner" in message else "")
+    process = _process_name(next(filter(None, klass.groups())) if klass else "Learner" if "Learner" in message else "")
     if process.startswith("a Ray task"):
         process = "a Ray actor of the run"
     # the detail's first sentence: up to a period that ends it (`learner.device=cuda` in an error keeps its dots)
     detail = re.search(r"exit detail:\s*(.+?)(?:\.\s|\.?$)", message, flags=re.IGNORECASE | re.MULTILINE)
     how = detail.group(1).strip() if detail else "it exited unexpectedly"
+    if "raised in its creation task" in message:  # Ray's wording: its traceback, whose last line is the error
+        how = "its constructor raised " + [line for line in message.splitlines() if line.strip()][-1].strip()
     if how.startswith("its constructor raised"):  # an error it reported, not a crash
         return f"{process} (pid {pid.group(1) if pid else '?'}) died ({how})"
     return f"{process} (pid {pid.group(1) if pid else '?'}) died ({how}: killed by a signal, out of memory or a crash)"

@@ -32,9 +32,16 @@ class ActorDiedError(RuntimeError):
     """A local actor's process ended (killed, crashed, or its constructor raised): this call and every later one
     fail with it. The message carries `class_name:`, `pid=` and `exit detail:` as Ray's RayActorError does."""
 
-    def __init__(self, message: str, class_name: str = "", pid: int = 0) -> None:
+    def __init__(self, message: str, class_name: str = "", pid: int = 0, actor_init_failed: bool = False) -> None:
         super().__init__(message)
         self.class_name, self.pid = class_name, pid
+        self.actor_init_failed = actor_init_failed  # its constructor raised (Ray's RayActorError has the same field)
+
+
+def init_failed(err: BaseException) -> bool:
+    """The actor died because its constructor raised (`actor_init_failed`, Ray's field and a local actor's): Ray never
+    restarts such an actor, whatever its `max_restarts`, since a constructor that raised once will raise again."""
+    return bool(getattr(err, "actor_init_failed", False))
 
 
 class ActorTaskError(RuntimeError):

@@ -432,7 +432,8 @@ class LearnerConfig:
     is not none, else `full` (`common.config_rules.lora_base`)."""
     max_restarts: int = in_range(0, default=2)
     """Restarts of the learner group after a rank died, over the whole run: the driver restarts it (and the rollout
-    workers) from the latest checkpoint, or the initial model, with the buffer rewound as `--resume` does."""
+    workers) from the latest checkpoint, or the initial model, with the buffer rewound as `--resume` does. A learner
+    whose first start raised in its constructor (a config or machine error) is not restarted: the run fails at once."""
 
     def __post_init__(self) -> None:
         if self.threads_max and self.threads_max < self.threads:

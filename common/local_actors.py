@@ -305,7 +305,7 @@ class LocalActor:
     def _mark_dead(self, detail: str) -> None:
         error = ActorDiedError(
             f"The actor died unexpectedly. class_name: {self._class_name}, pid={self._pid}, exit detail: {detail}.",
-            self._class_name, self._pid,
+            self._class_name, self._pid, actor_init_failed=bool(self._init_error),
         )  # fmt: skip
         with self._lock:
             if self._dead is not None:

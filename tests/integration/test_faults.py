@@ -195,6 +195,23 @@ def test_a_killed_learner_is_restarted_from_the_latest_checkpoint_every_group_tr
     assert_trained_once(run_dir, after[-1]["step"] + 1)
 
 
+def test_a_learner_whose_first_start_raises_in_its_constructor_fails_the_run_at_once(tmp_path):
+    """A constructor error on the first start (here a GPU device on a process that sees none) raises again on every
+    restart, so the run ends with it at once instead of restarting the learner `learner.max_restarts` times."""
+    env = {**ENV, "CUDA_VISIBLE_DEVICES": ""}  # no GPU for the learner on any machine
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs/dapo_int8.yaml"),
+                           f"logging.dir={tmp_path}", "logging.name=g", "learner.device=cuda", "learner.max_restarts=2",
+                           "logging.console=false", *SMALL], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-4000:]
+    line = last_line(out)
+    assert line.startswith("asyncrl: the learner (pid ") and "died (its constructor raised RuntimeError: " in line
+    assert "`learner.device=cuda` but this learner process sees no GPU" in line and "Traceback" not in out
+    assert "restarting the learner" not in out, out[-4000:]
+    assert not [r for r in records(tmp_path / "g") if r.get("event") == "learner_restarted"]
+
+
 @pytest.mark.slow
 def test_the_first_sigint_stops_a_run_whose_step_never_comes_at_once_without_a_traceback(tmp_path):
     run_dir = tmp_path / "c"

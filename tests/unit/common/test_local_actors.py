@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import psutil
@@ -101,6 +102,32 @@ def test_a_constructor_error_is_the_actor_death(local):
         actors.get(broken.anything.remote(), timeout=60)
     assert "KeyError: KeyError" not in str(caught.value)  # the traceback's last line names the type once
     assert actor_death(str(caught.value)).endswith("died (its constructor raised KeyError: 'no such model')")
+    assert actors.init_failed(caught.value)  # as Ray's `actor_init_failed`: the driver does not restart it
+
+
+def test_a_killed_actor_did_not_fail_in_its_constructor(local):
+    counter = actors.remote(Counter).remote(0)
+    assert actors.get(counter.add.remote(1), timeout=60) == 1
+    actors.kill(counter)
+    with pytest.raises(actors.died_errors()) as caught:
+        actors.get(counter.add.remote(1), timeout=60)
+    assert not actors.init_failed(caught.value)
+
+
+def test_rays_own_constructor_error_is_read_as_one():
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    try:
+        raise RuntimeError("`learner.device=cuda` but this learner process sees no GPU (torch 2.13.0+cpu)")
+    except RuntimeError as exc:
+        traceback_text = "".join(traceback.format_exception(exc))
+        died = ActorDiedError(RayTaskError("LearnerActor.__init__", traceback_text, exc, "ray::LearnerActor.__init__",
+                                          pid=4321, ip="127.0.0.1"))  # fmt: skip
+    assert actors.init_failed(died)
+    assert actor_death(str(died)) == (
+        "the learner (pid 4321) died (its constructor raised RuntimeError: "
+        "`learner.device=cuda` but this learner process sees no GPU (torch 2.13.0+cpu))"
+    )
 
 
 def test_the_death_of_an_actor_keeps_its_errors_dots_and_a_crash_gets_its_hint():
