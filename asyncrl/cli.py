@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--learner-device", dest="learner_device", default=None,
                        help="bench e2e only: where every side trains, cpu (default) or cuda[:N] (a GPU machine: "
                        "our learner there, rollout workers on the CPUs; untested on GPU)")  # fmt: skip
+    bench.add_argument("--set", dest="asyncrl_set", nargs="+", default=None, metavar="KEY=VALUE",
+                       help="bench e2e only: config overrides of every asyncrl contender, after the workload's "
+                       "(an experiment off the issue's pins; recorded in the JSON)")  # fmt: skip
     probe = sub.add_parser("probe", help="measure each quant scheme's rollout mismatch on a model, before training")
     from asyncrl.probe import add_arguments as probe_arguments  # torch-free: argparse only
 
@@ -157,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"asyncrl: {err.args[0]}", file=sys.stderr)
             return 2
         e2e_options = {"seeds": args.seeds, "workloads": args.workloads, "steps": args.steps,
-                       "contenders": args.contenders, "learner_device": args.learner_device}  # fmt: skip
+                       "contenders": args.contenders, "learner_device": args.learner_device,
+                       "asyncrl_set": args.asyncrl_set}  # fmt: skip
         options = {key: value for key, value in e2e_options.items() if value is not None}
         if options and args.name != "e2e":
-            flags = " ".join("--" + key.replace("_", "-") for key in options)
+            flags = " ".join("--set" if key == "asyncrl_set" else "--" + key.replace("_", "-") for key in options)
             print(f"asyncrl: {flags}: bench e2e only", file=sys.stderr)
             return 2
         result = bench(args.quick, **options)

@@ -29,6 +29,10 @@ the issues' names (`e2e_metrics.RATIO_NAMES`, `SMOL_RATIO_NAMES`), those of the 
 workload the fp32 floor of a training step and the ceilings it sets (`asyncrl.bench.e2e_floor`) are measured after
 the runs, on the idle cores.
 
+`asyncrl_set` (`--set KEY=VALUE ...`): config overrides every asyncrl contender applies after the workload's, for
+an experiment off the pins (the learner in bf16 autocast, another thread split); TRL's side is unchanged, the
+overrides are in the JSON's `details.workloads` and `asyncrl_argv`, and the ratios compare that configuration.
+
 `learner_device` (`--learner-device cuda`, for a machine with a GPU): every training side on the GPU, as
 `learner.device` puts our learner there (rollout workers stay on the CPUs) and TRL (`use_cpu` off) its generation
 and training. The CPU floor, the bound and the ceilings are not measured then (they bound a learner on these cores:
@@ -280,12 +284,15 @@ def _names(given: str | Sequence[str] | None, valid: Sequence[str], default: Seq
 
 def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
         workloads: str | Sequence[str] | None = None, steps: int | None = None,
-        contenders: str | Sequence[str] | None = None, learner_device: str = "cpu") -> BenchResult:  # fmt: skip
+        contenders: str | Sequence[str] | None = None, learner_device: str = "cpu",
+        asyncrl_set: Sequence[str] = ()) -> BenchResult:  # fmt: skip
     """The whole bench (see the module doc). `seeds`: of the learning workloads (default 3 on builtin, 1 on smol,
     1 with `quick`); `workloads` (names or "a,b"; default `DEFAULT_WORKLOADS`); `steps`: every workload's steps
     instead of its own; `contenders`: only these (default each workload's); `learner_device`: where every side
-    trains (module doc); runs are kept in `work_dir`."""
+    trains (module doc); `asyncrl_set`: config overrides of every asyncrl contender (module doc); runs are kept in
+    `work_dir`."""
     _check_learner_device(learner_device)
+    _check_set(asyncrl_set)
     names = _names(workloads, WORKLOADS, DEFAULT_WORKLOADS, "workload")
     only = None if contenders is None else _names(contenders, CONTENDERS, CONTENDERS, "contender")
     if steps is not None and steps < 2:
@@ -304,6 +311,10 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
     chosen = _workloads(quick, work, names, steps)
     if learner_device != "cpu":  # our contenders' learner (and, through the config, TRL) on the GPU
         chosen = [replace(w, overrides=(*w.overrides, f"learner.device={learner_device}")) for w in chosen]
+    if asyncrl_set:  # after the workload's own: an experiment off the pins (the JSON's `workloads` and argv say so)
+        chosen = [replace(w, overrides=(*w.overrides, *asyncrl_set)) for w in chosen]
+        print(f"bench e2e: every asyncrl contender runs with --set {' '.join(asyncrl_set)}: off the issue's pins, "
+              "the ratios compare that configuration (TRL's side is unchanged)")  # fmt: skip
     decode_dirs = [workload.model_dir for workload in chosen if workload.name == "decode"]
     decode_params = parameter_count(decode_dirs[0]) if decode_dirs else 0
     fairness_errors: list[str] = []
@@ -341,6 +352,19 @@ def _check_learner_device(device: str) -> None:
     if not torch.cuda.is_available():
         raise SystemExit(f"asyncrl bench e2e --learner-device {device}: this machine sees no GPU "
                          f"(torch {torch.__version__}, torch.cuda.is_available() is False)")  # fmt: skip
+
+
+def _check_set(asyncrl_set: Sequence[str]) -> None:
+    """`--set`: KEY=VALUE config overrides that the config loader accepts (refused before anything runs)."""
+    from common.config import ConfigError
+
+    malformed = [item for item in asyncrl_set if "=" not in item]
+    if malformed:
+        raise SystemExit(f"asyncrl bench e2e: --set takes KEY=VALUE config overrides, got {', '.join(malformed)}")
+    try:
+        load_asyncrl_config(str(CONFIG_PATH), list(asyncrl_set))
+    except ConfigError as err:
+        raise SystemExit(f"asyncrl bench e2e --set: config error: {err}") from None
 
 
 def _lora_vs_full(figures: dict[str, dict[str, float]]) -> dict[str, float]:

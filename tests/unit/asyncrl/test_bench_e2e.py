@@ -193,6 +193,31 @@ def test_a_gpu_learner_device_is_refused_here_before_anything_runs_and_moves_trl
         assert _trl_settings(workload, 0, tmp_path / "trl", config)["use_cpu"] is use_cpu
 
 
+def test_a_bad_set_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    for args, message in (
+        (["--set", "nonsense.key=1"], "--set: config error: override 'nonsense.key=1': unknown"),
+        (["--set", "precision.train"], "--set takes KEY=VALUE config overrides, got precision.train"),
+    ):
+        done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "bench", "e2e", "--quick", *args],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        assert not (tmp_path / "runs").exists()  # refused before the bench made its work directory
+
+
+@pytest.mark.slow
+def test_set_reaches_every_asyncrl_contender_and_the_json(tmp_path: Path) -> None:
+    from asyncrl.bench.e2e_bench import run
+
+    result = run(True, work_dir=str(tmp_path), workloads="builtin", contenders="async", steps=2,
+                 asyncrl_set=["learner.threads=1", "precision.train=bf16"])  # fmt: skip
+    argv = result.details["asyncrl_argv"]["builtin_async"]
+    at = argv.index("learner.threads=1")  # after the workload's own overrides, before the contender's
+    assert argv[at + 1] == "precision.train=bf16" and "algo.filter_groups=false" in argv[at:]
+    config = json.loads(next((tmp_path / "runs").glob("*/config.json")).read_text())
+    assert config["learner"]["threads"] == 1 and config["precision"]["train"] == "bf16"
+    assert list(result.details["workloads"][0]["overrides"][-2:]) == ["learner.threads=1", "precision.train=bf16"]
+
+
 def test_bench_json_is_strict_with_null_for_a_figure_never_reached(tmp_path: Path) -> None:
     from asyncrl.bench import BenchResult
 
