@@ -185,8 +185,8 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
             try:
                 return _train(cfg, run_dir, model_dir, buffers, logger, checkpoint_dir, signals, clock, watchdog, parts)
             except (Exception, KeyboardInterrupt) as err:  # the last line names the process, the step and the resume
-                # not restarted either: a learner whose first start raised in its constructor (a config or machine
-                # error raises again, as Ray assumes); after a death its constructor may have met a passing fault
+                # no restart for a learner whose first start raised in its constructor either: a config or machine
+                # error raises again (Ray never restarts such an actor); after a death it may be a passing fault
                 first_start_raised = restarts == 0 and actors.init_failed(err)
                 last = restarts == cfg.learner.max_restarts or signals.requested or first_start_raised
                 if not _learner_died(err) or last:

@@ -7,11 +7,12 @@ evaluator and the learner group, so that none of them cares whether Ray runs.
 | `local` | a child process of the driver (`common.local_actors`) | ZMQ over a private ipc:// socket | one machine |
 
 The interface is Ray's own, as the run's code used it: `remote(cls, **options).remote(*args)` creates an actor,
-`handle.method.remote(*args)` returns a ref, `get(refs, timeout)`, `wait(refs, num_returns, timeout)`, `kill(handle)`.
-A ref may be an argument of a call: the call is sent once it is ready, as Ray does. Errors: `died_errors()` (the
-actor's process ended: killed, crashed, out of memory, its constructor raised) and `task_errors()` (a method
-raised; the error has `cause`, `function_name` and `pid`, like Ray's RayTaskError). Under `ray` they are Ray's
-classes, so Ray's behaviour is unchanged. Only `ray` imports Ray (about 1 CPU-second): a `local` run never does.
+`handle.method.remote(*args)` returns a ref, `get(refs, timeout)`, `wait(refs, num_returns, timeout)`, `kill(handle)`. A
+ref may be an argument of a call: the call is sent once it is ready, as Ray does. Errors: `died_errors()` (the actor's
+process ended: killed, crashed, out of memory, its constructor raised: `init_failed(err)`, as Ray's `actor_init_failed`)
+and `task_errors()` (a method raised; the error has `cause`, `function_name` and `pid`, like Ray's RayTaskError). Under
+`ray` they are Ray's classes, so Ray's behaviour is unchanged. Only `ray` imports Ray (about 1 CPU-second): a `local`
+run never does.
 
 `use` sets the launcher of this process (the driver's, once, before the first actor); `get`, `wait` and `kill` go
 by the kind of ref or handle they are given, so they need no launcher.
