@@ -144,8 +144,8 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         raise StartupError(f"--resume {resume} needs `buffer.journal=true`: the buffer's queue is rebuilt from it")
     clock = StartupClock()
     clock.mark("driver_imports")
+    quiet_libraries()  # first: transformers reads it at import, and the fork server imports it for every local actor
     actors.use(actors.resolve_launcher(cfg.ray))  # `local`: the fork server imports torch while the driver goes on
-    quiet_libraries()
     with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
         model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
     check_inputs(cfg, model_dir)
