@@ -272,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's to handle
     _preload(json.loads(args[1]))
-    server.sendall(b"ready\n")
+    try:
+        server.sendall(b"ready\n")
+    except OSError:  # the driver is gone (a run that failed while this imported): nothing to serve, nothing to say
+        return 0
     while os.getppid() == parent:
         readable, _, _ = select.select([server], [], [], PARENT_POLL_S)
         if not readable:
@@ -285,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         request: dict[str, Any] = json.loads(message)
         pid = _fork_actor(server, dict(request["env"]), str(request["title"]), list(fds))
-        server.sendall(f"{pid}\n".encode())
+        try:
+            server.sendall(f"{pid}\n".encode())
+        except OSError:  # the driver went while this forked; the actor, its child, goes with it
+            return 0
     return 0
 
 

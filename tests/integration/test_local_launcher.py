@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 from test_operations import (
+    ENV,
     ROOT,
     SMALL,
     assert_trained_once,
@@ -69,6 +72,21 @@ def test_local_actors_train_evaluate_and_report_start_up_without_ray(tmp_path):
     started = [r for r in rows if r.get("event") == "worker_started"]
     assert started and all(r["node"] == "" and r["pid"] > 0 for r in started)
     assert "Started a local Ray instance" not in out
+
+
+def test_a_run_that_fails_its_input_checks_ends_with_its_reason_and_no_trace_of_the_zygote(tmp_path):
+    """The driver starts the zygote, then finds the model directory bad and exits while the zygote still imports
+    torch: the zygote, finding the driver gone, exits quietly instead of printing a BrokenPipeError."""
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs/dapo_int8.yaml"),
+                           f"logging.dir={tmp_path}", f"model.path={not_a_model}", *LOCAL], capture_output=True,
+                          text=True, env=ENV, cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (
+        done.stderr.strip() == f"asyncrl: model.path: {not_a_model}: no config.json (is this a Hugging Face model "
+        "directory?)"
+    ), done.stderr  # the pipes close only once the zygote has exited: its last words would be here
 
 
 @pytest.mark.slow
