@@ -76,10 +76,15 @@ def new_run_dir(cfg: Config) -> Path:
     """runs/<name>, or runs/<name>-2, -3, ... if that one holds an earlier run (never mixed with a new one)."""
     base = Path(cfg.logging.dir) / cfg.logging.name
     run_dir, n = base, 1
-    while run_dir.exists() and any(run_dir.iterdir()):
-        n += 1
-        run_dir = base.with_name(f"{base.name}-{n}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        while run_dir.exists() and any(run_dir.iterdir()):
+            n += 1
+            run_dir = base.with_name(f"{base.name}-{n}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").touch()  # writable: the run's files go here
+    except OSError as err:
+        raise StartupError(f"logging.dir={cfg.logging.dir}: cannot make the run directory {run_dir}: "
+                           f"{err.strerror or err} ({err.filename})") from None  # fmt: skip
     return run_dir
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from asyncrl import checkpoint
 from asyncrl.supervise import SupervisionError, describe_exit
 from asyncrl.watchdog import RunFailed, failure
@@ -53,3 +55,20 @@ def test_newest_run_is_the_highest_numbered_run_of_the_config(tmp_path: Path) ->
     _run(tmp_path / "runs" / "dapox-12")
     newest = checkpoint.newest_run(base)
     assert newest == tmp_path / "runs" / "dapo-10" and checkpoint.latest(newest).name == "step_2"
+
+
+def test_a_logging_dir_that_cannot_hold_the_run_is_a_startup_error_naming_it(tmp_path: Path) -> None:
+    from asyncrl.driver import StartupError, new_run_dir
+    from common.config import load_config
+
+    config = load_config(None, [f"logging.dir={tmp_path / 'runs'}", "logging.name=r"])
+    first = new_run_dir(config)
+    assert first == tmp_path / "runs" / "r" and (first / "config.json").exists()
+    assert new_run_dir(config) == tmp_path / "runs" / "r-2"  # the first holds a run: never mixed with a new one
+    a_file = tmp_path / "rows.jsonl"
+    a_file.write_text("{}\n")
+    with pytest.raises(StartupError) as caught:
+        new_run_dir(load_config(None, [f"logging.dir={a_file}", "logging.name=r"]))
+    assert str(caught.value) == (f"logging.dir={a_file}: cannot make the run directory {a_file / 'r'}: Not a directory "
+                                 f"({a_file / 'r'})")  # fmt: skip
+    assert a_file.read_text() == "{}\n"
