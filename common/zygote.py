@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = _fork_actor(server, dict(request["env"]), str(request["title"]), list(fds))
         try:
             server.sendall(f"{pid}\n".encode())
-        except OSError:  # the driver went while this forked; the actor, its child, goes with it
+        except OSError:  # the driver went while this forked: no one to tell, nothing more to serve
             return 0
     return 0
 
