@@ -6,7 +6,8 @@
       meta.json               {"step": k, "version": k, "buffer": cursor and counters, "live": {key: value}, ...}
 
 Atomic: everything is written into `.step_<k>.tmp`, fsynced, then renamed to `step_<k>`; a directory named
-`step_<k>` is therefore complete, and leftovers of a crash (`.*.tmp`) are ignored and removed by the next save.
+`step_<k>` is therefore complete, and leftovers of a crash (`.*.tmp`) are ignored and removed by the next save. Old
+checkpoints are deleted likewise: renamed to `.step_<k>.del.tmp`, then removed.
 
 The buffer is not copied: its journal (runs/<name>/buffer.journal) already records every lease, admission and
 consumption. On resume the buffer replays it and rewinds to the checkpoint's step (buffer/recovery.py `rewind`): groups
@@ -80,6 +81,19 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     staging.rename(target)
     fsync_dir(root)
     shutil.rmtree(replaced, ignore_errors=True)
-    for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    kept = checkpoint_dirs(run_dir)[-keep_last:]
+    for old in root.iterdir():  # older checkpoints, and a step_<k> a kill left half deleted (no meta.json)
+        if _STEP_DIR.fullmatch(old.name) and old not in kept:
+            _delete(old)
     return target
+
+
+def _delete(directory: Path) -> None:
+    """Renamed out of the `step_<k>` names first (atomic), then deleted: a kill partway through the deletion leaves
+    a `.*.tmp`, which the next save removes, never a half-deleted `step_<k>` that no listing shows and none prunes."""
+    doomed = directory.with_name(f".{directory.name}.del.tmp")
+    try:
+        directory.rename(doomed)
+    except OSError:
+        doomed = directory
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -54,3 +54,31 @@ def test_a_resave_after_a_crash_mid_resave_clears_what_that_crash_left(tmp_path:
     latest = checkpoint.latest(tmp_path)
     assert latest is not None and (latest / "model.bin").read_text() == "final 5"
     assert not leftover.exists()
+
+
+def test_pruning_killed_midway_leaves_nothing_that_outlives_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL while the oldest checkpoint is deleted (seen in CI: `test_driver_killed_then_resumed...` kept a
+    step_2 without meta.json, which no listing showed and no later save pruned)."""
+    for step in (2, 4):
+        checkpoint.save(tmp_path, step, _writer(f"weights {step}"), {}, keep_last=2)
+    root = tmp_path / checkpoint.CHECKPOINTS
+    real_rmtree = shutil.rmtree
+
+    def dying_rmtree(path, *args, **kwargs):  # killed partway through pruning: meta.json gone, the rest still there
+        if not Path(path).name.endswith(".del.tmp"):
+            return real_rmtree(path, *args, **kwargs)
+        (Path(path) / checkpoint.META).unlink(missing_ok=True)
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(shutil, "rmtree", dying_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 6, _writer("weights 6"), {}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == [".step_2.del.tmp", "step_4", "step_6"]
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    half_deleted = root / "step_1"  # what a kill mid-deletion left before deletions were renamed first
+    half_deleted.mkdir()
+    (half_deleted / "model.bin").write_text("weights 1")
+    checkpoint.save(tmp_path, 8, _writer("weights 8"), {}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
