@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             written = create_keys(args.dir)
-        except (FileExistsError, OSError) as err:
-            print(f"asyncrl: {err}", file=sys.stderr)
+        except OSError as err:
+            reason = err if err.errno is None else f"{err.strerror} ({err.filename})"  # ours, or the system's
+            print(f"asyncrl keys: cannot write CurveZMQ keys in {args.dir}: {reason}", file=sys.stderr)
             return 2
         for path in written:
             print(path)

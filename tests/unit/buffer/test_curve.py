@@ -93,6 +93,15 @@ def test_keys_command_writes_private_secrets_never_overwrites(tmp_path: Path, ca
     assert (keys_dir / "server.key_secret").read_text() == before
 
 
+def test_keys_command_names_a_directory_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert cli_main(["keys", str(a_file / "keys")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"asyncrl keys: cannot write CurveZMQ keys in {a_file / 'keys'}: Not a directory (")
+    assert "Errno" not in err
+
+
 def test_a_corrupt_key_or_a_bad_allowed_client_file_is_named_before_anything_starts(tmp_path: Path) -> None:
     from common.curve import CurveKeyError, server_keys
 
