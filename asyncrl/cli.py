@@ -18,10 +18,13 @@ asyncrl study STUDY.yaml [--quick]    cells x seeds of `up` runs compared: resul
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from common.config import Config
 
 MAX_SCALE = 10_000
@@ -252,10 +255,10 @@ def _auto_resume(cfg: Config) -> str | None:
 
 def _control(args: argparse.Namespace) -> int:
     import json
-    import time
 
-    from asyncrl.control import CONTROL_FILE, ControlError, find_run, format_status, request
+    from asyncrl.control import ControlError, find_run, format_status, request
 
+    run_dir = None
     try:
         run_dir = find_run(getattr(args, "run", None))
         if args.command == "status":
@@ -273,15 +276,54 @@ def _control(args: argparse.Namespace) -> int:
             changes = ", ".join(f"{k}={v}" for k, v in reply["changes"].items()) or "nothing (values unchanged)"
             print(f"set {changes}: applies from step {reply['applies_at_step']}")
         else:
-            reply = request(run_dir, "down")
-            print(reply["message"])
-            if not args.no_wait:
-                while (run_dir / CONTROL_FILE).exists():
-                    time.sleep(0.5)
-                print(f"{run_dir}: stopped")
+            return _down(run_dir, args.no_wait)
     except ControlError as err:
         print(f"asyncrl: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"asyncrl {args.command}: interrupted" + (f" (the run goes on: {run_dir})" if run_dir else ""),
+              file=sys.stderr)  # fmt: skip
+        return 130
+    return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS), or it just went
+        return True
+
+
+def _down(run_dir: Path, no_wait: bool) -> int:
+    """`asyncrl down`: ask the driver to stop, then (unless `no_wait`) wait until it has, or until it is gone."""
+    import time
+
+    from asyncrl.control import CONTROL_FILE, driver_record, request
+
+    pid = driver_record(run_dir).get("pid")
+    print(request(run_dir, "down")["message"])
+    if no_wait:
+        return 0
+    try:
+        while (run_dir / CONTROL_FILE).exists():
+            if isinstance(pid, int) and not _pid_alive(pid):
+                print(f"asyncrl: the driver of {run_dir} (pid {pid}) exited before it finished stopping: no "
+                      f"checkpoint of this step; `asyncrl up --resume {run_dir}` continues from the last one",
+                      file=sys.stderr)  # fmt: skip
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print(f"asyncrl down: interrupted; the run is still stopping (asyncrl status {run_dir})", file=sys.stderr)
+        return 130
+    print(f"{run_dir}: stopped")
     return 0
 
 

@@ -37,7 +37,16 @@ import zmq
 
 CONTROL_FILE = "control.json"
 MAX_REQUEST_BYTES = 1 << 16
+MAX_SET_ITEMS = 256
+"""The most `key=value` items one `set` request carries (the driver decodes no longer array)."""
 PROTOCOL_VERSION = 1
+REPLY_FIELDS = {
+    "status": ("run", "step", "steps", "version", "workers"),
+    "scale": ("added", "removed"),
+    "set": ("changes", "applies_at_step"),
+    "down": ("message",),
+}
+"""The fields each command's reply must carry (the table above) for the CLI to show it."""
 
 
 class ControlError(RuntimeError):
@@ -70,7 +79,7 @@ class ControlServer:
         while self.socket.poll(timeout_ms if answered == 0 else 0, zmq.POLLIN):
             raw = self.socket.recv()
             try:
-                request = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_array_len=256, max_map_len=32)
+                request = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_array_len=MAX_SET_ITEMS, max_map_len=32)
                 if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
                     raise ControlError('a request must be a map with a string "cmd"')
                 given = request.pop("secret", None)
@@ -110,33 +119,65 @@ def find_run(run: str | None, runs_root: str = "runs") -> Path:
     return max(candidates, key=lambda p: (p / CONTROL_FILE).stat().st_mtime)
 
 
-def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> dict[str, Any]:
-    """Send one request to the driver of `run_dir`; the reply map, or ControlError naming what went wrong."""
+def driver_record(run_dir: Path) -> dict[str, Any]:
+    """control.json of `run_dir`: its endpoint (a tcp:// address), secret and the driver's pid; ControlError naming
+    what is wrong with it."""
     control = run_dir / CONTROL_FILE
     if not control.is_file():
         raise ControlError(f"{run_dir} is not running: no {CONTROL_FILE} (the run ended, or never started)")
     try:
         record = json.loads(control.read_text())
-        endpoint, secret = record["endpoint"], record["secret"]
     except PermissionError:
         raise ControlError(f"{control} is not readable by this user: only the run's owner controls it") from None
-    except (ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         raise ControlError(f"{control} is unreadable: {err}") from None
+    if not isinstance(record, dict):
+        raise ControlError(f"{control} is unreadable: not a JSON object")
+    for key, check in (("endpoint", lambda v: isinstance(v, str) and v.startswith("tcp://")),
+                       ("secret", lambda v: isinstance(v, str) and v)):  # fmt: skip
+        if key not in record:
+            raise ControlError(f"{control} is unreadable: it has no {key!r}")
+        if not check(record[key]):
+            raise ControlError(f"{control} is unreadable: {key!r} is {record[key]!r}")
+    return record
+
+
+def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> dict[str, Any]:
+    """Send one request to the driver of `run_dir`; the reply map, or ControlError naming what went wrong."""
+    if len(fields.get("items", ())) > MAX_SET_ITEMS:
+        raise ControlError(f"set takes at most {MAX_SET_ITEMS} key=value items, got {len(fields['items'])}")
+    record = driver_record(run_dir)
+    endpoint, secret = record["endpoint"], record["secret"]
+    message = msgpack.packb({"v": PROTOCOL_VERSION, "cmd": cmd, "secret": secret, **fields}, use_bin_type=True)
+    if len(message) > MAX_REQUEST_BYTES:  # the driver's socket drops it unanswered (MAXMSGSIZE)
+        raise ControlError(f"the {cmd} request is {len(message):,} bytes; the driver takes at most "
+                           f"{MAX_REQUEST_BYTES:,}")  # fmt: skip
     socket = zmq.Context.instance().socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(endpoint)
-        socket.send(msgpack.packb({"v": PROTOCOL_VERSION, "cmd": cmd, "secret": secret, **fields}, use_bin_type=True))
+        socket.send(message)
         if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise ControlError(
                 f"no answer from the driver of {run_dir} at {endpoint} within {timeout_s:.0f}s: it is not running "
-                f"(killed? then {control} is stale; `asyncrl up --resume {run_dir}` continues the run)"
+                f"(killed? then {run_dir / CONTROL_FILE} is stale; `asyncrl up --resume {run_dir}` continues the run)"
             )
         reply = msgpack.unpackb(socket.recv(), raw=False)
+    except zmq.ZMQError as err:
+        raise ControlError(f"cannot reach the driver of {run_dir} at {endpoint!r}: {err}") from None
+    except (ValueError, msgpack.UnpackException) as err:
+        raise ControlError(f"the driver of {run_dir} at {endpoint} sent a reply that is not msgpack: {err}") from None
     finally:
         socket.close(0)
-    if not reply.get("ok"):
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise ControlError(f"unexpected reply from the driver of {run_dir} at {endpoint} (another version of "
+                           f"asyncrl?): {str(reply)[:200]}")  # fmt: skip
+    if not reply["ok"]:
         raise ControlError(str(reply.get("error", "refused")))
+    missing = [key for key in REPLY_FIELDS.get(cmd, ()) if key not in reply]
+    if missing:
+        raise ControlError(f"unexpected reply from the driver of {run_dir} at {endpoint} (another version of "
+                           f"asyncrl?): no {', '.join(missing)}")  # fmt: skip
     return reply
 
 

@@ -106,6 +106,11 @@ class Operations:
         cmd = request["cmd"]
         if cmd == "status":
             return self.status()
+        if cmd in ("scale", "set") and self.stopping:  # a stopping run starts no worker and applies no change
+            raise ControlError(
+                f"the run is stopping after step {self.step} (asyncrl down or a signal): {cmd} is refused; after it "
+                f"stops, `asyncrl up --resume {self.run_dir}` with the change"
+            )
         if cmd == "scale":
             return self.scale(request.get("rollout"))
         if cmd == "set":

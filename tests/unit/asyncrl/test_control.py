@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -49,7 +50,7 @@ def test_control_server_answers_and_survives_bad_requests(tmp_path: Path):
     thread = threading.Thread(target=lambda: [server.poll(handler, 50) for _ in iter(stop.is_set, True)])
     thread.start()
     try:
-        assert request(tmp_path, "status")["echo"] == "status"
+        assert request(tmp_path, "ping")["echo"] == "ping"
         with pytest.raises(ControlError, match="refused: boom"):
             request(tmp_path, "boom")
         with pytest.raises(ControlError, match="RuntimeError: a handler bug"):
@@ -117,8 +118,8 @@ def test_a_request_without_the_runs_secret_is_refused(tmp_path: Path):
             reply = msgpack.unpackb(raw.recv())
             assert reply["ok"] is False and "lacks this run's secret" in reply["error"], reply
         assert seen == []
-        assert request(tmp_path, "status")["echo"] == "status"  # the owner, through control.json
-        assert seen == ["status"]
+        assert request(tmp_path, "ping")["echo"] == "ping"  # the owner, through control.json
+        assert seen == ["ping"]
     finally:
         raw.close(0)
         stop.set()
@@ -149,3 +150,150 @@ def test_a_model_directory_with_its_own_code_is_refused_unless_trusted(tmp_path:
     with pytest.raises(StartupError, match="ships its own code.*model.trust_remote_code=true"):
         check_model_code(str(tmp_path), trust_remote_code=False)
     check_model_code(str(tmp_path), trust_remote_code=True)
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        ({"endpoint": 123, "secret": "s"}, "'endpoint' is 123"),
+        ({"endpoint": "garbage", "secret": "s"}, "'endpoint' is 'garbage'"),
+        ({"endpoint": "tcp://127.0.0.1:9"}, "it has no 'secret'"),
+        (["tcp://127.0.0.1:9"], "not a JSON object"),
+    ],
+)
+def test_a_corrupt_control_file_is_named_with_what_is_wrong(tmp_path: Path, record, expected: str):
+    (tmp_path / "control.json").write_text(json.dumps(record))
+    with pytest.raises(ControlError, match="control.json is unreadable") as err:
+        request(tmp_path, "status")
+    assert expected in str(err.value)
+
+
+def test_an_endpoint_zmq_refuses_is_a_control_error(tmp_path: Path):
+    (tmp_path / "control.json").write_text(json.dumps({"endpoint": "tcp://no such host", "secret": "s"}))
+    with pytest.raises(ControlError, match="cannot reach the driver of .* at 'tcp://no such host'"):
+        request(tmp_path, "status")
+
+
+@pytest.mark.parametrize(
+    ("cmd", "raw_reply", "expected"),
+    [
+        ("status", b"\xc1 not msgpack", "sent a reply that is not msgpack"),
+        ("status", msgpack.packb([1, 2]), "unexpected reply"),
+        ("status", msgpack.packb({"ok": True}), "no run, step, steps, version, workers"),
+        ("scale", msgpack.packb({"ok": True, "added": []}), "no removed"),
+        ("set", msgpack.packb({"ok": True}), "no changes, applies_at_step"),
+        ("down", msgpack.packb({"ok": False}), "refused"),
+    ],
+)
+def test_a_reply_that_is_not_the_protocols_is_a_control_error(tmp_path: Path, cmd: str, raw_reply: bytes,
+                                                              expected: str):  # fmt: skip
+    """Something else on the endpoint, or a driver of another version: the CLI names it instead of failing on a
+    missing field."""
+    socket = zmq.Context.instance().socket(zmq.REP)
+    socket.setsockopt(zmq.LINGER, 0)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    (tmp_path / "control.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}", "secret": "s"}))
+
+    def answer() -> None:
+        if socket.poll(10_000):
+            socket.recv()
+            socket.send(raw_reply)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        with pytest.raises(ControlError, match=expected):
+            request(tmp_path, cmd, timeout_s=10)
+    finally:
+        thread.join()
+        socket.close(0)
+
+
+def test_a_request_the_driver_would_drop_is_refused_before_it_is_sent(tmp_path: Path):
+    """The driver's socket drops a message over MAX_REQUEST_BYTES unanswered, which looked like a dead driver."""
+    from asyncrl.control import MAX_REQUEST_BYTES, MAX_SET_ITEMS
+
+    (tmp_path / "control.json").write_text(json.dumps({"endpoint": "tcp://127.0.0.1:9", "secret": "s"}))
+    with pytest.raises(
+        ControlError, match=f"the set request is .* bytes; the driver takes at most {MAX_REQUEST_BYTES:,}"
+    ):
+        request(tmp_path, "set", items=["loss.cap=" + "9" * MAX_REQUEST_BYTES])
+    with pytest.raises(ControlError, match=f"set takes at most {MAX_SET_ITEMS} key=value items, got 300"):
+        request(tmp_path, "set", items=["loss.cap=3"] * 300)
+
+
+@pytest.mark.parametrize("cmd", ["scale", "set"])
+def test_a_stopping_run_refuses_scale_and_set(tmp_path: Path, cmd: str):
+    """After `asyncrl down` (or a signal) the run starts no worker and applies no change it would never train with."""
+    from types import SimpleNamespace
+
+    from asyncrl.operations import Operations
+
+    ops = SimpleNamespace(stopping=True, step=7, run_dir=tmp_path / "r", scale=None, set=None)
+    with pytest.raises(ControlError, match=f"the run is stopping after step 7 .*: {cmd} is refused") as err:
+        Operations.handle(ops, {"cmd": cmd, "rollout": 2, "items": ["loss.cap=3"]})
+    assert f"asyncrl up --resume {tmp_path / 'r'}" in str(err.value)
+    ops.stopping = False
+    with pytest.raises(TypeError):  # not stopping: the request reaches the (here missing) handler
+        Operations.handle(ops, {"cmd": cmd, "rollout": 2, "items": ["loss.cap=3"]})
+
+
+FAKE_DRIVER = """
+import os, sys, time
+from pathlib import Path
+from asyncrl.control import ControlServer
+server = ControlServer(Path(sys.argv[1]))
+server.poll(lambda req: {"message": "stopping after step 3"}, 30_000)
+print("answered", flush=True)
+time.sleep(0.5)  # the reply leaves
+if sys.argv[2] == "die":
+    os._exit(9)  # killed after it accepted the stop: control.json stays behind
+time.sleep(60)
+"""
+
+
+def _down_against_fake_driver(tmp_path: Path, then: str, reap: bool = True):
+    import subprocess
+    import sys
+
+    driver = subprocess.Popen([sys.executable, "-c", FAKE_DRIVER, str(tmp_path), then], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "control.json").exists():
+        assert time.monotonic() < deadline and driver.poll() is None
+        time.sleep(0.05)
+    down = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "down", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert driver.stdout.readline() == "answered\n"
+    if then == "die" and reap:
+        driver.wait(timeout=60)  # reaped, as the shell that started a real driver would; else a zombie a while
+    return driver, down
+
+
+@pytest.mark.parametrize("reap", [True, False])
+def test_down_says_so_when_the_driver_dies_before_it_has_stopped(tmp_path: Path, reap: bool):
+    driver, down = _down_against_fake_driver(tmp_path, "die", reap)
+    try:
+        out, err = down.communicate(timeout=60)
+    finally:
+        driver.kill()
+        down.kill()
+    assert (tmp_path / "control.json").exists()  # what the killed driver left
+    assert "stopping after step 3" in out
+    assert down.returncode == 1, err
+    assert f"(pid {driver.pid}) exited before it finished stopping" in err and "--resume" in err
+
+
+def test_ctrl_c_while_down_waits_is_one_line_and_exit_130(tmp_path: Path):
+    import signal
+
+    driver, down = _down_against_fake_driver(tmp_path, "live")
+    try:
+        time.sleep(1.0)  # `down` is waiting for the (live, never stopping) driver
+        down.send_signal(signal.SIGINT)
+        out, err = down.communicate(timeout=60)
+    finally:
+        driver.kill()
+        down.kill()
+    assert down.returncode == 130, err
+    assert err.strip() == f"asyncrl down: interrupted; the run is still stopping (asyncrl status {tmp_path})"
