@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         from common.curve import create_keys
 
+        if not args.dir.strip():
+            print("asyncrl keys: DIR is empty: name a new directory for the keys", file=sys.stderr)
+            return 2
         try:
             written = create_keys(args.dir)
-        except OSError as err:
-            reason = err if err.errno is None else f"{err.strerror} ({err.filename})"  # ours, or the system's
+        except (OSError, ValueError) as err:
+            reason = f"{err.strerror} ({err.filename})" if getattr(err, "errno", None) else err  # the system's, or ours
             print(f"asyncrl keys: cannot write CurveZMQ keys in {args.dir}: {reason}", file=sys.stderr)
             return 2
         for path in written:

@@ -111,8 +111,11 @@ def create_keys(keys_dir: str | os.PathLike[str]) -> list[Path]:
     """
     import zmq.auth
 
+    if not str(keys_dir).strip():
+        raise ValueError("the keys directory is empty: name a new directory")
     root = Path(keys_dir).expanduser()
-    existing = [root / name for name in (SERVER_SECRET, SERVER_PUBLIC, CLIENT_SECRET) if (root / name).exists()]
+    names = (SERVER_SECRET, SERVER_PUBLIC, CLIENT_SECRET, "client.key", f"{ALLOWED_CLIENTS}/client.key")
+    existing = [root / name for name in names if (root / name).exists()]
     if existing:
         raise FileExistsError(f"{existing[0]} exists; not overwriting CurveZMQ keys (choose an empty directory)")
     written: list[Path] = []

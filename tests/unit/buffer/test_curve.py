@@ -102,6 +102,23 @@ def test_keys_command_names_a_directory_it_cannot_write(tmp_path: Path, capsys: 
     assert "Errno" not in err
 
 
+def test_keys_command_refuses_an_empty_name_and_never_overwrites_a_public_or_allowed_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["keys", ""]) == 2
+    assert capsys.readouterr().err == "asyncrl keys: DIR is empty: name a new directory for the keys\n"
+    assert list(tmp_path.iterdir()) == []  # nothing written into the working directory
+    for name in ("client.key", "clients/client.key"):
+        keys_dir = tmp_path / name.replace("/", "_")
+        (keys_dir / name).parent.mkdir(parents=True)
+        (keys_dir / name).write_text("a key someone copied here")
+        assert cli_main(["keys", str(keys_dir)]) == 2
+        assert "not overwriting" in capsys.readouterr().err
+        assert (keys_dir / name).read_text() == "a key someone copied here"
+        assert not (keys_dir / "server.key_secret").exists()
+
+
 def test_a_corrupt_key_or_a_bad_allowed_client_file_is_named_before_anything_starts(tmp_path: Path) -> None:
     from common.curve import CurveKeyError, server_keys
 
