@@ -36,16 +36,20 @@ def read_steps(run_dir: Path) -> list[dict[str, float]]:
     by_step: dict[int, dict[str, float]] = {}
     for record in _records(run_dir):
         if "event" not in record and "step" in record:
-            by_step[int(record["step"])] = record  # the last record of a step wins (resumed runs)
+            by_step[record["step"]] = record  # the last record of a step wins (resumed runs)
     return [by_step[step] for step in sorted(by_step)]
 
 
 def _records(run_dir: Path) -> list[dict]:
+    """The JSON objects of run_dir/metrics.jsonl; a step record's `step` is checked to be a whole number."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
     records = []
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err})") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -55,8 +59,12 @@ def _records(run_dir: Path) -> list[dict]:
             if number == len(lines):  # torn by a run killed while writing it: the steps before it stand
                 break
             raise ValueError(f"{path}, line {number}: not a JSON record ({err})") from None
-        if isinstance(record, dict):
-            records.append(record)
+        if not isinstance(record, dict):
+            continue
+        step = record.get("step")
+        if "event" not in record and "step" in record and (type(step) is not int or step < 0):
+            raise ValueError(f"{path}, line {number}: step is {step!r}, not a whole number")
+        records.append(record)
     return records
 
 
@@ -78,11 +86,20 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    resolved = [Path(d).resolve() for d in run_dirs]
+    twice = next((d for d, r in zip(run_dirs, resolved) if resolved.count(r) > 1), None)
+    if twice is not None:
+        raise ValueError(f"{twice} is given twice: each run is drawn once")
     names = [Path(d).name for d in run_dirs]
     labels = [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]  # same name: full path
     runs = {label: read_steps(Path(d)) for label, d in zip(labels, run_dirs)}
     evals = {label: read_evals(Path(d)) for label, d in zip(labels, run_dirs)}
+    for label, d in zip(labels, run_dirs):
+        if not runs[label] and not evals[label]:
+            raise ValueError(f"{d}/metrics.jsonl has no step records yet (has the run trained a step?)")
     target = Path(out_dir)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"--out {out_dir} is a file; it names the directory for the PNGs")
     target.mkdir(parents=True, exist_ok=True)
     written = []
     for family, prefixes in FAMILIES.items():

@@ -64,4 +64,34 @@ def test_an_out_path_that_is_a_file_is_a_clear_error(tmp_path):
     (tmp_path / "taken").write_text("")
     args = [sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path / "a"), "--out", str(tmp_path / "taken")]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "taken" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--out {tmp_path / 'taken'} is a file" in proc.stderr
+
+
+def test_bad_step_values_non_utf8_and_empty_runs_are_named(tmp_path):
+    import pytest
+
+    from asyncrl.plot import plot_runs, read_steps
+
+    metrics = tmp_path / "metrics.jsonl"
+    for step in ("null", "[1]", "1e400", '"abc"', "-1", "true", "1.5"):
+        metrics.write_text(f'{{"step": 0, "loss": 1.0}}\n{{"step": {step}, "loss": 2.0}}\n{{"step": 2}}\n')
+        with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: step is .*, not a whole number"):
+            read_steps(tmp_path)
+    metrics.write_bytes(b'{"step": 0, "loss": 1.0}\n{"step": 1, "note": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: not UTF-8 text"):
+        read_steps(tmp_path)
+    metrics.write_text('{"event": "start"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl has no step records yet"):
+        plot_runs([str(tmp_path)], str(tmp_path / "plots"))
+    assert not (tmp_path / "plots").exists()
+
+
+def test_a_run_given_twice_is_refused(tmp_path):
+    import pytest
+
+    from asyncrl.plot import plot_runs
+
+    write_run(tmp_path / "a", 0.0)
+    with pytest.raises(ValueError, match="is given twice"):
+        plot_runs([str(tmp_path / "a"), str(tmp_path / "a") + "/"], str(tmp_path / "plots"))
