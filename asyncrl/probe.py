@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from common.fsutil import output_file_problem
+
 DEFAULT_SCHEMES = ("none", "int8", "fp8", "w8a16", "w4a16")
 DEFAULT_PROMPTS = 32
 DEFAULT_CLIP_SHARE = 0.01
@@ -99,6 +101,8 @@ def options_from_args(args: argparse.Namespace) -> ProbeOptions:
     layer_schemes = parse_schemes(args.layer_schemes) if args.layer_schemes else None
     if layer_schemes is not None and not set(layer_schemes) <= set(schemes) - {"none"}:
         raise ProbeError(f"--layer-schemes {args.layer_schemes!r}: scan only quantized schemes named in --schemes")
+    if args.json_path is not None and (problem := output_file_problem(args.json_path)):
+        raise ProbeError(f"--json {args.json_path}: {problem}")
     if args.layers_top < 0 or args.layer_rows < 1:
         raise ProbeError(f"--layers-top must be >= 0 and --layer-rows >= 1 (got {args.layers_top}, {args.layer_rows})")
     return ProbeOptions(
@@ -299,5 +303,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print_result(result)
     if options.json_path:
-        write_json(result, options.json_path)
+        try:
+            write_json(result, options.json_path)
+        except OSError as err:  # checked before the measurement; gone since
+            print(f"asyncrl probe: --json {options.json_path}: {err.strerror or err} (the result is above)",
+                  file=sys.stderr)  # fmt: skip
+            return 1
     return 0

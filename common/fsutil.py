@@ -1,6 +1,7 @@
-"""Filesystem helpers every process shares: making files and directory entries durable.
+"""Filesystem helpers every process shares: making files and directory entries durable, and checking that an output
+file can be written before the work that fills it.
 
-Used by the buffer's journal and by checkpoints (`asyncrl/checkpoint.py`).
+Used by the buffer's journal, checkpoints (`asyncrl/checkpoint.py`) and the CLI's `--json` outputs.
 """
 
 from __future__ import annotations
@@ -25,3 +26,27 @@ def fsync_tree(path: Path) -> None:
             with open(Path(root) / name, "rb") as handle:
                 os.fsync(handle.fileno())
     fsync_dir(path)
+
+
+def output_file_problem(path: str) -> str | None:
+    """Why a file could not be written at `path` (after creating its missing parent directories), or None.
+
+    Checked before minutes of work whose result goes there; nothing is created but the parent directories.
+    """
+    target = Path(path).expanduser()
+    if not path.strip():
+        return "the path is empty"
+    if target.is_dir():
+        return f"{path} is a directory"
+    existing = next(parent for parent in target.parents if parent.exists())  # "/" or "." at the latest
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot create its directory {err.filename or target.parent}: {err.strerror or err}"
+    if target.exists() and not os.access(target, os.W_OK):
+        return f"{path} is not writable"
+    if not target.exists() and not os.access(target.parent, os.W_OK | os.X_OK):
+        return f"its directory {target.parent} is not writable"
+    return None

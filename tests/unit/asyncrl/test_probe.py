@@ -131,6 +131,10 @@ def test_probe_bad_input_names_what_is_wrong(tmp_path, micro_dir, capsys):
     assert "--clip-share" in capsys.readouterr().err
     assert cli.main(["probe", "builtin:micro", "--schemes", "none,int8", "--layer-schemes", "fp8"]) == 2
     assert "--layer-schemes 'fp8'" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert cli.main(["probe", "builtin:micro", "--json", str(a_file / "probe.json")]) == 2  # before any measurement
+    assert capsys.readouterr().err == f"asyncrl probe: --json {a_file / 'probe.json'}: {a_file} is not a directory\n"
 
 
 def test_layer_scan_replay_equals_whole_forwards(micro_dir):
