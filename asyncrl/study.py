@@ -36,6 +36,13 @@ def study_main(path: str, *, quick: bool = False, parallel: int = 1, root: str =
     if parallel < 1:
         print(f"asyncrl: --parallel must be at least 1, got {parallel}", file=sys.stderr)
         return 2
+    if plan and report_only:
+        print("asyncrl: --plan and --report do not go together (--plan runs and writes nothing)", file=sys.stderr)
+        return 2
+    existing = next((p for p in (study.out_dir, *study.out_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        print(f"asyncrl: --root {root}: {existing} is not a directory", file=sys.stderr)
+        return 2
     if plan:
         _print_plan(study)
         return 0

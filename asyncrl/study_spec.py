@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from common.config import Config, ConfigError, load_config
+from common.config_schema import MAX_SEED
 
 STUDY_KEYS = ("name", "base", "cells", "seeds", "overrides", "metrics", "quick")
 QUICK_KEYS = ("cells", "seeds", "overrides")
@@ -92,12 +93,16 @@ def load_study(path: str | Path, root: str | Path = "runs/studies", quick: bool 
     """Read and validate the study file at `path`; every run's config is built and validated here (a ConfigError of
     any cell is a StudyError naming the cell), so a bad cell fails before the first run starts."""
     source = Path(path)
+    if source.is_dir():
+        raise StudyError(f"study file {str(source)!r} is a directory (name a YAML file, e.g. configs/studies/*.yaml)")
     if not source.is_file():
         raise StudyError(f"study file {str(source)!r} does not exist")
     try:
-        raw = yaml.safe_load(source.read_text())
+        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise StudyError(f"{source}: cannot parse YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise StudyError(f"{source}: not UTF-8 text ({err})") from None
     if not isinstance(raw, dict):
         raise StudyError(f"{source}: the top level must be a mapping with keys {', '.join(STUDY_KEYS)}")
     _check_keys(raw, STUDY_KEYS, str(source))
@@ -140,7 +145,7 @@ def _quick(
 
 def _cell_runs(study: Study, cell: str) -> list[RunSpec]:
     """The runs of one cell, one per seed. Its config is validated once, with the first seed: the seeds differ only
-    in the managed keys, none of which any rule constrains (`train.seed` is any integer)."""
+    in the managed keys, none of which any rule constrains but `train.seed`'s range, which `_seeds` checks."""
     cell_dir = study.out_dir / cell
     runs = []
     for seed in study.seeds:
@@ -205,8 +210,8 @@ def _seeds(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise StudyError(f"{where} must be a non-empty list of integers, got {value!r}")
     for seed in value:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise StudyError(f"{where}: {seed!r} is not a non-negative integer")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise StudyError(f"{where}: {seed!r} is not a whole number in [0, {MAX_SEED}] (`train.seed`)")
     if len(set(value)) != len(value):
         raise StudyError(f"{where}: a seed is listed twice ({value})")
     return tuple(value)

@@ -161,6 +161,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     merged: DictConfig = OmegaConf.structured(Config)
     if path is not None:
         source = str(path)
+        if Path(path).is_dir():
+            raise ConfigError(f"config file {source!r} is a directory (name a YAML file, e.g. configs/dapo_int8.yaml)")
         if not Path(path).is_file():
             raise ConfigError(f"config file {source!r} does not exist")
         try:
@@ -184,6 +186,9 @@ def _merge_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...])
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
+        key = item.split("=", 1)[0].strip()
+        if not key or not all(key.split(".")):
+            raise ConfigError(f"override {item!r}: `{key}` is not a dotted key (section.key=value)")
         try:
             dotlist = OmegaConf.from_dotlist([item])
             _check_sections(Config, dotlist, f"override {item!r}", "")
@@ -192,6 +197,8 @@ def _merge_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...])
             raise _explain(err, f"override {item!r}") from err
         except yaml.YAMLError as err:  # the value is not YAML: `loss.cap=[1`
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+        except ValueError as err:  # what YAML cannot convert: an integer of more than 4300 digits
+            raise ConfigError(f"override `{key}=...`: the value cannot be read ({str(err)[:120]})") from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

@@ -96,7 +96,15 @@ def validate(cfg: Config) -> Config:
     _check_lora(cfg)
     _check_reward(cfg)
     _check_env(cfg)
+    _check_logging(cfg)
     return cfg
+
+
+def _check_logging(cfg: Config) -> None:
+    name = cfg.logging.name
+    if name in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
+        raise ConfigError(f"`logging.name` is the run's directory name under `logging.dir`, not a path: got {name!r} "
+                          "(put the parent directories in `logging.dir`)")  # fmt: skip
 
 
 def _check_compute(cfg: Config) -> None:

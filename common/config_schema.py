@@ -17,6 +17,10 @@ from typing import Any
 from common.config_checks import ConfigError, in_range, is_loopback, one_of
 from common.wire import MAX_GROUP, MAX_STEP
 
+MAX_SEED = 2**32 - 1
+"""The largest `train.seed` and `data.seed`: a worker's sampler seed (train.seed x 1,000,003 + a crc32) must fit
+torch's 64-bit generator seed."""
+
 WEIGHTINGS = (
     "none",
     "decoupled",
@@ -130,7 +134,7 @@ class DataConfig:
     """Built-in arithmetic difficulty: the maximum number of digits of each operand."""
     ops: str = "+-"
     """Built-in arithmetic operators to draw from (any of `+`, `-`)."""
-    seed: int = 1234
+    seed: int = in_range(0, MAX_SEED, default=1234)
     """Seed of the prompt stream (generation for built-in tasks, shuffling for datasets)."""
     eval_size: int = in_range(0, default=256)
     """Number of held-out prompts used for evaluation."""
@@ -144,7 +148,7 @@ class TrainConfig:
     """Prompt groups in each learner batch."""
     group_size: int = in_range(2, MAX_GROUP, default=8)  # one sample per prompt has no baseline: advantage 0
     """Responses sampled per prompt (G)."""
-    seed: int = 0
+    seed: int = in_range(0, MAX_SEED, default=0)
     """Seed of the learner (init, sampling of minibatches) and of the rollout samplers."""
     eval_every: int = in_range(0, default=0)
     """Evaluate greedy accuracy on the held-out prompts every this many steps (0: only at the end)."""

@@ -105,7 +105,8 @@ def test_bad_study_files_fail_naming_the_fault(tmp_path, body, message):
     [
         ("name: t\nbase: nowhere.yaml\nseeds: [0]\ncells: {{a: []}}\n", "`base` 'nowhere.yaml' is not a file"),
         ("name: t\nbase: {base}\nseeds: [0, 0]\ncells: {{a: []}}\n", "a seed is listed twice"),
-        ("name: t\nbase: {base}\nseeds: [-1]\ncells: {{a: []}}\n", "not a non-negative integer"),
+        ("name: t\nbase: {base}\nseeds: [-1]\ncells: {{a: []}}\n", "-1 is not a whole number in [0, 4294967295]"),
+        ("name: t\nbase: {base}\nseeds: [0, 4294967296]\ncells: {{a: []}}\n", "4294967296 is not a whole number"),
         ("name: t\nbase: {base}\ncells: {{a: []}}\n", "missing key `seeds`"),
         ("name: ../t\nbase: {base}\nseeds: [0]\ncells: {{a: []}}\n", "`name` must be a word"),
         ("- a\n- b\n", "the top level must be a mapping"),
@@ -116,6 +117,24 @@ def test_bad_top_level_fails(tmp_path, text, message):
     with pytest.raises(StudyError) as err:
         load_study(path, root=tmp_path / "out")
     assert message in str(err.value)
+
+
+def test_a_study_file_that_is_a_directory_or_not_utf8_is_named(tmp_path):
+    with pytest.raises(StudyError, match="is a directory"):
+        load_study(tmp_path, root=tmp_path / "out")
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"name: \xff\n")
+    with pytest.raises(StudyError, match="s.yaml: not UTF-8 text"):
+        load_study(path, root=tmp_path / "out")
+
+
+def test_plan_with_report_and_a_root_that_is_a_file_are_refused(tmp_path, capsys):
+    path = _study_file(tmp_path, "cells: {a: []}\n")
+    assert study_main(str(path), root=str(tmp_path / "out"), plan=True, report_only=True) == 2
+    assert "--plan and --report do not go together" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert study_main(str(path), root=str(tmp_path / "a_file"), plan=True) == 2
+    assert f"--root {tmp_path / 'a_file'}: {tmp_path / 'a_file'} is not a directory" in capsys.readouterr().err
 
 
 def test_a_bad_cell_stops_the_study_before_any_run(tmp_path, capsys):

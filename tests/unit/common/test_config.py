@@ -69,6 +69,16 @@ def test_overrides_apply_in_order():
         ("rollout.num_workers=15", "= 8.5 CPUs > the local cluster's 8 (`ray.num_cpus` 2 x `ray.local_oversubscribe`"),
         ("ray.local_oversubscribe=0.5", "`ray.local_oversubscribe` is out of range"),
         ("quant.lm_head=int8", "`quant.lm_head`; valid values: auto, quantized, fp32"),
+        ("=3", "override '=3': `` is not a dotted key"),
+        (".steps=3", "override '.steps=3': `.steps` is not a dotted key"),
+        ("train..steps=3", "`train..steps` is not a dotted key"),
+        ("loss.cap=" + "9" * 5000, "override `loss.cap=...`: the value cannot be read (Exceeds the limit"),
+        ("train.seed=4294967296", "value 4294967296 for `train.seed` is out of range [0, 4294967295]"),
+        ("train.seed=-1", "`train.seed` is out of range"),
+        ("data.seed=99999999999999999999999", "`data.seed` is out of range"),
+        ("logging.name=../../etc", "`logging.name` is the run's directory name under `logging.dir`, not a path"),
+        ("logging.name=a/b", "not a path: got 'a/b'"),
+        ("logging.name=..", "not a path: got '..'"),
     ],
 )
 def test_bad_overrides_name_the_key(override, expected):
@@ -92,6 +102,8 @@ def test_bad_yaml_files(tmp_path):
         load_config(scalar)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=f"config file '{tmp_path}' is a directory"):
+        load_config(tmp_path)
 
 
 def test_round_trip_through_dict():
