@@ -184,7 +184,8 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         ray_start.wait()
         clock.mark("ray_ready")  # at once under `ray.launcher=local`
         signals.install()  # again: ray.init on the main thread (a cluster joined) replaces the SIGTERM handler
-        watchdog = Watchdog(cfg.train.stall_timeout_s, start_step, logger.event, logger.info)
+        watchdog = Watchdog(cfg.train.stall_timeout_s, start_step, logger.event, logger.info,
+                            cfg.train.max_nonfinite_steps)  # fmt: skip
         for restarts in range(cfg.learner.max_restarts + 1):
             parts: dict[str, Any] = {}  # the learner and the worker pool of this attempt, for `_restart_learner`
             try:
@@ -212,7 +213,17 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
                 ray.shutdown()
         ray_start.close()
         buffers.stop()
+        _sweep_weight_files()
         logger.close()
+
+
+def _sweep_weight_files() -> None:
+    """Unlink the /dev/shm weight files of publishers that have ended: a learner killed with a failed or stopped
+    run (local actors are reaped by now) leaves its versions there, memory a later run's first publication would
+    otherwise be the first to free (`quant_sync/shm_owner.py`)."""
+    from quant_sync.shm_owner import SHM_DIR, sweep_stale
+
+    sweep_stale(SHM_DIR)
 
 
 class StopSignals:
@@ -319,7 +330,7 @@ def _train(
                 logger.event("startup", **clock.fields())
                 logger.info(f"start-up {clock.marks['first_step']:.1f} s: {clock.summary()}")
             ops.step_done(step, metrics)
-            watchdog.step_done(step, pool)
+            watchdog.step_done(step, pool, metrics)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
                 ops.save_checkpoint(step)
             every = cfg.train.eval_every
@@ -399,7 +410,8 @@ def _restart_learner(
                  checkpoint=str(checkpoint_dir) if checkpoint_dir else None, error=died, **rewound)  # fmt: skip
     logger.info(f"{died}: restarting the learner and the rollout workers from {checkpoint_dir or 'the initial model'} "
                 f"(step {start_step}; {failed_step - start_step} steps redone)")  # fmt: skip
-    return checkpoint_dir, Watchdog(cfg.train.stall_timeout_s, start_step, logger.event, logger.info)
+    watchdog = Watchdog(cfg.train.stall_timeout_s, start_step, logger.event, logger.info, cfg.train.max_nonfinite_steps)
+    return checkpoint_dir, watchdog
 
 
 def _boundary_work(cfg: Config, ops: Operations, signals: StopSignals, step: int) -> bool:

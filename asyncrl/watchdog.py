@@ -9,6 +9,10 @@ The watchdog (`Watchdog.check`, called by the driver between the slices of its w
 - Stalled, and nothing can make progress: `RunFailed` with that diagnosis: every prompt leased since the last step
   was skipped, every worker crash-looping (none running, crashes since the last step), or the buffer not answering.
 
+Divergence (`Watchdog.step_done`): `train.max_nonfinite_steps` train steps in a row skipped for a non-finite loss or
+gradient (`skipped_nonfinite`: the weights stay as they were) fail the run with `RunFailed`, naming the step the
+streak began at: a diverged model would otherwise skip every step to the end of the run.
+
 A stop asked for (the first Ctrl-C, SIGTERM, `asyncrl down`) normally lets the step in flight finish; on a stalled
 run, or once the step has run `STOP_WAIT_STEPS` median steps past the request (at least `STOP_WAIT_MIN_S`), the
 driver stops at once instead (`stop_now`), without waiting for a step that may never come.
@@ -119,9 +123,16 @@ class Watchdog:
     """Notices a run where no step finishes, says what each part is doing, and fails one that cannot progress."""
 
     def __init__(
-        self, stall_timeout_s: float, start_step: int, event: Callable[..., None], info: Callable[[str], None]
+        self,
+        stall_timeout_s: float,
+        start_step: int,
+        event: Callable[..., None],
+        info: Callable[[str], None],
+        max_nonfinite_steps: int = 0,
     ) -> None:
         self.stall_timeout_s = stall_timeout_s  # 0: automatic
+        self.max_nonfinite_steps = max_nonfinite_steps  # 0: never fail for it
+        self.nonfinite_since: int | None = None  # the first step of the current streak of skipped steps
         self.step = start_step  # train steps completed
         self.event = event
         self.info = info
@@ -140,12 +151,28 @@ class Watchdog:
         median = statistics.median(self.step_times) if self.step_times else 0.0
         return max(STALL_MIN_S, STALL_STEPS * median)
 
-    def step_done(self, step: int, pool: Any) -> None:
+    def step_done(self, step: int, pool: Any, metrics: dict[str, Any] | None = None) -> None:
+        """Train step `step - 1` finished with `metrics`; RunFailed when it ends a streak of `max_nonfinite_steps`
+        skipped steps."""
         now = time.monotonic()
         self.step_times.append(now - self.last_step_at)
         self.step, self.last_step_at = step, now
         self.stalled, self.reports = False, 0
         self._baseline, self._crashes_at_step = pool.totals(), pool.crashes
+        if not (metrics or {}).get("skipped_nonfinite"):
+            self.nonfinite_since = None
+            return
+        if self.nonfinite_since is None:
+            self.nonfinite_since = step - 1
+        streak = step - self.nonfinite_since
+        if self.max_nonfinite_steps and streak >= self.max_nonfinite_steps:
+            self.event("diverged", first_step=self.nonfinite_since, steps=streak)
+            raise RunFailed(
+                f"the model diverged: {streak} train steps in a row (from step {self.nonfinite_since}) had a "
+                f"non-finite loss or gradient and were skipped (`train.max_nonfinite_steps`); lower `optim.lr` or "
+                f"look for bad rows; checkpoint step_{self.nonfinite_since} and later ones hold the weights that diverged "
+                f"(delete them to resume from an earlier one);"
+            )
 
     def stop_now(self, stop_requested: bool) -> bool:
         """Whether a requested stop should abandon the step in flight (stalled, or it runs far past the request)."""

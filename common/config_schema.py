@@ -155,6 +155,10 @@ class TrainConfig:
     stall_timeout_s: float = in_range(0.0, default=0.0)
     """Seconds without a finished train step after which the driver reports a stall (console and a `stall` event)
     and fails the run if nothing can make progress (asyncrl/watchdog.py); 0: max(300 s, 30 x the median step time)."""
+    max_nonfinite_steps: int = in_range(0, default=20)
+    """Fail the run when this many train steps in a row were skipped for a non-finite loss or gradient (the model
+    has diverged: too high an `optim.lr`, or bad data); 0: never. fp16 loss scaling skips a few steps in a row while
+    its scale falls (`precision.loss_scale_init`), hence the margin."""
 
 
 @dataclass(kw_only=True, slots=True)

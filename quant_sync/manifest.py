@@ -15,6 +15,7 @@ import msgpack
 import torch
 import xxhash
 
+from quant_sync.shm_owner import SHM_DIR  # noqa: F401  (re-exported: where version files go)
 from quant_sync.update import WeightUpdate
 
 PROTOCOL_VERSION = 2
@@ -27,7 +28,6 @@ MAX_CHUNK_BYTES = 1 << 30
 """Largest chunk a header may announce (publishers use `chunk_bytes`, 4 MiB by default)."""
 MAX_VERSION_BYTES = 1 << 40
 """Largest version a header may announce (1 TiB): a bound on what a hostile header can make a worker allocate."""
-SHM_DIR = "/dev/shm"
 ALIGN_BYTES = 64
 """Alignment of each tensor in a version's /dev/shm file (its `file_offset`)."""
 DTYPES = {

@@ -20,6 +20,8 @@ import contextlib
 import fcntl
 import os
 
+SHM_DIR = "/dev/shm"
+"""Where publishers put their weight files when it is writable (`quant_sync.publisher`)."""
 FILE_PREFIX = "asyncrl-weights-"
 """The first part of every publisher's file names (then `<pid>-<8 hex>`, its prefix)."""
 LOCK_SUFFIX = ".lock"

@@ -212,6 +212,35 @@ def test_a_learner_whose_first_start_raises_in_its_constructor_fails_the_run_at_
     assert not [r for r in records(tmp_path / "g") if r.get("event") == "learner_restarted"]
 
 
+def test_a_diverged_model_fails_the_run_after_max_nonfinite_steps_and_leaves_no_weight_files(tmp_path):
+    """optim.lr=1e9: the first update blows the weights up, every later step has a non-finite loss and is skipped;
+    the run fails after `train.max_nonfinite_steps` of them instead of skipping to the end, and the learner's
+    /dev/shm versions go with the run."""
+    run_dir = tmp_path / "dv"
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=dv",
+                    "optim.lr=1e9", "train.max_nonfinite_steps=3", "train.steps=1000", "checkpoint.every=1",
+                    "logging.console=false", *SMALL)  # fmt: skip
+    try:
+        learners = wait_for(lambda: learner_processes(proc.pid), 120, "the learner", proc)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        kill_if_running(proc)
+    assert proc.returncode == 1, out[-4000:]
+    line = last_line(out)
+    steps = [r for r in records(run_dir) if "loss" in r]
+    first = next(r["step"] for r in steps if r.get("skipped_nonfinite"))
+    assert line.startswith(f"asyncrl: the model diverged: 3 train steps in a row (from step {first}) had a non-finite")
+    assert f"checkpoint step_{first} and later ones hold the weights that diverged" in line and "Traceback" not in out
+    assert (
+        [r["step"] for r in steps if r.get("skipped_nonfinite")]
+        == [first, first + 1, first + 2]
+        == [r["step"] for r in steps[-3:]]
+    )
+    assert [r for r in records(run_dir) if r.get("event") == "diverged"][0]["first_step"] == first
+    pids = {learner.pid for learner in learners}
+    assert not [name for name in os.listdir("/dev/shm") if any(f"-{pid}-" in name for pid in pids)]
+
+
 @pytest.mark.slow
 def test_the_first_sigint_stops_a_run_whose_step_never_comes_at_once_without_a_traceback(tmp_path):
     run_dir = tmp_path / "c"

@@ -72,3 +72,25 @@ def test_a_logging_dir_that_cannot_hold_the_run_is_a_startup_error_naming_it(tmp
     assert str(caught.value) == (f"logging.dir={a_file}: cannot make the run directory {a_file / 'r'}: Not a directory "
                                  f"({a_file / 'r'})")  # fmt: skip
     assert a_file.read_text() == "{}\n"
+
+
+def test_the_watchdog_fails_a_run_after_max_nonfinite_steps_skipped_in_a_row() -> None:
+    from types import SimpleNamespace
+
+    from asyncrl.watchdog import Watchdog
+
+    pool = SimpleNamespace(totals=lambda: {}, crashes=0)
+    events: list[tuple[str, dict]] = []
+    watchdog = Watchdog(0.0, 0, lambda name, **fields: events.append((name, fields)), lambda line: None, 3)
+    skipped, clean = {"skipped_nonfinite": 1.0, "loss": None}, {"loss": 0.5}
+    for step, metrics in enumerate([clean, skipped, skipped, clean, skipped, skipped], start=1):
+        watchdog.step_done(step, pool, metrics)  # two in a row at most: an fp16 scale settling, say
+    assert watchdog.nonfinite_since == 4 and events == []
+    with pytest.raises(RunFailed, match=r"3 train steps in a row \(from step 4\)") as err:
+        watchdog.step_done(7, pool, skipped)
+    assert "checkpoint step_4 and later ones hold the weights that diverged" in str(err.value)
+    assert events == [("diverged", {"first_step": 4, "steps": 3})]
+    never = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None, 0)
+    for step in range(1, 100):
+        never.step_done(step, pool, skipped)  # 0: the run goes on
+    assert never.nonfinite_since == 0
