@@ -170,8 +170,8 @@ class Watchdog:
             raise RunFailed(
                 f"the model diverged: {streak} train steps in a row (from step {self.nonfinite_since}) had a "
                 f"non-finite loss or gradient and were skipped (`train.max_nonfinite_steps`); lower `optim.lr` or "
-                f"look for bad rows; checkpoint step_{self.nonfinite_since} and later ones hold the weights that diverged "
-                f"(delete them to resume from an earlier one);"
+                f"look for bad rows; checkpoint step_{self.nonfinite_since} and later ones hold the weights that "
+                f"diverged (delete them to resume from an earlier one);"
             )
 
     def stop_now(self, stop_requested: bool) -> bool:
