@@ -218,10 +218,20 @@ def _up(args: argparse.Namespace) -> int:
             print(f"asyncrl: cannot resume {resume}: not a run directory (no config.json)", file=sys.stderr)
             return 2
         from asyncrl import checkpoint
+        from common.config import get_key, resume_changes
 
         latest = checkpoint.latest(resume)
-        live = checkpoint.read_meta(latest).get("live", {}) if latest is not None else {}
-        cfg = _load(str(resume / "config.json"), [f"{k}={v}" for k, v in live.items()] + overrides)
+        meta = checkpoint.read_meta(latest) if latest is not None else {}
+        live = [f"{k}={v}" for k, v in meta.get("live", {}).items()]
+        cfg = _load(str(resume / "config.json"), live + overrides)
+        changed = resume_changes(_load(str(resume / "config.json"), live), cfg)
+        if changed:
+            saved = _load(str(resume / "config.json"), live)
+            listed = ", ".join(f"`{key}` ({get_key(saved, key)!r} -> {get_key(cfg, key)!r})" for key in changed[:3])
+            print(f"asyncrl: cannot resume {resume} with {listed}: its checkpoint, buffer journal and prompt stream "
+                  "belong to the run's model, data, quantization, environment and group size; start a new run "
+                  "(asyncrl up CONFIG ...) for that", file=sys.stderr)  # fmt: skip
+            return 2
     elif args.config is None:
         print("asyncrl: up needs a CONFIG file (or --resume RUN)", file=sys.stderr)
         return 2

@@ -38,6 +38,8 @@ from common.config_schema import (
     PRECISIONS,
     PROX_MODES,
     QUANT_SCHEMES,
+    RESUME_FIXED,
+    RESUME_FREE,
     SCHEDULES,
     SWAP_MODES,
     TASKS,
@@ -113,6 +115,7 @@ __all__ = [
     "is_loopback",
     "live_update",
     "load_config",
+    "resume_changes",
     "set_key",
     "to_dict",
     "validate",
@@ -219,6 +222,13 @@ def live_update(cfg: Config, items: list[str] | tuple[str, ...]) -> dict[str, An
             raise ConfigError(f"`{key}` cannot change in a running job; live keys: {', '.join(LIVE_KEYS)}")
     updated = validate(_merge_overrides(OmegaConf.structured(cfg), items))
     return {key: get_key(updated, key) for key in LIVE_KEYS if get_key(updated, key) != get_key(cfg, key)}
+
+
+def resume_changes(saved: Config, resumed: Config) -> list[str]:
+    """The keys of `RESUME_FIXED` whose value differs between a run's config (`saved`) and the one a resume would
+    run with (`resumed`); empty when the resume may go on."""
+    fixed = [k for k in all_keys() if k.startswith(RESUME_FIXED) and k not in RESUME_FREE]
+    return [key for key in fixed if get_key(saved, key) != get_key(resumed, key)]
 
 
 def get_key(cfg: Any, dotted: str) -> Any:

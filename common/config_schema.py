@@ -685,6 +685,12 @@ LIVE_KEYS: tuple[str, ...] = (
     "optim.lr",
 )
 """Keys `asyncrl set key=value` may change in a running job (applied at the next step boundary)."""
+RESUME_FIXED: tuple[str, ...] = ("model.", "data.", "quant.", "learner.lora.", "env.", "train.group_size")
+"""Keys (and sections, ending in `.`) that `asyncrl up --resume RUN key=value` may not change: the checkpoint's
+weights and adapter, the buffer journal's groups and the prompt stream belong to the run's model, data, quantization,
+environment and group size."""
+RESUME_FREE: tuple[str, ...] = ("data.eval_size",)
+"""Keys under `RESUME_FIXED` that a resume may change anyway (evaluation only)."""
 
 
 def all_keys(node: Any = Config, prefix: str = "") -> list[str]:

@@ -94,3 +94,28 @@ def test_the_watchdog_fails_a_run_after_max_nonfinite_steps_skipped_in_a_row() -
     for step in range(1, 100):
         never.step_done(step, pool, skipped)  # 0: the run goes on
     assert never.nonfinite_since == 0
+
+
+def test_resume_refuses_overrides_that_change_the_runs_model_data_quantization_or_group_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The checkpoint, the buffer journal and the prompt stream belong to them: a resume with another model.path hung
+    after the buffer's rewind, and saved the change into config.json, so every later resume hung too."""
+    from asyncrl.cli import main as cli_main
+    from common.config import load_config, to_dict
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    saved = json.dumps(to_dict(load_config(None, ["model.path=builtin:tiny", "logging.name=r"])))
+    (run_dir / "config.json").write_text(saved)
+    for override, shown in [
+        ("model.path=builtin:micro", "`model.path` ('builtin:tiny' -> 'builtin:micro')"),
+        ("data.seed=7", "`data.seed` (1234 -> 7)"),
+        ("quant.scheme=fp8", "`quant.scheme`"),
+        ("train.group_size=4", "`train.group_size` (8 -> 4)"),
+    ]:
+        assert cli_main(["up", "--resume", str(run_dir), override]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"asyncrl: cannot resume {run_dir} with {shown}"), err
+        assert "start a new run" in err
+    assert (run_dir / "config.json").read_text() == saved  # nothing written
