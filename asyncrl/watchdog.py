@@ -7,7 +7,9 @@ The watchdog (`Watchdog.check`, called by the driver between the slices of its w
   fetch, each worker's samples, skipped prompts, errors and last error, the crashes since the last step.
 - Still stalled: the report again every `REPORT_EVERY` x the timeout.
 - Stalled, and nothing can make progress: `RunFailed` with that diagnosis: every prompt leased since the last step
-  was skipped, every worker crash-looping (none running, crashes since the last step), or the buffer not answering.
+  was skipped, every worker crash-looping (none running, crashes since the last step), the buffer not answering,
+  every rollout failing (worker errors and no group pushed), every reward call failing, or every group pushed
+  dropped by `algo.filter_groups` for equal rewards (a reward that never varies).
 
 Divergence (`Watchdog.step_done`): `train.max_nonfinite_steps` train steps in a row skipped for a non-finite loss or
 gradient (`skipped_nonfinite`: the weights stay as they were) fail the run with `RunFailed`, naming the step the
@@ -39,6 +41,23 @@ REPORT_EVERY = 0.5
 """While stalled, the report repeats every this fraction of the timeout (at least every 10 s apart)."""
 STOP_WAIT_STEPS = 5
 STOP_WAIT_MIN_S = 10.0
+
+
+BUFFER_COUNTERS = ("filtered_groups", "admitted_groups")
+"""The buffer's counters the watchdog follows from one step to the next (`BufferState.stats`)."""
+SINCE_STEP = ("groups_pushed", "prompts_skipped", "errors", "samples", "reward_sum", "reward_errors", "reward_timeouts",
+              "env_groups_dropped", *BUFFER_COUNTERS)  # fmt: skip
+"""What a stall report counts since the last step: the workers' counters (`supervise.COUNTERS`), then the buffer's."""
+
+
+def _buffer_counters(buffer_stats: Callable[[], dict[str, Any]]) -> dict[str, float]:
+    from buffer.client import BufferRequestError, BufferUnavailable
+
+    try:
+        stats = buffer_stats()
+    except (BufferUnavailable, BufferRequestError):
+        return {}
+    return {key: float(stats.get(key, 0)) for key in BUFFER_COUNTERS}
 
 
 class RunFailed(RuntimeError):
@@ -87,7 +106,12 @@ def failure(err: BaseException, step: int, run_dir: Path) -> RunFailed:
 
 
 def _one_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    """The first line of `text`, a traceback in it replaced by its last line (the exception)."""
+    head, marker, tail = text.strip().partition("Traceback (most recent call last):")
+    if marker:
+        last = [line.strip() for line in tail.splitlines() if line.strip()]
+        text = f"{head.strip()} {last[-1] if last else ''}".strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     return (lines[0] if lines else "")[:300]
 
 
@@ -142,6 +166,7 @@ class Watchdog:
         self.reports = 0
         self._next_report = 0.0
         self._baseline: dict[str, float] = {}
+        self._buffer_baseline: dict[str, float] | None = None  # the buffer's counters soon after the last step
         self._crashes_at_step = 0
         self._stop_asked_at: float | None = None
 
@@ -159,6 +184,7 @@ class Watchdog:
         self.step, self.last_step_at = step, now
         self.stalled, self.reports = False, 0
         self._baseline, self._crashes_at_step = pool.totals(), pool.crashes
+        self._buffer_baseline = None
         if not (metrics or {}).get("skipped_nonfinite"):
             self.nonfinite_since = None
             return
@@ -188,6 +214,8 @@ class Watchdog:
         """Report a stall when due; raise RunFailed when nothing can make progress (see the module docstring)."""
         now = time.monotonic()
         since = now - self.last_step_at
+        if self._buffer_baseline is None:  # once a step, at the first check after it
+            self._buffer_baseline = _buffer_counters(buffer_stats)
         timeout = self.timeout_s()
         if since < timeout or now < self._next_report:
             return
@@ -211,12 +239,16 @@ class Watchdog:
         try:
             stats = buffer_stats()
             keys = ("queued_groups", "leased_groups", "returned_groups", "parked_fetches", "waiting_fetches",
-                    "consumed_groups", "cursor", "expired_leases", "lease_throttled", "skipped_prompts")  # fmt: skip
+                    "consumed_groups", "cursor", "expired_leases", "lease_throttled", "skipped_prompts",
+                    *BUFFER_COUNTERS)  # fmt: skip
             buffer.update({key: stats.get(key, 0) for key in keys})
         except (BufferUnavailable, BufferRequestError) as err:
             buffer["error"] = _one_line(str(err))
         totals = pool.totals()
         since_step = {key: totals.get(key, 0.0) - self._baseline.get(key, 0.0) for key in totals}
+        for key, value in (self._buffer_baseline or {}).items():
+            if isinstance(buffer.get(key), int | float):
+                since_step[key] = buffer[key] - value
         workers = [
             {"worker": row["worker"], "state": row["state"], "samples": row.get("samples", 0),
              "prompts_skipped": w.stats.get("prompts_skipped", 0) if (w := pool.workers.get(row["worker"])) else 0,
@@ -228,7 +260,7 @@ class Watchdog:
         return {
             "buffer": buffer,
             "workers": workers,
-            "since_step": {key: since_step.get(key, 0.0) for key in ("groups_pushed", "prompts_skipped", "errors")},
+            "since_step": {key: since_step.get(key, 0.0) for key in SINCE_STEP},
             "crashes": pool.crashes - self._crashes_at_step,
             "recent_errors": list(pool.recent_errors)[-3:],
             "learner": learner,
@@ -248,6 +280,24 @@ class Watchdog:
         if report["workers"] and not running and report["crashes"] > 0:
             last = report["recent_errors"][-1] if report["recent_errors"] else ""
             return f"every rollout worker is crash-looping ({report['crashes']} crashes since step {self.step}; {last})"
+        last = next((w["last_error"] for w in reversed(report["workers"]) if w["last_error"]), "")
+        if since_step["errors"] > 0 and since_step["groups_pushed"] == 0:
+            return (f"every rollout failed since step {self.step} ({since_step['errors']:.0f} errors, no group pushed;"
+                    f" last: {last})")  # fmt: skip
+        if since_step["env_groups_dropped"] > 0 and since_step["groups_pushed"] == 0:
+            return (f"every multi-turn episode failed since step {self.step} ({since_step['env_groups_dropped']:.0f} "
+                    f"groups dropped, none pushed; last: {last}): fix the environment (`env.fn`)")  # fmt: skip
+        failed_rewards = since_step["reward_errors"] + since_step["reward_timeouts"]
+        if since_step["samples"] > 0 and failed_rewards >= since_step["samples"]:
+            return (f"every reward call failed since step {self.step} ({failed_rewards:.0f} of "
+                    f"{since_step['samples']:.0f} samples; last error: {last}): fix the reward function")  # fmt: skip
+        pushed, filtered = since_step["groups_pushed"], since_step.get("filtered_groups", 0.0)
+        if pushed > 0 and filtered >= pushed and since_step.get("admitted_groups", 0.0) == 0:
+            mean = since_step["reward_sum"] / since_step["samples"] if since_step["samples"] else float("nan")
+            return (f"every group pushed since step {self.step} ({pushed:.0f}) had equal rewards (mean {mean:.3g}) and "
+                    "was dropped by `algo.filter_groups`: the reward never varies within a group (a reward function "
+                    "that returns a constant, or a task the model gets all right or all wrong); check the reward, or "
+                    "set algo.filter_groups=false")  # fmt: skip
         return ""
 
     def format(self, report: dict[str, Any], since: float) -> str:

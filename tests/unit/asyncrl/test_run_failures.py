@@ -119,3 +119,52 @@ def test_resume_refuses_overrides_that_change_the_runs_model_data_quantization_o
         assert err.startswith(f"asyncrl: cannot resume {run_dir} with {shown}"), err
         assert "start a new run" in err
     assert (run_dir / "config.json").read_text() == saved  # nothing written
+
+
+def _stall_report(workers_error: str = "", **since: float) -> dict:
+    from asyncrl.watchdog import SINCE_STEP
+
+    counts = {key: 0.0 for key in SINCE_STEP} | since
+    workers = [{"worker": "worker-0", "state": "running", "samples": 0, "prompts_skipped": 0, "errors": 1,
+                "last_error": workers_error}]  # fmt: skip
+    return {"buffer": {"alive": True}, "workers": workers, "since_step": counts, "crashes": 0, "recent_errors": [],
+            "learner": "waiting in FetchBatch for step 0"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("since", "expected"),
+    [
+        ({"errors": 40.0}, "every rollout failed since step 0 (40 errors, no group pushed; last: ValueError: ids"),
+        ({"env_groups_dropped": 6.0}, "every multi-turn episode failed since step 0 (6 groups dropped, none pushed"),
+        ({"groups_pushed": 4.0, "samples": 32.0, "reward_errors": 30.0, "reward_timeouts": 2.0},
+         "every reward call failed since step 0 (32 of 32 samples; last error: ValueError: ids"),
+        ({"groups_pushed": 9.0, "samples": 72.0, "reward_sum": 72.0, "filtered_groups": 9.0},
+         "every group pushed since step 0 (9) had equal rewards (mean 1) and was dropped by `algo.filter_groups`"),
+    ],
+)  # fmt: skip
+def test_a_stall_that_nothing_can_end_is_diagnosed(since: dict, expected: str) -> None:
+    """Runs that hung silently: a tokenizer the model cannot take (every lease raises), an environment whose
+    constructor raises, a reward function that always raises, one that returns a constant under dynamic sampling."""
+    from asyncrl.watchdog import Watchdog
+
+    watchdog = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None)
+    assert watchdog.diagnose(_stall_report("ValueError: ids must lie in [0, 16)", **since)).startswith(expected)
+
+
+def test_a_slow_but_live_run_is_not_diagnosed_and_a_traceback_shows_its_exception() -> None:
+    from types import SimpleNamespace
+
+    from asyncrl.watchdog import Watchdog
+
+    watchdog = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None)
+    live = {"groups_pushed": 9.0, "samples": 72.0, "reward_sum": 30.0, "filtered_groups": 8.0, "admitted_groups": 1.0}
+    assert watchdog.diagnose(_stall_report("", **live)) == ""  # one group admitted: the step will come
+    assert watchdog.diagnose(_stall_report("", errors=2.0, groups_pushed=5.0)) == ""  # errors, but groups go through
+    traceback = 'Traceback (most recent call last):\n  File "w.py", line 3, in f\n    g()\nValueError: bad ids\n'
+    row = {"worker": "worker-0", "state": "running", "last_error": traceback}
+    pool = SimpleNamespace(totals=lambda: {}, crashes=0, recent_errors=[], workers={}, describe=lambda: [row])
+    report = watchdog.report(pool, lambda: {}, True, 400.0)
+    assert report["workers"][0]["last_error"] == "ValueError: bad ids"
+    row["last_error"] = "reward function 'f' failed on row 2 (scored 0): " + traceback
+    report = watchdog.report(pool, lambda: {}, True, 400.0)
+    assert report["workers"][0]["last_error"] == "reward function 'f' failed on row 2 (scored 0): ValueError: bad ids"
