@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from common.config_schema import TURN_REWARDS
-from common.reward_fns import RewardFnError, check_spec, load_fn, parse_spec
+from common.reward_fns import BUILTIN_FNS, RewardFnError, check_spec, load_fn, parse_spec
 
 Messages: TypeAlias = list[dict[str, str]]
 Observation: TypeAlias = "str | Messages | None"
@@ -99,20 +99,46 @@ def env_spec(spec: str) -> str:
     return BUILTIN_ENVS.get(spec.strip(), spec.strip())
 
 
+def _resolved_env_spec(spec: str, key: str) -> str:
+    """`env_spec(spec)`; EnvError for an `asyncrl:` name that is no built-in environment (the reward loader would
+    otherwise resolve `asyncrl:arith` to a reward function)."""
+    resolved = env_spec(spec)
+    location, _, name = resolved.rpartition(":")
+    if location == "asyncrl":
+        raise EnvError(f"`{key}` {spec!r}: no built-in environment {name!r}; valid: {', '.join(BUILTIN_ENVS)}")
+    return resolved
+
+
+def _env_error(err: RewardFnError) -> EnvError:
+    """A reward-spec error (common.reward_fns, whose loader env.fn shares) said of an environment: a class, the
+    environment built-ins."""
+    message = str(err)
+    for reward_words, env_words in (
+        (f"({', '.join(BUILTIN_FNS)})", f"({', '.join(BUILTIN_ENVS)})"),
+        ("is not a reward function spec", "is not an environment spec"),
+        ("path/to/file.py:name`, `package.module:name`", "path/to/file.py:Class`, `package.module:Class`"),
+        ("defines no function", "defines no class"),
+        ("has no function", "has no class"),
+        ("reward file", "env file"),
+    ):
+        message = message.replace(reward_words, env_words)
+    return EnvError(message)
+
+
 def check_env_spec(spec: str, key: str = "env.fn") -> None:
     """The start-up check of `env.fn` (file parsed, not run; module imported). Raises EnvError naming the key."""
     try:
-        check_spec(env_spec(spec), key)
+        check_spec(_resolved_env_spec(spec, key), key)
     except RewardFnError as err:
-        raise EnvError(str(err).replace("reward function", "environment").replace("reward file", "env file")) from err
+        raise _env_error(err) from err
 
 
 def load_env_factory(spec: str, args: dict[str, Any] | None = None, key: str = "env.fn") -> Callable[[], Any]:
     """A function making one environment instance per episode: the spec's class (or factory) called with `args`."""
     try:
-        cls = load_fn(parse_spec(env_spec(spec), key), key)
+        cls = load_fn(parse_spec(_resolved_env_spec(spec, key), key), key)
     except RewardFnError as err:
-        raise EnvError(str(err).replace("reward function", "environment").replace("reward file", "env file")) from err
+        raise _env_error(err) from err
     kwargs = dict(args or {})
 
     def make() -> Any:

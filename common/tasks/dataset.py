@@ -1,13 +1,18 @@
-"""Task `dataset`: a user dataset read with the `datasets` library, scored by the math reward.
+"""Task `dataset`: a user dataset file or `datasets` directory, scored by the math reward.
 
 `data.path` is a `.jsonl`, `.json` or `.parquet` file, or a directory written by `Dataset.save_to_disk` (a
-`DatasetDict` directory must hold a `train` split). `data.prompt_key` names a string prompt or a list of
+`DatasetDict` directory must hold a `train` split). JSON files (one object per line, or one list of objects) are read
+with Python's `json`, line by line as task `jsonl` reads them (`common.tasks.jsonl.json_lines`): a number keeps its
+value as the file writes it (`9007199254740993` stays that integer, `0.5` that float; `datasets`' JSON reader would
+type a column as int64 / float64 and round it), and a line that is not JSON is named by its number and cause. Parquet
+files and saved directories are read with the `datasets` library, their columns typed as stored (a float64 column
+answers `5.0`, which the math reward scores as `5`). `data.prompt_key` names a string prompt or a list of
 `{role, content}` chat messages; `data.answer_key` a string or number answer. Both may be dotted paths into nested
 fields (`reward_model.ground_truth`, `extra_info.question`); a column whose own name holds the dot wins.
 
 Every row is checked when the source is built; bad rows fail in one `DatasetError` naming the file, the 1-based row
-and the key (answers follow `common.tasks.jsonl`'s rules: GSM8K `####` answers, numbers, LaTeX that math-verify
-reads). All rows of one file hold the same prompt kind (text or messages).
+(`line N` in a JSON-lines file) and the key (answers follow `common.tasks.jsonl`'s rules: GSM8K `####` answers,
+numbers, LaTeX that math-verify reads). All rows of one file hold the same prompt kind (text or messages).
 
 A message-list prompt travels through the buffer as its JSON text (`json.dumps` of the list); `common.tasks.chat`
 turns it back into messages and renders it with the tokenizer's chat template, the same way in the rollout worker,
@@ -21,6 +26,7 @@ the tokenizer are imported on first use: importing this module stays cheap.
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +40,7 @@ from common.tasks.jsonl import (
     answer_problem,
     check_rows,
     check_text,
+    json_lines,
 )
 
 if TYPE_CHECKING:
@@ -41,19 +48,33 @@ if TYPE_CHECKING:
 
 _ROLES = ("system", "user", "assistant", "tool")
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what `save_to_disk` writes: a Dataset's, a DatasetDict's
 
 
-def load_table(path: str, key: str = "data.path") -> list[dict[str, Any]]:
-    """The rows of a dataset file or saved directory, read with `datasets`; DatasetError naming the path if not."""
+def load_table(path: str, key: str = "data.path") -> list[tuple[str, dict[str, Any] | str]]:
+    """(where, the row or what is wrong with it) of every row of a dataset file or saved directory; `where` is
+    `line N` in a JSON-lines file, else `row N` (1-based). DatasetError naming the path if it cannot be read at all.
+
+    .jsonl / .json files are read with Python's `json` (`common.tasks.jsonl.json_lines`, as task `jsonl` reads them):
+    numbers keep their value exactly as the file writes it (`datasets`' JSON reader types them as int64 / float64,
+    rounding `9007199254740993`), rows need not share one type per column, and a bad line is named by its number."""
     target = Path(path).expanduser()
     if not target.exists():
         raise DatasetError(f"dataset {path!r} does not exist ({key})")
+    if target.is_file() and _FILE_FORMATS.get(target.suffix.lower()) == "json":
+        return _json_rows(target, path)
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     try:
         if target.is_dir():
+            if not any((target / name).is_file() for name in _SAVED_MARKERS):
+                raise DatasetError(
+                    f"{path} is a directory but not one written by `datasets` save_to_disk (it holds no "
+                    f"{' or '.join(_SAVED_MARKERS)}) ({key}): point it at a .jsonl, .json or .parquet file, or at "
+                    "a save_to_disk directory"
+                )
             table = datasets.load_from_disk(str(target))
             if isinstance(table, datasets.DatasetDict):
                 if "train" not in table:
@@ -70,12 +91,50 @@ def load_table(path: str, key: str = "data.path") -> list[dict[str, Any]]:
                     ".jsonl, .json, .parquet, or a directory written by `datasets` save_to_disk"
                 )
             table = datasets.load_dataset(kind, data_files=str(target), split="train")
+        records = table.to_list()  # decodes the strings: a file whose text is not UTF-8 fails here
     except DatasetError:
         raise
     except Exception as err:  # noqa: BLE001  (pyarrow/datasets raise many types for unreadable files)
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         raise DatasetError(f"{path}: `datasets` cannot read it ({type(err).__name__}: {first})") from None
-    return table.to_list()
+    return [(f"row {number}", record) for number, record in enumerate(records, start=1)]
+
+
+def _json_rows(target: Path, path: str) -> list[tuple[str, dict[str, Any] | str]]:
+    """The rows of a .jsonl / .json file: one JSON object per line (`line N`), or one JSON list of objects (`row N`),
+    as `datasets` also accepts; a UTF-8 byte order mark at the start is skipped."""
+    with target.open("rb") as stream:
+        head = stream.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+        stream.seek(0)
+        if not head.startswith(b"["):
+            rows = [(f"line {number}", row) for number, row in json_lines(stream)]
+            if not (rows and isinstance(rows[0][1], str) and head.startswith(b"{")):
+                return rows
+            stream.seek(0)
+            try:  # one object written over several lines: the rows are missing, not the lines broken
+                whole = json.loads(stream.read().removeprefix(codecs.BOM_UTF8).decode("utf-8"))
+            except (ValueError, RecursionError):
+                return rows
+            raise DatasetError(
+                f"{path}: one JSON object over several lines (keys: {', '.join(map(str, whole))[:200]}), not rows: "
+                "write one object per line, or a JSON list of objects"
+            )
+        data = stream.read().removeprefix(codecs.BOM_UTF8)
+    try:
+        items = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise DatasetError(f"{path}: line {line}: not valid UTF-8 (byte 0x{data[err.start]:02x})") from None
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}: line {err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+    except (ValueError, RecursionError) as err:  # an integer of thousands of digits, nesting thousands deep
+        raise DatasetError(f"{path}: unreadable JSON ({type(err).__name__}: {str(err)[:80]})") from None
+    if not isinstance(items, list):
+        raise DatasetError(f"{path}: expected a JSON list of objects, got {type(items).__name__}")
+    return [
+        (f"row {number}", item if isinstance(item, dict) else f"expected a JSON object, got {type(item).__name__}")
+        for number, item in enumerate(items, start=1)
+    ]
 
 
 def field_value(row: dict[str, Any], key: str) -> tuple[bool, Any]:
@@ -124,7 +183,10 @@ def load_dataset_rows(
     rows: list[tuple[str, str]] = []
     errors: list[str] = []
     kind: str | None = None  # "text" or "messages": fixed by the first good row
-    for number, row in enumerate(table, start=1):
+    for where, row in table:
+        if isinstance(row, str):  # a line that is no JSON object
+            errors.append(f"{path}: {where}: {row}")
+            continue
         found, prompt = field_value(row, prompt_key)
         problem: str | None = None
         if not found:
@@ -147,7 +209,7 @@ def load_dataset_rows(
             else:
                 answer, problem = answer_problem(raw_answer, answer_field)
         if problem is not None:
-            errors.append(f"{path}: row {number}: {problem}")
+            errors.append(f"{path}: {where}: {problem}")
             continue
         kind = row_kind
         rows.append((prompt, answer))

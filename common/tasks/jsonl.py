@@ -19,8 +19,10 @@ training stream (a dataset has no spare split here): the eval set may overlap th
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
+from collections.abc import Iterable, Iterator
 from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
@@ -45,18 +47,36 @@ def reference_answer(raw: str | int | float) -> str:
     return raw.strip()
 
 
-def _row_problem(line: bytes, prompt_key: str, answer_key: str) -> tuple[str, str] | str:
-    """(prompt, reference answer) of one line, or a description of what is wrong with it."""
+def parse_line(line: bytes) -> dict | str:
+    """The JSON object one line holds, or a description of what is wrong with it (the cause, with its column).
+
+    Python's `json` reads the numbers: an integer of any length stays exact (`9007199254740993`), a decimal is a float
+    (`0.5`). Shared by the `jsonl` and `dataset` tasks, so both read a line the same way."""
     try:
         row = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        return "not valid UTF-8"
+    except UnicodeDecodeError as err:
+        return f"not valid UTF-8 (byte 0x{line[err.start]:02x} at byte {err.start + 1} of the line)"
     except json.JSONDecodeError as err:
         return f"invalid JSON ({err.msg} at column {err.colno})"
     except (ValueError, RecursionError) as err:  # an integer of thousands of digits, nesting thousands deep
         return f"unreadable JSON ({type(err).__name__}: {str(err)[:80]})"
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
+    return row
+
+
+def json_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, dict | str]]:
+    """(1-based line number, its JSON object or what is wrong with it) of every non-blank line of a JSONL stream; a
+    UTF-8 byte order mark at the start is skipped."""
+    for line_number, line in enumerate(lines, start=1):
+        if line_number == 1:
+            line = line.removeprefix(codecs.BOM_UTF8)
+        if line.strip():
+            yield line_number, parse_line(line)
+
+
+def _row_problem(row: dict, prompt_key: str, answer_key: str) -> tuple[str, str] | str:
+    """(prompt, reference answer) of one row, or a description of what is wrong with it."""
     prompt_field, answer_field = f"{prompt_key!r} (data.prompt_key)", f"{answer_key!r} (data.answer_key)"
     if prompt_key not in row:
         return f"missing field {prompt_field}; the row has: {', '.join(map(str, row)) or 'no fields'}"
@@ -104,15 +124,18 @@ def answer_problem(raw_answer: object, answer_field: str) -> tuple[str, str | No
 def load_rows(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
     """Every (prompt, reference answer) of a JSONL file; DatasetError listing the bad rows if any."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise DatasetError(
+            f"dataset file {str(path)!r} is a directory, not a JSONL file (data.path); a directory written by "
+            "`datasets` save_to_disk is read by data.task=dataset"
+        )
     if not file.is_file():
         raise DatasetError(f"dataset file {str(path)!r} does not exist (data.path)")
     rows: list[tuple[str, str]] = []
     errors: list[str] = []
     with file.open("rb") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            parsed = _row_problem(line, prompt_key, answer_key)
+        for line_number, row in json_lines(lines):
+            parsed = row if isinstance(row, str) else _row_problem(row, prompt_key, answer_key)
             if isinstance(parsed, str):
                 errors.append(f"{path}:{line_number}: {parsed}")
             else:

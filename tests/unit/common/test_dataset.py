@@ -1,5 +1,6 @@
-"""data.task=dataset: jsonl/json/parquet files and save_to_disk directories read with `datasets`, message prompts,
-dotted keys, a separate eval file, and bad rows named by file, row and key."""
+"""data.task=dataset: jsonl/json files read as task jsonl reads them (numbers exact), parquet files and save_to_disk
+directories read with `datasets`, message prompts, dotted keys, a separate eval file, and bad rows named by file, row
+(or line) and key."""
 
 from __future__ import annotations
 
@@ -95,9 +96,9 @@ def test_bad_rows_are_named_by_file_row_and_key(tmp_path: Path) -> None:
         _source(path, prompt_key="q", answer_key="a.gt")
     text = str(err.value)
     assert "3 invalid row(s)" in text
-    assert f"{path}: row 2: missing field 'a.gt' (data.answer_key)" in text
-    assert f"{path}: row 3: field 'q' (data.prompt_key) is empty" in text
-    assert f"{path}: row 4: the reference answer 'eighteen dollars' does not read as math" in text
+    assert f"{path}: line 2: missing field 'a.gt' (data.answer_key)" in text
+    assert f"{path}: line 3: field 'q' (data.prompt_key) is empty" in text
+    assert f"{path}: line 4: the reference answer 'eighteen dollars' does not read as math" in text
 
 
 def test_bad_messages_and_mixed_prompt_kinds_are_refused(tmp_path: Path) -> None:
@@ -106,10 +107,10 @@ def test_bad_messages_and_mixed_prompt_kinds_are_refused(tmp_path: Path) -> None
     chat[2]["prompt"] = [{"role": "user", "content": None}]
     with pytest.raises(DatasetError) as err:
         _source(_write(tmp_path, "bad_chat.jsonl", chat), answer_key="reward_model.ground_truth")
-    assert "row 2: field 'prompt' (data.prompt_key): message 0 has role 'narrator'" in str(err.value)
-    assert "row 3: field 'prompt' (data.prompt_key): message 0 has no string `content`" in str(err.value)
+    assert "line 2: field 'prompt' (data.prompt_key): message 0 has role 'narrator'" in str(err.value)
+    assert "line 3: field 'prompt' (data.prompt_key): message 0 has no string `content`" in str(err.value)
     mixed = [{"p": "text", "a": "1"}, {"p": [{"role": "user", "content": "hi"}], "a": "2"}]
-    with pytest.raises(DatasetError, match="row 2: field 'p' .* holds messages but earlier rows hold text"):
+    with pytest.raises(DatasetError, match="line 2: field 'p' .* holds messages but earlier rows hold text"):
         _source(_write(tmp_path, "mixed.jsonl", mixed), prompt_key="p", answer_key="a")
 
 
@@ -147,3 +148,99 @@ def test_config_rules_for_the_dataset_keys() -> None:
         load_config(None, ["data.max_prompt_tokens=10"])
     with pytest.raises(ConfigError, match="chat_template"):
         load_config(None, ["data.chat_template=maybe"])
+
+
+def _lines(tmp_path: Path, name: str, lines: list[str | bytes]) -> Path:
+    path = tmp_path / name
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode()) + b"\n" for line in lines))
+    return path
+
+
+def _answers(path: Path, task: str = "dataset") -> list[str]:
+    source = make_source(DataConfig(task=task, path=str(path), eval_size=1))
+    return sorted(source.train(i).answer for i in range(source.epoch_size()))
+
+
+@pytest.mark.parametrize("name", ["big.jsonl", "big.json"])
+def test_json_numbers_keep_their_exact_value_as_the_jsonl_task_reads_them(tmp_path: Path, name: str) -> None:
+    lines = [
+        '{"prompt": "a", "answer": 12345678901234567890123}',
+        '{"prompt": "b", "answer": 9007199254740993}',
+        '{"prompt": "c", "answer": 0.5}',
+        '{"prompt": "d", "answer": 1e16}',
+        '{"prompt": "e", "answer": -7}',
+    ]
+    path = _lines(tmp_path, name, lines if name.endswith(".jsonl") else ["[" + ",\n".join(lines) + "]"])
+    exact = sorted(["12345678901234567890123", "9007199254740993", "0.5", "10000000000000000", "-7"])
+    assert _answers(path) == exact
+    if name.endswith(".jsonl"):
+        assert _answers(path, task="jsonl") == exact  # both tasks give the same reference for the same row
+    source = _source(path)
+    row = next(source.row(i) for i in range(5) if source.train(i).answer == "9007199254740993")
+    assert row["answer"] == 9007199254740993 and isinstance(row["answer"], int)  # the reward function's row too
+    assert source.reward("\\boxed{12345678901234567890123}", "12345678901234567890123") == 1.0
+
+
+def test_a_float_column_of_whole_numbers_scores_as_the_jsonl_integers(tmp_path: Path) -> None:
+    parquet = _write(tmp_path, "floats.parquet", [{"prompt": "a", "answer": 5.0}, {"prompt": "b", "answer": 0.1}])
+    jsonl = _lines(tmp_path, "ints.jsonl", ['{"prompt": "a", "answer": 5}', '{"prompt": "b", "answer": 0.1}'])
+    typed, written = _answers(parquet), _answers(jsonl)
+    assert typed == ["0.1", "5.0"] and written == ["0.1", "5"]  # the column's type shows, the value does not change
+    source = _source(jsonl)
+    for response in ("\\boxed{5}", "5.0", "0.1", "4"):
+        assert [source.reward(response, a) for a in typed] == [source.reward(response, a) for a in written]
+
+
+def test_unreadable_json_lines_are_named_by_file_line_and_cause(tmp_path: Path) -> None:
+    path = _lines(
+        tmp_path,
+        "bad.jsonl",
+        [
+            '{"prompt": "fine", "answer": 1}',
+            '{"prompt": "broken", ',
+            "",
+            b'{"prompt": "caf\xe9", "answer": 2}',
+            '["not", "an", "object"]',
+            '{"prompt": "mixed type", "answer": "3"}',
+            '{"prompt": "list answer", "answer": [4]}',
+        ],
+    )
+    with pytest.raises(DatasetError) as err:
+        _source(path)
+    text = str(err.value)
+    assert "`datasets` cannot read it" not in text and "4 invalid row(s)" in text
+    assert f"{path}: line 2: invalid JSON (Expecting property name enclosed in double quotes at column 1)" in text
+    assert f"{path}: line 4: not valid UTF-8 (byte 0xe9 at byte 16 of the line)" in text
+    assert f"{path}: line 5: expected a JSON object, got list" in text
+    assert f"{path}: line 7: field 'answer' (data.answer_key) must be a string or a number, got list" in text
+    assert f"{path}: line 6" not in text and f"{path}: line 1" not in text  # rows of other types are fine
+
+
+def test_a_bad_json_list_file_names_the_line_and_cause(tmp_path: Path) -> None:
+    broken = _lines(tmp_path, "broken.json", ['[{"prompt": "a", "answer": 1},', '{"prompt": "b" "answer": 2}]'])
+    with pytest.raises(
+        DatasetError, match=r"broken.json: line 2: invalid JSON \(Expecting ',' delimiter at column 16\)"
+    ):
+        _source(broken)
+    latin = _lines(tmp_path, "latin.json", ["[", b'{"prompt": "\xff", "answer": 1}]'])
+    with pytest.raises(DatasetError, match=r"latin.json: line 2: not valid UTF-8 \(byte 0xff\)"):
+        _source(latin)
+    items = _lines(tmp_path, "items.json", ['[{"prompt": "a", "answer": 1}, 7]'])
+    with pytest.raises(DatasetError, match=r"items.json: row 2: expected a JSON object, got int"):
+        _source(items)
+    one = _lines(tmp_path, "one.json", ["{", '  "prompt": "a",', '  "answer": 1', "}"])
+    with pytest.raises(DatasetError, match=r"one.json: one JSON object over several lines \(keys: prompt, answer\)"):
+        _source(one)
+
+
+def test_a_directory_is_named_as_a_directory(tmp_path: Path) -> None:
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "rows.jsonl").write_text('{"prompt": "a", "answer": 1}\n')
+    with pytest.raises(
+        DatasetError,
+        match=r"folder is a directory but not one written by `datasets` save_to_disk \(it holds no state.json",
+    ):
+        _source(folder)
+    with pytest.raises(DatasetError, match=r"dataset file '.*folder' is a directory, not a JSONL file \(data.path\)"):
+        make_source(DataConfig(task="jsonl", path=str(folder)))

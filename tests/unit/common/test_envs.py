@@ -90,3 +90,25 @@ def test_the_calculator_environment_answers_calls_and_scores_the_final_answer() 
     assert final.reward == 1.0 and final.done and final.info["correct"]
     env.reset({"prompt": "1+1=", "answer": "2"})
     assert check_step_result(env.step("3")).reward == 0.0
+
+
+def test_env_spec_errors_speak_of_environments_and_their_built_ins(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["env.fn=asyncrl:nope"])
+    assert "no built-in environment 'nope'; valid: asyncrl:arith_tool" in str(err.value)
+    assert "asyncrl:math" not in str(err.value)
+    with pytest.raises(ConfigError, match="no built-in environment 'math'; valid: asyncrl:arith_tool"):
+        load_config(None, ["env.fn=asyncrl:math"])  # a reward built-in is no environment
+    with pytest.raises(EnvError, match="no built-in environment 'arith'"):
+        load_env_factory("asyncrl:arith")
+    with pytest.raises(
+        ConfigError, match=r"is not an environment spec: write `path/to/file.py:Class`.*\(asyncrl:arith_tool\)"
+    ):
+        load_config(None, ["env.fn=no_colon"])
+    (tmp_path / "envs_file.py").write_text(ENV)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"env.fn={tmp_path / 'envs_file.py'}:Nope"])
+    assert f"env file {str(tmp_path / 'envs_file.py')!r} defines no class 'Nope'" in str(err.value)
+    with pytest.raises(EnvError, match="module 'common.tasks.arith_tool' has no class 'Nope'"):
+        load_env_factory("common.tasks.arith_tool:Nope")
+    assert load_config(None, ["env.fn=asyncrl:arith_tool"]).env.fn == "asyncrl:arith_tool"

@@ -351,3 +351,14 @@ def test_rows_that_would_fail_later_are_reported_when_loading(tmp_path: Path) ->
     assert f"{path}:4: field 'prompt' (data.prompt_key) holds an unpaired surrogate escape" in message
     assert f"{path}:5: the reference answer '18 dollars' does not read as math" in message
     assert f"{path}:6: the reference answer '12,34' does not read as math" in message
+
+
+def test_a_directory_or_a_byte_order_mark_as_jsonl_data(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"dataset file '.*' is a directory, not a JSONL file \(data.path\)"):
+        make_source(_jsonl_cfg(tmp_path))
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "2+2?", "answer": 4}).encode() + b"\n\xff\n")
+    with pytest.raises(DatasetError) as err:
+        make_source(_jsonl_cfg(path))
+    assert "1 invalid row(s)" in str(err.value)  # the first line reads despite its byte order mark
+    assert f"{path}:2: not valid UTF-8 (byte 0xff at byte 1 of the line)" in str(err.value)
