@@ -8,16 +8,19 @@ apply) and its answer is re-shaped into the pydantic models of openai_schemas.py
   `logprobs` / `top_logprobs` as OpenAI's `choices[i].logprobs.content`.
 - Choices are ordered prompt by prompt, each prompt's `n` samples together (`index` = prompt * n + sample).
 - Every response carries `metadata.weight_version`, the served weights' label when it was built.
+- `/v1/models/{id}` answers the served model's card, and SGLang's OpenAI-style 404 (`model_not_found`) for any
+  other id.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -41,6 +44,7 @@ from rollout_workers.sglang_api.openai_schemas import (
 )
 from rollout_workers.sglang_api.protocol import BadRequest
 from rollout_workers.sglang_api.schemas import GenerateReqInput, GenerateRequest
+from rollout_workers.sglang_api.serve_requests import check_text_fits
 from rollout_workers.sglang_api.service import ModelService
 from rollout_workers.sglang_api.streaming import delta_stream, event_stream
 
@@ -100,8 +104,18 @@ async def models(service: Service) -> ModelList:
     return ModelList(data=[_card(service), *adapter_cards(service)])  # --enable-lora: one card per loaded adapter
 
 
-@openai_routes.get("/v1/models/{model:path}")
-async def model(service: Service, model: str) -> ModelCard:
+@openai_routes.get("/v1/models/{model:path}", response_model=None)
+async def model(service: Service, model: str) -> ModelCard | JSONResponse:
+    """The served model's card; any other id (a LoRA adapter's too, as in SGLang 0.5.9) is SGLang's OpenAI-style
+    404."""
+    if model != service.served_model_name:
+        error = {
+            "message": f"The model '{model}' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        return JSONResponse({"error": error}, status_code=404)
     return _card(service)
 
 
@@ -238,17 +252,18 @@ def _chat_stream(service: ModelService, obj: ChatCompletionRequest, request: Gen
 
 
 def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]:
+    """The messages rendered by the chat template, then tokenized as `apply_chat_template(tokenize=True)` does (no
+    special tokens added): a rendered text too long to fit is refused untokenized (serve_requests.check_text_fits)."""
     tokenizer = service.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(f"the tokenizer of {service.tokenizer_path} has no chat template", validation=True)
     messages = [{"role": message.role, "content": message.text()} for message in obj.messages]
     final = obj.continue_final_message
-    ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=not final, continue_final_message=final
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=not final, continue_final_message=final
     )
-    if isinstance(ids, Mapping):  # transformers releases that return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    check_text_fits(text, 0, service.token_chars, service.engine.max_seq_len)  # the rest is checked once tokenized
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 @openai_routes.post("/v1/chat/completions")

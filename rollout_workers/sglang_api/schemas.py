@@ -259,10 +259,27 @@ class AbortReq(BaseModel):
     abort_all: bool = False
 
 
-class SlowDownReqInput(BaseModel):
-    """`GET|POST /slow_down`: SGLang's testing knob, seconds slept after every engine step (null: none)."""
+MAX_FORWARD_SLEEP_S = 3600.0
+"""The longest `/slow_down` sleep per engine step. SGLang takes any float (a sleep of 1e308 s kills its scheduler
+with an OverflowError); testing scripts use up to 90 s. The sleep ends early on a new `/slow_down`."""
 
-    forward_sleep_time: Annotated[Number, Field(ge=0)] | None = None
+
+class SlowDownReqInput(BaseModel):
+    """`GET|POST /slow_down`: SGLang's testing knob, seconds slept after every engine step (null, 0 or less: none,
+    as in SGLang); `seconds()` checks it."""
+
+    forward_sleep_time: Number | None = None
+
+    def seconds(self) -> float:
+        """The sleep per step; BadRequest over MAX_FORWARD_SLEEP_S (or not a finite number)."""
+        value = self.forward_sleep_time
+        if value is None or value <= 0:
+            return 0.0
+        if not value <= MAX_FORWARD_SLEEP_S:  # NaN and infinity too
+            raise BadRequest(
+                f"forward_sleep_time must be at most {MAX_FORWARD_SLEEP_S:g} seconds per forward, got {value:g}."
+            )
+        return float(value)
 
 
 class TokenizeReqInput(BaseModel):

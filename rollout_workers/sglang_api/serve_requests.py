@@ -6,7 +6,10 @@ become the embedded engine's.
 - `sample_keys` derives a request's per-sample random keys exactly as `EmbeddedEngine.generate` derives them for
   the copies of a prompt, so a `sampling_seed` request and an engine `generate` with that seed draw the same tokens.
 - `check_prompt` holds the checks that need the model (vocabulary, context length, `logit_bias` ids); the rest of
-  SGLang's `verify()` is in schemas.py.
+  SGLang's `verify()` is in schemas.py. `check_text_fits` refuses a text prompt before it is tokenized when it is
+  too long to fit whatever its tokens: no token stands for more than `max_token_chars(tokenizer)` characters, so a
+  text of more than `max_seq_len` times that many cannot fit (tokenizing a 50 MB prompt only to refuse it would take
+  gigabytes and minutes of a core).
 - `engine_params` maps SGLang's parameters onto `rollout_workers.engine.SamplingParams`: temperature 0 is top-k 1
   at temperature 1 (SGLang's greedy), stop tokens are the request's plus EOS unless `ignore_eos`, and the penalties
   and `logit_bias` pass through (applied by rollout_workers/embedded/penalties.py, SGLang's formulas).
@@ -60,12 +63,20 @@ class ServeRequest:
 
 
 def request_groups(
-    request: GenerateRequest, tokenizer: Any, vocab_size: int, max_seq_len: int, generator: torch.Generator
+    request: GenerateRequest,
+    tokenizer: Any,
+    vocab_size: int,
+    max_seq_len: int,
+    generator: torch.Generator,
+    token_chars: int,
 ) -> list[list[ServeRequest]]:
-    """A checked `/generate` request -> one group per prompt: its `n` samples (tokenized, checked, keyed, named)."""
+    """A checked `/generate` request -> one group per prompt: its `n` samples (tokenized, checked, keyed, named).
+    `token_chars`: `max_token_chars(tokenizer)`, the bound on a text prompt that can fit (`check_text_fits`)."""
     groups = []
     n = request.sampling[0].n
     for b, (prompt, sampling) in enumerate(zip(request.prompts, request.sampling)):
+        if isinstance(prompt, str):
+            check_text_fits(prompt, sampling.max_new_tokens, token_chars, max_seq_len)
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, sampling, vocab_size, max_seq_len)
         start = request.logprob_start_len[b] if request.logprob_start_len else -1
@@ -115,6 +126,41 @@ def check_prompt(ids: list[int], sampling: SamplingParams, vocab_size: int, max_
     for token in sampling.logit_bias_ids:
         if not 0 <= token < vocab_size:
             raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token}.")  # SGLang's words
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token of `tokenizer` can stand for: the longest token of its vocabulary (added
+    and special tokens included), measured both as written in the vocabulary and decoded alone (a byte-level token
+    has at least as many characters as the bytes it decodes to; a decoded SentencePiece token loses its leading
+    space), times 4 when the tokenizer's normalizer composes Unicode (NFC, NFKC: up to 4 code points become one, as
+    U+1F82 does). Characters a tokenizer deletes (BERT-style clean-up, a run of unknown characters fused into one
+    token) are not bounded: such a text is refused as if they were kept. Computed once at start-up (a fast
+    tokenizer decodes a 150k vocabulary in a fraction of a second)."""
+    vocab = tokenizer.get_vocab()
+    ids = [[token_id] for token_id in sorted(set(vocab.values()))]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: decode the whole vocabulary in Rust
+    if backend is not None:
+        decoded = backend.decode_batch(ids, skip_special_tokens=False)
+    else:
+        decoded = [tokenizer.decode(one, skip_special_tokens=False, clean_up_tokenization_spaces=False) for one in ids]
+    longest = max(1, *map(len, vocab), *map(len, decoded))
+    normalizer = repr(getattr(backend, "normalizer", None))
+    composes = any(kind in normalizer for kind in ("NFC", "NFKC", "Precompiled"))  # Precompiled: SentencePiece's NFKC
+    return longest * (4 if composes else 1)
+
+
+def check_text_fits(text: str, max_new_tokens: int, token_chars: int, max_seq_len: int) -> None:
+    """Refuse a text prompt that cannot fit the context with `max_new_tokens` more whatever its tokens, before
+    tokenizing it: it is at least len(text) / token_chars tokens (`max_token_chars`). The refusal opens as the
+    context-length one of `check_prompt` does."""
+    least = -(-len(text) // token_chars)
+    if least + max_new_tokens > max_seq_len:
+        completion = f", and {max_new_tokens} tokens were requested for the completion" if max_new_tokens else ""
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {max_seq_len} tokens. "
+            f"The input messages are at least {least} tokens ({len(text)} characters, no token of the tokenizer "
+            f"stands for more than {token_chars}){completion}."
+        )
 
 
 def engine_params(sampling: SamplingParams, eos_token_ids: tuple[int, ...]) -> EngineSamplingParams:

@@ -5,22 +5,36 @@ pydantic, uvicorn).
     parses HTTP, frames bodies          validates, answers SGLang's error shapes              the scheduler thread
                                         blocking calls in the thread pool                     that owns the engine
 
-This module is the command line (parsed before anything heavy is imported): it loads the model, binds the socket
-(port 0 picks a free one, printed in the ready line the launchers wait for), serves it (server_app.serve) and exits
-when `--parent-pid` is gone. Binds 127.0.0.1 unless `--host` says otherwise. SIGTERM or Ctrl-C stop it after
-server_app.SHUTDOWN_GRACE_S.
+This module is the command line (parsed before anything heavy is imported): it checks the options, binds the socket
+(port 0 picks a free one, printed in the ready line the launchers wait for), loads the model, serves it
+(server_app.serve) and exits when `--parent-pid` is gone. Binds 127.0.0.1 unless `--host` says otherwise. SIGTERM
+or Ctrl-C stop it after server_app.SHUTDOWN_GRACE_S.
+
+Exit status: 0 when stopped (or its parent is gone); START_UP_ERROR (2, as argparse exits on a bad flag) for a bad
+option, a port it cannot listen on or a model it cannot load, with one line naming what is wrong, printed before
+the model loads wherever the option allows; SCHEDULER_DIED (1) when the scheduler thread died while serving (its
+traceback printed once, service.py), so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from common.config import PRECISIONS
+from common.config_rules import is_device_name
 from rollout_workers.sglang_api.protocol import SERVED_SCHEMES
+
+if TYPE_CHECKING:
+    from rollout_workers.sglang_api.service import ModelService
+
+START_UP_ERROR = 2
+SCHEDULER_DIED = 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,46 +70,114 @@ def _exit_with(pid: int) -> None:
     """No orphaned servers: the launching worker gone (even killed), this process ends too."""
     while True:
         time.sleep(1.0)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _process_exists(pid):
+            print(f"asyncrl serve: --parent-pid {pid} is gone; exiting", file=sys.stderr, flush=True)
             os._exit(0)
-        except PermissionError:
-            pass
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The options' ranges, before anything is bound or loaded: ValueError naming the option."""
+    if args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0 picks a free one), got {args.port}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1 (sequences decoded together), got {args.max_batch}")
+    if args.max_seq_len < 2:
+        raise ValueError(f"--max-seq-len must be at least 2 (a prompt and a generated token), got {args.max_seq_len}")
+    if not -(2**63) <= args.seed < 2**64:
+        raise ValueError(f"--seed must fit in 64 bits, got {args.seed}")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank must be at least 1, got {args.max_lora_rank}")
+    if not is_device_name(args.device):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.parent_pid < 0:
+        raise ValueError(f"--parent-pid must be a process id (0: none), got {args.parent_pid}")
+    if args.parent_pid and not _process_exists(args.parent_pid):
+        raise ValueError(f"--parent-pid {args.parent_pid}: no such process")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (server_app.listen), before the model loads: ValueError naming --host / --port."""
+    from rollout_workers.sglang_api.server_app import listen
+
+    try:
+        return listen(host, port)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host}: cannot resolve it ({err.strerror})") from None
+    except OSError as err:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror})") from None
+
+
+def load(args: argparse.Namespace) -> ModelService:
+    """The model (built first for builtin:NAME) on `--device`, with its LoRA adapters: ValueError or OSError."""
+    import torch
+
+    from common.builtin_model import resolve_model_path
+    from rollout_workers.sglang_api.lora_serve import attach
+    from rollout_workers.sglang_api.service import ModelService
+
+    if args.device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count <= int(args.device.partition(":")[2] or 0):
+            seen = f"only {count} CUDA device(s)" if count else "no CUDA device"
+            raise ValueError(f"--device {args.device}: torch sees {seen} on this machine")
+    torch.set_num_threads(args.threads)
+    try:
+        model_dir = resolve_model_path(args.model, args.cache_dir, log=lambda *a: print(*a, file=sys.stderr))
+    except OSError as err:  # the cache of built-in models cannot be written
+        where = f"--cache-dir {args.cache_dir}" if args.cache_dir else "the cache of built-in models (--cache-dir)"
+        raise ValueError(f"{where}: cannot hold {args.model} ({err.strerror}: {err.filename})") from None
+    if not model_dir.is_dir():
+        raise ValueError(f"MODEL {args.model} is not a directory (a Hugging Face model directory, or builtin:NAME)")
+    service = ModelService(
+        str(model_dir),
+        args.quant,
+        args.weight_version,
+        args.seed,
+        args.max_batch,
+        args.max_seq_len,
+        args.precision,
+        args.device,
+    )
+    try:
+        attach(service, args)  # --enable-lora
+    except BaseException:
+        service.close()
+        raise
+    return service
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    import torch
-
-    from common.builtin_model import resolve_model_path
-    from rollout_workers.sglang_api.server_app import listen, serve
-    from rollout_workers.sglang_api.service import ModelService
-
-    torch.set_num_threads(args.threads)
-    model_dir = str(resolve_model_path(args.model, args.cache_dir, log=lambda *a: print(*a, file=sys.stderr)))
     try:
-        service = ModelService(
-            model_dir,
-            args.quant,
-            args.weight_version,
-            args.seed,
-            args.max_batch,
-            args.max_seq_len,
-            args.precision,
-            args.device,
-        )
-        from rollout_workers.sglang_api.lora_serve import attach
-
-        attach(service, args)  # --enable-lora
+        check_options(args)
+        sock = bind(args.host, args.port)
+    except ValueError as err:
+        print(f"asyncrl serve: {err}", file=sys.stderr)
+        return START_UP_ERROR
+    try:
+        service = load(args)
     except (ValueError, OSError) as err:
         print(f"asyncrl serve: {err}", file=sys.stderr)
-        return 2
-    sock = listen(args.host, args.port)
+        sock.close()
+        return START_UP_ERROR
+    from rollout_workers.sglang_api.server_app import serve
+
     host, port = sock.getsockname()[:2]
     service.launch.update(host=host, port=port)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    print(f"asyncrl serve: ready on {url} model={model_dir} quant={service.quant}", flush=True)
+    print(f"asyncrl serve: ready on {url} model={service.model_dir} quant={service.quant}", flush=True)
     if args.parent_pid:
         threading.Thread(target=_exit_with, args=(args.parent_pid,), name="parent-watch", daemon=True).start()
     try:
@@ -105,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sock.close()
         service.close()
+    if service.failure is not None:
+        print(f"asyncrl serve: exiting: the scheduler thread died ({service.failure})", file=sys.stderr, flush=True)
+        return SCHEDULER_DIED
     return 0
 
 

@@ -10,15 +10,19 @@ E: the ValueError shape `{"error": {"message"}}`):
 | failure                                                       | status  | body                              |
 |---------------------------------------------------------------|---------|-----------------------------------|
 | a body that fails validation, or is not JSON                  | 400     | V                                 |
+| a body sent with a Content-Type other than JSON               | 400     | V, saying to send JSON            |
 | a value SGLang refuses (`BadRequest`)                         | 400     | E                                 |
 | a body over MAX_BODY_BYTES; a Content-Length h11 cannot parse | 400     | E, and the connection closes      |
 | an unknown path / a method the path does not take             | 404/405 | FastAPI's `{"detail": "Not Found"}` |
 | anything else raised while answering                          | 500     | E (the traceback in the log)      |
+| a request pending when the scheduler thread died              | 500     | E (its traceback logged once)     |
 
 Threads: blocking calls into the adapter (tokenizing, pause, weight updates, ...) run in Starlette's thread pool
 (`run_in_threadpool`), and a `/generate` awaits its requests on the event loop without holding a thread, so any
 number of requests can wait (while paused, say) and `/continue_generation` or `/abort_request` still get through.
-Bodies are read as JSON when their Content-Type is JSON or absent; a form or text body is refused, as SGLang does.
+Bodies are read as JSON when their Content-Type is JSON or absent; a form or text body (`curl -d` sends a form) is
+refused, as SGLang does, saying the body must be JSON with `Content-Type: application/json`.
+When the scheduler thread dies (service.py), `serve` stops the server, so that server.py exits non-zero.
 A body a route does not read (an unknown path's, say) is still framed by h11, so the connection stays usable.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import threading
 from typing import Annotated, Any
 
 import h11
@@ -55,7 +60,8 @@ from rollout_workers.sglang_api.schemas import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
-from rollout_workers.sglang_api.service import ModelService
+from rollout_workers.sglang_api.serve_requests import check_text_fits
+from rollout_workers.sglang_api.service import ModelService, SchedulerDied
 from rollout_workers.sglang_api.streaming import event_stream, generate_stream
 
 MAX_BODY_BYTES = 64 << 20
@@ -73,6 +79,7 @@ def make_app(service: ModelService) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(SchedulerDied, _scheduler_died)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.include_router(native_routes)
@@ -117,7 +124,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(service: ModelService, sock: socket.socket) -> None:
-    """Answer on `sock` until SIGTERM / SIGINT (uvicorn's handlers; the signal is re-raised once stopped)."""
+    """Answer on `sock` until SIGTERM / SIGINT (uvicorn's handlers; the signal is re-raised once stopped), or until
+    the scheduler thread died (`service.died`: the pending requests were failed; their answers go out within
+    SHUTDOWN_GRACE_S)."""
     config = uvicorn.Config(
         make_app(service),
         http=SGLangH11Protocol,
@@ -126,15 +135,37 @@ def serve(service: ModelService, sock: socket.socket) -> None:
         log_level="warning",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+
+    def stop_when_the_scheduler_dies() -> None:
+        service.died.wait()
+        server.should_exit = True
+
+    threading.Thread(target=stop_when_the_scheduler_dies, name="scheduler-watch", daemon=True).start()
+    server.run(sockets=[sock])
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
-    """SGLang's handler: FastAPI's 422 becomes 400 in SGLang's validation shape, one `where: what` per error."""
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """SGLang's handler: FastAPI's 422 becomes 400 in SGLang's validation shape, one `where: what` per error. A body
+    FastAPI did not read as JSON because of its Content-Type (a form, text) is told so, in the words of SGLang's
+    `validate_json_request`, rather than that it "should be a valid dictionary"."""
     assert isinstance(exc, RequestValidationError)
+    content_type = request.headers.get("content-type")
+    if content_type and not _is_json(content_type) and any(error["loc"][:1] == ("body",) for error in exc.errors()):
+        message = (
+            f"header.content-type: Unsupported Media Type: Only 'application/json' is allowed, got {content_type!r} "
+            "(send the body as JSON with Content-Type: application/json)"
+        )
+        return JSONResponse(error_body(message[:2000], validation=True), status_code=400)
     message = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
     return JSONResponse(error_body(message[:2000], validation=True), status_code=400)
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (application/json or application/*+json)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 async def _bad_request(_: Request, exc: Exception) -> JSONResponse:
@@ -154,6 +185,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         return await _bad_request(request, cause)
     reason = f"{type(cause).__name__}: {str(cause)[:120]}" if cause is not None else str(exc.detail)
     return JSONResponse(error_body(f"JSON decode error: {reason}", validation=True), status_code=400)
+
+
+async def _scheduler_died(_: Request, exc: Exception) -> JSONResponse:
+    """A request pending when the scheduler thread died: 500 (its traceback was logged once by the service)."""
+    return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
 
 
 async def _server_error(_: Request, exc: Exception) -> JSONResponse:
@@ -298,7 +334,7 @@ async def abort_request(service: Service, obj: AbortReq | None = None) -> Respon
 
 @native_routes.api_route("/slow_down", methods=["GET", "POST"])
 async def slow_down(service: Service, obj: SlowDownReqInput | None = None) -> Response:
-    service.forward_sleep_s = float((obj or SlowDownReqInput()).forward_sleep_time or 0.0)
+    service.slow_down((obj or SlowDownReqInput()).seconds())  # BadRequest over MAX_FORWARD_SLEEP_S
     return Response(status_code=200)
 
 
@@ -334,6 +370,10 @@ async def resume_memory_occupation(service: Service, obj: MemoryOccupationReqInp
 @native_routes.post("/tokenize")
 @native_routes.post("/v1/tokenize")
 async def tokenize(service: Service, obj: TokenizeReqInput) -> dict[str, Any]:
+    """SGLang's tokenization; a text too long to fit the context is refused untokenized (as `/generate` refuses it)."""
+    for text in [obj.prompt] if isinstance(obj.prompt, str) else obj.prompt:
+        check_text_fits(text, 0, service.token_chars, service.engine.max_seq_len)
+
     def encode(text: str) -> list[int]:
         return service.tokenizer.encode(text, add_special_tokens=obj.add_special_tokens)
 
@@ -351,6 +391,12 @@ async def detokenize(service: Service, obj: DetokenizeReqInput) -> dict[str, Any
         return service.tokenizer.decode(ids, skip_special_tokens=obj.skip_special_tokens)
 
     single = not obj.tokens or isinstance(obj.tokens[0], int)
+    vocab_size = service.engine.arch.vocab_size
+    for ids in [obj.tokens] if single else obj.tokens:
+        bad = [token for token in ids if not 0 <= token < vocab_size]  # type: ignore[operator]
+        if bad:
+            message = f"tokens must lie in [0, {vocab_size}) (the model's vocab_size), got {bad[:5]}"
+            raise BadRequest(message, validation=True)
     text = await run_in_threadpool(lambda: decode(obj.tokens) if single else [decode(ids) for ids in obj.tokens])
     return {"text": text}
 

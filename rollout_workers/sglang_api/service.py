@@ -19,6 +19,11 @@
   top-k ones with `top_logprobs_num`; `max_new_tokens=0` requests are that prefill alone. `stop` strings end a
   request once its decoded output holds one (checked after every step);
   a stream's client going away aborts its requests (`abort_requests`, streaming.py).
+- The scheduler thread dying of an unexpected exception (a bug: a step's own failure only fails its requests) must
+  not leave a server that answers 503 and hangs: its traceback is printed once, every request and command still
+  pending is failed (`SchedulerDied`, answered 500; a stream ends on a `finish_reason` abort), and `died` is set,
+  which ends the server and its process with a non-zero status (server_app.serve, server.py), as SGLang's scheduler
+  brings its whole process tree down (SIGQUIT to the parent, which kills the tree), so a supervisor restarts it.
 - A request with `sampling_params.sampling_seed = s` draws sample i exactly as `EmbeddedEngine.generate` with seed
   s draws the i-th copy of its prompt, so the two can be compared token for token.
 - Split out: serve_requests.py (a request's samples and their engine sampling parameters, penalties included),
@@ -44,11 +49,21 @@ from rollout_workers.sglang_api import protocol
 from rollout_workers.sglang_api.logprobs import logprob_meta, scored_from
 from rollout_workers.sglang_api.lora_serve import LoraAdapters, resolve_adapters
 from rollout_workers.sglang_api.schemas import GenerateRequest, SamplingParams
-from rollout_workers.sglang_api.serve_requests import ServeRequest, engine_params, request_groups, stop_string_hits
+from rollout_workers.sglang_api.serve_requests import (
+    ServeRequest,
+    engine_params,
+    max_token_chars,
+    request_groups,
+    stop_string_hits,
+)
 from rollout_workers.sglang_api.server_state import MemoryOccupation, Throughput, load_report
 
 HEALTH_TIMEOUT_S = 20.0
 """How long `/health_generate` waits for its one-token request."""
+
+
+class SchedulerDied(RuntimeError):
+    """The scheduler thread died: what was waiting on it fails with this (answered 500) and the server exits."""
 
 
 class ModelService:
@@ -68,6 +83,10 @@ class ModelService:
         precision: str = "fp32",
         device: str = "cpu",
     ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1 (sequences decoded together), got {max_batch}")
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
         import torch
         from transformers import AutoTokenizer
 
@@ -87,6 +106,8 @@ class ModelService:
         self.launch: dict[str, Any] = {}
         """How the server was started (`host`, `port`: set by server.py), for `/server_info`."""
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)  # a model dir is data
+        self.token_chars = max_token_chars(self.tokenizer)
+        """The most characters one token stands for: longer texts than max_seq_len times it are refused untokenized."""
         self.engine = EmbeddedEngine(
             model_dir, max_batch=max_batch, seed=seed, max_seq_len=max_seq_len, precision=precision, device=device
         )
@@ -99,6 +120,12 @@ class ModelService:
         self.paused_mode: str | None = None
         self._session = False
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # ends a `/slow_down` sleep early (a new setting, close)
+        self.failure: str | None = None
+        """Why the scheduler thread died (its exception, one line); None while it runs."""
+        self._died_finish: dict[str, Any] | None = None  # the finish reason `_die` gave the requests it failed
+        self.died = threading.Event()
+        """Set once the scheduler thread died and everything pending on it was failed: the server must exit."""
         self.updates = 0
         self.forward_sleep_s = 0.0
         """Seconds slept after every step: SGLang's testing knob `/slow_down` (forward_sleep_time)."""
@@ -124,7 +151,8 @@ class ModelService:
     def submit(self, request: GenerateRequest) -> list[ServeRequest]:
         """Tokenize and check a `/generate` request and queue it; returns its requests in SGLang's response order."""
         arch = self.engine.arch
-        groups = request_groups(request, self.tokenizer, arch.vocab_size, self.engine.max_seq_len, self._random)
+        max_seq_len = self.engine.max_seq_len
+        groups = request_groups(request, self.tokenizer, arch.vocab_size, max_seq_len, self._random, self.token_chars)
         order: list[ServeRequest] = []
         n = request.sampling[0].n
         for group, adapter in zip(groups, resolve_adapters(self.lora, request.lora_path, len(groups))):
@@ -141,7 +169,10 @@ class ModelService:
         while pending:
             _, pending = await asyncio.wait(pending, timeout=1.0)
             if pending and not self.alive:
-                raise RuntimeError("the scheduler thread died; see the server log")
+                raise SchedulerDied(self._died_message())
+        died = self._died_finish
+        if died is not None and any(req.finish is died for req in order):  # failed by `_die`, not finished
+            raise SchedulerDied(self._died_message())
 
     def responses(self, request: GenerateRequest, order: list[ServeRequest]) -> Any:
         """The `/generate` answer for finished requests: one object, or a list in `order`."""
@@ -234,15 +265,18 @@ class ModelService:
         return self._call(flush)
 
     def health_generate(self) -> bool:
-        if not self.alive:
+        if not self.alive or self.failure is not None:
             return False
         if self.paused_mode is not None or self.engine.busy:
             return True  # SGLang: a busy server answering other requests is healthy
         prompt = [self.engine.arch.eos_token_ids[0] if self.engine.arch.eos_token_ids else 0]
         req = ServeRequest(f"HEALTH_CHECK_{time.time()}", prompt, SamplingParams(max_new_tokens=1, top_k=1), 0)
-        self._call(lambda: self._waiting.append([req]), wait=False)
+        try:
+            self._call(lambda: self._waiting.append([req]), wait=False)
+        except SchedulerDied:
+            return False
         done, _ = futures_wait([req.done], timeout=HEALTH_TIMEOUT_S)
-        return bool(done)
+        return bool(done) and self.failure is None
 
     def set_label(self, label: str, abort_all: bool) -> dict[str, Any]:
         if abort_all:
@@ -250,15 +284,28 @@ class ModelService:
         self._call(lambda: self._labels.__setitem__(self.engine.version, label))
         return {"success": True, "message": f"Weight version updated to {label}", "new_version": label}
 
+    def slow_down(self, seconds: float) -> None:
+        """SGLang's `/slow_down`: sleep `seconds` after every step (0: not at all); a sleep under way ends now."""
+        self.forward_sleep_s = seconds
+        self._wake.set()
+
     def close(self) -> None:
         self._stopped.set()
+        self._wake.set()
         self._thread.join(timeout=10)
 
     # ---- helpers --------------------------------------------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], wait: bool = True) -> Any:
+        """Run `fn` on the scheduler thread (between two steps); with `wait`, its result. Raises SchedulerDied once
+        the thread died (a command queued just before it died is failed by `_die`)."""
         future: Future | None = Future() if wait else None
         self._commands.put((fn, future))
+        if self.failure is not None:
+            raise SchedulerDied(self._died_message())
         return future.result() if future is not None else None
+
+    def _died_message(self) -> str:
+        return f"the scheduler thread died ({self.failure or 'see the server log'}); the server is exiting"
 
     def _load(self, model_dir: str):
         from quant_sync.update import WeightUpdate
@@ -320,6 +367,37 @@ class ModelService:
 
     # ---- the scheduler thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._schedule()
+        except BaseException as err:  # the thread's boundary: a bug; fail what waits on it, then the server exits
+            self._die(err)
+
+    def _die(self, err: BaseException) -> None:
+        """Print the traceback once, fail every pending request (finish_reason abort, status 500) and command
+        (SchedulerDied), then set `died`: server_app.serve stops the server, server.py exits non-zero."""
+        self.failure = f"{type(err).__name__}: {err}"
+        trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        print(f"asyncrl serve: the scheduler thread died:\n{trace}", file=sys.stderr, end="", flush=True)
+        self._died_finish = protocol.finish_abort(self._died_message(), 500)
+        for req in [req for group in self._waiting for req in group] + list(self._by_seq.values()):
+            if not req.done.done():
+                req.finish = self._died_finish
+                req.settle()
+        self._waiting, self._by_seq = [], {}
+        for _, future in self._deferred:
+            if not future.done():
+                future.set_exception(SchedulerDied(self._died_message()))
+        self._deferred.clear()
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except Empty:
+                break
+            if future is not None and not future.done():
+                future.set_exception(SchedulerDied(self._died_message()))
+        self.died.set()
+
+    def _schedule(self) -> None:
         while not self._stopped.is_set():
             idle = self.paused_mode is not None or not (self.engine.busy or self._waiting or self._deferred)
             self._run_commands(block=idle)
@@ -345,8 +423,9 @@ class ModelService:
                 if req is not None:
                     req.settle()
             self._stop_on_strings()
+            self._wake.clear()  # cleared before reading the setting: a `/slow_down` from now on ends the wait
             if self.forward_sleep_s:
-                time.sleep(self.forward_sleep_s)
+                self._wake.wait(self.forward_sleep_s)
 
     def _run_commands(self, block: bool) -> None:
         try:

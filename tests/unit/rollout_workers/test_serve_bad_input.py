@@ -1,0 +1,384 @@
+"""`asyncrl serve` given bad input of every kind, over real HTTP: a one-line error naming what is wrong (no traceback),
+exit 2 for a start-up error before the model loads, 400 for a bad request, and a server whose scheduler thread died
+fails what was pending and exits non-zero rather than living on broken. Real subprocesses, except where the test
+must watch the tokenizer: there the server runs in this process (uvicorn in a thread, a real socket)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import uvicorn
+from serve_process import serve
+
+from common.builtin_model import resolve_model_path
+from rollout_workers.sglang_api.schemas import MAX_FORWARD_SLEEP_S
+from rollout_workers.sglang_api.server_app import SGLangH11Protocol, listen, make_app
+from rollout_workers.sglang_api.service import ModelService, SchedulerDied
+
+PROMPT = [3, 4, 10, 5, 12]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+TOO_LONG = "1" * 100_000
+"""A text no tokenizer of builtin:micro (64 positions, no token over 5 characters) can fit."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """builtin:micro with a chat template (its tokenizer has none), for the chat route."""
+    target = tmp_path_factory.mktemp("micro_chat") / "model"
+    shutil.copytree(resolve_model_path("builtin:micro", log=lambda *a: None), target)
+    config_path = target / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": CHAT_TEMPLATE}))
+    return str(target)
+
+
+@pytest.fixture(scope="module")
+def base_url(model_dir):
+    with serve(model_dir, "--quant", "none") as url:
+        yield url
+
+
+def post(url: str, body: Any, **kwargs: Any) -> requests.Response:
+    return requests.post(url, json=body, timeout=60, **kwargs)
+
+
+# ---- 1. a text prompt that cannot fit is refused before it is tokenized ----------------------------------------------
+class EncoderSpy:
+    """Stands in for a fast tokenizer's Rust tokenizer (`tokenizer._tokenizer`), which every way of tokenizing goes
+    through (`encode`, `__call__`, `apply_chat_template(tokenize=True)`): records the texts it is given."""
+
+    def __init__(self, inner: Any):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "texts", [])
+
+    def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+        self.texts.append(text)
+        return self.inner.encode(text, *args, **kwargs)
+
+    def encode_batch(self, batch: list[Any], *args: Any, **kwargs: Any) -> Any:
+        self.texts.extend(batch)
+        return self.inner.encode_batch(batch, *args, **kwargs)
+
+    def encode_batch_fast(self, batch: list[Any], *args: Any, **kwargs: Any) -> Any:
+        self.texts.extend(batch)
+        return self.inner.encode_batch_fast(batch, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.inner, name, value)
+
+
+@pytest.fixture(scope="module")
+def watched(model_dir):
+    """An in-process server whose tokenizer is watched: (base URL, the spy)."""
+    service = ModelService(model_dir, "none", max_batch=4, max_seq_len=64)
+    spy = EncoderSpy(service.tokenizer._tokenizer)
+    service.tokenizer._tokenizer = spy
+    sock = listen("127.0.0.1", 0)
+    config = uvicorn.Config(make_app(service), http=SGLangH11Protocol, lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+    yield url, spy
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+    service.close()
+
+
+def tokenized(spy: EncoderSpy, text: str) -> bool:
+    return any(isinstance(item, str) and text in item for item in spy.texts)
+
+
+def test_a_text_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(watched):
+    url, spy = watched
+    assert post(f"{url}/generate", {"text": "1+2=", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    assert tokenized(spy, "1+2=")  # the spy sees what is tokenized
+    over = "1" * 70  # 71 tokens with BOS: tokenized, then refused by its token count
+    refused = post(f"{url}/generate", {"text": over, "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 400 and tokenized(spy, over)
+    context = "Requested token count exceeds the model's maximum context length of 64 tokens."
+    assert refused.json()["error"]["message"].startswith(context)
+    spy.texts.clear()
+    for path, body in (
+        ("/generate", {"text": TOO_LONG, "sampling_params": {"max_new_tokens": 2}}),
+        ("/generate", {"text": ["1+2=", TOO_LONG], "sampling_params": {"max_new_tokens": 2}}),
+        ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": ["1+2=", TOO_LONG], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 2}),
+        ("/tokenize", {"prompt": TOO_LONG}),
+        ("/v1/tokenize", {"prompt": ["1+2=", TOO_LONG]}),
+    ):
+        response = post(f"{url}{path}", body)
+        assert not tokenized(spy, TOO_LONG), path
+        assert response.status_code == 400, (path, response.text)
+        message = response.json()["error"]["message"]
+        assert message.startswith(context) and "characters, no token of the tokenizer stands for more than 5" in message
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_max_token_chars_is_the_longest_token_special_ones_included_times_4_under_unicode_composition():
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rollout_workers.sglang_api.serve_requests import max_token_chars
+
+    for normalizer, factor in ((None, 1), (normalizers.NFC(), 4), (normalizers.Sequence([normalizers.NFKC()]), 4)):
+        inner = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "▁hello": 2}, unk_token="<unk>"))
+        if normalizer is not None:
+            inner.normalizer = normalizer
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner)
+        assert max_token_chars(tokenizer) == len("▁hello") * factor
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|a_long_special|>"]})  # one token in any text
+        assert max_token_chars(tokenizer) == len("<|a_long_special|>") * factor
+
+
+def test_a_chat_within_the_bound_is_tokenized_as_the_chat_template_does(watched, model_dir):
+    from transformers import AutoTokenizer
+
+    url, _ = watched
+    messages = [{"role": "user", "content": "1+2="}]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0}
+    answer = post(f"{url}/v1/chat/completions", body)
+    assert answer.status_code == 200, answer.text
+    expected = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, add_generation_prompt=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert answer.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+# ---- 2. /slow_down is bounded; a scheduler thread that dies takes the server down -----------------------------------
+def test_slow_down_refuses_a_sleep_over_the_maximum_and_the_server_keeps_serving(base_url):
+    for raw in (b'{"forward_sleep_time": 1e308}', b'{"forward_sleep_time": Infinity}', b'{"forward_sleep_time": NaN}'):
+        response = requests.post(
+            f"{base_url}/slow_down", data=raw, headers={"Content-Type": "application/json"}, timeout=10
+        )
+        assert response.status_code == 400, (raw, response.text)
+        message = response.json()["error"]["message"]
+        assert f"forward_sleep_time must be at most {MAX_FORWARD_SLEEP_S:g} seconds per forward" in message
+    for ok in (0.0, -1.0, None):  # SGLang: 0 or less (or null) is no sleep
+        assert post(f"{base_url}/slow_down", {"forward_sleep_time": ok}).status_code == 200
+    answer = post(f"{base_url}/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert answer.status_code == 200 and len(answer.json()["output_ids"]) <= 2
+    assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_the_longest_slow_down_is_taken_and_a_new_setting_ends_a_sleep_under_way(base_url):
+    assert post(f"{base_url}/slow_down", {"forward_sleep_time": MAX_FORWARD_SLEEP_S}).status_code == 200
+    body = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    try:
+        with post(f"{base_url}/generate", body, stream=True) as stream:  # times out (60 s) if the sleep went on
+            events = (line for line in stream.iter_lines() if line)
+            first = json.loads(next(events).removeprefix(b"data: "))
+            assert len(first["output_ids"]) == 1  # the first step ran: the scheduler sleeps an hour now
+            assert post(f"{base_url}/slow_down", {"forward_sleep_time": None}).status_code == 200
+            rest = list(events)
+    finally:
+        post(f"{base_url}/slow_down", {"forward_sleep_time": None})
+    assert rest[-1] == b"data: [DONE]" and len(json.loads(rest[-2].removeprefix(b"data: "))["output_ids"]) == 3
+
+
+CRASHING_SERVER = """
+import sys
+
+from rollout_workers.sglang_api.server import main
+from rollout_workers.sglang_api.service import ModelService
+
+
+def crash(self):  # runs on the scheduler thread after every engine step
+    raise OverflowError("injected: a bug on the scheduler thread")
+
+
+ModelService._stop_on_strings = crash
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_scheduler_fails_pending_requests_and_the_process_exits_non_zero(model_dir):
+    command = [sys.executable, "-c", CRASHING_SERVER, model_dir, "--port", "0", "--quant", "none"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "ready on http://" in line, proc.stderr.read()[-3000:]
+        url = line.split("ready on ", 1)[1].split()[0]
+        assert post(f"{url}/pause_generation", {"mode": "in_place"}).status_code == 200
+        answers: dict[str, Any] = {}
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+
+        def plain() -> None:
+            answers["plain"] = post(f"{url}/generate", body)
+
+        def stream() -> None:
+            answers["stream"] = post(f"{url}/generate", {**body, "stream": True}).text
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        for thread in threads:
+            thread.start()
+        while requests.get(f"{url}/get_load", timeout=10).json()[0]["num_waiting_reqs"] < 2:
+            pass  # both requests wait while paused
+        assert post(f"{url}/continue_generation", {}).status_code == 200  # the first step kills the scheduler
+        for thread in threads:
+            thread.join(timeout=60)
+        rc = proc.wait(timeout=60)  # exits by itself
+        stderr = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    died = "the scheduler thread died (OverflowError: injected: a bug on the scheduler thread)"
+    assert answers["plain"].status_code == 500 and died in answers["plain"].json()["error"]["message"]
+    events = [chunk for chunk in answers["stream"].split("\n\n") if chunk]
+    assert events[-1] == "data: [DONE]"
+    finish = json.loads(events[-2].removeprefix("data: "))["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish["status_code"] == 500 and died in finish["message"]
+    assert rc == 1, stderr[-3000:]
+    assert stderr.count("Traceback") == 1 and "OverflowError: injected" in stderr, stderr[-3000:]
+    assert stderr.rstrip().splitlines()[-1] == f"asyncrl serve: exiting: {died}"
+
+
+def test_once_the_scheduler_died_calls_into_the_service_fail_rather_than_hang(model_dir, monkeypatch):
+    from rollout_workers.sglang_api.schemas import GenerateReqInput
+
+    def crash(self: ModelService) -> None:
+        raise OverflowError("injected")
+
+    monkeypatch.setattr(ModelService, "_stop_on_strings", crash)
+    service = ModelService(model_dir, "none", max_batch=2, max_seq_len=64)
+    try:
+        order = service.submit(GenerateReqInput(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).normalize())
+        assert service.died.wait(timeout=60)
+        assert order[0].done.done() and order[0].finish["status_code"] == 500
+        assert service.failure == "OverflowError: injected"
+        with pytest.raises(SchedulerDied, match=r"the scheduler thread died \(OverflowError: injected\)"):
+            service.load()  # a command: it would wait for a thread that is gone
+        with pytest.raises(SchedulerDied):
+            service.submit(GenerateReqInput(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).normalize())
+        assert not service.health_generate()
+    finally:
+        service.close()
+
+
+# ---- 3. start-up options: one line naming the option, exit 2, before the model loads ------------------------------
+def dead_pid() -> int:
+    """The id of a process that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.fixture(scope="module")
+def busy_port():
+    """A port something already listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+MISSING = "/nonexistent/model"
+"""A model that cannot load: an option refused with its own name was checked before the model."""
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["builtin:nope"], "unknown built-in model 'builtin:nope'; valid: builtin:"),
+        ([MISSING], f"MODEL {MISSING} is not a directory"),
+        ([MISSING, "--threads", "0"], "--threads must be at least 1, got 0"),
+        ([MISSING, "--threads", "-3"], "--threads must be at least 1, got -3"),
+        ([MISSING, "--port", "-1"], "--port must be in [0, 65535] (0 picks a free one), got -1"),
+        ([MISSING, "--port", "70000"], "--port must be in [0, 65535] (0 picks a free one), got 70000"),
+        ([MISSING, "--host", "999.1.1.1"], "--host 999.1.1.1: cannot resolve it"),
+        ([MISSING, "--host", "nonexistent.invalid"], "--host nonexistent.invalid: cannot resolve it"),
+        ([MISSING, "--device", "bogus"], "--device must be cpu, cuda or cuda:N, got 'bogus'"),
+        ([MISSING, "--device", "cuda:99"], "--device cuda:99: torch sees "),
+        ([MISSING, "--max-batch", "0"], "--max-batch must be at least 1 (sequences decoded together), got 0"),
+        ([MISSING, "--max-batch", "-5"], "--max-batch must be at least 1 (sequences decoded together), got -5"),
+        ([MISSING, "--max-seq-len", "0"], "--max-seq-len must be at least 2 (a prompt and a generated token), got 0"),
+        ([MISSING, "--seed", str(2**64)], f"--seed must fit in 64 bits, got {2**64}"),
+        ([MISSING, "--enable-lora", "--max-lora-rank", "-3"], "--max-lora-rank must be at least 1, got -3"),
+        ([MISSING, "--parent-pid", "-3"], "--parent-pid must be a process id (0: none), got -3"),
+        ([MISSING, "--parent-pid", "DEAD"], "--parent-pid DEAD: no such process"),
+        ([MISSING, "--port", "BUSY"], "--host 127.0.0.1 --port BUSY: cannot listen there (Address already in use)"),
+        (["builtin:micro", "--cache-dir", "FILE"], "--cache-dir FILE: cannot hold builtin:micro (Not a directory"),
+    ],
+)
+def test_a_bad_start_up_option_is_one_line_naming_it_and_exit_2(args, expected, busy_port, tmp_path):
+    file = tmp_path / "a_file"
+    file.write_text("not a directory")
+    values = {"DEAD": str(dead_pid()), "BUSY": str(busy_port), "FILE": str(file)}
+    args = [values.get(arg, arg) for arg in args]
+    for name, value in values.items():
+        expected = expected.replace(name, value)
+    command = [sys.executable, "-m", "asyncrl.cli", "serve", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stdout == ""  # no ready line
+    assert done.stderr.startswith("asyncrl serve: ") and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert expected in done.stderr, done.stderr
+
+
+def test_model_service_refuses_max_batch_and_max_seq_len_out_of_range(model_dir):
+    with pytest.raises(ValueError, match="max_batch must be at least 1 .*got 0"):
+        ModelService(model_dir, "none", max_batch=0)
+    with pytest.raises(ValueError, match="max_batch must be at least 1 .*got -5"):
+        ModelService(model_dir, "none", max_batch=-5)
+    with pytest.raises(ValueError, match="max_seq_len must be at least 2 .*got 1"):
+        ModelService(model_dir, "none", max_seq_len=1)
+
+
+# ---- 4-6. detokenize ids, unknown model ids, bodies that are not JSON ----------------------------------------------
+def test_detokenize_refuses_token_ids_outside_the_vocabulary_by_name(base_url):
+    vocab_size = json.loads((Path(requests.get(f"{base_url}/model_info", timeout=10).json()["model_path"])
+                             / "config.json").read_text())["vocab_size"]  # fmt: skip
+    for path in ("/detokenize", "/v1/detokenize"):
+        for tokens, bad in (([-1], [-1]), ([[3, 4], [5, vocab_size]], [vocab_size]), ([2**70, 3], [2**70])):
+            response = post(f"{base_url}{path}", {"tokens": tokens})
+            assert response.status_code == 400, (path, tokens, response.text)
+            message = response.json()["message"]
+            assert message == f"tokens must lie in [0, {vocab_size}) (the model's vocab_size), got {bad}"
+        assert post(f"{base_url}{path}", {"tokens": [4, 13, 5]}).json() == {"text": "1+2"}
+    assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_retrieving_an_unknown_model_id_is_sglangs_404(base_url, model_dir):
+    response = requests.get(f"{base_url}/v1/models/nope", timeout=10)
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": "The model 'nope' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    card = requests.get(f"{base_url}/v1/models/{model_dir}", timeout=10)
+    assert card.status_code == 200 and card.json()["id"] == model_dir
+
+
+def test_a_body_that_is_not_sent_as_json_is_told_to_send_json(base_url):
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
+    for path in ("/generate", "/v1/completions", "/tokenize"):
+        for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d sends a form
+            response = requests.post(f"{base_url}{path}", data=body, headers={"Content-Type": content_type}, timeout=30)
+            assert response.status_code == 400, (path, content_type, response.text)
+            error = response.json()
+            assert error["type"] == "Bad Request" and error["code"] == 400
+            assert f"Only 'application/json' is allowed, got '{content_type}'" in error["message"]
+            assert "send the body as JSON with Content-Type: application/json" in error["message"]
+    answer = requests.post(f"{base_url}/generate", data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert answer.status_code == 200, answer.text
