@@ -116,6 +116,12 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
             break
     else:
         raise StartupError(f"model.path: {model_dir} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    from common.model_files import ModelFilesError, check_model_files
+
+    try:  # truncated or missing weights or shards, a tokenizer of another model: before the learner or workers start
+        check_model_files(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    except ModelFilesError as err:
+        raise StartupError(str(err)) from None
     from common.tasks.chat import check_prompts_fit
 
     try:  # prompts that cannot fit the model (or that it cannot encode) fail here, not as a silent hang

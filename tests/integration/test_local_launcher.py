@@ -89,6 +89,27 @@ def test_a_run_that_fails_its_input_checks_ends_with_its_reason_and_no_trace_of_
     ), done.stderr  # the pipes close only once the zygote has exited: its last words would be here
 
 
+def test_a_truncated_weight_file_fails_the_run_before_it_starts_naming_the_file(tmp_path):
+    """It failed in the learner's constructor, after start-up, with a safetensors header error naming no file and
+    advice to resume (which failed the same way)."""
+    import shutil
+
+    from common.builtin_model import resolve_model_path
+
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path("builtin:micro"), model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as handle:
+        handle.truncate(size // 2)
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs/dapo_int8.yaml"),
+                           f"logging.dir={tmp_path}", f"model.path={model}", *LOCAL], capture_output=True,
+                          text=True, env=ENV, cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().startswith(f"asyncrl: model.path={model}: model.safetensors is truncated: its header "
+                                          f"describes {size} bytes, the file has {size // 2}"), done.stderr  # fmt: skip
+
+
 @pytest.mark.slow
 def test_killed_local_worker_and_learner_are_restarted_every_group_trained_once(tmp_path):
     run_dir = tmp_path / "k"
