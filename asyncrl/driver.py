@@ -360,11 +360,18 @@ def _train(
         if not abandoned:
             learner.close()
     ops.buffer.close()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    from asyncrl.bench import strict_json_value
+
+    text = json.dumps(strict_json_value(summary), indent=2, default=str, allow_nan=False)  # a nan eval figure: null
+    (run_dir / "summary.json").write_text(text)
     if abandoned:
         raise RunFailed(f"stopped on {signals.requested or 'down'} without waiting for the step in flight, which did "
                         "not come (no checkpoint of it);", exit_code=130)  # fmt: skip
-    logger.info(f"done: {step} steps; metrics in {run_dir / 'metrics.jsonl'}")
+    if ops.stopping and step < cfg.train.steps:
+        logger.info(f"stopped after {step} of {cfg.train.steps} steps ({signals.requested or 'asyncrl down'}); "
+                    f"metrics in {run_dir / 'metrics.jsonl'}; resume with `asyncrl up --resume {run_dir}`")  # fmt: skip
+    else:
+        logger.info(f"done: {step} steps; metrics in {run_dir / 'metrics.jsonl'}")
     return summary
 
 

@@ -5,7 +5,11 @@ stdin, connects to the driver's two sockets, builds the object from the first ca
 and sends back its value or its error. With `max_concurrency` 1 the calls run one after another on the main thread,
 in order (a Ray actor); with more, on that many threads (a threaded Ray actor). A constructor that raises ends the
 process (exit code 1) after sending its error: the actor is dead, as in Ray. The process exits as soon as its parent
-(the driver) is gone, and ignores SIGINT (a terminal's Ctrl-C is the driver's to handle). Messages are pickled: both
+(the driver) is gone, and ignores SIGINT (a terminal's Ctrl-C is the driver's to handle) and a SIGTERM that does not
+come from the driver: `kill -TERM -PGID`, `timeout`, Slurm's scancel and systemd's stop signal the whole process group,
+and the driver's graceful stop (the step finishes, workers stop, a checkpoint) needs its actors alive; the driver's
+own SIGTERM (`local_actors.shutdown`) ends the process as before (SIGTERM is blocked in every thread and taken by one
+that `sigwaitinfo`s it and reads its sender). Messages are pickled: both
 ends are this package's code, started by the same driver; a message without the actor's token is dropped unread.
 """
 
@@ -99,11 +103,25 @@ class _Host:
                 pool.submit(self.run, *self.receive())
 
 
+def _sigterm_from(driver_pid: int) -> None:
+    """Take SIGTERM in a thread of its own: the driver's ends the process (SIGTERM's default action), anyone else's
+    is left to the driver, which got it too (a signal to the process group)."""
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == driver_pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # this thread takes the one sent next
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # the default action ends the process meanwhile
+
+
 def main() -> int:
     # Ctrl-C on a terminal signals the whole process group: the driver's first one stops the run gracefully (the
     # step finishes, workers stop, a checkpoint), which needs its actors alive; they end with the driver.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork of the zygote inherits its SIG_IGN
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # before any thread: every later one inherits it
     spec = json.loads(sys.stdin.buffer.read())
+    threading.Thread(target=_sigterm_from, args=(spec["parent_pid"],), name="sigterm", daemon=True).start()
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), name="parent-watch", daemon=True).start()
     for path in reversed(spec["sys_path"]):  # the driver's import path: the same classes import here
         if path not in sys.path:

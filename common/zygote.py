@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     server = socket.socket(fileno=int(args[0]))
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is a SIGTERM to the process group; the driver ends it by SIGKILL
     _preload(json.loads(args[1]))
     try:
         server.sendall(b"ready\n")

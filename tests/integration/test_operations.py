@@ -288,3 +288,25 @@ def test_sigterm_stops_the_run_like_down_and_takes_the_buffer_with_it(tmp_path):
     saved = json.loads((run_dir / f"checkpoints/step_{summary['steps']}/meta.json").read_text())
     assert saved["step"] == summary["steps"]
     assert not buffer.is_running() or buffer.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_stops_the_run_gracefully(tmp_path):
+    """`kill -TERM -PGID` (timeout, Slurm's scancel, systemd's stop) reaches the actors too: they leave it to the
+    driver, whose graceful stop needs them; it used to kill the learner, and the run failed without a checkpoint."""
+    run_dir = tmp_path / "g"
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=g",
+                    "train.steps=100000", *SMALL)  # fmt: skip
+    try:
+        wait_for(lambda: sum("loss" in r for r in records(run_dir)) >= 2, 120, "two steps", proc)
+        os.killpg(proc.pid, signal.SIGTERM)  # start_up's process group: the driver and its local actors
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        kill_if_running(proc)
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] and "died" not in out, out[-4000:]
+    assert f"stopped after {summary['steps']} of 100000 steps (SIGTERM)" in out
+    assert f"resume with `asyncrl up --resume {run_dir}`" in out
+    meta = json.loads((run_dir / f"checkpoints/step_{summary['steps']}/meta.json").read_text())
+    assert meta["step"] == summary["steps"]
