@@ -223,10 +223,9 @@ def _up(args: argparse.Namespace) -> int:
         latest = checkpoint.latest(resume)
         meta = checkpoint.read_meta(latest) if latest is not None else {}
         live = [f"{k}={v}" for k, v in meta.get("live", {}).items()]
-        cfg = _load(str(resume / "config.json"), live + overrides)
-        changed = resume_changes(_load(str(resume / "config.json"), live), cfg)
+        saved, cfg = _load(str(resume / "config.json"), live), _load(str(resume / "config.json"), live + overrides)
+        changed = resume_changes(saved, cfg)
         if changed:
-            saved = _load(str(resume / "config.json"), live)
             listed = ", ".join(f"`{key}` ({get_key(saved, key)!r} -> {get_key(cfg, key)!r})" for key in changed[:3])
             print(f"asyncrl: cannot resume {resume} with {listed}: its checkpoint, buffer journal and prompt stream "
                   "belong to the run's model, data, quantization, environment and group size; start a new run "
