@@ -276,8 +276,9 @@ class LocalActor:
             return
         type_name, text, cause_bytes = payload
         if call_id == 0:  # the constructor raised: the process exits, and that is this actor's death
-            last = _last_line(text)  # a traceback's last line names its type already
-            error = last if last.startswith(type_name) else f"{type_name}: {last}"
+            last = _last_line(text)  # a traceback's last line names its type already (module-qualified, or not)
+            named = last.partition(":")[0].rpartition(".")[2] == type_name
+            error = f"{type_name}:{last.partition(':')[2]}" if named else f"{type_name}: {last}"
             self._init_error = f"its constructor raised {error}"
         try:
             cause = pickle.loads(cause_bytes) if cause_bytes else None

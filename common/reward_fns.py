@@ -276,20 +276,22 @@ def warm_up(fns: Sequence[RewardFn]) -> None:
             hook()
 
 
-def serve_fd(fd: int, specs: list[str]) -> None:
+def serve_fd(fd: int, specs: list[str], key: str = "reward.fns") -> None:
     """The entry point of a reward process (`python -c`): serve on the socket `fd` inherited from the worker."""
     from multiprocessing.connection import Connection
 
-    serve(Connection(fd), specs)
+    serve(Connection(fd), specs, key)
 
 
-def serve(conn: Any, specs: list[str]) -> None:
+def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
     """A reward process's loop (rollout_workers/reward_pool.py): load the functions, say `ready` (or why not), then
     for each batch of calls `[(call_id, fn_index, response, answer, row), ...]` send one reply per call, in order:
-    `(call_id, result)` with a plain result (`plain_result`) or `(call_id, "error", traceback)`."""
+    `(call_id, result)` with a plain result (`plain_result`) or `(call_id, "error", traceback)`. `key`: the config
+    key that set `specs` (`reward.fn`, or `reward.fns`, whose i-th is named `reward.fns[i]`), for load errors."""
     _exit_with_parent()
     try:
-        fns = [load_fn(parse_spec(spec), f"reward.fns[{i}]") for i, spec in enumerate(specs)]
+        keys = [key] if key == "reward.fn" else [f"{key}[{i}]" for i in range(len(specs))]  # as the config set them
+        fns = [load_fn(parse_spec(spec), name) for spec, name in zip(specs, keys)]
         warm_up(fns)
     except BaseException as err:  # noqa: BLE001 - said to the worker, which fails its start with it
         conn.send(("load_error", str(err)))

@@ -42,9 +42,13 @@ START_TIMEOUT_S = 120.0
 
 
 class RewardPool:
-    def __init__(self, specs: Sequence[str], timeout_s: float, start_timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start the reward process and load `specs` there; raises RewardFnError if a function cannot be loaded."""
+    def __init__(
+        self, specs: Sequence[str], timeout_s: float, start_timeout_s: float = START_TIMEOUT_S, key: str = "reward.fns"
+    ) -> None:
+        """Start the reward process and load `specs` (set by config key `key`) there; raises RewardFnError if a
+        function cannot be loaded."""
         self.specs = list(specs)
+        self.key = key
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self._proc: Any = None
@@ -57,7 +61,7 @@ class RewardPool:
         parent_sock, child_sock = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         child_fd = child_sock.fileno()
-        code = f"from common.reward_fns import serve_fd; serve_fd({child_fd}, {self.specs!r})"
+        code = f"from common.reward_fns import serve_fd; serve_fd({child_fd}, {self.specs!r}, {self.key!r})"
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", code], pass_fds=(child_fd,), env=env, stdin=subprocess.DEVNULL
@@ -152,7 +156,8 @@ class RewardScorer:
         self.specs, self.weights = reward_cfg.specs(), reward_cfg.weight_list()
         self.names = spec_names(self.specs)
         self.task_reward = task_reward
-        self.pool = RewardPool(self.specs, reward_cfg.timeout_s) if self.specs else None
+        key = "reward.fn" if reward_cfg.fn else "reward.fns"
+        self.pool = RewardPool(self.specs, reward_cfg.timeout_s, key=key) if self.specs else None
         self.errors = 0
         self.timeouts = 0
         self.metric_sums: dict[str, list[float]] = {}

@@ -58,3 +58,12 @@ class Counter:
 class BrokenInit:
     def __init__(self) -> None:
         raise KeyError("no such model")
+
+
+class BrokenRewardInit:
+    """Raises an exception of a module (its traceback's last line is `common.reward_fns.RewardFnError: ...`)."""
+
+    def __init__(self) -> None:
+        from common.reward_fns import RewardFnError
+
+        raise RewardFnError("`reward.fn` 'x.py:f': reward file 'x.py' has no function 'f'")

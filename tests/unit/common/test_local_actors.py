@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from local_actor_probes import BrokenInit, Counter
+from local_actor_probes import BrokenInit, BrokenRewardInit, Counter
 
 from asyncrl.watchdog import actor_death
 from common import actors, zygote
@@ -103,6 +103,12 @@ def test_a_constructor_error_is_the_actor_death(local):
     assert "KeyError: KeyError" not in str(caught.value)  # the traceback's last line names the type once
     assert actor_death(str(caught.value)).endswith("died (its constructor raised KeyError: 'no such model')")
     assert actors.init_failed(caught.value)  # as Ray's `actor_init_failed`: the driver does not restart it
+    broken = actors.remote(BrokenRewardInit).remote()
+    with pytest.raises(actors.died_errors()) as caught:
+        actors.get(broken.anything.remote(), timeout=60)
+    assert actor_death(str(caught.value)).endswith(
+        "died (its constructor raised RewardFnError: `reward.fn` 'x.py:f': reward file 'x.py' has no function 'f')"
+    )  # its type named once
 
 
 def test_a_killed_actor_did_not_fail_in_its_constructor(local):

@@ -197,8 +197,10 @@ def test_warm_up_runs_at_load_outside_the_timeout(user_file, make_pool):
 
 
 def test_a_function_that_cannot_load_fails_the_start_naming_it(user_file, tmp_path):
-    with pytest.raises(RewardFnError, match="has no function 'missing'"):
-        RewardPool([f"{user_file}:missing"], 1.0)
+    with pytest.raises(RewardFnError, match=r"^`reward.fns\[1\]` .*has no function 'missing'"):
+        RewardPool([f"{user_file}:pid", f"{user_file}:missing"], 1.0)
+    with pytest.raises(RewardFnError, match=r"^`reward.fn` .*has no function 'missing'"):  # the key the user set
+        RewardPool([f"{user_file}:missing"], 1.0, key="reward.fn")
     crashing = tmp_path / "crashing.py"
     crashing.write_text("raise ImportError('needs a package this machine lacks')\ndef fn(r, a, row):\n    return 1\n")
     with pytest.raises(RewardFnError, match=r"loading .*crashing.py.*needs a package this machine lacks"):
