@@ -122,6 +122,7 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
         check_model_files(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     except ModelFilesError as err:
         raise StartupError(str(err)) from None
+    _check_reward_fns(cfg)
     from common.tasks.chat import check_prompts_fit
 
     try:  # prompts that cannot fit the model (or that it cannot encode) fail here, not as a silent hang
@@ -221,6 +222,23 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         buffers.stop()
         _sweep_weight_files()
         logger.close()
+
+
+def _check_reward_fns(cfg: Config) -> None:
+    """Load the user's reward functions once, in a reward process as a worker does (`rollout_workers/reward_pool.py`):
+    a module that fails to import, exits, or names something that is not a function fails here, not as every rollout
+    worker's death after start-up."""
+    specs = cfg.reward.specs()
+    if not specs:
+        return
+    from common.reward_fns import RewardFnError
+    from rollout_workers.reward_pool import RewardPool
+
+    key = "reward.fn" if cfg.reward.fn else "reward.fns"
+    try:
+        RewardPool(specs, cfg.reward.timeout_s, key=key).close()
+    except (RewardFnError, RuntimeError) as err:  # RuntimeError: the process died or hung while loading them
+        raise StartupError(f"{key}: {err}" if not str(err).startswith(f"`{key}") else str(err)) from None
 
 
 def _sweep_weight_files() -> None:

@@ -56,3 +56,27 @@ def test_up_with_a_failing_and_hanging_user_reward_completes_and_counts(tmp_path
     failures = [r for r in rows if r.get("event") == "reward_error"]
     assert len(failures) == 1 and "ValueError: user reward bug at call 3" in failures[0]["error"]
     assert failures[0]["error"].count("Traceback") == 1
+
+
+DEF_FN = "def fn(response, answer, row):\n    return 1.0\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "expected"),
+    [
+        ("import this_module_does_not_exist_xyz\n" + DEF_FN, "fn", 'failed: ModuleNotFoundError("No module named'),
+        ("import sys\nsys.exit('module-level exit')\n" + DEF_FN, "fn", "failed: SystemExit('module-level exit')"),
+        (DEF_FN + "fn = 3.0\n", "fn", "'fn' in reward file"),
+    ],
+)
+def test_a_reward_function_that_cannot_load_fails_the_run_before_it_starts(tmp_path, source, spec, expected):
+    """These passed the config's checks and killed every rollout worker at its start, with advice to resume."""
+    reward_file = tmp_path / "user_reward.py"
+    reward_file.write_text(source)
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"),
+                           f"logging.dir={tmp_path}", f"reward.fn={reward_file}:{spec}"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ})  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"asyncrl: `reward.fn` '{reward_file}:{spec}'") and expected in line, line
+    assert "--resume" not in proc.stderr
