@@ -25,6 +25,7 @@ process, its signal or exit code, the step, and the command that resumes.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -191,14 +192,22 @@ class Watchdog:
         if self.nonfinite_since is None:
             self.nonfinite_since = step - 1
         streak = step - self.nonfinite_since
-        if self.max_nonfinite_steps and streak >= self.max_nonfinite_steps:
-            self.event("diverged", first_step=self.nonfinite_since, steps=streak)
+        if not self.max_nonfinite_steps or streak < self.max_nonfinite_steps:
+            return
+        reward_mean = (metrics or {}).get("reward/mean")
+        self.event("diverged", first_step=self.nonfinite_since, steps=streak, reward_mean=reward_mean)
+        if isinstance(reward_mean, float) and not math.isfinite(reward_mean):  # the rewards, not the weights
             raise RunFailed(
-                f"the model diverged: {streak} train steps in a row (from step {self.nonfinite_since}) had a "
-                f"non-finite loss or gradient and were skipped (`train.max_nonfinite_steps`); lower `optim.lr` or "
-                f"look for bad rows; checkpoint step_{self.nonfinite_since} and later ones hold the weights that "
-                f"diverged (delete them to resume from an earlier one);"
+                f"{streak} train steps in a row (from step {self.nonfinite_since}) were skipped for a non-finite loss "
+                f"(`train.max_nonfinite_steps`), and the rewards do not sum to a finite number (reward/mean "
+                f"{reward_mean}): a reward function returns numbers too large (`reward.fn`);"
             )
+        raise RunFailed(
+            f"the model diverged: {streak} train steps in a row (from step {self.nonfinite_since}) had a non-finite "
+            f"loss or gradient and were skipped (`train.max_nonfinite_steps`); lower `optim.lr` or look for bad rows; "
+            f"checkpoint step_{self.nonfinite_since} and later ones hold the weights that diverged (delete them to "
+            f"resume from an earlier one);"
+        )
 
     def stop_now(self, stop_requested: bool) -> bool:
         """Whether a requested stop should abandon the step in flight (stalled, or it runs far past the request)."""
