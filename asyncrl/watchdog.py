@@ -121,6 +121,8 @@ def _process_name(function_name: str) -> str:
         return "the learner"
     if function_name.startswith("RolloutWorker"):
         return "a rollout worker"
+    if function_name.startswith("EvalWorker"):
+        return "the evaluation worker"
     return f"a Ray task ({function_name or 'unknown'})"
 
 
@@ -133,7 +135,7 @@ def actor_death(message: str) -> str:
     pid = re.search(r"(?:pid[=:]|Worker PID:)\s*(\d+)", message, flags=re.IGNORECASE)
     process = _process_name(next(filter(None, klass.groups())) if klass else "Learner" if "Learner" in message else "")
     if process.startswith("a Ray task"):
-        process = "a Ray actor of the run"
+        process = "an actor of the run"  # a Ray actor, or a local one (`ray.launcher=local`)
     # the detail's first sentence: up to a period that ends it (`learner.device=cuda` in an error keeps its dots)
     detail = re.search(r"exit detail:\s*(.+?)(?:\.\s|\.?$)", message, flags=re.IGNORECASE | re.MULTILINE)
     how = detail.group(1).strip() if detail else "it exited unexpectedly"

@@ -172,3 +172,10 @@ def test_a_slow_but_live_run_is_not_diagnosed_and_a_traceback_shows_its_exceptio
     row["last_error"] = "reward function 'f' failed on row 2 (scored 0): " + traceback
     report = watchdog.report(pool, lambda: {}, True, 400.0)
     assert report["workers"][0]["last_error"] == "reward function 'f' failed on row 2 (scored 0): ValueError: bad ids"
+
+
+def test_a_dead_evaluation_worker_is_named() -> None:
+    from asyncrl.watchdog import actor_death
+
+    message = "The actor died. class_name: EvalWorker, pid=77, exit detail: killed by a signal."
+    assert actor_death(message).startswith("the evaluation worker (pid 77) died")

@@ -69,7 +69,7 @@ def test_a_process_that_exits_is_an_actor_death(local):
         actors.get(counter.exit.remote(3), timeout=60)
     assert "exit code 3" in str(caught.value)
     assert actor_death(str(caught.value)).startswith(
-        f"a Ray actor of the run (pid {pid}) died (the process ended with exit code 3"
+        f"an actor of the run (pid {pid}) died (the process ended with exit code 3"
     )
     other = actors.remote(Counter).remote(0)
     os.kill(actors.get(other.pid.remote()), signal.SIGKILL)  # from outside, as the OOM killer or a user would
