@@ -23,6 +23,7 @@ This module imports no torch or ray: the CLI side (`request`, `find_run`) must s
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import os
@@ -77,8 +78,11 @@ class ControlServer:
         """Answer every pending request (waiting up to `timeout_ms` for the first); returns how many."""
         answered = 0
         while self.socket.poll(timeout_ms if answered == 0 else 0, zmq.POLLIN):
-            raw = self.socket.recv()
+            frames = self.socket.recv_multipart()  # all of them: a REP socket answers only after the last
             try:
+                if len(frames) != 1:
+                    raise ControlError(f"a request is one frame, got {len(frames)}")
+                raw = frames[0]
                 request = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_array_len=MAX_SET_ITEMS, max_map_len=32)
                 if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
                     raise ControlError('a request must be a map with a string "cmd"')
@@ -90,7 +94,8 @@ class ControlServer:
                 reply = {"ok": False, "error": str(err)}
             except Exception as err:  # undecodable, or whatever a request does: answered, and training goes on
                 reply = {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
-            self.socket.send(msgpack.packb(reply, use_bin_type=True, default=str))
+            with contextlib.suppress(zmq.ZMQError):  # the asker is gone: no reply, and training goes on
+                self.socket.send(msgpack.packb(reply, use_bin_type=True, default=str))
             answered += 1
         return answered
 

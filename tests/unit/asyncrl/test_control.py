@@ -60,6 +60,10 @@ def test_control_server_answers_and_survives_bad_requests(tmp_path: Path):
         raw.send(b"\xc1 not msgpack")
         assert raw.poll(5000)
         assert msgpack.unpackb(raw.recv())["ok"] is False
+        raw.send_multipart([b"a"] * 30)  # read as one frame, it broke the REP socket's order and killed the driver
+        assert raw.poll(5000)
+        reply = msgpack.unpackb(raw.recv())
+        assert reply["ok"] is False and reply["error"] == "a request is one frame, got 30"
         raw.close(0)
         assert request(tmp_path, "again")["echo"] == "again"  # still serving
     finally:
