@@ -174,9 +174,11 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         logger.event("resume", step=start_step, checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
         logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
     signals = StopSignals(logger)
-    buffers = BufferSupervisor(
-        to_dict(cfg), run_dir, logger.event, logger.info, resume_step=start_step if resume is not None else None
-    )
+    from rollout_workers.embedded.arch import ArchConfig
+
+    vocab_size = ArchConfig.from_model_dir(model_dir).vocab_size  # checked by check_inputs
+    resume_step = start_step if resume is not None else None
+    buffers = BufferSupervisor(to_dict(cfg), run_dir, logger.event, logger.info, resume_step, vocab_size)
     ray_start, launcher = raycluster.RayStart(), actors.launcher()
     gate = _train_gate(cfg, run_dir, launcher)
     try:

@@ -302,8 +302,10 @@ class BufferSupervisor:
         event: Callable[..., None],
         info: Callable[[str], None],
         resume_step: int | None = None,
+        vocab_size: int = 0,
     ) -> None:
         self.config_values = config_values
+        self.vocab_size = vocab_size  # the model's: the buffer refuses token ids past it
         self.run_dir = run_dir
         self.max_restarts = int(config_values["buffer"]["max_restarts"])
         self.event = event
@@ -322,7 +324,9 @@ class BufferSupervisor:
         from buffer.launcher import start_service
 
         try:
-            self.proc, self.endpoint = start_service(self.config_values, self.run_dir, resume_step=self.resume_step)
+            self.proc, self.endpoint = start_service(
+                self.config_values, self.run_dir, resume_step=self.resume_step, vocab_size=self.vocab_size
+            )
         except RuntimeError as err:
             raise SupervisionError(f"the buffer process did not start: {err}") from None
         self._alive_at = time.monotonic()
@@ -372,7 +376,7 @@ class BufferSupervisor:
         values = copy.deepcopy(self.config_values)
         values["buffer"]["port"] = int(self.endpoint.rsplit(":", 1)[1])  # clients reconnect to the same endpoint
         try:
-            self.proc, endpoint = start_service(values, self.run_dir, redeliver=True)  # the learner goes on
+            self.proc, endpoint = start_service(values, self.run_dir, redeliver=True, vocab_size=self.vocab_size)
         except RuntimeError as err:
             self.proc = None
             raise SupervisionError(f"{self.last_exit} and could not be restarted: {err}") from None

@@ -33,6 +33,8 @@ class CheckedPush:
     rewards: tuple[float, ...]
     oldest_version: int
     newest_version: int
+    max_token_id: int = -1
+    """The largest prompt or response token id of the group (-1: none)."""
 
 
 _PACK = msgpack.Packer(use_bin_type=True).pack
@@ -70,9 +72,10 @@ def _checked_push(obj: dict[str, Any], data: bytes | memoryview) -> CheckedPush 
     at = _trajectories_at(data, worker, group_id)
     if at is None:
         return None
+    top = max((int(ids.max()) for ids in (group.prompt_ids, group.response_ids) if ids.size), default=-1)
     return CheckedPush(
         worker, group_id, data, at, group.uid, group.group, group.prompt_index, group.reward,
-        group.oldest_version, group.newest_version,
+        group.oldest_version, group.newest_version, top,
     )  # fmt: skip
 
 

@@ -21,12 +21,14 @@ def start_service(
     timeout_s: float = 60.0,
     resume_step: int | None = None,
     redeliver: bool = False,
+    vocab_size: int = 0,
 ) -> tuple[subprocess.Popen, str]:
     """Write the config as JSON into run_dir, launch the service, wait for READY; returns (process, endpoint).
 
     `resume_step`: the next train step of the learner checkpoint being resumed; the service rewinds its journal to it.
     `redeliver`: a restart under a running learner (a dead buffer replaced, asyncrl/supervise.py): the batch of the
-    last consumed step is given again to a FetchBatch for that step (buffer/service.py).
+    last consumed step is given again to a FetchBatch for that step (buffer/service.py). `vocab_size`: the model's;
+    a pushed group with a token id at or past it is refused (0: unchecked).
     """
     config_file = run_dir / "buffer_config.json"
     config_file.write_text(json.dumps(config_values))
@@ -35,6 +37,8 @@ def start_service(
         cmd += ["--resume-step", str(resume_step)]
     if redeliver:
         cmd.append("--redeliver")
+    if vocab_size:
+        cmd += ["--vocab-size", str(vocab_size)]
     # Its own session: a Ctrl-C at the terminal reaches the driver alone, which stops the run (checkpoint included,
     # which asks the buffer) and then the buffer. If the caller dies instead, the buffer gets SIGTERM (Linux).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)

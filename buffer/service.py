@@ -460,6 +460,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume-step", type=int, default=None,
                         help="resuming a learner checkpoint whose next train step is this: rewind the replayed "
                              "journal to it (buffer.recovery.rewind)")  # fmt: skip
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help="the model's vocab_size: pushed token ids at or past it are refused (0: unchecked)",
+    )
     parser.add_argument("--redeliver", action="store_true",
                         help="restarted under a running learner (asyncrl/supervise.py): answer a FetchBatch for the "
                              "last consumed step with the batch it consumed (buffer.recovery.redelivery)")  # fmt: skip
@@ -567,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_timeout_s=cfg.buffer.worker_timeout_s,
         seed=cfg.data.seed,
         history=_prompt_history(cfg.algo, cfg.data.seed),
+        vocab_size=args.vocab_size,
     )
     journal: Journal | None = None
     redeliver = None

@@ -112,8 +112,10 @@ class BufferState:
         worker_timeout_s: float = 0.0,
         seed: int = 0,
         history: PromptHistory | None = None,
+        vocab_size: int = 0,
     ) -> None:
         self.source = source
+        self.vocab_size = vocab_size  # the model's: a token id at or past it is refused (`token_range`); 0: unchecked
         self.group_size = group_size
         self.groups_per_step = groups_per_step
         self.max_lag = max_lag
@@ -388,6 +390,8 @@ class BufferState:
             return "prompt_index"
         if msg.newest_version > self.step + 1:
             return "future_version"
+        if self.vocab_size and msg.max_token_id >= self.vocab_size:  # the learner's embedding would fail on it
+            return "token_range"
         return ""
 
     def _record_outcome(self, lease: Lease, rewards: tuple[float, ...]) -> None:

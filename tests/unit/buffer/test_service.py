@@ -291,6 +291,22 @@ def test_duplicate_and_invalid_pushes(tmp_path: Path) -> None:
         assert not client.fetch_batch(0, 1, 0.0).ready
 
 
+def test_a_token_id_past_the_models_vocabulary_is_refused(tmp_path: Path) -> None:
+    """Accepted, such a group made the learner's embedding raise and ended the run (`--vocab-size`: the driver's)."""
+    with running_buffer(tmp_path, args=("--vocab-size", "128")) as buffer:  # make_group: ASCII prompts, ids < 20
+        client = buffer.client
+        (lease,) = client.lease(1)[0]
+        for column in ("response_ids", "prompt_ids"):
+            group = make_group(lease)
+            getattr(group[1], column)[0] = 128
+            reply = client.push_group(lease.group, group)
+            assert (reply.accepted, reply.reason) == (False, "token_range")
+        assert buffer.stats()["rejected_token_range"] == 2
+        group = make_group(lease)
+        group[1].response_ids[0] = 127
+        assert client.push_group(lease.group, group).reason == ""  # the largest id there is
+
+
 def test_stale_groups_are_dropped_and_counted(tmp_path: Path) -> None:
     with running_buffer(tmp_path) as buffer:  # max_lag = 1
         client = buffer.client
