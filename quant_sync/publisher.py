@@ -51,6 +51,11 @@ class _Version:
     shm_path: str | None
 
 
+MAX_REQUEST_BYTES = 1 << 16
+"""Largest frame a subscriber may send (a request is a small msgpack map): a larger one, which would be copied into
+the learner's memory whole (a 400 MB frame grew it by 1.6 GB), disconnects its sender."""
+
+
 class WeightPublisher:
     """Serves the latest published version (header, chunks, /dev/shm file) to every subscriber that asks."""
 
@@ -76,6 +81,7 @@ class WeightPublisher:
             self._auth.configure_curve(domain="*", location=str(curve.allowed_dir))
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # a peer sending more is disconnected unread
         if curve is not None:
             self._socket.curve_secretkey = curve.secret
             self._socket.curve_publickey = curve.public

@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from quant_sync.export import export_rollout_tensors
+from quant_sync.publisher import MAX_REQUEST_BYTES
 from quant_sync.transport import (
     PROTOCOL_VERSION,
     Manifest,
@@ -270,11 +271,17 @@ def test_publisher_survives_malformed_requests():
             dealer.send(frame)
         dealer.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": 0, "index": 10**6}))
         assert dealer.poll(5000) and msgpack.unpackb(dealer.recv_multipart()[0]).get("gone") is True
+        flood = zmq.Context.instance().socket(zmq.DEALER)
+        flood.connect(publisher.endpoint)
+        flood.send(b"\0" * (MAX_REQUEST_BYTES + 1))  # past the limit: its sender is disconnected, nothing is read
+        flood.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": 0, "index": 10**6}))
+        assert flood.poll(5000) and msgpack.unpackb(flood.recv_multipart()[0]).get("gone") is True  # reconnected
+        flood.close(0)
         got = []
         subscriber = WeightSubscriber(publisher.endpoint, got.append, poll_s=0.01)
         assert subscriber.wait_for(0, 10)
         subscriber.close()
-        assert publisher.bad_requests == len(junk)
+        assert publisher.bad_requests == len(junk)  # the oversized frame was never read (read, it is one more)
     finally:
         dealer.close(0)
         publisher.close()
