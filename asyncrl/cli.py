@@ -18,7 +18,6 @@ asyncrl study STUDY.yaml [--quick]    cells x seeds of `up` runs compared: resul
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -309,26 +308,12 @@ def _control(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):  # no /proc (macOS), or it just went
-        return True
-
-
 def _down(run_dir: Path, no_wait: bool) -> int:
     """`asyncrl down`: ask the driver to stop, then (unless `no_wait`) wait until it has, or until it is gone."""
     import time
 
     from asyncrl.control import CONTROL_FILE, driver_record, request
+    from common.processes import pid_alive
 
     pid = driver_record(run_dir).get("pid")
     print(request(run_dir, "down")["message"])
@@ -336,7 +321,7 @@ def _down(run_dir: Path, no_wait: bool) -> int:
         return 0
     try:
         while (run_dir / CONTROL_FILE).exists():
-            if isinstance(pid, int) and not _pid_alive(pid):
+            if isinstance(pid, int) and not pid_alive(pid):
                 print(f"asyncrl: the driver of {run_dir} (pid {pid}) exited before it finished stopping: no "
                       f"checkpoint of this step; `asyncrl up --resume {run_dir}` continues from the last one",
                       file=sys.stderr)  # fmt: skip

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from common.config import PRECISIONS
 from common.config_rules import is_device_name
+from common.processes import pid_alive
 from rollout_workers.sglang_api.protocol import SERVED_SCHEMES
 
 if TYPE_CHECKING:
@@ -70,19 +71,9 @@ def _exit_with(pid: int) -> None:
     """No orphaned servers: the launching worker gone (even killed), this process ends too."""
     while True:
         time.sleep(1.0)
-        if not _process_exists(pid):
+        if not pid_alive(pid):
             print(f"asyncrl serve: --parent-pid {pid} is gone; exiting", file=sys.stderr, flush=True)
             os._exit(0)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -103,7 +94,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.parent_pid < 0:
         raise ValueError(f"--parent-pid must be a process id (0: none), got {args.parent_pid}")
-    if args.parent_pid and not _process_exists(args.parent_pid):
+    if args.parent_pid and not pid_alive(args.parent_pid):
         raise ValueError(f"--parent-pid {args.parent_pid}: no such process")
 
 
