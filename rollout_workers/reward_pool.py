@@ -28,6 +28,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -37,8 +39,40 @@ from common.reward_fns import CallOutcome, RewardFnError, combine, spec_names, v
 if TYPE_CHECKING:
     from common.config import RewardConfig
 
+OUTPUT_LINES = 20
+"""Lines of a reward process's own output (print, logging) shown per `OUTPUT_WINDOW_S`; the rest are counted."""
+OUTPUT_WINDOW_S = 60.0
 START_TIMEOUT_S = 120.0
 """How long a new reward process may take to import and load the functions (a cold math-verify import: seconds)."""
+
+
+def forward_output(stream: Any, out: Any = None) -> None:
+    """Copy a reward process's output to this process's stderr (`out`), at most `OUTPUT_LINES` lines (of up to 500
+    characters) per `OUTPUT_WINDOW_S`, then one line counting what was not shown: a function that prints on every
+    call would otherwise flood the run's output (10.7 GB in 90 s). Reads to the end, so the process never blocks on a
+    full pipe; returns when the process has exited."""
+    out = out or sys.stderr
+    window_end, shown, hidden = time.monotonic() + OUTPUT_WINDOW_S, 0, 0
+
+    def say_hidden() -> None:
+        if hidden:
+            out.write(f"reward process: {hidden} more lines of its output not shown (at most {OUTPUT_LINES} every "
+                      f"{OUTPUT_WINDOW_S:g} s)\n")  # fmt: skip
+            out.flush()
+
+    for line in iter(lambda: stream.readline(1 << 16), b""):
+        now = time.monotonic()
+        if now >= window_end:
+            say_hidden()
+            window_end, shown, hidden = now + OUTPUT_WINDOW_S, 0, 0
+        if shown < OUTPUT_LINES:
+            out.write(line.decode(errors="replace").rstrip("\n")[:500] + "\n")
+            out.flush()
+            shown += 1
+        else:
+            hidden += 1
+    say_hidden()
+    stream.close()
 
 
 class RewardPool:
@@ -64,10 +98,13 @@ class RewardPool:
         code = f"from common.reward_fns import serve_fd; serve_fd({child_fd}, {self.specs!r}, {self.key!r})"
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", code], pass_fds=(child_fd,), env=env, stdin=subprocess.DEVNULL
-            )
+                [sys.executable, "-c", code], pass_fds=(child_fd,), env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            )  # fmt: skip
         finally:
             child_sock.close()  # the process holds its own copy: its death reads as EOF here
+        self._output = threading.Thread(target=forward_output, args=(proc.stdout,), name="reward-output", daemon=True)
+        self._output.start()
         self._proc, self._conn = proc, Connection(parent_sock.detach())
         if not self._conn.poll(self.start_timeout_s):
             self._kill()

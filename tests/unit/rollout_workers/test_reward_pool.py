@@ -248,3 +248,23 @@ def test_a_rollout_worker_scores_with_the_user_function_and_counts_its_failures(
     assert rewards == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert stats["reward_errors"] == 2 and stats["reward_timeouts"] == 0 and stats["reward_sum"] == 4.0
     assert f"failed on row {leases[0].index}" in stats["last_error"] == stats["reward_first_error"]
+
+
+def test_a_reward_function_that_prints_on_every_call_cannot_flood_the_output(tmp_path, capfd, monkeypatch):
+    """Its output went straight to the worker's: 10.7 GB of a run's log in 90 s. Now at most OUTPUT_LINES lines a
+    window reach it, then one line counting the rest; the process never blocks on the pipe."""
+    from rollout_workers import reward_pool
+
+    monkeypatch.setattr(reward_pool, "OUTPUT_LINES", 5)
+    loud = tmp_path / "loud.py"
+    loud.write_text("def fn(response, answer, row):\n    for i in range(1000):\n        print('line', i)\n"
+                    "    return 1\n")  # fmt: skip
+    pool = RewardPool([f"{loud}:fn"], 30.0)
+    outcomes = pool.score([(0, "x", "a", {}) for _ in range(20)])  # 20,000 lines printed
+    assert [o.score for o in outcomes] == [1.0] * 20
+    forwarder = pool._output
+    pool.close()
+    forwarder.join(timeout=30)
+    err = capfd.readouterr().err.splitlines()
+    assert err[:5] == [f"line {i}" for i in range(5)]
+    assert err[5:] == ["reward process: 19995 more lines of its output not shown (at most 5 every 60 s)"]
