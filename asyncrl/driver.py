@@ -33,7 +33,7 @@ import signal
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl import checkpoint, raycluster
 from asyncrl.console import one_time_work
@@ -48,6 +48,9 @@ from common.config_rules import worker_cpu_priority
 from learner.sections import LearnerSections
 from rollout_workers.reward_pool import RewardMetrics
 from rollout_workers.sections import WorkerSections
+
+if TYPE_CHECKING:
+    from rollout_workers.embedded.arch import ArchConfig
 
 WAIT_SLICE_S = 0.05
 """The driver waits on a train step in slices this long, serving control requests and supervising between them; the
@@ -88,9 +91,9 @@ def new_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def check_inputs(cfg: Config, model_dir: str) -> None:
+def check_inputs(cfg: Config, model_dir: str) -> ArchConfig:
     """Load the dataset, the model's config and the buffer's CurveZMQ keys here, so that bad rows, a bad model dir
-    or a missing key fail before anything starts."""
+    or a missing key fail before anything starts; returns the model's config (`ArchConfig`)."""
     from common.curve import CurveKeyError, client_keys, server_keys
     from common.tasks import DatasetError, make_source
     from rollout_workers.embedded.arch import ArchConfig, ModelDirError
@@ -108,7 +111,7 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
         raise StartupError(str(err)) from None
     check_model_code(model_dir, cfg.model.trust_remote_code)
     try:
-        ArchConfig.from_model_dir(model_dir)
+        arch = ArchConfig.from_model_dir(model_dir)
     except ModelDirError as err:
         raise StartupError(f"model.path: {err}") from None
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -126,11 +129,12 @@ def check_inputs(cfg: Config, model_dir: str) -> None:
     from common.tasks.chat import check_prompts_fit
 
     try:  # prompts that cannot fit the model (or that it cannot encode) fail here, not as a silent hang
-        warning = check_prompts_fit(source, cfg, model_dir, ArchConfig.from_model_dir(model_dir).max_positions)
+        warning = check_prompts_fit(source, cfg, model_dir, arch.max_positions)
     except DatasetError as err:
         raise StartupError(f"data: {err}") from None
     if warning:
         print(f"warning: data: {warning}", flush=True)
+    return arch
 
 
 def check_model_code(model_dir: str, trust_remote_code: bool) -> None:
@@ -160,7 +164,7 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     actors.use(actors.resolve_launcher(cfg.ray))  # `local`: the fork server imports torch while the driver goes on
     with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
         model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
-    check_inputs(cfg, model_dir)
+    arch = check_inputs(cfg, model_dir)
     from asyncrl.kernels import compile_kernels  # the workers' C++ kernels, once per machine (a bar on a terminal)
 
     compile_kernels(cfg)
@@ -174,11 +178,8 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         logger.event("resume", step=start_step, checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
         logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
     signals = StopSignals(logger)
-    from rollout_workers.embedded.arch import ArchConfig
-
-    vocab_size = ArchConfig.from_model_dir(model_dir).vocab_size  # checked by check_inputs
     resume_step = start_step if resume is not None else None
-    buffers = BufferSupervisor(to_dict(cfg), run_dir, logger.event, logger.info, resume_step, vocab_size)
+    buffers = BufferSupervisor(to_dict(cfg), run_dir, logger.event, logger.info, resume_step, arch.vocab_size)
     ray_start, launcher = raycluster.RayStart(), actors.launcher()
     gate = _train_gate(cfg, run_dir, launcher)
     try:
