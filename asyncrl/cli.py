@@ -173,20 +173,16 @@ def main(argv: list[str] | None = None) -> int:
             flags = " ".join("--set" if key == "asyncrl_set" else "--" + key.replace("_", "-") for key in options)
             print(f"asyncrl: {flags}: bench e2e only", file=sys.stderr)
             return 2
-        from common.fsutil import output_file_problem
+        from common.fsutil import output_file_problem, write_failure
 
         if args.json_path is not None and (problem := output_file_problem(args.json_path)):
             print(f"asyncrl bench: --json {args.json_path}: {problem}", file=sys.stderr)
             return 2
         result = bench(args.quick, **options)
         print_table(result)
-        if args.json_path:
-            try:
-                write_json(result, args.json_path)
-            except OSError as err:  # checked before the bench; gone since
-                print(f"asyncrl bench: --json {args.json_path}: {err.strerror or err} (the table is above)",
-                      file=sys.stderr)  # fmt: skip
-                return 1
+        if args.json_path and (failed := write_failure(lambda: write_json(result, args.json_path))):
+            print(f"asyncrl bench: --json {args.json_path}: {failed} (the table is above)", file=sys.stderr)
+            return 1
         errors = result.details.get("fairness_errors")
         if errors:  # bench e2e: a contender did not see the shared prompts or reward; its figures are not comparable
             print(f"asyncrl: bench {args.name}: fairness check failed: {'; '.join(errors)}", file=sys.stderr)

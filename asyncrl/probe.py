@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from common.fsutil import output_file_problem
+from common.fsutil import output_file_problem, write_failure
 
 DEFAULT_SCHEMES = ("none", "int8", "fp8", "w8a16", "w4a16")
 DEFAULT_PROMPTS = 32
@@ -302,11 +302,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"asyncrl probe: {err}", file=sys.stderr)
         return 2
     print_result(result)
-    if options.json_path:
-        try:
-            write_json(result, options.json_path)
-        except OSError as err:  # checked before the measurement; gone since
-            print(f"asyncrl probe: --json {options.json_path}: {err.strerror or err} (the result is above)",
-                  file=sys.stderr)  # fmt: skip
-            return 1
+    if options.json_path and (failed := write_failure(lambda: write_json(result, options.json_path))):
+        print(f"asyncrl probe: --json {options.json_path}: {failed} (the result is above)", file=sys.stderr)
+        return 1
     return 0

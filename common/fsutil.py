@@ -7,6 +7,7 @@ Used by the buffer's journal, checkpoints (`asyncrl/checkpoint.py`) and the CLI'
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -49,4 +50,14 @@ def output_file_problem(path: str) -> str | None:
         return f"{path} is not writable"
     if not target.exists() and not os.access(target.parent, os.W_OK | os.X_OK):
         return f"its directory {target.parent} is not writable"
+    return None
+
+
+def write_failure(write: Callable[[], object]) -> str | None:
+    """Run `write` (which writes a file whose path `output_file_problem` passed earlier); the system's reason if it
+    failed since (a disk filled, a directory removed), else None."""
+    try:
+        write()
+    except OSError as err:
+        return err.strerror or str(err)
     return None

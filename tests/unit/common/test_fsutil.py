@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.fsutil import output_file_problem
+from common.fsutil import output_file_problem, write_failure
 
 
 def test_a_writable_path_has_no_problem_and_gets_its_parent_directories(tmp_path: Path) -> None:
@@ -34,3 +34,12 @@ def test_bench_refuses_a_json_path_it_could_not_write_before_it_runs(path: str) 
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"asyncrl bench: --json {path}: ") and proc.stdout == ""  # no table: nothing ran
+
+
+def test_a_write_that_fails_after_the_check_gives_the_systems_reason(tmp_path: Path) -> None:
+    target = tmp_path / "gone" / "out.json"
+    assert output_file_problem(str(target)) is None
+    target.parent.rmdir()  # removed while the measurement ran
+    assert write_failure(lambda: target.write_text("{}")) == "No such file or directory"
+    target.parent.mkdir()
+    assert write_failure(lambda: target.write_text("{}")) is None and target.read_text() == "{}"
