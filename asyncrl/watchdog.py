@@ -196,13 +196,13 @@ class Watchdog:
         streak = step - self.nonfinite_since
         if not self.max_nonfinite_steps or streak < self.max_nonfinite_steps:
             return
-        reward_mean = (metrics or {}).get("reward/mean")
-        self.event("diverged", first_step=self.nonfinite_since, steps=streak, reward_mean=reward_mean)
-        if isinstance(reward_mean, float) and not math.isfinite(reward_mean):  # the rewards, not the weights
-            raise RunFailed(
+        reward_sum = self._baseline.get("reward_sum", 0.0)  # the workers' running sum of every reward
+        self.event("diverged", first_step=self.nonfinite_since, steps=streak, reward_sum=reward_sum)
+        if not math.isfinite(reward_sum):  # the rewards, not the weights (reward/mean is nan for a step without
+            raise RunFailed(  # samples too, so it cannot tell)
                 f"{streak} train steps in a row (from step {self.nonfinite_since}) were skipped for a non-finite loss "
-                f"(`train.max_nonfinite_steps`), and the rewards do not sum to a finite number (reward/mean "
-                f"{reward_mean}): a reward function returns numbers too large (`reward.fn`);"
+                f"(`train.max_nonfinite_steps`), and the rewards do not sum to a finite number (their sum is "
+                f"{reward_sum}): a reward function returns numbers too large (`reward.fn`);"
             )
         raise RunFailed(
             f"the model diverged: {streak} train steps in a row (from step {self.nonfinite_since}) had a non-finite "

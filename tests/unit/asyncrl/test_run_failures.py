@@ -89,11 +89,16 @@ def test_the_watchdog_fails_a_run_after_max_nonfinite_steps_skipped_in_a_row() -
     with pytest.raises(RunFailed, match=r"3 train steps in a row \(from step 4\)") as err:
         watchdog.step_done(7, pool, skipped)
     assert "checkpoint step_4 and later ones hold the weights that diverged" in str(err.value)
-    assert events == [("diverged", {"first_step": 4, "steps": 3, "reward_mean": None})]
+    assert events == [("diverged", {"first_step": 4, "steps": 3, "reward_sum": 0.0})]
+    no_samples = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None, 2)
+    no_samples.step_done(1, pool, {**skipped, "reward/mean": float("nan")})  # a step without new samples
+    with pytest.raises(RunFailed, match=r"^the model diverged"):
+        no_samples.step_done(2, pool, {**skipped, "reward/mean": float("nan")})
+    overflowed = SimpleNamespace(totals=lambda: {"reward_sum": float("inf")}, crashes=0)  # a reward of 1e308, summed
     overflowing = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None, 2)
-    overflowing.step_done(1, pool, {**skipped, "reward/mean": float("inf")})
-    with pytest.raises(RunFailed, match=r"the rewards do not sum to a finite number \(reward/mean nan\)"):
-        overflowing.step_done(2, pool, {**skipped, "reward/mean": float("nan")})  # a reward of 1e308, summed
+    overflowing.step_done(1, overflowed, skipped)
+    with pytest.raises(RunFailed, match=r"the rewards do not sum to a finite number \(their sum is inf\)"):
+        overflowing.step_done(2, overflowed, skipped)
     never = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None, 0)
     for step in range(1, 100):
         never.step_done(step, pool, skipped)  # 0: the run goes on
