@@ -179,6 +179,7 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
     signals = StopSignals(logger)
     resume_step = start_step if resume is not None else None
+    run_keys = _use_run_keys(cfg)  # after config.json is written: a resume makes new ones
     buffers = BufferSupervisor(to_dict(cfg), run_dir, logger.event, logger.info, resume_step, arch.vocab_size)
     ray_start, launcher = raycluster.RayStart(), actors.launcher()
     gate = _train_gate(cfg, run_dir, launcher)
@@ -224,7 +225,26 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
         ray_start.close()
         buffers.stop()
         _sweep_weight_files()
+        if run_keys is not None:
+            shutil.rmtree(run_keys, ignore_errors=True)
         logger.close()
+
+
+def _use_run_keys(cfg: Config) -> Path | None:
+    """`buffer.run_keys`: fresh CurveZMQ keys for a run without `buffer.curve_keys_dir`, set on `cfg` for every
+    process it starts (the buffer, the learner's weight publisher, the workers, the driver's own clients), so that
+    no other local user's process gets through the loopback ports (docs/security.md). Returns the directory to remove
+    when the run ends, or None."""
+    if cfg.buffer.curve_keys_dir or not cfg.buffer.run_keys:
+        return None
+    from common.curve import make_run_keys
+
+    try:
+        keys_dir = make_run_keys()
+    except OSError as err:
+        raise StartupError(f"buffer.run_keys: cannot write the run's CurveZMQ keys: {err}") from None
+    cfg.buffer.curve_keys_dir = str(keys_dir)
+    return keys_dir
 
 
 def _check_reward_fns(cfg: Config) -> None:

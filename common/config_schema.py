@@ -271,7 +271,11 @@ class BufferConfig:
     does not page-fault on every message (buffer/memory.py; the process starts at about this resident size)."""
     curve_keys_dir: str = ""
     """Directory of CurveZMQ keys (`asyncrl keys DIR`; layout in common/curve.py): encrypts the buffer socket and
-    admits only allow-listed clients. Required when `host` is not a loopback address; empty: plain ZMQ."""
+    admits only allow-listed clients. Required when `host` is not a loopback address; empty: see `run_keys`."""
+    run_keys: bool = True
+    """With `curve_keys_dir` empty, `asyncrl up` makes CurveZMQ keys of its own for the run (a private temporary
+    directory, removed when the run ends), so that another local user's process cannot lease, push, fetch or read
+    weights on the loopback ports; false: plain ZMQ, for a machine with one user."""
     max_restarts: int = in_range(0, default=3)
     """Restarts of a dead buffer process over the whole run (same run directory and port, journal replayed) before
     the run fails (asyncrl/supervise.py `BufferSupervisor`)."""

@@ -1,4 +1,4 @@
-"""CurveZMQ for the buffer socket: encryption and client authentication when the buffer binds beyond loopback.
+"""CurveZMQ for the buffer and weight sockets: encryption and client authentication, on loopback as beyond it.
 
 One setting, `buffer.curve_keys_dir`, names a directory with this layout (`asyncrl keys DIR` writes it):
 
@@ -13,14 +13,17 @@ With keys, the service is a CURVE server whose ZAP handler (pyzmq's `ThreadAuthe
 public keys found in `clients/`; a client that does not know the server's public key, or whose key is not in the
 allow-list, fails the handshake and never reaches the service (its requests time out; the service counts
 `rejected_handshakes`). Without keys the socket is plain ZMQ, which `BufferConfig` allows only on a loopback host.
-On a cluster, copy the directory to every node; nodes that run only clients need neither `server.key_secret` nor
-`clients/`. Add a node's own client key by generating it with `zmq.auth.create_certificates` and copying its public
-`.key` file into `clients/`.
+A local run with no such directory gets one of its own (`buffer.run_keys`, on by default): `make_run_keys` writes
+fresh keys into a private temporary directory that the driver removes when the run ends, since loopback ports are
+open to every user of the machine. On a cluster, copy the directory to every node; nodes that run only clients need
+neither `server.key_secret` nor `clients/`. Add a node's own client key by generating it with
+`zmq.auth.create_certificates` and copying its public `.key` file into `clients/`.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,3 +136,15 @@ def create_keys(keys_dir: str | os.PathLike[str]) -> list[Path]:
         if not path.name.endswith("_secret"):
             os.chmod(path, 0o644)  # public keys: meant to be copied around
     return written
+
+
+RUN_KEYS_PREFIX = "asyncrl-keys-"
+"""Name prefix of a run's own keys directory (`make_run_keys`), in the system's temporary directory."""
+
+
+def make_run_keys() -> Path:
+    """A fresh directory (mode 0700, in the system's temporary directory) holding new keys for one run; the caller
+    removes it when the run ends. Its secret files are readable by their owner only, as `create_keys` writes them."""
+    root = Path(tempfile.mkdtemp(prefix=RUN_KEYS_PREFIX))
+    create_keys(root)
+    return root

@@ -30,6 +30,7 @@ from test_operations import (
 from asyncrl.bench.chaos_faults import buffer_process as find_buffer_process
 from asyncrl.bench.chaos_faults import learner_processes
 from buffer.client import BufferClient
+from common.curve import client_keys
 
 
 def buffer_process(proc: subprocess.Popen) -> psutil.Process:
@@ -58,6 +59,12 @@ def up_blocking(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           env=ENV, cwd=tmp_path, timeout=300)  # fmt: skip
 
 
+def run_client(run_dir: Path, endpoint: str) -> BufferClient:
+    """A client of the run's buffer with the run's own CurveZMQ keys (`buffer.run_keys`), as the run's user has."""
+    keys_dir = json.loads((run_dir / "buffer_config.json").read_text())["buffer"]["curve_keys_dir"]
+    return BufferClient(endpoint, "test", timeout_s=10, curve=client_keys(keys_dir))
+
+
 def last_line(out: str) -> str:
     return [line for line in out.splitlines() if line.strip()][-1]
 
@@ -71,7 +78,7 @@ def test_buffer_killed_while_the_learner_waits_then_again_training_continues_eve
         wait_for(lambda: len(steps_logged(run_dir)) >= 2, 120, "two steps", proc)
         victim = buffer_process(proc)
         endpoint = next(r["endpoint"] for r in records(run_dir) if r.get("event") == "buffer_started")
-        with BufferClient(endpoint, "test", timeout_s=10) as client:  # the learner parked in FetchBatch
+        with run_client(run_dir, endpoint) as client:  # the learner parked in FetchBatch
             wait_for(lambda: client.stats()["parked_fetches"] >= 1, 60, "the learner waiting in FetchBatch", proc)
             victim.send_signal(signal.SIGKILL)
         first = wait_for(lambda: restarts(run_dir), 60, "the first restart", proc)[0]
@@ -250,7 +257,7 @@ def test_the_first_sigint_stops_a_run_whose_step_never_comes_at_once_without_a_t
     try:
         endpoint = wait_for(lambda: next((r["endpoint"] for r in records(run_dir) if r.get("event") ==
                                           "buffer_started"), None), 120, "the buffer", proc)  # fmt: skip
-        with BufferClient(endpoint, "test", timeout_s=10) as client:
+        with run_client(run_dir, endpoint) as client:
             wait_for(lambda: client.stats()["parked_fetches"] >= 1, 120, "the learner waiting for step 0", proc)
         os.kill(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=180)  # the default stall timeout (300 s) has not passed

@@ -1,4 +1,5 @@
-"""Nobody gets in: every process of a default run listens on loopback only, and its Ray cluster wants a token."""
+"""Nobody gets in: every process of a default run listens on loopback only, its Ray cluster wants a token, and its
+buffer and weight publisher admit only the run's own CurveZMQ keys (`buffer.run_keys`)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def test_a_default_run_listens_on_loopback_only_and_its_ray_wants_a_token(tmp_pa
         assert probe_open(f"127.0.0.1:{gcs_ports[0]}") is False  # a Ray client without the run's token is refused
         control = tmp_path / "sec" / "control.json"
         assert stat.S_IMODE(control.stat().st_mode) == 0o600
+        keys_dir = check_the_sockets_admit_only_the_runs_keys(tmp_path / "sec", tree)
     finally:
         proc.terminate()  # a graceful stop, as Ctrl-C: the driver stops its workers, buffer and Ray
         try:
@@ -87,3 +89,50 @@ def test_a_default_run_listens_on_loopback_only_and_its_ray_wants_a_token(tmp_pa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    assert proc.returncode == 0, (tmp_path / "up.err").read_text()[-3000:]
+    assert not keys_dir.exists(), "the run's keys outlived it"
+
+
+def check_the_sockets_admit_only_the_runs_keys(run_dir: Path, tree: list[psutil.Process]) -> Path:
+    """A local process without the run's keys (none, or keys of its own) gets no answer from the buffer or the weight
+    publisher; with them it does. Returns the run's keys directory."""
+    from buffer.client import BufferClient, BufferUnavailable
+    from common.curve import client_keys, create_keys
+
+    keys_dir = Path(json.loads((run_dir / "buffer_config.json").read_text())["buffer"]["curve_keys_dir"])
+    assert json.loads((run_dir / "config.json").read_text())["buffer"]["curve_keys_dir"] == ""  # a resume: new keys
+    assert stat.S_IMODE(keys_dir.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in keys_dir.glob("*_secret")} == {0o600}
+    owner, intruder = client_keys(str(keys_dir)), client_keys(str(create_keys(run_dir.parent / "intruder")[0].parent))
+    endpoint = next(json.loads(line)["endpoint"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                    if '"buffer_started"' in line)  # fmt: skip
+    for curve in (None, intruder):
+        with BufferClient(endpoint, "intruder", timeout_s=3, curve=curve) as client, pytest.raises(BufferUnavailable):
+            client.stats()
+    with BufferClient(endpoint, "owner", timeout_s=10, curve=owner) as client:
+        assert client.stats()["rejected_handshakes"] >= 2
+    learner = next(p for p in tree if "Learner" in " ".join(p.cmdline()))
+    ports = [c.laddr.port for c in learner.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    publisher = [port for port in ports if weights_answer(port, owner)]  # Ray's gRPC servers answer no ZMQ client
+    assert len(publisher) == 1, ports
+    assert not weights_answer(publisher[0], None) and not weights_answer(publisher[0], intruder)
+    return keys_dir
+
+
+def weights_answer(port: int, curve) -> bool:
+    """Whether a ZMQ DEALER on 127.0.0.1:`port` with `curve` keys (or none) gets an answer to a weight `get`."""
+    import msgpack
+    import zmq
+
+    context = zmq.Context()
+    try:
+        socket = context.socket(zmq.DEALER)
+        socket.linger = 0
+        if curve is not None:
+            socket.curve_publickey, socket.curve_secretkey, socket.curve_serverkey = (
+                curve.public, curve.secret, curve.server_public)  # fmt: skip
+        socket.connect(f"tcp://127.0.0.1:{port}")
+        socket.send(msgpack.packb({"v": 2, "type": "get", "have": -1}))
+        return bool(socket.poll(3000))
+    finally:
+        context.destroy(linger=0)
