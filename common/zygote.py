@@ -26,6 +26,7 @@ several threads, is not safe), exits when the driver is gone, and is used only o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import json
@@ -174,6 +175,7 @@ def start() -> Zygote | None:
             if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
             _zygote = Zygote()
+            atexit.register(_zygote.close)  # no process of the run outlives `asyncrl up` (it held the output pipes)
         except Exception as err:  # the actors start as fresh interpreters
             print(f"asyncrl: no zygote ({err}); local actors start as fresh processes", file=sys.stderr)
             _failed = True

@@ -46,6 +46,13 @@ def command_line(process: psutil.Process) -> str:
         return ""
 
 
+def process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records(run_dir) if "loss" in r]
 
@@ -60,8 +67,11 @@ def steps_after_restart(run_dir: Path) -> list[dict]:
 def test_local_actors_train_evaluate_and_report_start_up_without_ray(tmp_path):
     proc = cli_up(tmp_path, "logging.name=e", "train.steps=3", "data.eval_size=4", "train.eval_every=2",
                   "eval.samples=2", "checkpoint.final=true")  # fmt: skip
-    out, _ = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    left = [command_line(p) for p in psutil.process_iter() if process_group(p.pid) == proc.pid]
+    out = proc.stdout.read()
     assert proc.returncode == 0, out[-4000:]
+    assert left == [], f"outlived the driver: {left}"  # the zygote did, by a second or two, holding the output pipes
     # the actors fork from a zygote that imported transformers: its progress bars stay off there too
     assert "Writing model shards" not in out and "Loading weights" not in out, out[-4000:]
     rows = records(tmp_path / "e")
