@@ -139,12 +139,36 @@ def create_keys(keys_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 RUN_KEYS_PREFIX = "asyncrl-keys-"
-"""Name prefix of a run's own keys directory (`make_run_keys`), in the system's temporary directory."""
+"""Name prefix of a run's own keys directory (`make_run_keys`): `asyncrl-keys-<driver pid>-<random>`, in the system's
+temporary directory."""
 
 
 def make_run_keys() -> Path:
     """A fresh directory (mode 0700, in the system's temporary directory) holding new keys for one run; the caller
-    removes it when the run ends. Its secret files are readable by their owner only, as `create_keys` writes them."""
-    root = Path(tempfile.mkdtemp(prefix=RUN_KEYS_PREFIX))
+    removes it when the run ends. Its secret files are readable by their owner only, as `create_keys` writes them.
+    First removes the directories that drivers killed before they could remove theirs left behind
+    (`sweep_run_keys`)."""
+    sweep_run_keys(Path(tempfile.gettempdir()))
+    root = Path(tempfile.mkdtemp(prefix=f"{RUN_KEYS_PREFIX}{os.getpid()}-"))
     create_keys(root)
     return root
+
+
+def sweep_run_keys(temp_dir: Path) -> list[Path]:
+    """Remove this user's run-keys directories in `temp_dir` whose driver is gone (a driver killed by SIGKILL cannot
+    remove its own); returns them."""
+    import shutil
+
+    from common.processes import pid_alive
+
+    removed = []
+    for path in temp_dir.glob(f"{RUN_KEYS_PREFIX}*-*"):
+        pid = path.name.removeprefix(RUN_KEYS_PREFIX).partition("-")[0]
+        try:
+            ours = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if ours and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -43,3 +43,18 @@ def test_keys_that_cannot_be_written_are_a_startup_error_naming_the_key(tmp_path
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
     with pytest.raises(StartupError, match=r"buffer\.run_keys: cannot write the run's CurveZMQ keys"):
         _use_run_keys(load_config(None, []))
+
+
+def test_keys_a_killed_driver_left_behind_are_swept_and_a_live_drivers_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from common.curve import RUN_KEYS_PREFIX, sweep_run_keys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = tmp_path / f"{RUN_KEYS_PREFIX}{gone.stdout.strip()}-abc", tmp_path / f"{RUN_KEYS_PREFIX}1-xyz"
+    other = tmp_path / "asyncrl-keys-notapid-x"  # not ours to judge
+    for path in (dead, live, other):
+        (path / "clients").mkdir(parents=True)
+    assert sweep_run_keys(tmp_path) == [dead]  # pid 1 runs; the short-lived child's pid is gone
+    assert not dead.exists() and live.is_dir() and other.is_dir()
