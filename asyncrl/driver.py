@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl import checkpoint, raycluster
+from asyncrl import checkpoint, raycluster, run_lock
 from asyncrl.console import one_time_work
 from asyncrl.metrics import EnvMetrics, MetricsLogger
 from asyncrl.operations import Operations, OperationsSections
@@ -70,25 +70,48 @@ def _train_gate(cfg: Config, run_dir: Path, launcher: str) -> Path | None:
     if not (rollout.pause_during_training and own_cpu_workers):
         return None
     path = run_dir / ".train_gate"
-    path.unlink(missing_ok=True)  # a resumed run's old gate: open again
+    try:
+        path.unlink(missing_ok=True)  # a resumed run's old gate: open again
+        train_gate.TrainGate(path)  # made here: a full disk is a start-up error, not a learner's death
+    except OSError as err:
+        raise StartupError(f"cannot make the train gate {path}: {err.strerror or err}") from None
     os.environ[train_gate.ENV_VAR] = str(path)
     return path
 
 
-def new_run_dir(cfg: Config) -> Path:
-    """runs/<name>, or runs/<name>-2, -3, ... if that one holds an earlier run (never mixed with a new one)."""
+def new_run_dir(cfg: Config) -> tuple[Path, run_lock.RunLock]:
+    """runs/<name>, or runs/<name>-2, -3, ... if that one holds an earlier run (never mixed with a new one), with its
+    run lock held (two drivers started together get two directories)."""
     base = Path(cfg.logging.dir) / cfg.logging.name
     run_dir, n = base, 1
     try:
-        while run_dir.exists() and any(run_dir.iterdir()):
-            n += 1
-            run_dir = base.with_name(f"{base.name}-{n}")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").touch()  # writable: the run's files go here
+        while True:
+            while run_dir.exists() and any(run_dir.iterdir()):
+                n += 1
+                run_dir = base.with_name(f"{base.name}-{n}")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                lock = run_lock.acquire(run_dir)
+            except run_lock.RunLocked:  # another driver took it after this one looked: the next name
+                continue
+            (run_dir / "config.json").touch()  # writable: the run's files go here
+            return run_dir, lock
     except OSError as err:
         raise StartupError(f"logging.dir={cfg.logging.dir}: cannot make the run directory {run_dir}: "
                            f"{err.strerror or err} ({err.filename})") from None  # fmt: skip
-    return run_dir
+
+
+def _resume_lock(run_dir: Path) -> run_lock.RunLock:
+    """`--resume`: the run's lock, before anything is written there; a run that another driver runs is refused."""
+    try:
+        return run_lock.acquire(run_dir)
+    except run_lock.RunLocked as err:
+        raise StartupError(
+            f"--resume {run_dir}: the run is running (its driver is pid {err.pid or '?'}); stop it "
+            f"first (`asyncrl down {run_dir}`) or wait for it to end"
+        ) from None
+    except OSError as err:
+        raise StartupError(f"--resume {run_dir}: cannot lock the run: {err.strerror or err} ({err.filename})") from None
 
 
 def check_inputs(cfg: Config, model_dir: str) -> ArchConfig:
@@ -169,20 +192,29 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
 
     compile_kernels(cfg)
     clock.mark("inputs_checked")
-    run_dir = resume if resume is not None else new_run_dir(cfg)
-    checkpoint_dir = checkpoint.latest(run_dir) if resume is not None else None
+    run_dir, lock = (resume, _resume_lock(resume)) if resume is not None else new_run_dir(cfg)
+    try:
+        return _run_in(cfg, run_dir, resume is not None, model_dir, arch, clock)
+    finally:
+        lock.release()
+
+
+def _run_in(cfg: Config, run_dir: Path, resume: bool, model_dir: str, arch: ArchConfig, clock: StartupClock
+            ) -> dict[str, Any]:  # fmt: skip
+    """`run` from the point its run directory is chosen and locked (`resume`: an earlier run's, to continue)."""
+    checkpoint_dir = checkpoint.latest(run_dir) if resume else None
     start_step = checkpoint.read_meta(checkpoint_dir)["step"] if checkpoint_dir is not None else 0
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     logger = MetricsLogger(cfg.logging, run_dir)
-    if resume is not None:
+    if resume:
         logger.event("resume", step=start_step, checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
         logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
     signals = StopSignals(logger)
-    resume_step = start_step if resume is not None else None
-    run_keys = _use_run_keys(cfg)  # after config.json is written: a resume makes new ones
-    buffers = BufferSupervisor(to_dict(cfg), run_dir, logger.event, logger.info, resume_step, arch.vocab_size)
+    resume_step = start_step if resume else None
     ray_start, launcher = raycluster.RayStart(), actors.launcher()
     gate = _train_gate(cfg, run_dir, launcher)
+    run_keys = _use_run_keys(cfg)  # after config.json is written: a resume makes new ones
+    buffers = BufferSupervisor(to_dict(cfg), run_dir, logger.event, logger.info, resume_step, arch.vocab_size)
     try:
         # Ray starts on a thread while this one starts the buffer and imports the actors' classes (both ~1 s)
         if launcher == "ray":

@@ -40,8 +40,8 @@ class TrainGate:
         self.path = Path(path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < struct.calcsize(_FORMAT):
-                os.ftruncate(fd, struct.calcsize(_FORMAT))
+            if os.fstat(fd).st_size < struct.calcsize(_FORMAT):  # allocated, not sparse: on a full disk a sparse
+                os.posix_fallocate(fd, 0, struct.calcsize(_FORMAT))  # page faults (SIGBUS) at its first write
             self._map = mmap.mmap(fd, struct.calcsize(_FORMAT))
         finally:
             os.close(fd)

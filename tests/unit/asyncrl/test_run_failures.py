@@ -62,9 +62,12 @@ def test_a_logging_dir_that_cannot_hold_the_run_is_a_startup_error_naming_it(tmp
     from common.config import load_config
 
     config = load_config(None, [f"logging.dir={tmp_path / 'runs'}", "logging.name=r"])
-    first = new_run_dir(config)
+    first, lock = new_run_dir(config)
     assert first == tmp_path / "runs" / "r" and (first / "config.json").exists()
-    assert new_run_dir(config) == tmp_path / "runs" / "r-2"  # the first holds a run: never mixed with a new one
+    second, second_lock = new_run_dir(config)
+    assert second == tmp_path / "runs" / "r-2"  # the first holds a run: never mixed with a new one
+    lock.release()
+    second_lock.release()
     a_file = tmp_path / "rows.jsonl"
     a_file.write_text("{}\n")
     with pytest.raises(StartupError) as caught:

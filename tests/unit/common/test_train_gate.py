@@ -64,3 +64,12 @@ def test_the_driver_names_a_gate_only_for_its_own_embedded_cpu_workers(tmp_path:
     assert os.environ[train_gate.ENV_VAR] == str(path)
     gate = TrainGate.from_env()
     assert gate is not None and gate.closed_since() == 0.0
+
+
+def test_the_gate_file_is_allocated_not_sparse(tmp_path) -> None:
+    """A sparse gate file has no block behind it: on a full disk the first write through the mapping killed the
+    learner with SIGBUS ("out of memory or a crash"), where an allocation fails with ENOSPC, an OSError."""
+    from common.train_gate import TrainGate
+
+    TrainGate(tmp_path / "gate")  # made, not yet written
+    assert os.stat(tmp_path / "gate").st_blocks > 0
