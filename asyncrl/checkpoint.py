@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from common.fsutil import fsync_dir, fsync_tree
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
+TRAINING_STATE = "training_state.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -44,6 +46,56 @@ def latest(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot serve a resume; the message names the file and the fault."""
+
+
+def latest_whole(run_dir: Path, say: Callable[[str], Any] | None = None) -> Path | None:
+    """The newest checkpoint whose files are whole (`damage`), or None; each newer `step_<k>` that is not (a damaged
+    file, or no meta.json) is named through `say` with what is wrong, and passed over, never deleted."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))), reverse=True)
+    for _, path in found:
+        problem = damage(path)
+        if not problem:
+            return path
+        if say is not None:
+            say(f"checkpoint {path.name} passed over: {problem}")
+    return None
+
+
+def damage(checkpoint_dir: Path) -> str:
+    """What makes `checkpoint_dir` unfit to resume from, naming the file, or "" when its meta.json, model files and
+    training state are whole. Reads headers and zip directories, never tensor data."""
+    from common.model_files import ModelFilesError, check_safetensors_file, check_weight_files
+
+    try:
+        read_meta(checkpoint_dir)
+    except CheckpointError as err:
+        return str(err)
+    model = checkpoint_dir / "model"
+    try:
+        if (model / "adapter_config.json").is_file():  # LoRA: the adapters (learner/lora.py)
+            check_safetensors_file(str(model), "adapter_model.safetensors")
+        elif model.is_dir():
+            check_weight_files(str(model))
+        else:
+            return f"{model} is missing"
+    except ModelFilesError as err:
+        return str(err).removeprefix("model.path=")
+    state = checkpoint_dir / TRAINING_STATE
+    try:
+        with zipfile.ZipFile(state) as archive:  # torch.save's format: the directory sits at the end
+            whole = any(name.endswith("data.pkl") for name in archive.namelist())
+    except FileNotFoundError:
+        return f"{state} is missing"
+    except (zipfile.BadZipFile, OSError) as err:
+        return f"{state} is not a whole torch.save archive ({err}: truncated?)"
+    return "" if whole else f"{state} is not a torch.save archive (no data.pkl)"
+
+
 def newest_run(base: Path) -> Path | None:
     """The newest run directory of a config whose runs are `base`, `base-2`, `base-3`, ... (`driver.new_run_dir`):
     the one with the highest number that holds a config.json, or None."""
@@ -57,7 +109,21 @@ def newest_run(base: Path) -> Path | None:
 
 
 def read_meta(checkpoint_dir: Path) -> dict[str, Any]:
-    return json.loads((checkpoint_dir / META).read_text())
+    """`checkpoint_dir`'s meta.json; CheckpointError naming it if it is missing, unreadable, or its step is not the
+    directory's."""
+    path = checkpoint_dir / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing (a checkpoint cut short?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read as JSON ({err})") from None
+    match = _STEP_DIR.fullmatch(checkpoint_dir.name)
+    step = meta.get("step") if isinstance(meta, dict) else None
+    if type(step) is not int or step < 0 or (match is not None and step != int(match.group(1))):
+        expected = f", not {match.group(1)} as its directory says" if match else ""
+        raise CheckpointError(f"{path}: its step is {step!r}{expected}")
+    return meta
 
 
 def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, Any], keep_last: int) -> Path:

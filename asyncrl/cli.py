@@ -215,7 +215,7 @@ def _up(args: argparse.Namespace) -> int:
         from asyncrl import checkpoint
         from common.config import get_key, resume_changes
 
-        latest = checkpoint.latest(resume)
+        latest = checkpoint.latest_whole(resume)  # the driver names any newer one it passes over
         meta = checkpoint.read_meta(latest) if latest is not None else {}
         live = [f"{k}={v}" for k, v in meta.get("live", {}).items()]
         saved, cfg = _load(str(resume / "config.json"), live), _load(str(resume / "config.json"), live + overrides)
@@ -261,7 +261,7 @@ def _auto_resume(cfg: Config) -> str | None:
 
     base = Path(cfg.logging.dir) / cfg.logging.name
     newest = checkpoint.newest_run(base)
-    latest = checkpoint.latest(newest) if newest is not None else None
+    latest = checkpoint.latest_whole(newest) if newest is not None else None
     if newest is None or latest is None:
         what = f"{newest} holds no checkpoint" if newest is not None else f"no run of it under {base.parent}"
         print(f"asyncrl: --resume auto: {what}; starting a new run", file=sys.stderr)

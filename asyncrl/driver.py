@@ -202,12 +202,16 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
 def _run_in(cfg: Config, run_dir: Path, resume: bool, model_dir: str, arch: ArchConfig, clock: StartupClock
             ) -> dict[str, Any]:  # fmt: skip
     """`run` from the point its run directory is chosen and locked (`resume`: an earlier run's, to continue)."""
-    checkpoint_dir = checkpoint.latest(run_dir) if resume else None
+    passed_over: list[str] = []  # damaged checkpoints newer than the one resumed from
+    checkpoint_dir = checkpoint.latest_whole(run_dir, say=passed_over.append) if resume else None
     start_step = checkpoint.read_meta(checkpoint_dir)["step"] if checkpoint_dir is not None else 0
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     logger = MetricsLogger(cfg.logging, run_dir)
+    for line in passed_over:
+        logger.info(line)
     if resume:
-        logger.event("resume", step=start_step, checkpoint=str(checkpoint_dir) if checkpoint_dir else None)
+        logger.event("resume", step=start_step, checkpoint=str(checkpoint_dir) if checkpoint_dir else None,
+                     passed_over=passed_over)  # fmt: skip
         logger.info(f"resuming {run_dir} at step {start_step} from {checkpoint_dir or 'the initial model'}")
     signals = StopSignals(logger)
     resume_step = start_step if resume else None
@@ -488,7 +492,7 @@ def _restart_learner(
         actors.kill(actor)  # the workers too: they subscribed to the dead learner's weight publisher
     if learner is not None and learner.store_dir:
         shutil.rmtree(learner.store_dir, ignore_errors=True)
-    checkpoint_dir = checkpoint.latest(run_dir)
+    checkpoint_dir = checkpoint.latest_whole(run_dir, say=logger.info)
     start_step = checkpoint.read_meta(checkpoint_dir)["step"] if checkpoint_dir is not None else 0
     rewound = buffers.restart(resume_step=start_step)
     died = actor_death(str(err))

@@ -74,7 +74,7 @@ def resume_hint(run_dir: Path) -> str:
     """`resume with: asyncrl up --resume RUN (from checkpoint step_k)`, or from the initial model if none yet."""
     from asyncrl import checkpoint
 
-    latest = checkpoint.latest(run_dir)
+    latest = checkpoint.latest_whole(run_dir)
     source = f"checkpoint {latest.name}" if latest is not None else "the initial model: no checkpoint yet"
     return f"resume with `asyncrl up --resume {run_dir}` (from {source})"
 

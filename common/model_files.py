@@ -72,6 +72,11 @@ def check_weight_files(model_dir: str) -> None:
         _check_torch_file(model_dir, name)
 
 
+def check_safetensors_file(model_dir: str, name: str) -> None:
+    """ModelFilesError unless `model_dir/name` is a whole safetensors file (as `check_weight_files` checks one)."""
+    _check_safetensors(model_dir, name)
+
+
 def _config(model_dir: str) -> dict[str, Any]:
     """config.json, or {} where it is missing or broken (`ArchConfig.from_model_dir` names that fault)."""
     try:

@@ -82,3 +82,62 @@ def test_pruning_killed_midway_leaves_nothing_that_outlives_the_next_save(
     (half_deleted / "model.bin").write_text("weights 1")
     checkpoint.save(tmp_path, 8, _writer("weights 8"), {}, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
+
+
+def _real_writer(out_dir: str) -> None:
+    """What the learner writes: a Hugging Face model directory and a torch.save archive of the training state."""
+    import torch
+
+    from common.builtin_model import resolve_model_path
+
+    shutil.copytree(resolve_model_path("builtin:micro"), Path(out_dir) / "model")
+    torch.save({"optimizer": {"step": torch.zeros(3)}}, Path(out_dir) / checkpoint.TRAINING_STATE)
+
+
+def _truncate(path: Path, keep: int) -> None:
+    with path.open("r+b") as handle:
+        handle.truncate(keep)
+
+
+DAMAGE = {
+    "meta.json is not json": (lambda d: (d / "meta.json").write_text("{not json"), "meta.json cannot be read as JSON"),
+    "meta.json without a step": (lambda d: (d / "meta.json").write_text("{}"), "its step is None, not 6"),
+    "meta.json of another step": (lambda d: (d / "meta.json").write_text('{"step": 5}'), "its step is 5, not 6"),
+    "no meta.json": (lambda d: (d / "meta.json").unlink(), "meta.json is missing"),
+    "weights truncated": (lambda d: _truncate(d / "model" / "model.safetensors", 5000),
+                          "model.safetensors is truncated"),
+    "no model": (lambda d: shutil.rmtree(d / "model"), "model is missing"),
+    "training state truncated": (lambda d: _truncate(d / "training_state.pt", 300),
+                                 "training_state.pt is not a whole torch.save archive"),
+    "no training state": (lambda d: (d / "training_state.pt").unlink(), "training_state.pt is missing"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", DAMAGE)
+def test_a_damaged_checkpoint_is_named_and_passed_over_for_the_newest_whole_one(tmp_path: Path, fault: str) -> None:
+    """They gave tracebacks (meta.json) or failed in the learner naming no file, with advice to resume from the same
+    checkpoint, which failed again; one without meta.json was passed over without a word."""
+    for step in (4, 6):
+        checkpoint.save(tmp_path, step, _real_writer, {}, keep_last=2)
+    assert checkpoint.damage(tmp_path / "checkpoints" / "step_6") == ""
+    damage, expected = DAMAGE[fault]
+    damage(tmp_path / "checkpoints" / "step_6")
+    said: list[str] = []
+    assert checkpoint.latest_whole(tmp_path, say=said.append) == tmp_path / "checkpoints" / "step_4"
+    assert len(said) == 1 and said[0].startswith("checkpoint step_6 passed over: ") and expected in said[0], said
+    assert str(tmp_path / "checkpoints" / "step_6") in said[0]  # the file, by its path
+    assert (tmp_path / "checkpoints" / "step_6").is_dir()  # never deleted
+
+
+def test_lora_checkpoints_are_checked_by_their_adapter_file(tmp_path: Path) -> None:
+    def adapters(out_dir: str) -> None:
+        _real_writer(out_dir)
+        model = Path(out_dir) / "model"
+        (model / "model.safetensors").rename(model / "adapter_model.safetensors")
+        (model / "adapter_config.json").write_text("{}")
+
+    checkpoint.save(tmp_path, 3, adapters, {}, keep_last=1)
+    step = tmp_path / "checkpoints" / "step_3"
+    assert checkpoint.damage(step) == ""
+    _truncate(step / "model" / "adapter_model.safetensors", 5000)
+    assert "adapter_model.safetensors is truncated" in checkpoint.damage(step)
