@@ -23,8 +23,9 @@ A `rewind` record's `c` is the consumed count after it. A `state` record's `max_
 selective rollout passed over), `streak` records and a `state` record's `streaks` (`[[prompt key, streak], ...]`)
 appear only with `algo.skip_zero_variance` on.
 
-A crash can leave a torn last record; `read_records` stops at the first record that is short or fails its checksum
-and truncates the file there.
+A crash can leave a torn last record; `read_records` cuts the file after the last intact record when nothing intact
+follows. Damage with intact records after it (a bad disk, an edited file) is skipped instead, keeping the records
+after it, and the original is saved beside the journal (`read_records`).
 
 Compaction (`Journal.rewrite`): the service replaces the file with `recovery.snapshot(state)` (one `state` record and
 the `admit` records of the groups still queued) once it outgrows its threshold, so the file stays proportional to
@@ -89,35 +90,91 @@ def _head(path: Path) -> bytes:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Every intact record of the journal at `path` (version 2, or 1), in order; a torn or corrupt tail is cut off."""
+    """Every intact record of the journal at `path` (version 2, or 1), in order.
+
+    A torn tail (a record cut short by a crash, or bytes after which no record is intact) is cut off, as a crash
+    leaves it. Damage anywhere else (bytes that fail their checksum with intact records after them, or a damaged
+    magic) is not what a crash leaves: the damaged bytes are skipped, every intact record after them is kept, the
+    original file is kept beside the journal (`<name>.damaged`, `<name>.damaged-2`, ...) and the journal is rewritten
+    from the intact records, each step said on stderr. What the skipped bytes held is lost."""
     if not path.exists():
         return []
     data = path.read_bytes()
-    records: list[dict[str, Any]] = []
-    v1 = _is_v1(data)
+    v1, offset, magic_damaged = _layout(data)
     header = _V1_HEADER if v1 else _HEADER
-    offset = 0 if v1 or len(data) < len(MAGIC) else len(MAGIC)  # a torn magic is cut off whole
+    records: list[dict[str, Any]] = []
+    skipped: list[tuple[int, int]] = []  # (offset, bytes) of damage with intact records after it
     while offset < len(data):
-        if len(data) - offset < header.size:
-            break
-        length, check = header.unpack_from(data, offset)
-        start, end = offset + header.size, offset + header.size + length
-        payload = memoryview(data)[start:end]
-        if end > len(data) or (zlib.crc32(payload) if v1 else xxhash.xxh3_64_intdigest(payload)) != check:
-            break
-        try:
-            record = msgpack.unpackb(payload, raw=False)
-        except Exception:  # checksum matched but not msgpack: treat as torn, like a bad checksum
-            break
-        if not isinstance(record, dict):
-            break
-        records.append(record)
-        offset = end
+        record, end = _record_at(data, offset, v1)
+        if record is not None:
+            records.append(record)
+            offset = end
+            continue
+        zeros = data.count(0, offset) == len(data) - offset  # blocks a crash allocated and never wrote
+        candidates = range(offset + 1, len(data) - header.size + 1) if not zeros else range(0)
+        intact = next((at for at in candidates if _record_at(data, at, v1)[0] is not None), None)
+        if intact is None:
+            break  # nothing intact after it: a torn tail
+        skipped.append((offset, intact - offset))
+        offset = intact
+    if skipped or magic_damaged:
+        kept = _keep_damaged(path)
+        damage = ["the magic"] * magic_damaged + [f"{size} bytes at offset {at}" for at, size in skipped[:5]]
+        print(f"buffer journal: {path} is damaged ({', '.join(damage)}{', ...' if skipped[5:] else ''}); "
+              f"{len(records)} intact records kept, the original saved as {kept}; what the damaged bytes held "
+              "(leases, admitted groups, consumption marks) is lost", file=sys.stderr)  # fmt: skip
+        if offset < len(data):
+            print(f"buffer journal: truncating {len(data) - offset} torn bytes at offset {offset}", file=sys.stderr)
+        _write_atomically(path, records)
+        return records
     if offset < len(data):
         print(f"buffer journal: truncating {len(data) - offset} torn bytes at offset {offset}", file=sys.stderr)
         with open(path, "r+b") as handle:
             handle.truncate(offset)
     return records
+
+
+def _layout(data: bytes) -> tuple[bool, int, bool]:
+    """(version 1?, offset of the first record, whether the magic is damaged) of a journal's bytes. A file without the
+    magic is version 1 if a version-1 record starts it; else version 2 with a damaged magic if a version-2 record
+    follows the magic's 16 bytes; else as `_is_v1` says (a torn magic, a prefix of it, is version 2, cut whole)."""
+    if data[: len(MAGIC)] == MAGIC:
+        return False, len(MAGIC), False
+    if _is_v1(data) and _record_at(data, 0, True)[0] is None and _record_at(data, len(MAGIC), False)[0] is not None:
+        return False, len(MAGIC), True
+    v1 = _is_v1(data)
+    return v1, 0 if v1 or len(data) < len(MAGIC) else len(MAGIC), False
+
+
+def _record_at(data: bytes, offset: int, v1: bool) -> tuple[dict[str, Any] | None, int]:
+    """(the record at `offset`, the offset after it), or (None, offset) where none intact starts there."""
+    header = _V1_HEADER if v1 else _HEADER
+    if len(data) - offset < header.size:
+        return None, offset
+    length, check = header.unpack_from(data, offset)
+    start, end = offset + header.size, offset + header.size + length
+    if end > len(data):
+        return None, offset
+    payload = memoryview(data)[start:end]
+    if (zlib.crc32(payload) if v1 else xxhash.xxh3_64_intdigest(payload)) != check:
+        return None, offset
+    try:
+        record = msgpack.unpackb(payload, raw=False)
+    except Exception:  # checksum matched but not msgpack: treat as torn, like a bad checksum
+        return None, offset
+    return (record, end) if isinstance(record, dict) else (None, offset)
+
+
+def _keep_damaged(path: Path) -> Path:
+    """Copy the damaged journal beside itself under a name no earlier copy has; returns the copy's path."""
+    import shutil
+
+    copy, n = path.with_name(f"{path.name}.damaged"), 1
+    while copy.exists():
+        n += 1
+        copy = path.with_name(f"{path.name}.damaged-{n}")
+    shutil.copyfile(path, copy)
+    return copy
 
 
 class _Writer:

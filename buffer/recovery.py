@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from buffer import ingest
@@ -107,6 +108,26 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
     state.counters["consumed_groups"] = state.consumed_groups
     state.counters["replayed_groups"] = len(state.queue)
     state.replayed = (admitted, consumed_at)
+
+
+class JournalBehind(RuntimeError):
+    """The journal records less consumption than the checkpoint a run resumes from has trained on."""
+
+
+def check_covers(state: BufferState, next_step: int, path: Path) -> None:
+    """After `replay`: JournalBehind unless the journal at `path` records a batch consumed for every step the learner
+    trained before `next_step`, that is up to step `next_step - 1` (a consume record is committed before its batch is
+    sent, so a whole journal always does). One that does not was cut short, damaged or replaced: resuming on it would
+    train its prompts again and lose what was queued."""
+    last = state.step if state.consumed_groups > 0 else -1  # the last step the journal saw a batch consumed for
+    if last >= next_step - 1:
+        return
+    raise JournalBehind(
+        f"the journal {path} records batches up to train step {last}, but the checkpoint the run resumes from trained "
+        f"up to step {next_step - 1}: its records are missing (cut short, damaged or replaced), and resuming on it "
+        f"would train prompts again. To resume from what it holds, move the run's checkpoints after step_{last + 1} "
+        "out of its checkpoints/ directory"
+    )
 
 
 def rewind(state: BufferState, next_step: int) -> dict[str, int]:

@@ -487,6 +487,7 @@ def _open_journal(state: BufferState, path: Path, fsync: str, resume_step: int |
             flush=True,
         )
     if resume_step is not None:
+        recovery.check_covers(state, resume_step, path)
         rewound = recovery.rewind(state, resume_step)
         journal.commit()
         print(f"buffer: rewound to train step {resume_step}: {rewound}", file=sys.stderr, flush=True)
@@ -578,7 +579,11 @@ def main(argv: list[str] | None = None) -> int:
     journal: Journal | None = None
     redeliver = None
     if cfg.buffer.journal:
-        journal = _open_journal(state, run_dir / JOURNAL_NAME, cfg.buffer.fsync, args.resume_step)
+        try:
+            journal = _open_journal(state, run_dir / JOURNAL_NAME, cfg.buffer.fsync, args.resume_step)
+        except recovery.JournalBehind as err:
+            print(f"buffer: {err}", file=sys.stderr)
+            return 2
         if args.redeliver and args.resume_step is None:
             redeliver = recovery.redelivery(state)
     elif args.resume_step is not None:
