@@ -136,9 +136,13 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     target = root / f"step_{step}"
     staging = root / f".step_{step}.tmp"
     staging.mkdir()
-    write(str(staging))
-    (staging / META).write_text(json.dumps({"step": step, **meta}, indent=2, default=str))
-    fsync_tree(staging)
+    try:
+        write(str(staging))
+        (staging / META).write_text(json.dumps({"step": step, **meta}, indent=2, default=str))
+        fsync_tree(staging)
+    except BaseException:  # a full disk: what was written frees its space for the next try (or the resume)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     replaced = root / f".step_{step}.old.tmp"
     if replaced.exists():  # left by a crash during an earlier resave: in the way of the rename below
         shutil.rmtree(replaced, ignore_errors=True)

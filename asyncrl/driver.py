@@ -374,11 +374,15 @@ def _train(
     ops = Operations(
         OperationsSections.pick(cfg), check_live, run_dir, pool, learner, buffer_endpoint, logger, start_step
     )
-    ops.buffer.while_waiting = buffers.poll  # a buffer that dies while the driver asks it something is restarted
-    ops.buffer.set_max_lag(cfg.staleness.max_lag)  # the config wins over a max_lag the journal replayed
-    clock.mark("actors_created")
-    pool.start(cfg.rollout.num_workers, meanwhile=lambda: (learner.weights_endpoint(), clock.mark("learner_ready")))
-    clock.mark("workers_running")
+    try:  # from here on, `with ops.control` removes control.json; before it, this does (`asyncrl status` waited)
+        ops.buffer.while_waiting = buffers.poll  # a buffer that dies while the driver asks it something is restarted
+        ops.buffer.set_max_lag(cfg.staleness.max_lag)  # the config wins over a max_lag the journal replayed
+        clock.mark("actors_created")
+        pool.start(cfg.rollout.num_workers, meanwhile=lambda: (learner.weights_endpoint(), clock.mark("learner_ready")))
+        clock.mark("workers_running")
+    except BaseException:
+        ops.control.close()
+        raise
     logger.info(f"run {cfg.logging.name}: {cfg.rollout.num_workers} rollout workers, buffer {buffer_endpoint}, "
                 f"weights {learner.weights_endpoint()}, model {model_dir}, control {ops.control.endpoint}")  # fmt: skip
     last_time = time.monotonic()

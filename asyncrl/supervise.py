@@ -357,11 +357,15 @@ class BufferSupervisor:
             self._restarting = False
 
     def _restart(self, returncode: int) -> None:
-        from buffer.launcher import start_service, stop_service
+        from buffer.launcher import EXIT_JOURNAL_UNWRITABLE, start_service, stop_service
 
         assert self.proc is not None
         dead_pid, how = self.proc.pid, describe_exit(returncode)
         stop_service(self.proc)  # reaped already: closes its stdout
+        if returncode == EXIT_JOURNAL_UNWRITABLE:  # the same disk fails a restart the same way
+            self.event("buffer_crashed", pid=dead_pid, exit=how, crashes=self.crashes + 1, restart=False)
+            raise SupervisionError(f"the buffer process (pid {dead_pid}) stopped: its journal in {self.run_dir} "
+                                   "cannot be written (its message is above: disk full or an I/O error)")  # fmt: skip
         self.crashes += 1
         self.last_exit = f"the buffer process (pid {dead_pid}) was {how}" if how.startswith("killed") else (
             f"the buffer process (pid {dead_pid}) ended with {how}"

@@ -25,6 +25,7 @@ process, its signal or exit code, the step, and the command that resumes.
 
 from __future__ import annotations
 
+import errno
 import math
 import re
 import statistics
@@ -85,7 +86,7 @@ def failure(err: BaseException, step: int, run_dir: Path) -> RunFailed:
 
     from asyncrl.supervise import SupervisionError
 
-    where = f"at step {step}; {resume_hint(run_dir)}"
+    where = f"at step {step}; {_disk_full(run_dir)}{resume_hint(run_dir)}"
     if isinstance(err, RunFailed):
         return RunFailed(f"{err} {where}", err.detail, err.exit_code)
     if isinstance(err, SupervisionError):
@@ -103,7 +104,29 @@ def failure(err: BaseException, step: int, run_dir: Path) -> RunFailed:
         return RunFailed(f"{process} (pid {getattr(err, 'pid', '?')}) failed: {what}; the run stopped {where}",
                          detail=str(err))  # fmt: skip
     detail = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        detail = ""  # the disk, not the code: the line says it all
     return RunFailed(f"the driver failed: {type(err).__name__}: {_one_line(str(err))}; the run stopped {where}", detail)
+
+
+DISK_FULL_BYTES = 64 << 20
+"""Free space under which a failed run's last line says that the disk holding the run is full."""
+
+
+def _disk_full(run_dir: Path) -> str:
+    """`the disk holding RUN is full (N MiB free); free space, then ` when it is, else "": whatever failed (a
+    checkpoint's writer, the journal, the metrics), that is the cause to fix before resuming."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return ""
+    return (
+        f"the disk holding {run_dir} is full ({free >> 20} MiB free): free space, then "
+        if free < DISK_FULL_BYTES
+        else ""
+    )
 
 
 def _one_line(text: str) -> str:

@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+EXIT_JOURNAL_UNWRITABLE = 3
+"""The buffer service's exit status when its journal cannot be written (disk full, I/O error): a restart on the same
+disk would fail the same way, so a supervisor stops the run instead."""
+
 
 def start_service(
     config_values: dict[str, Any],

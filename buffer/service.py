@@ -58,6 +58,7 @@ from zmq.utils.monitor import recv_monitor_message
 from buffer import ingest, recovery
 from buffer.ingest import CheckedPush
 from buffer.journal import Journal, read_records
+from buffer.launcher import EXIT_JOURNAL_UNWRITABLE
 from buffer.memory import configure_malloc, reserve
 from buffer.selective import PromptHistory, SkipRule
 from buffer.state import BufferState, Queued, batch_reply
@@ -520,7 +521,7 @@ def _serve(
     except OSError as err:  # the journal cannot be written (disk full, I/O error): no durability, so stop
         print(f"buffer: stopping: the journal {journal.path if journal else ''} cannot be written ({err}); every "
               "acknowledged group is in it, restart once the disk is fixed", file=sys.stderr, flush=True)  # fmt: skip
-        return 3
+        return EXIT_JOURNAL_UNWRITABLE
     finally:
         if journal is not None:
             with contextlib.suppress(OSError):  # already reported; the sockets must still be closed

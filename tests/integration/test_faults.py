@@ -217,6 +217,7 @@ def test_a_learner_whose_first_start_raises_in_its_constructor_fails_the_run_at_
     assert "`learner.device=cuda` but this learner process sees no GPU" in line and "Traceback" not in out
     assert "restarting the learner" not in out, out[-4000:]
     assert not [r for r in records(tmp_path / "g") if r.get("event") == "learner_restarted"]
+    assert not (tmp_path / "g" / "control.json").exists()  # `asyncrl status` waited 10 s on it before calling it stale
 
 
 def test_a_diverged_model_fails_the_run_after_max_nonfinite_steps_and_leaves_no_weight_files(tmp_path):

@@ -50,3 +50,25 @@ def test_a_killed_buffer_is_restarted_on_its_endpoint_until_max_restarts(tmp_pat
         assert events[-1][0] == "buffer_crashed"
     finally:
         supervisor.stop()
+
+
+def test_a_buffer_whose_journal_cannot_be_written_is_not_restarted(tmp_path: Path) -> None:
+    """It was restarted `buffer.max_restarts` times within a second, each failing the same way on the full disk."""
+    import subprocess
+    import sys
+
+    from buffer.launcher import EXIT_JOURNAL_UNWRITABLE, stop_service
+
+    events: list[tuple[str, dict[str, Any]]] = []
+    supervisor = BufferSupervisor(_values(3), tmp_path, lambda kind, **f: events.append((kind, f)), lambda line: None)
+    supervisor.start()
+    try:
+        stop_service(supervisor.proc)
+        supervisor.proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({EXIT_JOURNAL_UNWRITABLE})"])
+        supervisor.proc.wait()
+        with pytest.raises(SupervisionError, match="its journal in .* cannot be written"):
+            supervisor.poll()
+        assert events[-1][0] == "buffer_crashed" and events[-1][1]["restart"] is False
+        assert not [kind for kind, _ in events if kind == "buffer_restarted"]
+    finally:
+        supervisor.stop()

@@ -16,10 +16,16 @@ from asyncrl.watchdog import RunFailed, failure
 def _run(path: Path, checkpoint_step: int | None = None) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")
-    if checkpoint_step is not None:
+    if checkpoint_step is not None:  # whole: a damaged one is passed over (checkpoint.latest_whole)
         step_dir = path / "checkpoints" / f"step_{checkpoint_step}"
-        step_dir.mkdir(parents=True)
+        (step_dir / "model").mkdir(parents=True)
         (step_dir / "meta.json").write_text(json.dumps({"step": checkpoint_step}))
+        import numpy as np
+        import torch
+        from safetensors.numpy import save_file
+
+        save_file({"w": np.zeros(2, dtype=np.float32)}, str(step_dir / "model" / "model.safetensors"))
+        torch.save({}, step_dir / checkpoint.TRAINING_STATE)
     return path
 
 
@@ -187,3 +193,35 @@ def test_a_dead_evaluation_worker_is_named() -> None:
 
     message = "The actor died. class_name: EvalWorker, pid=77, exit detail: killed by a signal."
     assert actor_death(message).startswith("the evaluation worker (pid 77) died")
+
+
+def test_a_run_that_fails_on_a_full_disk_says_so_and_gives_no_traceback(tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint's writer failed with torch's `unexpected pos ...` and the metrics with a traceback: the last line
+    never said that the disk was full."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    run_dir = _run(tmp_path / "r")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, (10 << 30) - (3 << 20), 3 << 20))
+    full = failure(OSError(errno.ENOSPC, "No space left on device"), 4, run_dir)
+    assert f"at step 4; the disk holding {run_dir} is full (3 MiB free): free space, then resume with" in str(full)
+    assert full.detail == ""
+    learner = failure(SupervisionError("the learner failed: RuntimeError: unexpected pos 2595328 vs 2595216"), 4,
+                      run_dir)  # fmt: skip
+    assert "is full (3 MiB free)" in str(learner)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 1 << 30, 9 << 30))
+    assert "full" not in str(failure(SupervisionError("the learner failed"), 4, run_dir))
+
+
+def test_a_checkpoint_that_fails_to_write_leaves_nothing_behind(tmp_path: Path) -> None:
+    import errno
+
+    def full(out_dir: str) -> None:
+        (Path(out_dir) / "model.bin").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(tmp_path, 3, full, {}, keep_last=2)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
