@@ -159,12 +159,42 @@ def check_step_result(result: Any) -> StepResult:
         result = StepResult(*result)
     if not isinstance(result, StepResult):
         raise EnvError(f"step must return a StepResult, got {type(result).__name__}")
-    reward = result.reward
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    reward = _number(result.reward)
+    if reward is None or not math.isfinite(reward):
         raise EnvError(f"step returned a reward that is not a finite number: {result.reward!r}"[:200])
     obs = result.observation
-    if not (obs is None or isinstance(obs, str) or (isinstance(obs, list) and all(isinstance(m, dict) for m in obs))):
+    if not (obs is None or isinstance(obs, str) or _is_messages(obs)):
         raise EnvError(f"step returned an observation that is not text, messages or None: {type(obs).__name__}")
     if not isinstance(result.info, dict):
         raise EnvError(f"step returned info that is not a dict: {type(result.info).__name__}")
-    return StepResult(obs, float(result.reward), bool(result.done), result.info)
+    done = result.done
+    numpy_bool = type(done).__module__ == "numpy" and type(done).__name__ in ("bool", "bool_")
+    if not (isinstance(done, bool) or numpy_bool or (type(done) is int and done in (0, 1))):
+        raise EnvError(f"step returned a `done` that is not a bool: {done!r}"[:200])  # bool("False") is True
+    return StepResult(obs, reward, bool(done), result.info)
+
+
+def check_reset_result(prompt: Any) -> str | Messages:
+    """The environment's first prompt, checked: text, or chat messages (dicts whose `content` is text). EnvError
+    otherwise."""
+    if not (isinstance(prompt, str) or _is_messages(prompt)):
+        raise EnvError(f"reset must return the prompt as text or chat messages, got {type(prompt).__name__}: "
+                       f"{prompt!r}"[:200])  # fmt: skip
+    return prompt
+
+
+def _is_messages(value: Any) -> bool:
+    """Chat messages: a list of dicts whose `content` (when there is one) is text."""
+    return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in value)
+
+
+def _number(value: Any) -> float | None:
+    """`value` as a float when it is a real number (Python's, or a numpy scalar's such as float32), else None."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        item = getattr(value, "item", None)  # a numpy scalar that does not register as numbers.Real
+        value = item() if callable(item) and getattr(value, "shape", None) == () else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+    return float(value)

@@ -37,6 +37,7 @@ how many such calls pile up, and calls queued behind them wait (and may time out
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import json
 import random
 import time
@@ -45,8 +46,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.envs import StepResult, check_step_result, combine_turn_reward, load_env_factory
+from common.envs import (
+    EnvError,
+    StepResult,
+    check_reset_result,
+    check_step_result,
+    combine_turn_reward,
+    load_env_factory,
+)
 from common.wire import PromptLease
+from rollout_workers.token_chars import max_token_chars
 
 if TYPE_CHECKING:
     from common.config_schema import EnvConfig
@@ -111,6 +120,7 @@ class EpisodeRunner:
 
         self.continuous = isinstance(engine, EmbeddedEngine)
         self._keys = random.Random(seed)  # the episodes' sampling streams on the continuous path (`Episode.key`)
+        self._token_chars: int | None = None  # `max_token_chars(tokenizer)`, at the first observation
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -156,6 +166,21 @@ class EpisodeRunner:
         text = "\n\n".join(str(m.get("content", "")) for m in messages)
         return list(self.tokenizer(text, add_special_tokens=first)["input_ids"])
 
+    def _cut_observation(self, observation: Any, room: int) -> Any:
+        """`observation` without the text its first `room` tokens cannot reach, before it is tokenized (on the decode
+        thread): a multi-megabyte observation cost seconds a turn and stalled the worker. Twice the characters `room`
+        tokens can stand for (`max_token_chars`) are kept, so the first `room` tokens are those of the whole text."""
+        if self._token_chars is None:
+            self._token_chars = max_token_chars(self.tokenizer)
+        limit = 2 * (max(room, 0) + 1) * self._token_chars
+        if isinstance(observation, str):
+            return observation[:limit]
+        if isinstance(observation, list):
+            return [
+                {**m, "content": m["content"][:limit]} if isinstance(m.get("content"), str) else m for m in observation
+            ]
+        return observation
+
     def _encode_observation(self, observation: Any) -> list[int]:
         if observation is None:
             return []
@@ -195,11 +220,22 @@ class EpisodeRunner:
         for episode in episodes:
             episode.failed = episode.env is None
         live = [i for i, e in enumerate(episodes) if not e.failed]
-        resets = self._call_all([(lambda e=episodes[i], p=problems[i]: e.env.reset(dict(p))) for i in live])
+        # each episode its own copy of the row, nested fields included: one episode's changes never reach another's
+        resets = self._call_all([(lambda e=episodes[i], p=problems[i]: e.env.reset(copy.deepcopy(p))) for i in live])
         for i, (ok, prompt) in zip(live, resets, strict=True):
+            if ok:
+                try:
+                    prompt = check_reset_result(prompt)
+                except EnvError as err:
+                    self.counters["env_errors"] += 1
+                    self._note(str(err))
+                    ok = False
             episodes[i].failed = not ok
             if ok:
                 episodes[i].prompt_ids = self._encode_prompt(prompt)
+                if self._room(episodes[i]) < 1:
+                    self._note(f"reset's prompt is {len(episodes[i].prompt_ids)} tokens: no room for a model turn "
+                               f"within rollout.max_seq_len={self.engine.max_seq_len}")  # fmt: skip
         if self.continuous:
             self._run_continuous(episodes)
         else:
@@ -342,7 +378,8 @@ class EpisodeRunner:
         if e.turns >= self.cfg.max_turns:
             e.done, e.finish = True, "length"
             return
-        observation = self._encode_observation(result.observation)[: self.cfg.max_total_tokens - len(e.response_ids)]
+        room = self.cfg.max_total_tokens - len(e.response_ids)
+        observation = self._encode_observation(self._cut_observation(result.observation, room))[:room]
         version = max(self.engine.version, max(e.versions, default=0))
         e.response_ids += observation
         e.behav_logp += [0.0] * len(observation)

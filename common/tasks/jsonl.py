@@ -130,7 +130,12 @@ def load_rows(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple[
             "`datasets` save_to_disk is read by data.task=dataset"
         )
     if not file.is_file():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist (data.path)")
+        what = (
+            "does not exist"
+            if not file.exists()
+            else "is not a regular file (a pipe or a device: every process of a run reads it)"
+        )
+        raise DatasetError(f"dataset file {str(path)!r} {what} (data.path)")
     rows: list[tuple[str, str]] = []
     errors: list[str] = []
     with file.open("rb") as lines:

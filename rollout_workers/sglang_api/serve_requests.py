@@ -128,27 +128,6 @@ def check_prompt(ids: list[int], sampling: SamplingParams, vocab_size: int, max_
             raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token}.")  # SGLang's words
 
 
-def max_token_chars(tokenizer: Any) -> int:
-    """The most characters of text one token of `tokenizer` can stand for: the longest token of its vocabulary (added
-    and special tokens included), measured both as written in the vocabulary and decoded alone (a byte-level token
-    has at least as many characters as the bytes it decodes to; a decoded SentencePiece token loses its leading
-    space), times 4 when the tokenizer's normalizer composes Unicode (NFC, NFKC: up to 4 code points become one, as
-    U+1F82 does). Characters a tokenizer deletes (BERT-style clean-up, a run of unknown characters fused into one
-    token) are not bounded: such a text is refused as if they were kept. Computed once at start-up (a fast
-    tokenizer decodes a 150k vocabulary in a fraction of a second)."""
-    vocab = tokenizer.get_vocab()
-    ids = [[token_id] for token_id in sorted(set(vocab.values()))]
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: decode the whole vocabulary in Rust
-    if backend is not None:
-        decoded = backend.decode_batch(ids, skip_special_tokens=False)
-    else:
-        decoded = [tokenizer.decode(one, skip_special_tokens=False, clean_up_tokenization_spaces=False) for one in ids]
-    longest = max(1, *map(len, vocab), *map(len, decoded))
-    normalizer = repr(getattr(backend, "normalizer", None))
-    composes = any(kind in normalizer for kind in ("NFC", "NFKC", "Precompiled"))  # Precompiled: SentencePiece's NFKC
-    return longest * (4 if composes else 1)
-
-
 def check_text_fits(text: str, max_new_tokens: int, token_chars: int, max_seq_len: int) -> None:
     """Refuse a text prompt that cannot fit the context with `max_new_tokens` more whatever its tokens, before
     tokenizing it: it is at least len(text) / token_chars tokens (`max_token_chars`). The refusal opens as the

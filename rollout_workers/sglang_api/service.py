@@ -52,11 +52,11 @@ from rollout_workers.sglang_api.schemas import GenerateRequest, SamplingParams
 from rollout_workers.sglang_api.serve_requests import (
     ServeRequest,
     engine_params,
-    max_token_chars,
     request_groups,
     stop_string_hits,
 )
 from rollout_workers.sglang_api.server_state import MemoryOccupation, Throughput, load_report
+from rollout_workers.token_chars import max_token_chars
 
 HEALTH_TIMEOUT_S = 20.0
 """How long `/health_generate` waits for its one-token request."""

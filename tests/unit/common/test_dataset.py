@@ -244,3 +244,13 @@ def test_a_directory_is_named_as_a_directory(tmp_path: Path) -> None:
         _source(folder)
     with pytest.raises(DatasetError, match=r"dataset file '.*folder' is a directory, not a JSONL file \(data.path\)"):
         make_source(DataConfig(task="jsonl", path=str(folder)))
+
+
+def test_a_pipe_as_data_path_is_named_as_such_not_as_missing(tmp_path: Path) -> None:
+    import os
+
+    from common.tasks.jsonl import load_rows
+
+    os.mkfifo(tmp_path / "rows.jsonl")
+    with pytest.raises(DatasetError, match=r"is not a regular file \(a pipe or a device"):
+        load_rows(tmp_path / "rows.jsonl", "prompt", "answer")

@@ -65,6 +65,9 @@ def test_a_bad_env_spec_fails_at_start_naming_the_key(tmp_path: Path) -> None:
         (StepResult(3, 0.0, True), "observation"),
         (StepResult(None, 0.0, True, info=[]), "info"),  # type: ignore[arg-type]
         ("done", "StepResult"),
+        (StepResult(None, 0.0, "False"), "`done` that is not a bool"),  # bool("False") is True: the episode ended
+        (StepResult(None, 0.0, 2), "`done` that is not a bool"),
+        (StepResult([{"role": "tool", "content": 7}], 0.0, True), "observation"),
     ],
 )
 def test_a_malformed_step_result_is_an_env_error(result: object, message: str) -> None:
@@ -112,3 +115,21 @@ def test_env_spec_errors_speak_of_environments_and_their_built_ins(tmp_path: Pat
     with pytest.raises(EnvError, match="module 'common.tasks.arith_tool' has no class 'Nope'"):
         load_env_factory("common.tasks.arith_tool:Nope")
     assert load_config(None, ["env.fn=asyncrl:arith_tool"]).env.fn == "asyncrl:arith_tool"
+
+
+def test_numpy_rewards_and_flags_are_taken_as_numbers_and_bools() -> None:
+    """A numpy.float32 reward was refused as "not a finite number" (float64, a float subclass, was not)."""
+    import numpy as np
+
+    result = check_step_result(StepResult(None, np.float32(0.5), np.bool_(True)))
+    assert result == StepResult(None, 0.5, True, {}) and type(result.reward) is float
+    assert check_step_result(StepResult(None, np.int64(2), 0)).reward == 2.0
+
+
+@pytest.mark.parametrize("prompt", [12345, {"prompt": "1+1="}, [{"role": "user", "content": None}], None])
+def test_a_reset_that_returns_no_prompt_is_named(prompt: object) -> None:
+    from common.envs import check_reset_result
+
+    with pytest.raises(EnvError, match="reset must return the prompt as text or chat messages"):
+        check_reset_result(prompt)
+    assert check_reset_result("1+1=") == "1+1="

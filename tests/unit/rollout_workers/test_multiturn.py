@@ -215,3 +215,55 @@ def test_an_episode_s_tokens_do_not_depend_on_the_order_its_environments_answer_
         assert low.response_ids.tolist() == high.response_ids.tolist()
         assert np.allclose(low.behav_logp, high.behav_logp, atol=1e-5)
     assert len({tuple(t.response_ids.tolist()) for t in out["low"]}) > 1  # the episodes' streams differ
+
+
+NESTED_ENV = textwrap.dedent(
+    """
+    from common.envs import StepResult
+
+
+    class NestedEnv:
+        '''Appends to its problem's nested list; rewards 1 only if the list it was given was its own.'''
+
+        stop_strings = ("=",)
+
+        def reset(self, problem):
+            self.hist = problem["hist"]
+            self.hist.append(1)
+            return "1+1="
+
+        def step(self, model_text):
+            return StepResult(None, 1.0 if len(self.hist) == 1 else 0.0, True, {})
+    """
+)
+
+
+def test_each_episode_resets_with_its_own_copy_of_the_row_nested_fields_included(tmp_path: Path) -> None:
+    """The episodes of a group shared the row's nested lists: one environment's append reached its siblings."""
+    (tmp_path / "nested_env.py").write_text(NESTED_ENV)
+    worker = make_worker(tmp_path, f"env.fn={tmp_path / 'nested_env.py'}:NestedEnv", "train.group_size=4")
+    try:
+        assert worker.episodes is not None
+        row = {"index": 0, "prompt": "1+1=", "answer": "2", "hist": []}
+        (episodes,) = worker.episodes.run([PromptLease("g0", 0, "1+1=", "2", 1e12)], [row], 4)
+        assert [e.reward for e in episodes] == [1.0] * 4 and row["hist"] == []
+    finally:
+        close(worker)
+
+
+def test_an_observation_is_cut_to_what_its_tokens_can_reach_before_it_is_tokenized(worker: RolloutWorker) -> None:
+    """A 5 MB observation was tokenized whole on the decode thread, every turn (seconds each), then cut."""
+    import random
+
+    runner = worker.episodes
+    assert runner is not None
+    huge = runner._cut_observation("1" * 5_000_000, room=10)
+    assert len(huge) <= 2 * 11 * runner._token_chars < 1000
+    words = random.Random(0).choices(["12", "+", "=", " ", "345", "\n", "6-7", "(8)"], k=20_000)
+    text = "".join(words)
+    for room in (1, 7, 50, 400):
+        cut = runner._cut_observation(text, room)
+        assert len(cut) < len(text)
+        assert runner._encode_observation(cut)[:room] == runner._encode_observation(text)[:room]
+    messages = [{"role": "tool", "content": text}]
+    assert runner._cut_observation(messages, 7) == [{"role": "tool", "content": runner._cut_observation(text, 7)}]

@@ -136,7 +136,7 @@ def test_max_token_chars_is_the_longest_token_special_ones_included_times_4_unde
     from tokenizers import Tokenizer, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    from rollout_workers.sglang_api.serve_requests import max_token_chars
+    from rollout_workers.token_chars import max_token_chars
 
     for normalizer, factor in ((None, 1), (normalizers.NFC(), 4), (normalizers.Sequence([normalizers.NFKC()]), 4)):
         inner = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "▁hello": 2}, unk_token="<unk>"))
