@@ -186,7 +186,10 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     quiet_libraries()  # first: transformers reads it at import, and the fork server imports it for every local actor
     actors.use(actors.resolve_launcher(cfg.ray))  # `local`: the fork server imports torch while the driver goes on
     with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
-        model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
+        try:
+            model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
+        except ValueError as err:  # an unknown built-in, or one that cannot be built where the cache is
+            raise StartupError(str(err)) from None
     arch = check_inputs(cfg, model_dir)
     from asyncrl.kernels import compile_kernels  # the workers' C++ kernels, once per machine (a bar on a terminal)
 

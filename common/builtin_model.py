@@ -140,13 +140,19 @@ def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
     target = cache_root(cache_dir) / "builtin" / f"{name}-{fingerprint}"
     if _complete(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with build_lock(target):  # concurrent processes (parallel tests, several runs) build it once, the others wait
-        if _complete(target):
-            return target
-        _remove_abandoned_builds(target.parent, name)
-        log(f"building {path} into {target} (once; later runs reuse it)")
-        return _build_into(target, path, recipe, build, log)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with build_lock(target):  # concurrent processes (parallel tests, several runs) build it once, the others wait
+            if _complete(target):
+                return target
+            _remove_abandoned_builds(target.parent, name)
+            log(f"building {path} into {target} (once; later runs reuse it)")
+            return _build_into(target, path, recipe, build, log)
+    except OSError as err:  # a read-only or full home: say where it builds and how to build it elsewhere
+        raise ValueError(
+            f"model.path={path}: cannot build it in {target.parent}: {err.strerror or err}; set model.cache_dir "
+            "(or $ASYNCRL_CACHE) to a writable directory"
+        ) from None
 
 
 @contextlib.contextmanager

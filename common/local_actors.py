@@ -114,10 +114,28 @@ def get(refs: LocalRef | list[LocalRef], timeout: float | None = None) -> Any:
     return values if many else values[0]
 
 
+SOCKET_PATH_MAX = 107
+"""The longest path an ipc:// socket can have on Linux (`sizeof(sockaddr_un.sun_path)` less its terminating NUL)."""
+_SOCKET_NAME_ROOM = len("/asyncrl-actors-12345678/99999-results")
+"""What `_runtime_dir` and `LocalActor` add to the base directory, with room for 99,999 actors."""
+
+
+def _socket_base() -> str:
+    """Where the socket directory goes: the system's temporary directory ($TMPDIR), unless its path is too long for
+    socket paths (per-job scratch directories on clusters), then /tmp, /dev/shm or /var/tmp, whichever works."""
+    for base in (tempfile.gettempdir(), "/tmp", "/dev/shm", "/var/tmp"):
+        if len(base) + _SOCKET_NAME_ROOM <= SOCKET_PATH_MAX and os.path.isdir(base) and os.access(base, os.W_OK):
+            return base
+    raise OSError(
+        f"no directory for the local actors' sockets: $TMPDIR ({tempfile.gettempdir()}) is longer than "
+        f"{SOCKET_PATH_MAX - _SOCKET_NAME_ROOM} characters and /tmp, /dev/shm, /var/tmp are not writable"
+    )
+
+
 def _runtime_dir() -> str:
     """This process's private socket directory (mode 0700), removed at exit."""
     if "path" not in _dir:
-        _dir["path"] = tempfile.mkdtemp(prefix="asyncrl-actors-")
+        _dir["path"] = tempfile.mkdtemp(prefix="asyncrl-actors-", dir=_socket_base())
         atexit.register(shutil.rmtree, _dir["path"], ignore_errors=True)
         atexit.register(shutdown)
     return _dir["path"]

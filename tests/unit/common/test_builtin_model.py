@@ -44,3 +44,17 @@ def test_two_processes_asking_for_the_same_model_build_it_once(tmp_path: Path) -
     assert all(proc.returncode == 0 for proc in procs)
     assert sum(out.count("LOG building") for out in outputs) == 1, outputs  # the other waited, then reused it
     assert len({out.strip().splitlines()[-1] for out in outputs}) == 1  # the same directory for both
+
+
+def test_a_cache_that_cannot_hold_the_build_is_named_with_the_way_around_it(tmp_path: Path) -> None:
+    """A read-only HOME gave a 36-line traceback ending in `OSError: [Errno 30] ... .cache`."""
+    import pytest
+
+    from common.builtin_model import resolve_model_path
+
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("a file where the cache should be")
+    with pytest.raises(ValueError) as caught:
+        resolve_model_path("builtin:micro", str(not_a_dir))
+    assert str(caught.value).startswith(f"model.path=builtin:micro: cannot build it in {not_a_dir / 'builtin'}: ")
+    assert str(caught.value).endswith("set model.cache_dir (or $ASYNCRL_CACHE) to a writable directory")

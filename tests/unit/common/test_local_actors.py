@@ -221,3 +221,21 @@ def test_wait_returns_what_is_ready_by_the_timeout(local):
         actors.get(blocked, timeout=0)
     counter.release.remote()
     assert actors.get(blocked, timeout=60) == "released"
+
+
+def test_a_tmpdir_too_long_for_socket_paths_falls_back_to_a_short_one(tmp_path, monkeypatch) -> None:
+    """A 76-character $TMPDIR (a cluster job's scratch) failed every run: `ipc path ... is longer than 107`."""
+    import tempfile
+
+    from common import local_actors
+
+    long_dir = tmp_path / ("t" * (local_actors.SOCKET_PATH_MAX - local_actors._SOCKET_NAME_ROOM))
+    long_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
+    assert local_actors._socket_base() == "/tmp"
+    short = tempfile.mkdtemp(dir="/tmp", prefix="s")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        assert local_actors._socket_base() == short  # $TMPDIR wins when its paths fit
+    finally:
+        os.rmdir(short)
