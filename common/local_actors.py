@@ -30,6 +30,7 @@ over ZMQ, so that a run on one machine starts without Ray's services (issue 27: 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import math
@@ -207,8 +208,8 @@ class LocalActor:
         self._proc: subprocess.Popen | zygote.ForkedProcess | None = zygote.spawn(env, " ".join(argv))  # warm imports
         if self._proc is None:
             self._proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                start_new_session=True,  # a process group of its own, as the zygote's actors have (`_end_group`)
             )  # fmt: skip
         assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(spec).encode())
@@ -345,6 +346,7 @@ class LocalActor:
             self._killed = True
             self._proc.kill()
         self._proc.wait()
+        self._end_group()
         self._mark_dead(self._exit_detail())
 
     def _stop(self, deadline: float) -> None:
@@ -354,7 +356,15 @@ class LocalActor:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        self._end_group()
         self._mark_dead("stopped by the driver as the run ended")
+
+    def _end_group(self) -> None:
+        """SIGKILL what is left of the actor's process group once the actor is gone: processes its code started
+        (an environment's sandbox, a `subprocess` a reward or tool left running) would otherwise outlive the run,
+        reparented to init. The group's id is the actor's pid, which Linux does not reuse while the group exists."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pid, signal.SIGKILL)
 
 
 def _resolved(value: Any) -> Any:

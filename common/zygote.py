@@ -233,6 +233,7 @@ def _become_actor(server: socket.socket, env: dict[str, str], title: str, fds: l
     """In the forked actor: its pipes as stdio, its environment and command line, then `common.actor_host` (never
     returns)."""
     server.close()
+    os.setsid()  # a process group of its own: what it starts (an environment's sandbox) ends with it (local_actors)
     import setproctitle
 
     setproctitle.setproctitle(title)

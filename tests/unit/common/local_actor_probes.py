@@ -38,6 +38,12 @@ class Counter:
     def say(self, text: str) -> None:
         print(text, flush=True)
 
+    def start_sleeper(self) -> int:
+        """A child that would outlive this process (as an environment's sandbox would); its pid."""
+        import subprocess
+
+        return subprocess.Popen(["sleep", "3600"]).pid
+
     def block(self) -> str:
         """Returns once `release` was called: only a threaded actor (max_concurrency > 1) gets there."""
         if not self.released.wait(120):

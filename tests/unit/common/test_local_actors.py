@@ -239,3 +239,26 @@ def test_a_tmpdir_too_long_for_socket_paths_falls_back_to_a_short_one(tmp_path, 
         assert local_actors._socket_base() == short  # $TMPDIR wins when its paths fit
     finally:
         os.rmdir(short)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_what_an_actor_started_ends_with_it_killed_or_stopped(local):
+    """An environment that started `sleep 3600` in each step left 48 of them running after the run, reparented to
+    init: each actor now leads a process group, which the driver ends with it."""
+    import time
+
+    killed, stopped = actors.remote(Counter).remote(0), actors.remote(Counter).remote(0)
+    children = [actors.get(killed.start_sleeper.remote()), actors.get(stopped.start_sleeper.remote())]
+    assert actors.get(killed.pid.remote()) == os.getpgid(actors.get(killed.pid.remote()))  # its own group
+    actors.kill(killed)  # a restart's kill
+    actors.shutdown()  # the end of a run: SIGTERM, then the group
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in children if not _gone(pid)] == []
