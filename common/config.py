@@ -196,6 +196,9 @@ def _merge_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...])
             dotlist = OmegaConf.from_dotlist([item])
             _check_sections(Config, dotlist, f"override {item!r}", "")
             merged = OmegaConf.merge(merged, dotlist)
+            value = OmegaConf.select(dotlist, key)
+            if isinstance(value, DictConfig):  # `env.args={...}` is the whole map, not a merge into the file's
+                OmegaConf.update(merged, key, value, merge=False)
         except OmegaConfBaseException as err:
             raise _explain(err, f"override {item!r}") from err
         except yaml.YAMLError as err:  # the value is not YAML: `loss.cap=[1`

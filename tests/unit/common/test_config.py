@@ -237,3 +237,15 @@ def test_the_lm_head_is_quantized_where_the_engine_runs_it():
         load_config(MAIN, ["rollout.backend=sglang", "quant.scheme=fp8", "quant.lm_head=quantized"])
     with pytest.raises(ConfigError, match="`quant.lm_head=quantized` needs a quantized `quant.scheme`"):
         load_config(MAIN, ["quant.scheme=none", "quant.lm_head=quantized"])
+
+
+def test_a_map_given_whole_on_the_command_line_replaces_the_files_and_a_dotted_key_merges_into_it() -> None:
+    """`env.args={...}` was merged into configs/arith_tool.yaml's map: the user's environment got `syntax=brackets`
+    and its constructor raised on every episode."""
+    from common.config import load_config
+
+    path = Path(__file__).resolve().parents[3] / "configs" / "arith_tool.yaml"
+    assert load_config(path, []).env.args == {"syntax": "brackets"}
+    assert load_config(path, ["env.args={mode: x, size: 3}"]).env.args == {"mode": "x", "size": 3}
+    assert load_config(path, ["env.args={}"]).env.args == {}
+    assert load_config(path, ["env.args.size=3"]).env.args == {"syntax": "brackets", "size": 3}
