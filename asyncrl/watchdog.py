@@ -6,6 +6,10 @@ The watchdog (`Watchdog.check`, called by the driver between the slices of its w
   `stall` event and a console report of each part: the buffer's queued / leased groups and the learner's parked
   fetch, each worker's samples, skipped prompts, errors and last error, the crashes since the last step.
 - Still stalled: the report again every `REPORT_EVERY` x the timeout.
+- `FAILING_STEPS` steps in a row generated while every multi-turn episode failed in its environment, or every reward
+  call failed (`Watchdog.step_done`): `RunFailed` naming `env.fn` or `reward.fn`; such steps train on rewards of 0
+  that nothing computed (with `algo.filter_groups` the groups are dropped instead, and the stall diagnosis below says
+  the same).
 - Stalled, and nothing can make progress: `RunFailed` with that diagnosis: every prompt leased since the last step
   was skipped, every worker crash-looping (none running, crashes since the last step), the buffer not answering,
   every rollout failing (worker errors and no group pushed), every reward call failing, or every group pushed
@@ -109,6 +113,12 @@ def failure(err: BaseException, step: int, run_dir: Path) -> RunFailed:
     return RunFailed(f"the driver failed: {type(err).__name__}: {_one_line(str(err))}; the run stopped {where}", detail)
 
 
+FAILING_STEPS = 5
+"""Train steps in a row generated while every environment episode, or every reward call, failed that fail a run
+(`Watchdog.step_done`)."""
+FAILING_SHARE = 0.95
+"""The share of a step's episodes (or reward calls) that must have failed for it to count as "every": the workers'
+counters are sampled while they roll out, so an episode's error and its completion can fall in different steps."""
 DISK_FULL_BYTES = 64 << 20
 """Free space under which a failed run's last line says that the disk holding the run is full."""
 
@@ -195,6 +205,7 @@ class Watchdog:
         self._buffer_baseline: dict[str, float] | None = None  # the buffer's counters soon after the last step
         self._crashes_at_step = 0
         self._stop_asked_at: float | None = None
+        self._failing_since: int | None = None  # the first step of a streak of steps whose env/reward calls all failed
 
     def timeout_s(self) -> float:
         if self.stall_timeout_s > 0:
@@ -209,8 +220,11 @@ class Watchdog:
         self.step_times.append(now - self.last_step_at)
         self.step, self.last_step_at = step, now
         self.stalled, self.reports = False, 0
-        self._baseline, self._crashes_at_step = pool.totals(), pool.crashes
+        previous, self._baseline, self._crashes_at_step = self._baseline, pool.totals(), pool.crashes
         self._buffer_baseline = None
+        self._check_failing_calls(
+            step, pool, {key: value - previous.get(key, 0.0) for key, value in self._baseline.items()}
+        )
         if not (metrics or {}).get("skipped_nonfinite"):
             self.nonfinite_since = None
             return
@@ -232,6 +246,36 @@ class Watchdog:
             f"loss or gradient and were skipped (`train.max_nonfinite_steps`); lower `optim.lr` or look for bad rows; "
             f"checkpoint step_{self.nonfinite_since} and later ones hold the weights that diverged (delete them to "
             f"resume from an earlier one);"
+        )
+
+    def _check_failing_calls(self, step: int, pool: Any, since: dict[str, float]) -> None:
+        """RunFailed once `FAILING_STEPS` steps in a row were generated while every multi-turn episode failed in its
+        environment, or every reward call failed: such a run trains on rewards of 0 that no one computed, and
+        without `algo.filter_groups` (which stalls it) it went on to its last step and exited 0."""
+        failed_episodes = since.get("env_errors", 0.0) + since.get("env_timeouts", 0.0)
+        failed_rewards = since.get("reward_errors", 0.0) + since.get("reward_timeouts", 0.0)
+        episodes, samples = since.get("env_episodes", 0.0), since.get("samples", 0.0)
+        if episodes <= 0 and samples <= 0:  # the workers' counters did not move (sampled twice a second): no news
+            return
+        if episodes > 0 and failed_episodes >= FAILING_SHARE * episodes:
+            failing = ("env.fn", f"every multi-turn episode failed in its environment ({failed_episodes:.0f} errors "
+                                 f"and timeouts in {episodes:.0f} episodes)")  # fmt: skip
+        elif samples > 0 and failed_rewards >= FAILING_SHARE * samples:
+            failing = ("reward.fn", f"every reward call failed ({failed_rewards:.0f} of {samples:.0f} samples)")
+        else:
+            self._failing_since = None
+            return
+        if self._failing_since is None:
+            self._failing_since = step - 1
+        if step - self._failing_since < FAILING_STEPS:
+            return
+        key, what = failing
+        errors = [_one_line(str(row.get("last_error") or "")) for row in pool.describe()]
+        last = next((line for line in reversed(errors) if line), "")
+        self.event("calls_failing", key=key, first_step=self._failing_since, steps=step - self._failing_since)
+        raise RunFailed(
+            f"{what} for the {step - self._failing_since} train steps since step {self._failing_since}: their "
+            f"rewards of 0 were not computed by anyone; fix `{key}`{f' (last error: {last})' if last else ''};"
         )
 
     def stop_now(self, stop_requested: bool) -> bool:

@@ -225,3 +225,45 @@ def test_a_checkpoint_that_fails_to_write_leaves_nothing_behind(tmp_path: Path) 
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save(tmp_path, 3, full, {}, keep_last=2)
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("failing", "healthy", "key"),
+    [
+        (
+            {"env_episodes": 16, "env_errors": 15, "env_timeouts": 1, "samples": 16},
+            {"env_episodes": 16, "env_errors": 2, "samples": 16},
+            "env.fn",
+        ),  # fmt: skip
+        ({"samples": 32, "reward_errors": 31}, {"samples": 32, "reward_errors": 3}, "reward.fn"),
+    ],
+)
+def test_steps_generated_while_every_environment_or_reward_call_fails_fail_the_run(failing, healthy, key) -> None:
+    """An environment whose `step` returned None on every call: both steps trained with loss 0 on rewards of 0
+    that nothing computed, and the run exited 0."""
+    from types import SimpleNamespace
+
+    from asyncrl.watchdog import FAILING_STEPS, Watchdog
+
+    totals: dict[str, float] = {}
+
+    def add(delta: dict[str, float]) -> None:
+        for name, value in delta.items():
+            totals[name] = totals.get(name, 0.0) + value
+
+    pool = SimpleNamespace(totals=lambda: dict(totals), crashes=0,
+                           describe=lambda: [{"last_error": "TypeError: step returned None"}])  # fmt: skip
+    events: list[tuple[str, dict]] = []
+    watchdog = Watchdog(0.0, 0, lambda name, **fields: events.append((name, fields)), lambda line: None, 20)
+    step = 0
+    no_news = {}  # a step so short that the workers' sampled counters did not move: neither ends nor extends it
+    for delta in [failing] * (FAILING_STEPS - 1) + [healthy] + [failing, no_news] + [failing] * (FAILING_STEPS - 3):
+        add(delta)
+        step += 1
+        watchdog.step_done(step, pool, {"loss": 0.0})  # a healthy step in between ends the streak
+    add(failing)
+    with pytest.raises(RunFailed) as err:
+        watchdog.step_done(step + 1, pool, {"loss": 0.0})
+    assert f"for the {FAILING_STEPS} train steps since step {FAILING_STEPS}" in str(err.value)
+    assert f"fix `{key}` (last error: TypeError: step returned None)" in str(err.value)
+    assert events[-1] == ("calls_failing", {"key": key, "first_step": FAILING_STEPS, "steps": FAILING_STEPS})
