@@ -52,7 +52,7 @@ STOP_WAIT_MIN_S = 10.0
 BUFFER_COUNTERS = ("filtered_groups", "admitted_groups")
 """The buffer's counters the watchdog follows from one step to the next (`BufferState.stats`)."""
 SINCE_STEP = ("groups_pushed", "prompts_skipped", "errors", "samples", "reward_sum", "reward_errors", "reward_timeouts",
-              "env_groups_dropped", *BUFFER_COUNTERS)  # fmt: skip
+              "env_groups_dropped", "env_episodes", "env_errors", "env_timeouts", *BUFFER_COUNTERS)  # fmt: skip
 """What a stall report counts since the last step: the workers' counters (`supervise.COUNTERS`), then the buffer's."""
 
 
@@ -365,6 +365,11 @@ class Watchdog:
         if since_step["env_groups_dropped"] > 0 and since_step["groups_pushed"] == 0:
             return (f"every multi-turn episode failed since step {self.step} ({since_step['env_groups_dropped']:.0f} "
                     f"groups dropped, none pushed; last: {last}): fix the environment (`env.fn`)")  # fmt: skip
+        failed_episodes = since_step["env_errors"] + since_step["env_timeouts"]
+        if since_step["env_episodes"] > 0 and failed_episodes >= FAILING_SHARE * since_step["env_episodes"]:
+            return (f"every multi-turn episode failed in its environment since step {self.step} "
+                    f"({failed_episodes:.0f} errors and timeouts in {since_step['env_episodes']:.0f} episodes; last: "
+                    f"{last}): fix the environment (`env.fn`)")  # fmt: skip
         failed_rewards = since_step["reward_errors"] + since_step["reward_timeouts"]
         if since_step["samples"] > 0 and failed_rewards >= since_step["samples"]:
             return (f"every reward call failed since step {self.step} ({failed_rewards:.0f} of "

@@ -158,6 +158,9 @@ def _stall_report(workers_error: str = "", **since: float) -> dict:
          "every reward call failed since step 0 (32 of 32 samples; last error: ValueError: ids"),
         ({"groups_pushed": 9.0, "samples": 72.0, "reward_sum": 72.0, "filtered_groups": 9.0},
          "every group pushed since step 0 (9) had equal rewards (mean 1) and was dropped by `algo.filter_groups`"),
+        # the environment failed every episode (rewards of 0, equal): it was the reward that got the blame
+        ({"groups_pushed": 9.0, "samples": 72.0, "filtered_groups": 9.0, "env_episodes": 72.0, "env_errors": 72.0},
+         "every multi-turn episode failed in its environment since step 0 (72 errors and timeouts in 72 episodes"),
     ],
 )  # fmt: skip
 def test_a_stall_that_nothing_can_end_is_diagnosed(since: dict, expected: str) -> None:
