@@ -57,7 +57,7 @@ def run_state(run: RunSpec) -> str:
             summary = {}
         if not summary.get("stopped_early", True) and int(summary.get("steps", -1)) >= run.steps:
             return "done"
-    if run.journal and (run.run_dir / "config.json").is_file() and checkpoint.latest_whole(run.run_dir) is not None:
+    if run.journal and (run.run_dir / "config.json").is_file() and checkpoint.latest(run.run_dir) is not None:
         return "stopped"
     return "partial"
 

@@ -94,6 +94,14 @@ OUTLIER_RECIPES: dict[str, OutlierRecipe] = {
 }
 
 
+class ModelCacheError(ValueError):
+    """A built-in model that cannot be built where the cache is (read-only, full); `os_error` is why."""
+
+    def __init__(self, message: str, os_error: OSError) -> None:
+        super().__init__(message)
+        self.os_error = os_error
+
+
 def cache_root(cache_dir: str = "") -> Path:
     """Where built-in models live: `model.cache_dir`, else $ASYNCRL_CACHE, else ~/.cache/asyncrl."""
     if cache_dir:
@@ -149,9 +157,10 @@ def resolve_model_path(path: str, cache_dir: str = "", log=print) -> Path:
             log(f"building {path} into {target} (once; later runs reuse it)")
             return _build_into(target, path, recipe, build, log)
     except OSError as err:  # a read-only or full home: say where it builds and how to build it elsewhere
-        raise ValueError(
+        raise ModelCacheError(
             f"model.path={path}: cannot build it in {target.parent}: {err.strerror or err}; set model.cache_dir "
-            "(or $ASYNCRL_CACHE) to a writable directory"
+            "(or $ASYNCRL_CACHE) to a writable directory",
+            err,
         ) from None
 
 

@@ -114,7 +114,7 @@ def load(args: argparse.Namespace) -> ModelService:
     """The model (built first for builtin:NAME) on `--device`, with its LoRA adapters: ValueError or OSError."""
     import torch
 
-    from common.builtin_model import resolve_model_path
+    from common.builtin_model import ModelCacheError, resolve_model_path
     from rollout_workers.sglang_api.lora_serve import attach
     from rollout_workers.sglang_api.service import ModelService
 
@@ -126,7 +126,8 @@ def load(args: argparse.Namespace) -> ModelService:
     torch.set_num_threads(args.threads)
     try:
         model_dir = resolve_model_path(args.model, args.cache_dir, log=lambda *a: print(*a, file=sys.stderr))
-    except OSError as err:  # the cache of built-in models cannot be written
+    except ModelCacheError as cache_err:  # the cache of built-in models cannot be written
+        err = cache_err.os_error
         where = f"--cache-dir {args.cache_dir}" if args.cache_dir else "the cache of built-in models (--cache-dir)"
         raise ValueError(f"{where}: cannot hold {args.model} ({err.strerror}: {err.filename})") from None
     if not model_dir.is_dir():
