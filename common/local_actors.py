@@ -209,7 +209,7 @@ class LocalActor:
         if self._proc is None:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                start_new_session=True,  # a process group of its own, as the zygote's actors have (`_end_group`)
+                process_group=0,  # a process group of its own in the driver's session, as the zygote's actors have
             )  # fmt: skip
         assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(spec).encode())

@@ -233,7 +233,10 @@ def _become_actor(server: socket.socket, env: dict[str, str], title: str, fds: l
     """In the forked actor: its pipes as stdio, its environment and command line, then `common.actor_host` (never
     returns)."""
     server.close()
-    os.setsid()  # a process group of its own: what it starts (an environment's sandbox) ends with it (local_actors)
+    # a process group of its own (what it starts, an environment's sandbox, ends with it: local_actors), in the
+    # driver's session: a session of its own would be a scheduler autogroup of its own, where SCHED_IDLE workers
+    # take an equal share of the cores from the learner (the INT8 decode bench's learner step went 14 s -> 19 s)
+    os.setpgid(0, 0)
     import setproctitle
 
     setproctitle.setproctitle(title)
