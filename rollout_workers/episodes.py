@@ -223,13 +223,7 @@ class EpisodeRunner:
         # each episode its own copy of the row, nested fields included: one episode's changes never reach another's
         resets = self._call_all([(lambda e=episodes[i], p=problems[i]: e.env.reset(copy.deepcopy(p))) for i in live])
         for i, (ok, prompt) in zip(live, resets, strict=True):
-            if ok:
-                try:
-                    prompt = check_reset_result(prompt)
-                except EnvError as err:
-                    self.counters["env_errors"] += 1
-                    self._note(str(err))
-                    ok = False
+            ok, prompt = self._checked(ok, prompt, check_reset_result)
             episodes[i].failed = not ok
             if ok:
                 episodes[i].prompt_ids = self._encode_prompt(prompt)
@@ -356,14 +350,19 @@ class EpisodeRunner:
                     continue
                 ready += self._ready(episodes, [i])
 
+    def _checked(self, ok: bool, answer: Any, check: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """(ok, the environment's `answer` as `check` returns it); a malformed answer counts as an env error."""
+        if not ok:
+            return False, answer
+        try:
+            return True, check(answer)
+        except EnvError as err:
+            self.counters["env_errors"] += 1
+            self._note(str(err))
+            return False, answer
+
     def _apply_step(self, e: Episode, ok: bool, result: Any) -> None:
-        if ok:
-            try:
-                result = check_step_result(result)
-            except ValueError as err:
-                self.counters["env_errors"] += 1
-                self._note(str(err))
-                ok = False
+        ok, result = self._checked(ok, result, check_step_result)
         if not ok:
             e.failed, e.done, e.reward = True, True, 0.0
             return
