@@ -200,6 +200,8 @@ def _up(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         args.resume = _auto_resume(_load(args.config, args.overrides))
+        if args.resume == "":
+            return 2  # its newest run is running: said
         if args.resume is not None:
             args.config = None  # the run's config.json, its live changes, then the overrides (as --resume RUN)
     resume = Path(args.resume) if args.resume else None
@@ -254,13 +256,19 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _auto_resume(cfg: Config) -> str | None:
-    """`--resume auto`: the newest run directory of `cfg` if it holds a checkpoint, else None (a fresh run)."""
+    """`--resume auto`: the newest run directory of `cfg` if it holds a checkpoint, else None (a fresh run); "" when
+    that run is running (said here)."""
     from pathlib import Path
 
-    from asyncrl import checkpoint
+    from asyncrl import checkpoint, run_lock
 
     base = Path(cfg.logging.dir) / cfg.logging.name
     newest = checkpoint.newest_run(base)
+    running = run_lock.holder(newest) if newest is not None else None
+    if running is not None:  # a scheduler's retry while its run still runs: not a second run of the config
+        print(f"asyncrl: --resume auto: {newest} is running (its driver is pid {running or '?'}); not starting "
+              "another run of the config", file=sys.stderr)  # fmt: skip
+        return ""
     latest = checkpoint.latest_whole(newest) if newest is not None else None
     if newest is None or latest is None:
         what = f"{newest} holds no checkpoint" if newest is not None else f"no run of it under {base.parent}"

@@ -57,6 +57,21 @@ def acquire(run_dir: Path) -> RunLock:
     return RunLock(run_dir, fd)
 
 
+def holder(run_dir: Path) -> int | None:
+    """The pid of the live driver holding `run_dir`'s lock (0 if its file does not say), or None when none does."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_pid(fd)
+    finally:
+        os.close(fd)  # a shared lock taken only to look is dropped with the descriptor
+    return None
+
+
 def _read_pid(fd: int) -> int:
     try:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()

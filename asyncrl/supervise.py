@@ -101,9 +101,11 @@ class WorkerPool:
         self.event = event
         self.workers: dict[str, _Worker] = {}
         self.generation: dict[int, int] = {}  # slot -> restarts of that slot
+        self._used_ids: set[str] = set()  # every worker id this pool has given out (`_spawn`)
         self.restarts: list[tuple[float, int, str]] = []  # (due, slot, id of the dead worker)
         self.crashes = 0
         self.retired: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self.retired_stats: list[dict[str, Any]] = []  # the last stats of each worker scaled away or crashed
         self.recent_errors: deque[str] = deque(maxlen=10)
         self._next_stats = 0.0
 
@@ -151,6 +153,11 @@ class WorkerPool:
     def _spawn(self, slot: int, replaces: str = "") -> _Worker:
         generation = self.generation.get(slot, 0)
         worker_id = f"worker-{slot}" + (f".{generation}" if generation else "")
+        while worker_id in self._used_ids:  # a slot scaled away and back: a fresh identity, never a worker's that
+            generation += 1  # may still be stopping (its entry, stop call and counters were overwritten: a leak)
+            worker_id = f"worker-{slot}.{generation}"
+        self.generation[slot] = generation
+        self._used_ids.add(worker_id)
         section_values, model_dir, buffer_endpoint, weights_endpoint = self.args
         handle = self.actor_cls.remote(section_values, worker_id, model_dir, buffer_endpoint)
         worker = _Worker(slot, worker_id, handle, handle.start.remote(weights_endpoint))
@@ -224,6 +231,7 @@ class WorkerPool:
     def _retire(self, worker: _Worker) -> None:
         for key in COUNTERS:
             self.retired[key] += float(worker.stats.get(key, 0))
+        self.retired_stats.append({**worker.stats, "worker": worker.worker_id, "retired": True})
         del self.workers[worker.worker_id]
 
     # -- reporting ----------------------------------------------------------------------------------------------
@@ -262,7 +270,8 @@ class WorkerPool:
         return rows
 
     def stop_all(self, timeout_s: float = 120.0) -> list[dict[str, Any]]:
-        """Stop every worker (each finishes and pushes its batch); their final stats."""
+        """Stop every worker (each finishes and pushes its batch); the final stats of every worker the run had: those
+        scaled away or crashed first (`"retired": true`; summary.json listed only the last ones), then these."""
         workers = list(self.workers.values())
         refs = [w.stop_ref if w.stop_ref is not None else w.handle.stop.remote() for w in workers]
         ready, _ = actors.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -274,7 +283,7 @@ class WorkerPool:
                 stats = worker.stats
             out.append(stats)
         self.restarts.clear()
-        return out
+        return [*self.retired_stats, *out]
 
 
 def _ready(ref: Any) -> bool:

@@ -203,6 +203,8 @@ def test_live_control_scale_set_status_and_down(tmp_path):
     assert meta["step"] == summary["steps"] and meta["live"]["staleness.max_lag"] == 0 and meta["live"]["loss.cap"] == 3
     events = [r.get("event") for r in records(run_dir)]
     assert events.count("worker_stopped") == 2 and "down" in events and "checkpoint" in events
+    retired = [w["worker"] for w in summary["workers"] if w.get("retired")]  # the two scaled away are counted too
+    assert sorted(retired) == ["worker-1", "worker-2"] and len(summary["workers"]) == 3, summary["workers"]
     gone = cli(tmp_path, "status", str(run_dir))
     assert gone.returncode == 2 and "not running" in gone.stderr
 

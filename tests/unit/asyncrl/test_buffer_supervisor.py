@@ -72,3 +72,29 @@ def test_a_buffer_whose_journal_cannot_be_written_is_not_restarted(tmp_path: Pat
         assert not [kind for kind, _ in events if kind == "buffer_restarted"]
     finally:
         supervisor.stop()
+
+
+def test_a_worker_scaled_away_and_back_gets_a_fresh_identity_and_the_stopping_one_is_kept(tmp_path: Path) -> None:
+    """Scaling 3 -> 1 -> 3 before the removed workers had stopped gave the new ones their ids: the stopping entries
+    (their stop calls, their counters) were overwritten, and their processes idled to the end of the run."""
+    from types import SimpleNamespace
+
+    from asyncrl.supervise import WorkerPool
+    from common.config import load_config
+    from rollout_workers.sections import WorkerSections
+
+    class Handle:  # what the pool calls on a worker actor; nothing here returns until the test says
+        def __init__(self, *args: Any) -> None:
+            self.start = self.stop = SimpleNamespace(remote=lambda *a: object())
+
+    events: list[tuple[str, dict[str, Any]]] = []
+    cfg = load_config(None, [])
+    pool = WorkerPool(WorkerSections.pick(cfg), cfg.ray, "model", "tcp://127.0.0.1:9", "tcp://127.0.0.1:9",
+                      lambda kind, **f: events.append((kind, f)))  # fmt: skip
+    pool.actor_cls = SimpleNamespace(remote=Handle)
+    assert pool.scale(3) == (["worker-0", "worker-1", "worker-2"], [])
+    assert pool.scale(1) == ([], ["worker-2", "worker-1"])
+    added, removed = pool.scale(3)
+    assert removed == [] and len(set(added)) == 2 and not set(added) & {"worker-1", "worker-2"}
+    assert sorted(w.worker_id for w in pool.workers.values() if w.state == "stopping") == ["worker-1", "worker-2"]
+    assert len(pool.workers) == 5 and len(pool.active()) == 3

@@ -67,3 +67,23 @@ def test_a_new_run_never_takes_a_directory_another_driver_holds(tmp_path: Path, 
     run_dir, lock = new_run_dir(config)
     assert run_dir == tmp_path / "r-4"
     lock.release()
+
+
+def test_resume_auto_does_not_start_a_second_run_beside_a_running_one(tmp_path: Path, capsys) -> None:
+    """Re-run by a scheduler while the config's newest run was running and had no checkpoint yet, `--resume auto`
+    started a new run each time: three runs of one config trained at once."""
+    from asyncrl.cli import _auto_resume
+
+    config = load_config(None, [f"logging.dir={tmp_path}", "logging.name=r"])
+    run_dir, lock = new_run_dir(config)
+    lock.release()
+    holder = hold(run_dir)
+    try:
+        assert run_lock.holder(run_dir) == holder.pid
+        assert _auto_resume(config) == ""
+        assert f"--resume auto: {run_dir} is running (its driver is pid {holder.pid})" in capsys.readouterr().err
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert run_lock.holder(run_dir) is None
+    assert _auto_resume(config) is None  # not running, no checkpoint: a new run, as before
