@@ -36,6 +36,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from asyncrl import run_lock
+
 CONTROL_FILE = "control.json"
 MAX_REQUEST_BYTES = 1 << 16
 MAX_SET_ITEMS = 256
@@ -129,6 +131,12 @@ def driver_record(run_dir: Path) -> dict[str, Any]:
     what is wrong with it."""
     control = run_dir / CONTROL_FILE
     if not control.is_file():
+        driver = run_lock.holder(run_dir)
+        if driver is not None:  # `asyncrl up` has the run, and its control socket is not open yet (or any more)
+            raise ControlError(
+                f"{run_dir} has no control socket now, but its driver (pid {driver or '?'}) runs: it is starting "
+                "(the socket opens once its actors are up) or ending; try again"
+            )
         raise ControlError(f"{run_dir} is not running: no {CONTROL_FILE} (the run ended, or never started)")
     try:
         record = json.loads(control.read_text())
@@ -163,6 +171,11 @@ def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> 
         socket.connect(endpoint)
         socket.send(message)
         if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            driver = run_lock.holder(run_dir)
+            if driver is not None:  # alive, and between two answers: stopping its workers, a checkpoint, an eval
+                raise ControlError(f"no answer from the driver of {run_dir} (pid {driver or '?'}) within "
+                                   f"{timeout_s:.0f}s, though it runs: it is busy (stopping, writing a checkpoint, "
+                                   "evaluating); try again")  # fmt: skip
             raise ControlError(
                 f"no answer from the driver of {run_dir} at {endpoint} within {timeout_s:.0f}s: it is not running "
                 f"(killed? then {run_dir / CONTROL_FILE} is stale; `asyncrl up --resume {run_dir}` continues the run)"

@@ -301,3 +301,29 @@ def test_ctrl_c_while_down_waits_is_one_line_and_exit_130(tmp_path: Path):
         down.kill()
     assert down.returncode == 130, err
     assert err.strip() == f"asyncrl down: interrupted; the run is still stopping (asyncrl status {tmp_path})"
+
+
+def test_a_driver_that_holds_the_run_but_does_not_answer_is_called_busy_not_dead(tmp_path: Path):
+    """A second `down` while the driver stopped (workers, checkpoint) was told the run was not running, killed, and
+    to resume it; one during start-up, that the run had ended or never started."""
+    import subprocess
+    import sys
+
+    hold = ("import sys; from pathlib import Path; from asyncrl import run_lock; run_lock.acquire(Path(sys.argv[1]));"
+            " print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ControlError, match=rf"its driver \(pid {holder.pid}\) runs: it is starting"):
+            request(tmp_path, "down")
+        socket = zmq.Context.instance().socket(zmq.REP)  # bound, never answering: a driver busy stopping
+        port = socket.bind_to_random_port("tcp://127.0.0.1")
+        (tmp_path / "control.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}", "secret": "s"}))
+        with pytest.raises(ControlError, match=rf"\(pid {holder.pid}\) within 0s, though it runs: it is busy") as err:
+            request(tmp_path, "down", timeout_s=0.3)
+        assert "--resume" not in str(err.value)
+        socket.close(0)
+    finally:
+        holder.stdin.close()
+        holder.wait()
