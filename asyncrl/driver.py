@@ -296,7 +296,7 @@ def _check_reward_fns(cfg: Config) -> None:
     from common.reward_fns import RewardFnError
     from rollout_workers.reward_pool import RewardPool
 
-    key = "reward.fn" if cfg.reward.fn else "reward.fns"
+    key = cfg.reward.specs_key()
     try:
         RewardPool(specs, cfg.reward.timeout_s, key=key).close()
     except (RewardFnError, RuntimeError) as err:  # RuntimeError: the process died or hung while loading them

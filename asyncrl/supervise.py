@@ -104,7 +104,6 @@ class WorkerPool:
         self._used_ids: set[str] = set()  # every worker id this pool has given out (`_spawn`)
         self.restarts: list[tuple[float, int, str]] = []  # (due, slot, id of the dead worker)
         self.crashes = 0
-        self.retired: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
         self.retired_stats: list[dict[str, Any]] = []  # the last stats of each worker scaled away or crashed
         self.recent_errors: deque[str] = deque(maxlen=10)
         self._next_stats = 0.0
@@ -229,8 +228,6 @@ class WorkerPool:
         self.event("worker_crashed", worker=worker.worker_id, error=message, restart_in_s=delay, crashes=self.crashes)
 
     def _retire(self, worker: _Worker) -> None:
-        for key in COUNTERS:
-            self.retired[key] += float(worker.stats.get(key, 0))
         self.retired_stats.append({**worker.stats, "worker": worker.worker_id, "retired": True})
         del self.workers[worker.worker_id]
 
@@ -248,11 +245,8 @@ class WorkerPool:
 
     def totals(self) -> dict[str, float]:
         """Counters summed over every worker the run had (retired ones included)."""
-        out = dict(self.retired)
-        for worker in self.workers.values():
-            for key in COUNTERS:
-                out[key] += float(worker.stats.get(key, 0))
-        return out
+        every = [*self.retired_stats, *(worker.stats for worker in self.workers.values())]
+        return {key: sum(float(stats.get(key, 0)) for stats in every) for key in COUNTERS}
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per worker for `asyncrl status`: id, pid, state, weight version, samples, errors, last error."""

@@ -123,6 +123,20 @@ DISK_FULL_BYTES = 64 << 20
 """Free space under which a failed run's last line says that the disk holding the run is full."""
 
 
+def failing_calls(since: dict[str, float]) -> tuple[str, str, str] | None:
+    """(key, what, counts) when every multi-turn episode counted in `since` failed in its environment, or else every
+    reward call did (at least `FAILING_SHARE` of them: counters are sampled mid-rollout); None otherwise."""
+    failed_episodes = since.get("env_errors", 0.0) + since.get("env_timeouts", 0.0)
+    failed_rewards = since.get("reward_errors", 0.0) + since.get("reward_timeouts", 0.0)
+    episodes, samples = since.get("env_episodes", 0.0), since.get("samples", 0.0)
+    if episodes > 0 and failed_episodes >= FAILING_SHARE * episodes:
+        return ("env.fn", "every multi-turn episode failed in its environment",
+                f"{failed_episodes:.0f} errors and timeouts in {episodes:.0f} episodes")  # fmt: skip
+    if samples > 0 and failed_rewards >= FAILING_SHARE * samples:
+        return "reward.fn", "every reward call failed", f"{failed_rewards:.0f} of {samples:.0f} samples"
+    return None
+
+
 def _disk_full(run_dir: Path) -> str:
     """`the disk holding RUN is full (N MiB free); free space, then ` when it is, else "": whatever failed (a
     checkpoint's writer, the journal, the metrics), that is the cause to fix before resuming."""
@@ -252,30 +266,23 @@ class Watchdog:
         """RunFailed once `FAILING_STEPS` steps in a row were generated while every multi-turn episode failed in its
         environment, or every reward call failed: such a run trains on rewards of 0 that no one computed, and
         without `algo.filter_groups` (which stalls it) it went on to its last step and exited 0."""
-        failed_episodes = since.get("env_errors", 0.0) + since.get("env_timeouts", 0.0)
-        failed_rewards = since.get("reward_errors", 0.0) + since.get("reward_timeouts", 0.0)
-        episodes, samples = since.get("env_episodes", 0.0), since.get("samples", 0.0)
-        if episodes <= 0 and samples <= 0:  # the workers' counters did not move (sampled twice a second): no news
-            return
-        if episodes > 0 and failed_episodes >= FAILING_SHARE * episodes:
-            failing = ("env.fn", f"every multi-turn episode failed in its environment ({failed_episodes:.0f} errors "
-                                 f"and timeouts in {episodes:.0f} episodes)")  # fmt: skip
-        elif samples > 0 and failed_rewards >= FAILING_SHARE * samples:
-            failing = ("reward.fn", f"every reward call failed ({failed_rewards:.0f} of {samples:.0f} samples)")
-        else:
+        if since.get("env_episodes", 0.0) <= 0 and since.get("samples", 0.0) <= 0:  # the workers' counters did not
+            return  # move (they are sampled twice a second): no news
+        failing = failing_calls(since)
+        if failing is None:
             self._failing_since = None
             return
         if self._failing_since is None:
             self._failing_since = step - 1
         if step - self._failing_since < FAILING_STEPS:
             return
-        key, what = failing
+        key, what, counts = failing
         errors = [_one_line(str(row.get("last_error") or "")) for row in pool.describe()]
         last = next((line for line in reversed(errors) if line), "")
         self.event("calls_failing", key=key, first_step=self._failing_since, steps=step - self._failing_since)
         raise RunFailed(
-            f"{what} for the {step - self._failing_since} train steps since step {self._failing_since}: their "
-            f"rewards of 0 were not computed by anyone; fix `{key}`{f' (last error: {last})' if last else ''};"
+            f"{what} ({counts}) for the {step - self._failing_since} train steps since step {self._failing_since}: "
+            f"their rewards of 0 were not computed by anyone; fix `{key}`{f' (last error: {last})' if last else ''};"
         )
 
     def stop_now(self, stop_requested: bool) -> bool:
@@ -365,15 +372,11 @@ class Watchdog:
         if since_step["env_groups_dropped"] > 0 and since_step["groups_pushed"] == 0:
             return (f"every multi-turn episode failed since step {self.step} ({since_step['env_groups_dropped']:.0f} "
                     f"groups dropped, none pushed; last: {last}): fix the environment (`env.fn`)")  # fmt: skip
-        failed_episodes = since_step["env_errors"] + since_step["env_timeouts"]
-        if since_step["env_episodes"] > 0 and failed_episodes >= FAILING_SHARE * since_step["env_episodes"]:
-            return (f"every multi-turn episode failed in its environment since step {self.step} "
-                    f"({failed_episodes:.0f} errors and timeouts in {since_step['env_episodes']:.0f} episodes; last: "
-                    f"{last}): fix the environment (`env.fn`)")  # fmt: skip
-        failed_rewards = since_step["reward_errors"] + since_step["reward_timeouts"]
-        if since_step["samples"] > 0 and failed_rewards >= since_step["samples"]:
-            return (f"every reward call failed since step {self.step} ({failed_rewards:.0f} of "
-                    f"{since_step['samples']:.0f} samples; last error: {last}): fix the reward function")  # fmt: skip
+        failing = failing_calls(since_step)
+        if failing is not None:
+            key, what, counts = failing
+            fix = "the environment (`env.fn`)" if key == "env.fn" else "the reward function"
+            return f"{what} since step {self.step} ({counts}; last error: {last}): fix {fix}"
         pushed, filtered = since_step["groups_pushed"], since_step.get("filtered_groups", 0.0)
         if pushed > 0 and filtered >= pushed and since_step.get("admitted_groups", 0.0) == 0:
             mean = since_step["reward_sum"] / since_step["samples"] if since_step["samples"] else float("nan")

@@ -117,18 +117,16 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             break  # nothing intact after it: a torn tail
         skipped.append((offset, intact - offset))
         offset = intact
+    if offset < len(data):
+        print(f"buffer journal: truncating {len(data) - offset} torn bytes at offset {offset}", file=sys.stderr)
     if skipped or magic_damaged:
         kept = _keep_damaged(path)
         damage = ["the magic"] * magic_damaged + [f"{size} bytes at offset {at}" for at, size in skipped[:5]]
         print(f"buffer journal: {path} is damaged ({', '.join(damage)}{', ...' if skipped[5:] else ''}); "
               f"{len(records)} intact records kept, the original saved as {kept}; what the damaged bytes held "
               "(leases, admitted groups, consumption marks) is lost", file=sys.stderr)  # fmt: skip
-        if offset < len(data):
-            print(f"buffer journal: truncating {len(data) - offset} torn bytes at offset {offset}", file=sys.stderr)
         _write_atomically(path, records)
-        return records
-    if offset < len(data):
-        print(f"buffer journal: truncating {len(data) - offset} torn bytes at offset {offset}", file=sys.stderr)
+    elif offset < len(data):
         with open(path, "r+b") as handle:
             handle.truncate(offset)
     return records
@@ -140,9 +138,9 @@ def _layout(data: bytes) -> tuple[bool, int, bool]:
     follows the magic's 16 bytes; else as `_is_v1` says (a torn magic, a prefix of it, is version 2, cut whole)."""
     if data[: len(MAGIC)] == MAGIC:
         return False, len(MAGIC), False
-    if _is_v1(data) and _record_at(data, 0, True)[0] is None and _record_at(data, len(MAGIC), False)[0] is not None:
-        return False, len(MAGIC), True
     v1 = _is_v1(data)
+    if v1 and _record_at(data, 0, True)[0] is None and _record_at(data, len(MAGIC), False)[0] is not None:
+        return False, len(MAGIC), True
     return v1, 0 if v1 or len(data) < len(MAGIC) else len(MAGIC), False
 
 

@@ -613,6 +613,11 @@ class RewardConfig:
         """The reward functions to run: `reward.fns`, or `[reward.fn]`; [] means the task's own reward."""
         return list(self.fns) if self.fns else ([self.fn] if self.fn else [])
 
+    def specs_key(self) -> str:
+        """The key that set `specs()`, as error messages name it: `reward.fns` (the i-th: `reward.fns[i]`), or
+        `reward.fn`."""
+        return "reward.fns" if self.fns else "reward.fn"
+
     def weight_list(self) -> list[float]:
         """One weight per spec (`reward.weights`, or 1.0 each)."""
         return [float(w) for w in self.weights] if self.weights else [1.0] * len(self.specs())

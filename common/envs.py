@@ -189,12 +189,10 @@ def _is_messages(value: Any) -> bool:
 
 
 def _number(value: Any) -> float | None:
-    """`value` as a float when it is a real number (Python's, or a numpy scalar's such as float32), else None."""
+    """`value` as a float when it is a real number (Python's, or a numpy scalar's such as float32, which numpy
+    registers as `numbers.Real`), else None (a bool is not a reward)."""
     import numbers
 
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        item = getattr(value, "item", None)  # a numpy scalar that does not register as numbers.Real
-        value = item() if callable(item) and getattr(value, "shape", None) == () else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
+        return None
     return float(value)

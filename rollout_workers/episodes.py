@@ -169,7 +169,8 @@ class EpisodeRunner:
     def _cut_observation(self, observation: Any, room: int) -> Any:
         """`observation` without the text its first `room` tokens cannot reach, before it is tokenized (on the decode
         thread): a multi-megabyte observation cost seconds a turn and stalled the worker. Twice the characters `room`
-        tokens can stand for (`max_token_chars`) are kept, so the first `room` tokens are those of the whole text."""
+        tokens can stand for (`max_token_chars`) are kept: the first `room` tokens fall well before the cut, so they
+        are the whole text's (a tokenizer's merges reach a few characters, not `room` tokens' worth)."""
         if self._token_chars is None:
             self._token_chars = max_token_chars(self.tokenizer)
         limit = 2 * (max(room, 0) + 1) * self._token_chars

@@ -193,7 +193,7 @@ class RewardScorer:
         self.specs, self.weights = reward_cfg.specs(), reward_cfg.weight_list()
         self.names = spec_names(self.specs)
         self.task_reward = task_reward
-        key = "reward.fn" if reward_cfg.fn else "reward.fns"
+        key = reward_cfg.specs_key()
         self.pool = RewardPool(self.specs, reward_cfg.timeout_s, key=key) if self.specs else None
         self.errors = 0
         self.timeouts = 0
