@@ -87,14 +87,12 @@ INSTALL_HINT = "pip install 'asyncrl[bench]'"
 DECODE_NEW_TOKENS = 128
 DECODE_GROUPS = 4
 """Prompts per step on the decode workload: x 8 samples x 128 tokens."""
-DECODE_STEPS = 8
-"""Steps of each contender on the full decode workload: 1 warm-up and 7 steady (`e2e_metrics.warmup_steps`). A step
-takes 15-30 s on 2 cores, and consecutive steps of one run differ by up to 0.7 s (Zen 4, 2026-12-05), so 3 steady
-steps (the earlier 4-step run) put a single step's noise, and the one-time cost of the first step after the first
-update (then: the heap it gave back touched again; now: the memory of the first packing of the weights and of the
-larger micro-batches faulted in, 1.1-1.4 GB: about 0.5 s on a machine with memory to spare, 2-3 s with 5.4 GB held
-in /dev/shm), at a third of the steady figure; 7 steady steps (about 13 minutes for the four contenders) put it at a
-seventh."""
+DECODE_STEPS = 16
+"""Steps of each contender on the full decode workload: 4 warm-up (start-up, then the run-ahead filling:
+`e2e_metrics.PIPELINE_FILL_STEPS`) and 12 steady. A step takes 15-30 s on 2 cores, and consecutive steady steps of
+one run differ by up to 0.7 s (Zen 4, 2026-12-05). The earlier 8-step run (1 warm-up, 7 steady) counted the filling
+as steady: its `int8_vs_fp32_e2e` read 1.37-1.45 where the steady state is 1.31 (2026-12-06, 20 steps of each).
+About 25 minutes for the four contenders."""
 DECODE_OVERRIDES = ("learner.skip_zero_adv=false",)
 """The random decode model earns no reward, so every advantage is 0 and `learner.skip_zero_adv` would skip every
 backward: the workload then measures no training at all. Off, the learner trains every row, as TRL does."""

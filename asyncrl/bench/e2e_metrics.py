@@ -3,9 +3,10 @@
 Per run (`run_figures`):
 
 - `launch_s`: from launching the process to the end of the first optimizer step (imports, start-up, first step).
-- steady window: the steps after the first `warmup_steps(steps)`; `steady_step_s` is its wall time per step (end
-  of the last step minus end of the last warm-up step, over the steps between), and `steady_gen_s`,
-  `steady_train_s`, `steady_wait_s` the mean phases a contender reports within a step (see `e2e_runs.StepRow`).
+- steady window: the steps after the first `warmup_steps(steps)` (start-up and the run-ahead filling);
+  `steady_step_s` is its wall time per step (end of the last step minus end of the last warm-up step, over the steps
+  between), and `steady_gen_s`, `steady_train_s`, `steady_wait_s` the mean phases a contender reports within a step
+  (see `e2e_runs.StepRow`).
 - `steady_samples_s`: trained samples per second over the steady window; `whole_samples_s` over the whole run
   from launch; `gen_tok_s`: tokens generated per second over the steady window; `gen_per_trained`: samples
   generated per sample trained (asyncrl's workers run ahead and, with dynamic sampling, generate groups that are
@@ -67,9 +68,18 @@ ACCURACY_FIGURES = (
 )  # fmt: skip
 
 
+PIPELINE_FILL_STEPS = 4
+"""Steps that asyncrl's run-ahead takes to fill (`staleness.max_lag` + 2 with the configs' `max_lag` 2): while the
+learner trains its first steps, the workers lease and generate up to `max_lag` + 1 batches ahead, so on shared cores
+those steps wait longer than later ones. Measured (Zen 4, 2 cores, decode workload, 20 steps of each, 2026-12-06):
+the fp32-rollout contender waited 11.7, 9.4 and 8.9 s at steps 1-3 and 6.2 s on average from step 4 on (the INT8
+one 1.6-2.4 s, then 1.5); `int8_vs_fp32_e2e` over steps 1-7 read 1.451, over steps 4-19 1.313."""
+
+
 def warmup_steps(steps: int) -> int:
-    """Steps left out of the steady window: the first fifth, at least one (it holds the start-up)."""
-    return max(1, steps // 5)
+    """Steps left out of the steady window: the first fifth, at least `PIPELINE_FILL_STEPS` (start-up, then the
+    run-ahead filling); a run too short for that keeps its last step in the window (`run_figures`)."""
+    return max(PIPELINE_FILL_STEPS, steps // 5)
 
 
 def rolling_accuracy(accuracies: list[float], window: int = ROLLING_STEPS) -> list[float]:

@@ -3,6 +3,7 @@ ratio is written. No timing assertions (the figures are whatever this machine gi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -14,7 +15,7 @@ import pytest
 
 from asyncrl.bench import write_json
 from asyncrl.bench.e2e_fairness import FairnessError, asyncrl_samples, check_run, trl_samples
-from asyncrl.bench.e2e_metrics import RATIO_NAMES, ratios, rolling_accuracy, run_figures
+from asyncrl.bench.e2e_metrics import PIPELINE_FILL_STEPS, RATIO_NAMES, ratios, rolling_accuracy, run_figures
 from asyncrl.bench.e2e_runs import Run, StepRow
 from asyncrl.bench.e2e_workloads import data_config
 from common.tasks import make_source
@@ -156,6 +157,20 @@ def test_time_to_accuracy_uses_a_rolling_mean_fixed_before_the_run() -> None:
     figures = run_figures(run)
     assert figures["steps_to_acc"] == 6 and figures["time_to_acc_s"] == 15.0  # (0.5 + 4 * 0.9) / 5 = 0.82 < 0.85
     assert figures["launch_s"] == 10.0 and figures["steady_step_s"] == 1.0 and figures["gen_per_trained"] == 1.0
+
+
+def test_the_steady_window_starts_after_the_run_ahead_has_filled() -> None:
+    # the decode workload's fp32 contender as measured: long waits while the run-ahead fills, then 19.6 s a step
+    step_s = [24.4, 35.7, 22.8, 22.3] + [19.6] * 12
+    ends = [sum(step_s[: k + 1]) for k in range(len(step_s))]
+    rows = [StepRow(step=k, end_s=end, accuracy=0.0, trained_samples=32, generated_samples=32,
+                    generated_tokens=4096) for k, end in enumerate(ends)]  # fmt: skip
+    run = Run(workload="decode", contender="fp32", seed=0, out_dir="", rows=rows, total_generated_samples=512,
+              gen_core_s_per_sample=1.3)  # fmt: skip
+    assert PIPELINE_FILL_STEPS == 4
+    assert run_figures(run)["steady_step_s"] == pytest.approx(19.6)  # not (35.7 + 22.8 + 22.3 + 19.6 * 12) / 15
+    short = dataclasses.replace(run, rows=rows[:3])  # shorter than the filling: its last step is the window
+    assert run_figures(short)["steady_step_s"] == pytest.approx(22.8)
 
 
 def test_a_step_without_an_accuracy_is_left_out_of_the_rolling_mean() -> None:
