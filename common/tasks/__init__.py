@@ -11,7 +11,9 @@ Sources: `arith` (built-in procedurally generated arithmetic, exact-match reward
 `arith_tool` (the same problems; the calculator environment `env.fn=asyncrl:arith_tool` scores the episodes),
 `jsonl` (a dataset file scored with math-verify; `common.tasks.jsonl`) and `dataset` (jsonl/json/parquet files or
 `datasets` directories, chat-message prompts, nested keys; `common.tasks.dataset`). Prompts become token ids through
-`common.tasks.chat.PromptEncoder` (chat templates) in every process. This package must stay cheap to import
+`common.tasks.chat.PromptEncoder` (chat templates) in every process. A dataset is parsed and validated by the first
+process that builds its source; the rows kept are cached under `$ASYNCRL_CACHE/datasets/` and every later process
+memory-maps them (`common.tasks.rowcache`). This package must stay cheap to import
 (no torch; numpy and math-verify are imported only by the sources that need them).
 """
 

@@ -22,16 +22,22 @@ the learner and the start-up checks.
 driver sets to the model's); `dropped` counts them. `data.eval_path` is a separate held-out file: the eval set is
 the first `data.eval_size` rows of a fixed permutation of it (else of `data.path`, as `jsonl` does). `datasets` and
 the tokenizer are imported on first use: importing this module stays cheap.
+
+The rows kept (after `data.max_prompt_tokens`), the records behind them and the eval rows are cached as task `jsonl`
+caches its rows (`common.tasks.rowcache`, under `<cache>/datasets/`): the first process of a run parses, validates and
+filters; every later process maps the entry and neither reads the files nor loads the tokenizer. A dataset whose
+records would not come back from JSON unchanged (a parquet column of bytes or dates) is not cached.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.tasks import DatasetError, Problem
+from common.tasks import DatasetError, Problem, rowcache
 from common.tasks.jsonl import (
     _EVAL_STREAM,
     _TRAIN_STREAM,
@@ -219,16 +225,75 @@ def load_dataset_rows(
     return rows, kind == "messages"
 
 
+def _cache_settings(data_cfg: DataConfig) -> dict[str, Any]:
+    """What decides a `dataset` source's rows besides its files (`common.tasks.rowcache` keys its entry by them)."""
+    settings: dict[str, Any] = {
+        "task": "dataset",
+        "prompt_key": data_cfg.prompt_key,
+        "answer_key": data_cfg.answer_key,
+        "max_prompt_tokens": data_cfg.max_prompt_tokens,
+    }
+    if data_cfg.max_prompt_tokens > 0:  # the prompts are counted with this tokenizer (its files: a source), rendered so
+        settings |= {
+            "tokenizer": data_cfg.tokenizer,
+            "chat_template": data_cfg.chat_template,
+            "system_prompt": data_cfg.system_prompt,
+        }
+    return settings
+
+
 class DatasetSource(JsonlSource):
     """The `dataset` prompt source: `jsonl`'s shuffled epochs and math reward over rows read with `datasets`."""
 
     def __init__(self, data_cfg: DataConfig) -> None:
         self.path, self.seed, self.eval_size = data_cfg.path, data_cfg.seed, data_cfg.eval_size
-        self._records: list[dict] = []  # the dataset's own rows, every field: what user reward functions get
+        sources = [rowcache.path_identity(data_cfg.path)]
+        if data_cfg.eval_path:
+            sources.append(rowcache.path_identity(data_cfg.eval_path))
+        if data_cfg.max_prompt_tokens > 0 and data_cfg.tokenizer and Path(data_cfg.tokenizer).expanduser().is_dir():
+            sources.append(rowcache.path_identity(data_cfg.tokenizer))  # its files count the prompts' tokens
+        key = rowcache.entry_key(sources, _cache_settings(data_cfg))
+        cached = rowcache.load(key)
+        if cached is None:
+            self._parse(data_cfg)
+            columns = self._cache_columns()
+            if columns is not None and rowcache.store(key, columns, sources, self._cache_extra()):
+                cached = rowcache.load(key)  # this process, too, keeps the mapped rows rather than the lists
+        if cached is not None:
+            self._open_cached(cached)
+
+    def _open_cached(self, cached: rowcache.RowCache) -> None:
+        self._rows = cached.pairs("prompt", "answer")
+        self._records = rowcache.JsonColumn(cached.columns["record"])
+        self._eval_rows = cached.pairs("eval_prompt", "eval_answer") if "eval_prompt" in cached.columns else None
+        self.messages = bool(cached.extra["messages"])
+        self.dropped, self.eval_dropped = int(cached.extra["dropped"]), int(cached.extra["eval_dropped"])
+
+    def _cache_columns(self) -> dict[str, Iterator[str]] | None:
+        """The columns of this source's cache entry; None (no entry) when a record would not come back from JSON
+        as it is (a `datasets` column of bytes, dates or decimals)."""
+        if not all(rowcache.json_exact(record) for record in self._records):
+            return None
+        columns = {
+            "prompt": (row[0] for row in self._rows),
+            "answer": (row[1] for row in self._rows),
+            "record": (json.dumps(record, ensure_ascii=False) for record in self._records),
+        }
+        if self._eval_rows is not None:
+            columns["eval_prompt"] = (row[0] for row in self._eval_rows)
+            columns["eval_answer"] = (row[1] for row in self._eval_rows)
+        return columns
+
+    def _cache_extra(self) -> dict[str, Any]:
+        return {"messages": self.messages, "dropped": self.dropped, "eval_dropped": self.eval_dropped}
+
+    def _parse(self, data_cfg: DataConfig) -> None:
+        records: list[dict] = []
         self._rows, self.messages = load_dataset_rows(
-            data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key, records=self._records
+            data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key, records=records
         )
-        self._eval_rows: list[tuple[str, str]] | None = None
+        self._records: Sequence[dict] = records  # the dataset's own rows, every field: what user reward functions get
+        self._eval_rows: Sequence[tuple[str, str]] | None = None
         if data_cfg.eval_path:
             self._eval_rows, eval_messages = load_dataset_rows(
                 data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key, key="data.eval_path"

@@ -12,6 +12,10 @@ goes to math-verify as LaTeX, and a row whose reference does not score 1 against
 LaTeX without delimiters: write `$\\frac{\\sqrt{3}}{2}$`) is a bad row: every reward of it would be 0. Rows are data:
 nothing in them is evaluated (see `common.tasks.rewards`).
 
+The rows kept are cached: the first process of a run to build the source parses and validates the file and writes
+them to `<cache>/datasets/` ($ASYNCRL_CACHE, else ~/.cache/asyncrl); every later process maps that file and decodes
+only the rows it asks for (`common.tasks.rowcache`; a changed file, or a damaged cache entry, is parsed again).
+
 Training stream: index i is row `permutation(seed, epoch)[i % n]` with epoch = i // n, a fresh shuffle per epoch.
 Eval set: the first `data.eval_size` rows of a separate fixed permutation. These rows are NOT removed from the
 training stream (a dataset has no spare split here): the eval set may overlap the problems trained on.
@@ -22,14 +26,14 @@ from __future__ import annotations
 import codecs
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from common.tasks import DatasetError, Problem
+from common.tasks import DatasetError, Problem, rowcache
 from common.tasks.rewards import THOUSANDS_COMMA, math_verify_reward, numeric_reference
 
 _MAX_REPORTED = 10
@@ -172,7 +176,17 @@ class JsonlSource:
 
     def __init__(self, *, path: str, prompt_key: str, answer_key: str, seed: int, eval_size: int) -> None:
         self.path, self.seed, self.eval_size = path, seed, eval_size
-        self._rows = load_rows(path, prompt_key, answer_key)
+        sources = [rowcache.path_identity(path)]
+        key = rowcache.entry_key(sources, {"task": "jsonl", "prompt_key": prompt_key, "answer_key": answer_key})
+        cached = rowcache.load(key)
+        if cached is None:
+            rows = load_rows(path, prompt_key, answer_key)
+            columns = {"prompt": (row[0] for row in rows), "answer": (row[1] for row in rows)}
+            self._rows: Sequence[tuple[str, str]] = rows
+            if rowcache.store(key, columns, sources, {}):
+                cached = rowcache.load(key)  # this process, too, keeps the mapped rows rather than the lists
+        if cached is not None:
+            self._rows = cached.pairs("prompt", "answer")
 
     def train(self, index: int) -> Problem:
         if index < 0:
