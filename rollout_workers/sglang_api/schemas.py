@@ -10,6 +10,10 @@ SGLang declares them in `managers/io_struct.py` (`GenerateReqInput`, `PauseGener
 - a value of the right type that SGLang refuses (`top_p = 2`, an empty prompt, a `logprob_start_len` past it) fails
   `verify()` / `normalize()` with `BadRequest`, answered with SGLang's ValueError shape `{"error": {"message": ...}}`.
 
+A request is refused, before any prompt is tokenized, when it asks for more than MAX_SAMPLES_PER_REQUEST samples
+(prompts x n) or its text prompts hold more than MAX_TEXT_CHARS_PER_REQUEST characters (`check_request_size`: limits
+of ours; SGLang checks each prompt's length only, once tokenized).
+
 Integers are strict (no `true`, no `1.0`, no `"1"`) and bounded to int64 where torch takes them; numbers accept JSON
 integers and floats but not booleans or strings. Unknown top-level keys are ignored, as SGLang's dataclass does;
 unknown sampling keys are refused by name. A `null` sampling value means its default.
@@ -34,6 +38,14 @@ UNSUPPORTED_NEUTRAL = {"min_p": 0.0}
 """Sampling keys `asyncrl serve` accepts only at their neutral value (min-p sampling is not implemented)."""
 UNSUPPORTED_FEATURES = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag")
 """Sampling keys `asyncrl serve` accepts only empty (constrained decoding)."""
+MAX_SAMPLES_PER_REQUEST = 1 << 15
+"""The most samples (prompts x n) one `/generate` or `/v1` request may ask for, and the most texts one `/tokenize`
+takes: a 64 MiB body holds millions of short prompts, each of which would be tokenized, checked and queued
+before anything was refused. An RL batch (512 prompts x 16 samples, say) fits four times over; more go in several
+requests."""
+MAX_TEXT_CHARS_PER_REQUEST = 8 << 20
+"""The most characters the text prompts of one request may hold together (8 MiB of text: a few seconds of one core's
+tokenizing). Each text must also fit the context on its own (serve_requests.check_text_fits)."""
 
 
 class SamplingParams(BaseModel):
@@ -183,6 +195,7 @@ class GenerateReqInput(BaseModel):
         if len(per_prompt) != len(prompts):
             raise BadRequest("The length of sampling_params should be equal to the batch size.")
         sampling = [params or SamplingParams() for params in per_prompt]
+        check_request_size(prompts, max(sampling[0].n, 1))  # before anything costs per prompt or per sample
         for params in sampling:
             params.verify()
         n = sampling[0].n
@@ -210,6 +223,23 @@ class GenerateReqInput(BaseModel):
                 raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
             return list(self.rid) if n == 1 else None
         return None
+
+
+def check_request_size(prompts: list[list[int] | str] | list[str], n: int = 1) -> None:
+    """Refuse, before any prompt is tokenized or queued, a request of more than MAX_SAMPLES_PER_REQUEST samples
+    (prompts x n) or of text prompts over MAX_TEXT_CHARS_PER_REQUEST characters together (BadRequest, answered 400)."""
+    samples = len(prompts) * n
+    if samples > MAX_SAMPLES_PER_REQUEST:
+        raise BadRequest(
+            f"A request may ask for at most {MAX_SAMPLES_PER_REQUEST} samples (prompts x n); this one asks for "
+            f"{samples} ({len(prompts)} prompts x n={n}). Send them in several requests."
+        )
+    chars = sum(len(prompt) for prompt in prompts if isinstance(prompt, str))
+    if chars > MAX_TEXT_CHARS_PER_REQUEST:
+        raise BadRequest(
+            f"The text prompts of a request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together; "
+            f"this one's {len(prompts)} prompts hold {chars}. Send them in several requests."
+        )
 
 
 def _per_prompt(name: str, value: int | list[int] | None, batch: int, default: int, least: int) -> list[int]:

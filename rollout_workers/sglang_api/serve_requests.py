@@ -9,7 +9,9 @@ become the embedded engine's.
   SGLang's `verify()` is in schemas.py. `check_text_fits` refuses a text prompt before it is tokenized when it is
   too long to fit whatever its tokens: no token stands for more than `max_token_chars(tokenizer)` characters, so a
   text of more than `max_seq_len` times that many cannot fit (tokenizing a 50 MB prompt only to refuse it would take
-  gigabytes and minutes of a core).
+  gigabytes and minutes of a core). Every text of a batch is checked before the first is tokenized, after the
+  request's size (schemas.check_request_size: samples, characters together); tokenizing runs in the app's thread
+  pool (`service.submit`), off the event loop.
 - `engine_params` maps SGLang's parameters onto `rollout_workers.engine.SamplingParams`: temperature 0 is top-k 1
   at temperature 1 (SGLang's greedy), stop tokens are the request's plus EOS unless `ignore_eos`, and the penalties
   and `logit_bias` pass through (applied by rollout_workers/embedded/penalties.py, SGLang's formulas).
@@ -74,9 +76,10 @@ def request_groups(
     `token_chars`: `max_token_chars(tokenizer)`, the bound on a text prompt that can fit (`check_text_fits`)."""
     groups = []
     n = request.sampling[0].n
-    for b, (prompt, sampling) in enumerate(zip(request.prompts, request.sampling)):
+    for prompt, sampling in zip(request.prompts, request.sampling):  # every text before any is tokenized
         if isinstance(prompt, str):
             check_text_fits(prompt, sampling.max_new_tokens, token_chars, max_seq_len)
+    for b, (prompt, sampling) in enumerate(zip(request.prompts, request.sampling)):
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, sampling, vocab_size, max_seq_len)
         start = request.logprob_start_len[b] if request.logprob_start_len else -1

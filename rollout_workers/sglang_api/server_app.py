@@ -12,10 +12,12 @@ E: the ValueError shape `{"error": {"message"}}`):
 | a body that fails validation, or is not JSON                  | 400     | V                                 |
 | a body sent with a Content-Type other than JSON               | 400     | V, saying to send JSON            |
 | a value SGLang refuses (`BadRequest`)                         | 400     | E                                 |
+| more samples or text than a request may hold (schemas.py)     | 400     | E, before anything is tokenized   |
 | a body over MAX_BODY_BYTES; a Content-Length h11 cannot parse | 400     | E, and the connection closes      |
 | an unknown path / a method the path does not take             | 404/405 | FastAPI's `{"detail": "Not Found"}` |
 | anything else raised while answering                          | 500     | E (the traceback in the log)      |
 | a request pending when the scheduler thread died              | 500     | E (its traceback logged once)     |
+| a failure inside a stream, once its headers went out          | 200     | an error event, then [DONE]       |
 
 Threads: blocking calls into the adapter (tokenizing, pause, weight updates, ...) run in Starlette's thread pool
 (`run_in_threadpool`), and a `/generate` awaits its requests on the event loop without holding a thread, so any
@@ -59,6 +61,7 @@ from rollout_workers.sglang_api.schemas import (
     TokenizeReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
+    check_request_size,
 )
 from rollout_workers.sglang_api.serve_requests import check_text_fits
 from rollout_workers.sglang_api.service import ModelService, SchedulerDied
@@ -370,8 +373,11 @@ async def resume_memory_occupation(service: Service, obj: MemoryOccupationReqInp
 @native_routes.post("/tokenize")
 @native_routes.post("/v1/tokenize")
 async def tokenize(service: Service, obj: TokenizeReqInput) -> dict[str, Any]:
-    """SGLang's tokenization; a text too long to fit the context is refused untokenized (as `/generate` refuses it)."""
-    for text in [obj.prompt] if isinstance(obj.prompt, str) else obj.prompt:
+    """SGLang's tokenization; a text too long to fit the context, or texts over the request's size limits, are
+    refused untokenized (as `/generate` refuses them)."""
+    texts = [obj.prompt] if isinstance(obj.prompt, str) else obj.prompt
+    check_request_size(texts)
+    for text in texts:
         check_text_fits(text, 0, service.token_chars, service.engine.max_seq_len)
 
     def encode(text: str) -> list[int]:

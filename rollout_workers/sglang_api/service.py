@@ -21,7 +21,8 @@
   a stream's client going away aborts its requests (`abort_requests`, streaming.py).
 - The scheduler thread dying of an unexpected exception (a bug: a step's own failure only fails its requests) must
   not leave a server that answers 503 and hangs: its traceback is printed once, every request and command still
-  pending is failed (`SchedulerDied`, answered 500; a stream ends on a `finish_reason` abort), and `died` is set,
+  pending is failed (`SchedulerDied`, answered 500; a stream's samples end on a `finish_reason` abort, then the
+  stream sends an error event and `[DONE]`, streaming.py), and `died` is set,
   which ends the server and its process with a non-zero status (server_app.serve, server.py), as SGLang's scheduler
   brings its whole process tree down (SIGQUIT to the parent, which kills the tree), so a supervisor restarts it.
 - A request with `sampling_params.sampling_seed = s` draws sample i exactly as `EmbeddedEngine.generate` with seed
@@ -33,6 +34,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import threading
@@ -168,10 +170,16 @@ class ModelService:
         pending = {asyncio.wrap_future(req.done) for req in order}
         while pending:
             _, pending = await asyncio.wait(pending, timeout=1.0)
-            if pending and not self.alive:
-                raise SchedulerDied(self._died_message())
+            self.raise_if_died(order, running=bool(pending))
+        self.raise_if_died(order, running=False)
+
+    def raise_if_died(self, order: list[ServeRequest], running: bool) -> None:
+        """SchedulerDied when the scheduler thread is gone while some of `order` are still `running` (they never will
+        finish), or when it failed one of them as it died (`_die`: finished with its abort, not by the engine)."""
+        if running and not self.alive:
+            raise SchedulerDied(self._died_message())
         died = self._died_finish
-        if died is not None and any(req.finish is died for req in order):  # failed by `_die`, not finished
+        if died is not None and any(req.finish is died for req in order):
             raise SchedulerDied(self._died_message())
 
     def responses(self, request: GenerateRequest, order: list[ServeRequest]) -> Any:
@@ -193,7 +201,8 @@ class ModelService:
         """Abort these requests (a stream whose client went away): their slots are freed between two steps. Returns
         at once (the scheduler runs it), so a cancelled stream can call it without awaiting."""
         targets = set(order)
-        self._call(lambda: self._abort(lambda req: req in targets, "Abort: the client disconnected"), wait=False)
+        with contextlib.suppress(SchedulerDied):  # nothing left to abort: `_die` failed every request it held
+            self._call(lambda: self._abort(lambda req: req in targets, "Abort: the client disconnected"), wait=False)
 
     def load(self) -> dict[str, Any]:
         """SGLang's `/get_load` entry of our one scheduler (server_state.load_report)."""

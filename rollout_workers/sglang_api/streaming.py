@@ -6,20 +6,30 @@ counts the scheduler thread appends to) and yields `(position, answer)` whenever
 the answer is the native `/generate` one as it stands (cumulative text, `output_ids`, `meta_info`; finish_reason
 null until the end), as SGLang streams it. When the client goes away, Starlette cancels the stream: the requests
 still running are aborted, which frees their KV slots between two engine steps.
+
+A failure once the headers went out (the scheduler thread died: `SchedulerDied`, after the abort chunks of the
+samples it failed; or anything raised while building a chunk) ends the stream with one error event naming the cause,
+then `data: [DONE]`, as SGLang 0.5.x ends its streams on an error (`entrypoints/http_server.py` `generate_request`:
+`data: {"error": {"message"}}`; `entrypoints/openai/serving_chat.py`, `serving_completions.py`:
+`create_streaming_error_response`, OpenAI's `{"error": {"object", "message", "type", "param", "code"}}`, which
+the `openai` client raises as an APIError). An unexpected error's traceback goes to the server log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import traceback
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from rollout_workers.sglang_api.schemas import GenerateRequest
-from rollout_workers.sglang_api.service import ModelService
+from rollout_workers.sglang_api.service import ModelService, SchedulerDied
 
 POLL_S = 0.01
 """How often a stream looks for new tokens (an engine step of a small model takes a few ms)."""
@@ -49,9 +59,9 @@ async def progress_events(
                     finished[i] = done
                     yield i, await run_in_threadpool(service.response, request, req)
             if not all(finished):
-                if not service.alive:
-                    raise RuntimeError("the scheduler thread died; see the server log")
+                service.raise_if_died(order, running=True)
                 await asyncio.sleep(POLL_S)
+        service.raise_if_died(order, running=False)  # their final chunks were abort ones: now say why
     finally:
         if not all(finished):
             service.abort_requests([req for req, over in zip(order, finished) if not over])  # no await: cancelled
@@ -61,12 +71,37 @@ def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream")
 
 
+def failure_message(err: Exception) -> str:
+    """What an error event says of a failure inside a stream; an unexpected one's traceback goes to the log (the
+    scheduler's death was logged once by the service)."""
+    if isinstance(err, SchedulerDied):
+        return str(err)
+    trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    print(f"asyncrl serve: a stream failed:\n{trace}", file=sys.stderr, end="", flush=True)
+    return f"{type(err).__name__}: {err}"
+
+
+def native_error(err: Exception) -> dict[str, Any]:
+    """SGLang's `/generate` error event (http_server.py: `{"error": {"message": str(e)}}`)."""
+    return {"error": {"message": failure_message(err)}}
+
+
+def openai_error(err: Exception) -> dict[str, Any]:
+    """SGLang's OpenAI error event (`create_streaming_error_response`), a server error here: type and code say so."""
+    error = {"object": "error", "message": failure_message(err), "type": "InternalServerError", "param": None}
+    return {"error": {**error, "code": 500}}
+
+
 async def generate_stream(service: ModelService, request: GenerateRequest, order: list) -> AsyncIterator[str]:
     """The `/generate` stream: each sample's answer so far (with `index` when the request is a batch or n > 1)."""
-    async for position, answer in progress_events(service, request, order):
-        if not request.single:
-            answer["index"] = position
-        yield sse(answer)
+    try:
+        async with aclosing(progress_events(service, request, order)) as events:  # closed (aborts) on any error
+            async for position, answer in events:
+                if not request.single:
+                    answer["index"] = position
+                yield sse(answer)
+    except Exception as err:  # the headers went out: the stream says why it ends (module docstring)
+        yield sse(native_error(err))
     yield DONE
 
 
@@ -81,11 +116,15 @@ async def delta_stream(
     tokens a sample added since its last event; `prompt_major` maps a position in `order` to the choice index."""
     texts = [""] * len(order)
     tokens = [0] * len(order)
-    async for position, answer in progress_events(service, request, order):
-        text = answer["text"]
-        new_text = text[len(texts[position]) :] if text.startswith(texts[position]) else text
-        payload = chunk(prompt_major(position), answer, new_text, tokens[position])
-        texts[position], tokens[position] = text, len(answer["output_ids"])
-        if payload is not None:
-            yield sse(payload)
+    try:
+        async with aclosing(progress_events(service, request, order)) as events:  # closed (aborts) on any error
+            async for position, answer in events:
+                text = answer["text"]
+                new_text = text[len(texts[position]) :] if text.startswith(texts[position]) else text
+                payload = chunk(prompt_major(position), answer, new_text, tokens[position])
+                texts[position], tokens[position] = text, len(answer["output_ids"])
+                if payload is not None:
+                    yield sse(payload)
+    except Exception as err:  # the headers went out: the stream says why it ends (module docstring)
+        yield sse(openai_error(err))
     yield DONE

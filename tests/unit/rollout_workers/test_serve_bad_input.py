@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,11 @@ import uvicorn
 from serve_process import serve
 
 from common.builtin_model import resolve_model_path
-from rollout_workers.sglang_api.schemas import MAX_FORWARD_SLEEP_S
+from rollout_workers.sglang_api.schemas import (
+    MAX_FORWARD_SLEEP_S,
+    MAX_SAMPLES_PER_REQUEST,
+    MAX_TEXT_CHARS_PER_REQUEST,
+)
 from rollout_workers.sglang_api.server_app import SGLangH11Protocol, listen, make_app
 from rollout_workers.sglang_api.service import ModelService, SchedulerDied
 
@@ -61,6 +66,16 @@ class EncoderSpy:
     def __init__(self, inner: Any):
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "texts", [])
+        object.__setattr__(self, "decode_error", None)
+
+    def fail_decoding(self, error: Exception | None) -> None:
+        """From now on `decode` raises `error` (None: decodes again)."""
+        object.__setattr__(self, "decode_error", error)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        if self.decode_error is not None:
+            raise self.decode_error
+        return self.inner.decode(*args, **kwargs)
 
     def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
         self.texts.append(text)
@@ -132,6 +147,49 @@ def test_a_text_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(watched
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
+def test_a_request_over_the_size_limits_is_refused_quickly_before_anything_is_tokenized(watched):
+    url, spy = watched
+    many = MAX_SAMPLES_PER_REQUEST + 1
+    fits = "1" * 300  # not refused untokenized (at least 60 tokens, and 64 positions); its 301 tokens would be
+    heavy = -(-MAX_TEXT_CHARS_PER_REQUEST // len(fits)) + 1  # prompts each under the text bound, over it together
+    assert heavy < MAX_SAMPLES_PER_REQUEST
+    samples = f"A request may ask for at most {MAX_SAMPLES_PER_REQUEST} samples (prompts x n); this one asks for "
+    chars = f"The text prompts of a request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together; "
+    two = {"max_new_tokens": 2}
+    spy.texts.clear()
+    for path, body, expected in (
+        ("/generate", {"text": ["1+2="] * many, "sampling_params": two}, f"{samples}{many} ({many} prompts x n=1)"),
+        ("/generate", {"input_ids": [PROMPT] * many, "sampling_params": two}, f"{samples}{many} ({many} prompts"),
+        ("/generate", {"text": ["1+2="] * 20_000, "sampling_params": {**two, "n": 2}}, f"{samples}40000 (20000 "),
+        ("/generate", {"input_ids": PROMPT, "rid": "r", "sampling_params": {**two, "n": 2**62}}, f"{samples}{2**62}"),
+        ("/v1/completions", {"prompt": ["1+2="] * many, "max_tokens": 2}, f"{samples}{many} ({many} prompts"),
+        ("/v1/completions", {"prompt": "1+2=", "max_tokens": 2, "n": 2**40}, f"{samples}{2**40} (1 prompts"),
+        ("/tokenize", {"prompt": ["1+2="] * many}, f"{samples}{many} ({many} prompts"),
+        ("/generate", {"text": [fits] * heavy, "sampling_params": two}, f"{chars}this one's {heavy} prompts hold "),
+        ("/v1/completions", {"prompt": [fits] * heavy, "max_tokens": 2}, f"{chars}this one's {heavy} prompts hold "),
+        ("/v1/tokenize", {"prompt": [fits] * heavy}, f"{chars}this one's {heavy} prompts hold {heavy * len(fits)}."),
+    ):
+        started = time.perf_counter()
+        response = post(f"{url}{path}", body)
+        assert time.perf_counter() - started < 30, path
+        assert response.status_code == 400, (path, response.text[:500])
+        assert expected in response.json()["error"]["message"], (path, response.json())
+        assert spy.texts == [], path  # refused before the first prompt was tokenized
+    batch = post(f"{url}/generate", {"text": ["1+2=", "3+4=", "5+6="], "sampling_params": {**two, "n": 2}})
+    assert batch.status_code == 200 and len(batch.json()) == 6, batch.text[:500]
+    choices = post(f"{url}/v1/completions", {"prompt": ["1+2="] * 4, "max_tokens": 2}).json()["choices"]
+    assert [choice["index"] for choice in choices] == [0, 1, 2, 3]
+    legal = MAX_TEXT_CHARS_PER_REQUEST // len(fits)  # a legal batch at the character limit is tokenized whole
+    counts: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: counts.update(post(f"{url}/tokenize", {"prompt": [fits] * legal}).json()))
+    worker.start()
+    started = time.perf_counter()
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200  # tokenizing runs off the event loop
+    assert time.perf_counter() - started < 5
+    worker.join(timeout=120)
+    assert counts["count"] == [len(counts["tokens"][0])] * legal
+
+
 def test_max_token_chars_is_the_longest_token_special_ones_included_times_4_under_unicode_composition():
     from tokenizers import Tokenizer, models, normalizers
     from transformers import PreTrainedTokenizerFast
@@ -192,6 +250,39 @@ def test_the_longest_slow_down_is_taken_and_a_new_setting_ends_a_sleep_under_way
     assert rest[-1] == b"data: [DONE]" and len(json.loads(rest[-2].removeprefix(b"data: "))["output_ids"]) == 3
 
 
+def test_a_stream_that_fails_after_its_headers_went_out_ends_with_an_error_event_and_done(watched):
+    url, spy = watched
+    openai = {"max_tokens": 4, "ignore_eos": True}
+    bodies = {
+        "/generate": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+        "/v1/completions": {"prompt": "1+2=", **openai},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "1+2="}], **openai},
+    }
+    assert post(f"{url}/slow_down", {"forward_sleep_time": 0.5}).status_code == 200  # the stream outlives one chunk
+    try:
+        for path, body in bodies.items():
+            with post(f"{url}{path}", {**body, "stream": True}, stream=True) as stream:
+                events = (line for line in stream.iter_lines() if line)
+                first = json.loads(next(events).removeprefix(b"data: "))
+                assert "error" not in first, first
+                spy.fail_decoding(RuntimeError("injected: the tokenizer broke"))  # the next chunk cannot be built
+                try:
+                    rest = list(events)
+                finally:
+                    spy.fail_decoding(None)
+            assert rest[-1] == b"data: [DONE]", (path, rest)
+            error = json.loads(rest[-2].removeprefix(b"data: "))["error"]
+            assert error["message"] == "RuntimeError: injected: the tokenizer broke", (path, error)
+            if path != "/generate":
+                assert (error["type"], error["code"]) == ("InternalServerError", 500)
+            assert all(b'"error"' not in line for line in rest[:-2]), path
+    finally:
+        post(f"{url}/slow_down", {"forward_sleep_time": None})
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200  # the server keeps serving
+    answer = post(f"{url}/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert answer.status_code == 200 and requests.get(f"{url}/get_load", timeout=10).json()[0]["num_reqs"] == 0
+
+
 CRASHING_SERVER = """
 import sys
 
@@ -222,14 +313,21 @@ def test_a_dead_scheduler_fails_pending_requests_and_the_process_exits_non_zero(
         def plain() -> None:
             answers["plain"] = post(f"{url}/generate", body)
 
-        def stream() -> None:
-            answers["stream"] = post(f"{url}/generate", {**body, "stream": True}).text
+        def stream(path: str, stream_body: dict[str, Any]) -> None:
+            answers[path] = post(f"{url}{path}", {**stream_body, "stream": True}).text
 
-        threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        openai = {"max_tokens": 4, "ignore_eos": True}  # running when the first step kills the scheduler
+        streams = {
+            "/generate": body,
+            "/v1/completions": {"prompt": "1+2=", **openai},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "1+2="}], **openai},
+        }
+        threads = [threading.Thread(target=plain)]
+        threads += [threading.Thread(target=stream, args=item) for item in streams.items()]
         for thread in threads:
             thread.start()
-        while requests.get(f"{url}/get_load", timeout=10).json()[0]["num_waiting_reqs"] < 2:
-            pass  # both requests wait while paused
+        while requests.get(f"{url}/get_load", timeout=10).json()[0]["num_waiting_reqs"] < len(threads):
+            pass  # every request waits while paused (the streams' headers went out)
         assert post(f"{url}/continue_generation", {}).status_code == 200  # the first step kills the scheduler
         for thread in threads:
             thread.join(timeout=60)
@@ -241,10 +339,20 @@ def test_a_dead_scheduler_fails_pending_requests_and_the_process_exits_non_zero(
             proc.wait()
     died = "the scheduler thread died (OverflowError: injected: a bug on the scheduler thread)"
     assert answers["plain"].status_code == 500 and died in answers["plain"].json()["error"]["message"]
-    events = [chunk for chunk in answers["stream"].split("\n\n") if chunk]
-    assert events[-1] == "data: [DONE]"
-    finish = json.loads(events[-2].removeprefix("data: "))["meta_info"]["finish_reason"]
-    assert finish["type"] == "abort" and finish["status_code"] == 500 and died in finish["message"]
+    for path in streams:  # the samples' abort chunks, then SGLang's error event naming the cause, then [DONE]
+        events = [chunk for chunk in answers[path].split("\n\n") if chunk]
+        assert events[-1] == "data: [DONE]", (path, events)
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert died in error["message"], (path, error)
+        last = json.loads(events[-3].removeprefix("data: "))
+        if path == "/generate":
+            assert error == {"message": error["message"]}  # http_server.py's shape
+            finish = last["meta_info"]["finish_reason"]
+            assert finish["type"] == "abort" and finish["status_code"] == 500 and died in finish["message"]
+        else:  # serving_chat.py / serving_completions.py: create_streaming_error_response
+            assert error == {"object": "error", "message": error["message"], "type": "InternalServerError",
+                             "param": None, "code": 500}  # fmt: skip
+            assert last["choices"][0]["finish_reason"] == "abort", (path, last)
     assert rc == 1, stderr[-3000:]
     assert stderr.count("Traceback") == 1 and "OverflowError: injected" in stderr, stderr[-3000:]
     assert stderr.rstrip().splitlines()[-1] == f"asyncrl serve: exiting: {died}"
