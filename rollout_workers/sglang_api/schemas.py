@@ -232,7 +232,8 @@ def check_request_size(prompts: list[list[int] | str] | list[str], n: int = 1) -
     if samples > MAX_SAMPLES_PER_REQUEST:
         raise BadRequest(
             f"A request may ask for at most {MAX_SAMPLES_PER_REQUEST} samples (prompts x n); this one asks for "
-            f"{samples} ({len(prompts)} prompts x n={n}). Send them in several requests."
+            f"{samples} ({len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x n={n}). Send them in several "
+            "requests."
         )
     chars = sum(len(prompt) for prompt in prompts if isinstance(prompt, str))
     if chars > MAX_TEXT_CHARS_PER_REQUEST:

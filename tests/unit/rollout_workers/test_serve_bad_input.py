@@ -147,7 +147,7 @@ def test_a_text_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(watched
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
-def test_a_request_over_the_size_limits_is_refused_quickly_before_anything_is_tokenized(watched):
+def test_a_request_over_the_size_limits_is_refused_before_anything_is_tokenized(watched):
     url, spy = watched
     many = MAX_SAMPLES_PER_REQUEST + 1
     fits = "1" * 300  # not refused untokenized (at least 60 tokens, and 64 positions); its 301 tokens would be
@@ -163,15 +163,13 @@ def test_a_request_over_the_size_limits_is_refused_quickly_before_anything_is_to
         ("/generate", {"text": ["1+2="] * 20_000, "sampling_params": {**two, "n": 2}}, f"{samples}40000 (20000 "),
         ("/generate", {"input_ids": PROMPT, "rid": "r", "sampling_params": {**two, "n": 2**62}}, f"{samples}{2**62}"),
         ("/v1/completions", {"prompt": ["1+2="] * many, "max_tokens": 2}, f"{samples}{many} ({many} prompts"),
-        ("/v1/completions", {"prompt": "1+2=", "max_tokens": 2, "n": 2**40}, f"{samples}{2**40} (1 prompts"),
+        ("/v1/completions", {"prompt": "1+2=", "max_tokens": 2, "n": 2**40}, f"{samples}{2**40} (1 prompt x n="),
         ("/tokenize", {"prompt": ["1+2="] * many}, f"{samples}{many} ({many} prompts"),
         ("/generate", {"text": [fits] * heavy, "sampling_params": two}, f"{chars}this one's {heavy} prompts hold "),
         ("/v1/completions", {"prompt": [fits] * heavy, "max_tokens": 2}, f"{chars}this one's {heavy} prompts hold "),
         ("/v1/tokenize", {"prompt": [fits] * heavy}, f"{chars}this one's {heavy} prompts hold {heavy * len(fits)}."),
     ):
-        started = time.perf_counter()
         response = post(f"{url}{path}", body)
-        assert time.perf_counter() - started < 30, path
         assert response.status_code == 400, (path, response.text[:500])
         assert expected in response.json()["error"]["message"], (path, response.json())
         assert spy.texts == [], path  # refused before the first prompt was tokenized
@@ -182,10 +180,12 @@ def test_a_request_over_the_size_limits_is_refused_quickly_before_anything_is_to
     legal = MAX_TEXT_CHARS_PER_REQUEST // len(fits)  # a legal batch at the character limit is tokenized whole
     counts: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: counts.update(post(f"{url}/tokenize", {"prompt": [fits] * legal}).json()))
+    spy.texts.clear()
     worker.start()
-    started = time.perf_counter()
-    assert requests.get(f"{url}/health", timeout=10).status_code == 200  # tokenizing runs off the event loop
-    assert time.perf_counter() - started < 5
+    while not spy.texts and worker.is_alive():  # until the server has begun tokenizing the batch
+        time.sleep(0.005)
+    assert requests.get(f"{url}/health", timeout=60).status_code == 200
+    assert worker.is_alive()  # /health answered while the batch was being tokenized: that runs off the event loop
     worker.join(timeout=120)
     assert counts["count"] == [len(counts["tokens"][0])] * legal
 
