@@ -43,7 +43,7 @@ from rollout_workers.sglang_api.openai_schemas import (
     Usage,
 )
 from rollout_workers.sglang_api.protocol import BadRequest
-from rollout_workers.sglang_api.schemas import GenerateReqInput, GenerateRequest
+from rollout_workers.sglang_api.schemas import GenerateReqInput, GenerateRequest, check_chat_size
 from rollout_workers.sglang_api.serve_requests import check_text_fits
 from rollout_workers.sglang_api.service import ModelService
 from rollout_workers.sglang_api.streaming import delta_stream, event_stream
@@ -253,11 +253,13 @@ def _chat_stream(service: ModelService, obj: ChatCompletionRequest, request: Gen
 
 def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]:
     """The messages rendered by the chat template, then tokenized as `apply_chat_template(tokenize=True)` does (no
-    special tokens added): a rendered text too long to fit is refused untokenized (serve_requests.check_text_fits)."""
+    special tokens added): more messages or characters than a chat may hold are refused unrendered
+    (schemas.check_chat_size), a rendered text too long to fit untokenized (serve_requests.check_text_fits)."""
     tokenizer = service.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(f"the tokenizer of {service.tokenizer_path} has no chat template", validation=True)
     messages = [{"role": message.role, "content": message.text()} for message in obj.messages]
+    check_chat_size(messages)  # rendering costs per message and per character
     final = obj.continue_final_message
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=not final, continue_final_message=final

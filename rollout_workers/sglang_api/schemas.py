@@ -12,7 +12,10 @@ SGLang declares them in `managers/io_struct.py` (`GenerateReqInput`, `PauseGener
 
 A request is refused, before any prompt is tokenized, when it asks for more than MAX_SAMPLES_PER_REQUEST samples
 (prompts x n) or its text prompts hold more than MAX_TEXT_CHARS_PER_REQUEST characters (`check_request_size`: limits
-of ours; SGLang checks each prompt's length only, once tokenized).
+of ours; SGLang checks each prompt's length only, once tokenized). A chat request is refused before its messages are
+rendered when it holds more than MAX_MESSAGES_PER_REQUEST messages or MAX_TEXT_CHARS_PER_REQUEST characters
+(`check_chat_size`), a `/detokenize` before anything is decoded when it holds more than MAX_SAMPLES_PER_REQUEST token
+lists or MAX_TOKENS_PER_REQUEST tokens (`check_detokenize_size`).
 
 Integers are strict (no `true`, no `1.0`, no `"1"`) and bounded to int64 where torch takes them; numbers accept JSON
 integers and floats but not booleans or strings. Unknown top-level keys are ignored, as SGLang's dataclass does;
@@ -46,6 +49,12 @@ requests."""
 MAX_TEXT_CHARS_PER_REQUEST = 8 << 20
 """The most characters the text prompts of one request may hold together (8 MiB of text: a few seconds of one core's
 tokenizing). Each text must also fit the context on its own (serve_requests.check_text_fits)."""
+MAX_MESSAGES_PER_REQUEST = 1 << 15
+"""The most messages one `/v1/chat/completions` request may hold: the chat template renders each (a 64 MiB body holds
+millions of empty ones); a conversation of this many messages is already longer than most models' context."""
+MAX_TOKENS_PER_REQUEST = 8 << 20
+"""The most token ids the lists of one `/detokenize` may hold together (8M tokens: a second or two of one core's
+decoding, tens of MB of text answered); at most MAX_SAMPLES_PER_REQUEST lists, as many as `/generate` answers."""
 
 
 class SamplingParams(BaseModel):
@@ -240,6 +249,39 @@ def check_request_size(prompts: list[list[int] | str] | list[str], n: int = 1) -
         raise BadRequest(
             f"The text prompts of a request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together; "
             f"this one's {len(prompts)} prompts hold {chars}. Send them in several requests."
+        )
+
+
+def check_chat_size(messages: list[dict[str, str]]) -> None:
+    """Refuse, before the chat template renders them, more than MAX_MESSAGES_PER_REQUEST messages, or messages whose
+    roles and contents hold more than MAX_TEXT_CHARS_PER_REQUEST characters together (BadRequest, answered 400)."""
+    if len(messages) > MAX_MESSAGES_PER_REQUEST:
+        raise BadRequest(
+            f"A chat request may hold at most {MAX_MESSAGES_PER_REQUEST} messages; this one holds {len(messages)}."
+        )
+    chars = sum(len(message["role"]) + len(message["content"]) for message in messages)
+    if chars > MAX_TEXT_CHARS_PER_REQUEST:
+        raise BadRequest(
+            f"The messages of a chat request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together "
+            f"(roles and contents); this one's {len(messages)} message{'s hold' if len(messages) != 1 else ' holds'} "
+            f"{chars}."
+        )
+
+
+def check_detokenize_size(token_lists: list[list[int]]) -> None:
+    """Refuse, before anything is decoded, a `/detokenize` of more than MAX_SAMPLES_PER_REQUEST token lists or of
+    more than MAX_TOKENS_PER_REQUEST tokens together (BadRequest, answered 400)."""
+    if len(token_lists) > MAX_SAMPLES_PER_REQUEST:
+        raise BadRequest(
+            f"A detokenize request may hold at most {MAX_SAMPLES_PER_REQUEST} token lists; this one holds "
+            f"{len(token_lists)}. Send them in several requests."
+        )
+    tokens = sum(len(ids) for ids in token_lists)
+    if tokens > MAX_TOKENS_PER_REQUEST:
+        raise BadRequest(
+            f"The token lists of a detokenize request may hold at most {MAX_TOKENS_PER_REQUEST} tokens together; "
+            f"this one's {len(token_lists)} list{'s hold' if len(token_lists) != 1 else ' holds'} {tokens}. Send them "
+            "in several requests."
         )
 
 

@@ -13,6 +13,8 @@ E: the ValueError shape `{"error": {"message"}}`):
 | a body sent with a Content-Type other than JSON               | 400     | V, saying to send JSON            |
 | a value SGLang refuses (`BadRequest`)                         | 400     | E                                 |
 | more samples or text than a request may hold (schemas.py)     | 400     | E, before anything is tokenized   |
+| more messages / characters than a chat may hold (schemas.py)  | 400     | E, before the template renders    |
+| more token lists / tokens than a detokenize may hold          | 400     | E, before anything is decoded     |
 | a body over MAX_BODY_BYTES; a Content-Length h11 cannot parse | 400     | E, and the connection closes      |
 | an unknown path / a method the path does not take             | 404/405 | FastAPI's `{"detail": "Not Found"}` |
 | anything else raised while answering                          | 500     | E (the traceback in the log)      |
@@ -61,6 +63,7 @@ from rollout_workers.sglang_api.schemas import (
     TokenizeReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
+    check_detokenize_size,
     check_request_size,
 )
 from rollout_workers.sglang_api.serve_requests import check_text_fits
@@ -393,12 +396,17 @@ async def tokenize(service: Service, obj: TokenizeReqInput) -> dict[str, Any]:
 @native_routes.post("/detokenize")
 @native_routes.post("/v1/detokenize")
 async def detokenize(service: Service, obj: DetokenizeReqInput) -> dict[str, Any]:
+    """SGLang's detokenization; more token lists or tokens than a request may hold (schemas.check_detokenize_size),
+    or an id outside the vocabulary, are refused before anything is decoded."""
+
     def decode(ids: list[int]) -> str:
         return service.tokenizer.decode(ids, skip_special_tokens=obj.skip_special_tokens)
 
     single = not obj.tokens or isinstance(obj.tokens[0], int)
+    token_lists: list[list[int]] = [obj.tokens] if single else obj.tokens  # type: ignore[list-item,assignment]
+    check_detokenize_size(token_lists)
     vocab_size = service.engine.arch.vocab_size
-    for ids in [obj.tokens] if single else obj.tokens:
+    for ids in token_lists:
         bad = [token for token in ids if not 0 <= token < vocab_size]  # type: ignore[operator]
         if bad:
             message = f"tokens must lie in [0, {vocab_size}) (the model's vocab_size), got {bad[:5]}"

@@ -23,8 +23,10 @@ from serve_process import serve
 from common.builtin_model import resolve_model_path
 from rollout_workers.sglang_api.schemas import (
     MAX_FORWARD_SLEEP_S,
+    MAX_MESSAGES_PER_REQUEST,
     MAX_SAMPLES_PER_REQUEST,
     MAX_TEXT_CHARS_PER_REQUEST,
+    MAX_TOKENS_PER_REQUEST,
 )
 from rollout_workers.sglang_api.server_app import SGLangH11Protocol, listen, make_app
 from rollout_workers.sglang_api.service import ModelService, SchedulerDied
@@ -61,11 +63,15 @@ def post(url: str, body: Any, **kwargs: Any) -> requests.Response:
 # ---- 1. a text prompt that cannot fit is refused before it is tokenized ----------------------------------------------
 class EncoderSpy:
     """Stands in for a fast tokenizer's Rust tokenizer (`tokenizer._tokenizer`), which every way of tokenizing goes
-    through (`encode`, `__call__`, `apply_chat_template(tokenize=True)`): records the texts it is given."""
+    through (`encode`, `__call__`, `apply_chat_template(tokenize=True)`): records the texts it is given, and the
+    token lists it decodes. `rendered`: the message lists the chat template rendered (the `watched` fixture wraps
+    the tokenizer's `apply_chat_template`, which renders with `tokenize=False` without coming here)."""
 
     def __init__(self, inner: Any):
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "texts", [])
+        object.__setattr__(self, "decoded", [])
+        object.__setattr__(self, "rendered", [])
         object.__setattr__(self, "decode_error", None)
 
     def fail_decoding(self, error: Exception | None) -> None:
@@ -75,6 +81,7 @@ class EncoderSpy:
     def decode(self, *args: Any, **kwargs: Any) -> Any:
         if self.decode_error is not None:
             raise self.decode_error
+        self.decoded.append(args[0] if args else kwargs.get("ids"))
         return self.inner.decode(*args, **kwargs)
 
     def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
@@ -102,6 +109,13 @@ def watched(model_dir):
     service = ModelService(model_dir, "none", max_batch=4, max_seq_len=64)
     spy = EncoderSpy(service.tokenizer._tokenizer)
     service.tokenizer._tokenizer = spy
+    render = service.tokenizer.apply_chat_template
+
+    def watched_render(conversation: Any, *args: Any, **kwargs: Any) -> Any:
+        spy.rendered.append(conversation)
+        return render(conversation, *args, **kwargs)
+
+    service.tokenizer.apply_chat_template = watched_render
     sock = listen("127.0.0.1", 0)
     config = uvicorn.Config(make_app(service), http=SGLangH11Protocol, lifespan="off", log_config=None)
     server = uvicorn.Server(config)
@@ -188,6 +202,58 @@ def test_a_request_over_the_size_limits_is_refused_before_anything_is_tokenized(
     assert worker.is_alive()  # /health answered while the batch was being tokenized: that runs off the event loop
     worker.join(timeout=120)
     assert counts["count"] == [len(counts["tokens"][0])] * legal
+
+
+def test_a_detokenize_over_the_size_limits_is_refused_before_anything_is_decoded(watched):
+    url, spy = watched
+    assert post(f"{url}/detokenize", {"tokens": [4, 13, 5]}).json() == {"text": "1+2"}
+    assert spy.decoded  # the spy sees what is decoded
+    lists = f"A detokenize request may hold at most {MAX_SAMPLES_PER_REQUEST} token lists; this one holds "
+    tokens = f"The token lists of a detokenize request may hold at most {MAX_TOKENS_PER_REQUEST} tokens together; "
+    quarter = [4] * (MAX_TOKENS_PER_REQUEST // 4 + 1)  # four lists each under the token bound, over it together
+    for path, body, expected in (
+        ("/detokenize", {"tokens": [[4]] * (MAX_SAMPLES_PER_REQUEST + 1)}, f"{lists}{MAX_SAMPLES_PER_REQUEST + 1}."),
+        ("/v1/detokenize", {"tokens": [[]] * (MAX_SAMPLES_PER_REQUEST + 1)}, f"{lists}{MAX_SAMPLES_PER_REQUEST + 1}."),
+        ("/detokenize", {"tokens": [quarter] * 4}, f"{tokens}this one's 4 lists hold {4 * len(quarter)}."),
+        ("/v1/detokenize", {"tokens": [4] * (MAX_TOKENS_PER_REQUEST + 1)}, f"{tokens}this one's 1 list holds "),
+    ):
+        spy.decoded.clear()
+        response = post(f"{url}{path}", body)
+        assert response.status_code == 400, (path, response.text[:500])
+        assert response.json() == {"error": {"message": response.json()["error"]["message"]}}, path  # SGLang's shape
+        assert expected in response.json()["error"]["message"], (path, response.json())
+        assert spy.decoded == [], path  # refused before the first list was decoded
+    spy.decoded.clear()
+    at_limit = post(f"{url}/detokenize", {"tokens": [[4]] * MAX_SAMPLES_PER_REQUEST})
+    assert at_limit.status_code == 200 and at_limit.json()["text"] == ["1"] * MAX_SAMPLES_PER_REQUEST
+    assert len(spy.decoded) == MAX_SAMPLES_PER_REQUEST
+
+
+def test_a_chat_over_the_size_limits_is_refused_before_its_messages_are_rendered(watched):
+    url, spy = watched
+    chat = {"messages": [{"role": "user", "content": "1+2="}], "max_tokens": 2}
+    spy.rendered.clear()
+    assert post(f"{url}/v1/chat/completions", chat).status_code == 200
+    assert spy.rendered == [[{"role": "user", "content": "1+2="}]]  # the spy sees what is rendered
+    many = MAX_MESSAGES_PER_REQUEST + 1
+    half = "1" * (MAX_TEXT_CHARS_PER_REQUEST // 2)  # two messages each under the character bound, over it together
+    heavy = [{"role": "user", "content": half}, {"role": "assistant", "content": [{"type": "text", "text": half}]}]
+    count = f"A chat request may hold at most {MAX_MESSAGES_PER_REQUEST} messages; this one holds {many}."
+    chars = f"The messages of a chat request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together "
+    one = {"role": "user", "content": "1" * (MAX_TEXT_CHARS_PER_REQUEST + 1)}
+    for messages, expected in (
+        ([{"role": "user", "content": "1"}] * many, count),
+        (heavy, f"{chars}(roles and contents); this one's 2 messages hold {2 * len(half) + len('userassistant')}."),
+        ([one], f"{chars}(roles and contents); this one's 1 message holds {MAX_TEXT_CHARS_PER_REQUEST + 5}."),
+    ):
+        spy.rendered.clear()
+        spy.texts.clear()
+        response = post(f"{url}/v1/chat/completions", {**chat, "messages": messages})
+        assert response.status_code == 400, response.text[:500]
+        assert response.json() == {"error": {"message": response.json()["error"]["message"]}}  # SGLang's shape
+        assert expected in response.json()["error"]["message"], response.json()
+        assert spy.rendered == [] and spy.texts == []  # refused before the template rendered anything
+    assert post(f"{url}/v1/chat/completions", chat).status_code == 200
 
 
 def test_max_token_chars_is_the_longest_token_special_ones_included_times_4_under_unicode_composition():
