@@ -248,7 +248,8 @@ def check_request_size(prompts: list[list[int] | str] | list[str], n: int = 1) -
     if chars > MAX_TEXT_CHARS_PER_REQUEST:
         raise BadRequest(
             f"The text prompts of a request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together; "
-            f"this one's {len(prompts)} prompts hold {chars}. Send them in several requests."
+            f"this one's {len(prompts)} prompt{'s hold' if len(prompts) != 1 else ' holds'} {chars}. Send them in "
+            "several requests."
         )
 
 
