@@ -47,8 +47,10 @@ async def progress_events(
     when cancelled (the client went away)."""
     seen = [0] * len(order)
     finished = [False] * len(order)
+    dead_pass = False  # a pass over the samples made after the scheduler thread was seen gone
     try:
         while not all(finished):
+            dead_pass = not service.alive  # it settles every request it fails before it ends: this pass sees them
             for i, req in enumerate(order):
                 if finished[i]:
                     continue
@@ -59,7 +61,8 @@ async def progress_events(
                     finished[i] = done
                     yield i, await run_in_threadpool(service.response, request, req)
             if not all(finished):
-                service.raise_if_died(order, running=True)
+                if dead_pass:  # what is still unfinished after that pass never will be
+                    service.raise_if_died(order, running=True)
                 await asyncio.sleep(POLL_S)
         service.raise_if_died(order, running=False)  # their final chunks were abort ones: now say why
     finally:
