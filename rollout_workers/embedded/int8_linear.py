@@ -8,11 +8,15 @@ one, `int8_kernel_name()` says which runs; a vectorised one needs both cpuid and
 `ATEN_CPU_CAPABILITY=avx2` emulates an AVX2 machine; each is admitted only after an exactness self-test on operands
 that expose saturation, rounded fp32 sums and layout tails):
 
+- `amx` (AMX-INT8: Intel Xeon Sapphire Rapids and later): the same library's `TDPBSUD` tiles (16 rows x 64 inputs
+  x 16 columns a product) on the `vnni` layout with inputs padded to 64, from 6 rows a call; fewer rows run `vnni`
+  on the same packed weight. On an AMX Xeon (2026-12-06, one thread, a decode step's 101 MB of int8 weights) 16 rows
+  took 8.0-9.4 ms against `vnni`'s 12.8-15.0, 32 rows 10.1 against 21.0 (docs/kernels.md).
 - `vnni` (AVX512-VNNI: Zen 4, Ice Lake and later): the C++ library's fused kernel (`csrc/int8_gemm.cpp`), one call
   per linear: quantize, `vpdpbusd` on (w + 128) x q with the offset's share subtracted in int32, fp32 epilogue.
 - `avxvnni` (AVX-VNNI without AVX-512: Intel Alder Lake and later client cores, Zen 5 with AVX-512 off): the same
   library with the VEX-encoded 256-bit `vpdpbusd` (`_mm256_dpbusd_avx_epi32`) on the `vnni` layout, dispatched on
-  cpuid's `avx_vnni` bit. Untested on such a CPU (none here): compile-checked with gcc and clang, and its micro-kernel
+  cpuid's `avx_vnni` bit. Run on the AMX Xeon (which has AVX-VNNI too, 2026-12-06): bit for bit there; its micro-kernel
   (layout, tails, offset compensation, epilogue) runs here bit for bit against the reference as the test-only path
   `avxvnni_emulated`, the same code with `vpdpbusd` emulated by AVX2; on a real AVX-VNNI CPU it is admitted only
   after the self-test below.
@@ -22,7 +26,7 @@ that expose saturation, rounded fp32 sums and layout tails):
   with zero point 128 (oneDNN subtracts the zero point's share in int32, so its fp32 output is float(acc), also
   beyond 2^24); elsewhere its AVX2 kernel saturates int16 pairs of full-range products, so activations go in as
   two 7-bit halves relu(q), relu(-q), exact while in_features <= HALVES_MAX_IN_FEATURES (wider: `reference`).
-  It comes after the compiled kernels with AMX too: on an AMX Xeon (2026-12-03, one thread) `vnni` ran 0.9-9.8x
+  It comes after the compiled kernels on AMX too: on an AMX Xeon (2026-12-03, one thread) `vnni` ran 0.9-9.8x
   oneDNN's u8 x s8 GEMM at 1-64 rows (K x N 1024 x 1024 to 2816, 576 x 1536, 768 x 3072) and 0.8-1.8x at 128-1024.
 - `i8mm` (ARM Armv8.6 I8MM, by HWCAP2): the same library with `smmla` (2 rows x 2 columns x 8 inputs per
   instruction) on its own layout (inputs in groups of 8, columns in pairs). Untested: compile-checked for aarch64
@@ -52,24 +56,27 @@ from quant_sync.quantizers import QuantizedWeight, quantize_activation, quantize
 from rollout_workers.embedded.native import NativeLibrary, chosen_kernel, fp32_rows, isa_cap
 
 ENV_KERNEL = "ASYNCRL_INT8_KERNEL"
-KERNELS = ("vnni", "avxvnni", "avx2", "i8mm", "dotprod", "onednn", "portable", "reference")
+KERNELS = ("amx", "vnni", "avxvnni", "avx2", "i8mm", "dotprod", "onednn", "portable", "reference")
 EXACT_U8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 """CPU flags under which oneDNN's u8 x s8 GEMM accumulates without saturating (VNNI or AMX instructions)."""
 HALVES_MAX_IN_FEATURES = 1040
 """oneDNN's halves form sums each 7-bit half in fp32, exact while every half's sum stays below 2^24:
 in_features x 127^2 < 2^24 holds up to 1040 inputs."""
-TORCH_CAPABILITY_KERNELS = {"AVX512": ("vnni", "avxvnni", "avx2"), "AVX2": ("avxvnni", "avx2")}
+TORCH_CAPABILITY_KERNELS = {"AVX512": ("amx", "vnni", "avxvnni", "avx2"), "AVX2": ("avxvnni", "avx2")}
 """The vectorised C++ kernels allowed under each torch CPU capability (cpuid must have them too)."""
 PANEL = 16
 """Output columns per panel of the C++ kernels' packed layouts (csrc/int8_gemm.cpp)."""
 _ISA = {"portable": 0, "avx2": 1, "vnni": 2, "dotprod": 3, "avxvnni": 4, "avxvnni_emulated": 5, "i8mm": 6,
-        "i8mm_emulated": 7}  # fmt: skip
-_X86_KERNELS = ("vnni", "avxvnni", "avx2")
-_COMPILED_KERNELS = ("vnni", "avxvnni", "avx2", "i8mm", "dotprod", "portable", "avxvnni_emulated", "i8mm_emulated")
+        "i8mm_emulated": 7, "amx": 8}  # fmt: skip
+_X86_KERNELS = ("amx", "vnni", "avxvnni", "avx2")
+_COMPILED_KERNELS = ("amx", "vnni", "avxvnni", "avx2", "i8mm", "dotprod", "portable", "avxvnni_emulated",
+                     "i8mm_emulated")  # fmt: skip
 EMULATED_KERNELS = ("avxvnni_emulated", "i8mm_emulated")
+"""Test paths: `prepare_int8(weight, name)` runs them wherever AVX2 does; never dispatched or forced."""
 _MMLA_KERNELS = ("i8mm", "i8mm_emulated")
 """Kernels whose layout takes inputs in groups of 8 (the others: 4)."""
-"""Test paths: `prepare_int8(weight, name)` runs them wherever AVX2 does; never dispatched or forced."""
+PADDED_IN_MULTIPLE = {"amx": 64}
+"""Kernels whose layout pads the inputs beyond their group: amx's tiles take 64 inputs a row."""
 _CAPPED_FLAGS = ("avx512", "avx_vnni", "amx")
 """/proc/cpuinfo flag prefixes `ASYNCRL_ISA_CAP=avx2` hides (an AVX2-only CPU has none of them)."""
 _ONEDNN = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack")
@@ -139,7 +146,7 @@ def _onednn_u8_is_exact() -> bool:
 def available_kernels() -> tuple[str, ...]:
     """The kernels this process runs exactly, best first (`reference` always). Probed once per process."""
     lib = _Library.get()
-    compiled = ("vnni", "avxvnni", "avx2", "i8mm", "dotprod")
+    compiled = ("amx", "vnni", "avxvnni", "avx2", "i8mm", "dotprod")
     candidates = [name for name in compiled if lib is not None and lib.i8_has_isa(_ISA[name])]
     allowed = TORCH_CAPABILITY_KERNELS.get(_torch_capability(), ())
     candidates = [name for name in candidates if name not in _X86_KERNELS or name in allowed]
@@ -180,7 +187,7 @@ def _pack(q: torch.Tensor, kernel: str) -> tuple[torch.Tensor, int]:
     for i8mm; zero-weight padding to PANEL columns and a multiple of 4 inputs, of 8 for i8mm)."""
     out_features, in_features = q.shape
     group = 8 if kernel in _MMLA_KERNELS else 4
-    padded_in = -(-in_features // group) * group
+    padded_in = -(-in_features // PADDED_IN_MULTIPLE.get(kernel, group)) * PADDED_IN_MULTIPLE.get(kernel, group)
     packed = torch.empty(-(-out_features // PANEL) * PANEL * padded_in, dtype=torch.uint8)
     lib = _Library.get()
     if lib is None:
@@ -263,6 +270,7 @@ def _reference_linear(flat: torch.Tensor, weight: PackedInt8, bias: torch.Tensor
 
 
 _KERNEL_FNS: dict[str, Callable[[torch.Tensor, PackedInt8, torch.Tensor | None], torch.Tensor]] = {
+    "amx": _compiled_linear,
     "vnni": _compiled_linear,
     "avxvnni": _compiled_linear,
     "avxvnni_emulated": _compiled_linear,

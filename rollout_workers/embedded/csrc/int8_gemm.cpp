@@ -1,5 +1,5 @@
 // Exact W8A8 INT8 kernels for the embedded engine: per-token activation quantization, an int8 x int8 -> int32 GEMM
-// (AVX512-VNNI, AVX-VNNI, AVX2, ARM i8mm / dotprod, or portable C++) and the fp32 epilogue, with the numerics of
+// (AMX-INT8, AVX512-VNNI, AVX-VNNI, AVX2, ARM i8mm / dotprod, or portable C++) and the fp32 epilogue, with the numerics of
 // quant_sync's quantized_linear.
 //
 // Built once per machine by rollout_workers/embedded/native_build.py with the system C++ compiler (no torch headers:
@@ -71,6 +71,12 @@
 #ifdef I8_AVXVNNI_COMPILER
 #define I8_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
 #endif
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define I8_AMX_COMPILER 1  // GCC 11 and clang 12 brought -mamx-tile / -mamx-int8 and their intrinsics
+#define I8_AMX __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #if defined(__aarch64__)
@@ -103,11 +109,12 @@
 #define I8_ISA_AVXVNNI_EMULATED 5  // ISA 4's micro-kernel with vpdpbusd emulated by AVX2: a test path
 #define I8_ISA_I8MM 6
 #define I8_ISA_I8MM_EMULATED 7  // ISA 6's layout and epilogue with smmla emulated in portable C++: a test path
+#define I8_ISA_AMX 8  // Intel AMX-INT8 tiles on the VNNI layout (K padded to 64), the VNNI kernel below AMX rows
 
 inline bool mmla_layout(int isa) { return isa == I8_ISA_I8MM || isa == I8_ISA_I8MM_EMULATED; }
 
 inline bool vnni_layout(int isa) {  // w + 128 in groups of 4 inputs, a 128 * sum(q) compensation
-  return isa == I8_ISA_VNNI || isa == I8_ISA_AVXVNNI || isa == I8_ISA_AVXVNNI_EMULATED;
+  return isa == I8_ISA_VNNI || isa == I8_ISA_AVXVNNI || isa == I8_ISA_AVXVNNI_EMULATED || isa == I8_ISA_AMX;
 }
 
 namespace {
@@ -388,6 +395,145 @@ I8_VNNI void gemm_vnni(const VnniCall& a, int threads) {
     }
   }
 }
+// ------------------------------------------------------------------------------------------------ AMX-INT8
+// Intel AMX (Sapphire Rapids and later Xeons): eight tile registers of up to 16 rows x 64 bytes and TDPBSUD, which
+// multiplies a tile of signed bytes (activations, rows x 64 inputs) by a tile of unsigned bytes laid out in groups
+// of 4 inputs (16 groups x 16 columns x 4 bytes) and adds each group's 4 products into the int32 accumulator tile
+// (rows x 16 columns), exactly and without saturation, like vpdpbusd. The VNNI layout's panel is that B operand as
+// it stands: its groups of 4 inputs of 16 columns are 64 contiguous bytes, so a tile of 64 inputs is 1 KB of the
+// panel at stride 64. The weights stay w + 128 and the epilogue subtracts the same 128 * sum(q) compensation.
+// K is padded to a multiple of 64 (a whole tile; the padding's weights are 128 against zero activations).
+// Tiles: 0-3 accumulators (4 panels = 64 columns), 4 activations, 6 and 7 weights (alternating, so that a load can
+// start while the previous product still reads the other). A block of up to 16 rows runs the whole K loop in tiles,
+// then stores the accumulators for the VNNI epilogue. Below kAmxMinRows rows a TDPBSUD does the work of 16 rows
+// for fewer, and i8_linear runs the VNNI kernel on the same layout (as fast at 1-4 rows, slower from 6: on an AMX
+// Xeon, one thread, a decode step's 63 linears at 6 rows 8.5 ms in tiles against 10.4; docs/kernels.md).
+// Linux hands out the tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) (has_amx).
+#ifdef I8_AMX_COMPILER
+constexpr int kAmxRows = 16;    // rows of an activation / accumulator tile
+constexpr int kAmxK = 64;       // inputs of an activation tile row (bytes)
+constexpr int kAmxPanels = 4;   // accumulator tiles: panels per block
+
+
+
+#ifndef I8_AMX_MIN_ROWS
+#define I8_AMX_MIN_ROWS 6
+#endif
+constexpr int64_t kAmxMinRows = I8_AMX_MIN_ROWS;
+
+struct alignas(64) TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+I8_AMX void amx_configure(int rows) {
+  TileConfig config;
+  for (int t = 0; t < kAmxPanels; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = 64;
+  config.rows[4] = static_cast<uint8_t>(rows), config.colsb[4] = kAmxK;
+  for (int t = 6; t < 8; ++t) config.rows[t] = kAmxK / 4, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// rows [m, m + mr) (mr <= 16, the configured tile rows) against panels [p, p + NR)
+template <int NR>
+I8_AMX void block_amx(const VnniCall& a, int64_t m, int64_t p, int mr) {
+  const int8_t* q = a.q + m * a.kp;
+  const uint8_t* panel = a.packed + p * a.kp * kPanel;
+  const int64_t panel_bytes = a.kp * kPanel;
+  _tile_zero(0);
+  if constexpr (NR > 1) _tile_zero(1);
+  if constexpr (NR > 2) _tile_zero(2);
+  if constexpr (NR > 3) _tile_zero(3);
+  for (int64_t k0 = 0; k0 < a.kp; k0 += kAmxK) {
+    const uint8_t* b = panel + k0 * kPanel;  // groups k0 / 4 .. k0 / 4 + 15 of the first panel: 1 KB
+    _tile_loadd(4, q + k0, a.kp);
+    _tile_loadd(6, b, 64);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (NR > 1) {
+      _tile_loadd(7, b + panel_bytes, 64);
+      _tile_dpbsud(1, 4, 7);
+    }
+    if constexpr (NR > 2) {
+      _tile_loadd(6, b + 2 * panel_bytes, 64);
+      _tile_dpbsud(2, 4, 6);
+    }
+    if constexpr (NR > 3) {
+      _tile_loadd(7, b + 3 * panel_bytes, 64);
+      _tile_dpbsud(3, 4, 7);
+    }
+  }
+  alignas(64) int32_t acc[kAmxPanels][kAmxRows][kPanel];
+  _tile_stored(0, acc[0], 64);
+  if constexpr (NR > 1) _tile_stored(1, acc[1], 64);
+  if constexpr (NR > 2) _tile_stored(2, acc[2], 64);
+  if constexpr (NR > 3) _tile_stored(3, acc[3], 64);
+  __asm__ volatile("" ::: "memory");  // the tile stores wrote acc (the intrinsics are asm without memory operands)
+  const int64_t n0 = p * kPanel;
+  for (int r = 0; r < mr; ++r) {
+    const __m512i offset = _mm512_set1_epi32(a.comp[m + r]);
+    for (int j = 0; j < NR; ++j) {
+      const int64_t col = n0 + kPanel * j, valid = min64(kPanel, a.n - col);
+      const __mmask16 mask = valid >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+      const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(acc[j][r]), offset);
+      if (a.out_s32) {
+        _mm512_mask_storeu_epi32(a.out_s32 + (m + r) * a.out_stride + col, mask, exact);
+        continue;
+      }
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(a.sx[m + r]));
+      v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, a.sw + col));
+      if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + col));
+      _mm512_mask_storeu_ps(a.out + (m + r) * a.out_stride + col, mask, v);
+    }
+  }
+}
+
+I8_AMX void group_amx(const VnniCall& a, int64_t m, int64_t p, int mr) {
+  const int64_t left = min64(kAmxPanels, (a.n + kPanel - 1) / kPanel - p);
+  if (left == 4) return block_amx<4>(a, m, p, mr);
+  if (left == 3) return block_amx<3>(a, m, p, mr);
+  if (left == 2) return block_amx<2>(a, m, p, mr);
+  block_amx<1>(a, m, p, mr);
+}
+
+// Each thread configures its own tiles: every whole block of 16 rows over its groups of panels, then the last rows
+// (one more configuration) over the same groups, and gives the tile state back.
+I8_AMX void gemm_amx(const VnniCall& a, int threads) {
+  const int64_t panels = (a.n + kPanel - 1) / kPanel, groups = (panels + kAmxPanels - 1) / kAmxPanels;
+  const int64_t full = a.rows / kAmxRows * kAmxRows;
+  const int tail = static_cast<int>(a.rows - full);
+  __asm__ volatile("" ::: "memory");  // the quantized rows are in memory before a tile load reads them
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    if (full > 0) {
+      amx_configure(kAmxRows);
+#pragma omp for schedule(static) nowait
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t m = 0; m < full; m += kAmxRows) group_amx(a, m, g * kAmxPanels, kAmxRows);
+    }
+    if (tail > 0) {
+      amx_configure(tail);
+#pragma omp for schedule(static) nowait
+      for (int64_t g = 0; g < groups; ++g) group_amx(a, full, g * kAmxPanels, tail);
+    }
+    _tile_release();
+  }
+}
+
+// AMX-TILE (cpuid leaf 7 EDX bit 24) and AMX-INT8 (bit 25), the VNNI path (for the small-row calls and the
+// epilogue), and Linux's permission for this process's tile data (once; refused by a kernel older than 5.16).
+bool has_amx(bool vnni) {
+  static const bool permitted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return vnni && permitted;
+}
+#endif  // I8_AMX_COMPILER
+
 // ------------------------------------------------------------------------------------------------ AVX-VNNI
 // One row's 16 exact sums (acc - comp) through the epilogue: raw int32 (out_s32) or fl(fl(float * s_x) * s_w)
 // (+ bias), for the `valid` leading columns of the panel starting at column col.
@@ -486,8 +632,11 @@ bool has_avx_vnni() {  // cpuid leaf 7, subleaf 1: EAX bit 4
 }
 
 // The product of a VNNI-layout ISA (2, 4 or 5) on int8 q with its compensation: fp32 outputs or raw int32
-void gemm_vnni_layout(int isa, const VnniCall& a, int threads) {
-  if (isa == I8_ISA_VNNI) return gemm_vnni(a, threads);
+void gemm_vnni_layout(int isa, const VnniCall& a, int threads, bool tiles_always = false) {
+#ifdef I8_AMX_COMPILER
+  if (isa == I8_ISA_AMX && (tiles_always || a.rows >= kAmxMinRows)) return gemm_amx(a, threads);
+#endif
+  if (isa == I8_ISA_VNNI || isa == I8_ISA_AMX) return gemm_vnni(a, threads);
 #ifdef I8_AVXVNNI
   if (isa == I8_ISA_AVXVNNI) return gemm_avxvnni(a, threads, kAvxVnni);
 #endif
@@ -639,9 +788,12 @@ bool has_isa(int isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == I8_ISA_AVX2) return avx2;
-  if (isa == I8_ISA_VNNI)
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  const bool vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (isa == I8_ISA_VNNI) return vnni;
+#ifdef I8_AMX_COMPILER
+  if (isa == I8_ISA_AMX) return has_amx(vnni);
+#endif
 #ifdef I8_AVXVNNI
   if (isa == I8_ISA_AVXVNNI) return avx2 && has_avx_vnni();
 #endif
@@ -756,7 +908,9 @@ void i8_scale_output(const void* acc, int acc_is_int32, int64_t acc_stride, int6
 // out_stride). `threads` > 1 splits the panels over OpenMP threads. Returns 0, or -1 for bad arguments.
 int i8_linear(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride, const int8_t* packed, int64_t n,
               int64_t kp, const float* sw, const float* bias, float* out, int64_t out_stride, int threads) {
-  if (kp % 4 != 0 || kp < k || rows < 0 || n < 0 || !has_isa(isa) || (mmla_layout(isa) && kp % 8 != 0)) return -1;
+  if (kp % 4 != 0 || kp < k || rows < 0 || n < 0 || !has_isa(isa) || (mmla_layout(isa) && kp % 8 != 0) ||
+      (isa == I8_ISA_AMX && kp % 64 != 0))
+    return -1;
   thread_local std::vector<float> sx;
   sx.resize(static_cast<size_t>(rows));
   if (mmla_layout(isa)) {
@@ -803,7 +957,9 @@ int i8_linear(int isa, const float* x, int64_t rows, int64_t k, int64_t x_stride
 // packed holds ceil(n / 16) * 16 * kp bytes; kp >= k, a multiple of 4 (of 8 for i8mm). Returns 0, or -1 for bad
 // arguments.
 int i8_pack(int isa, const int8_t* w, int64_t n, int64_t k, int64_t kp, uint8_t* packed) {
-  if (kp % 4 != 0 || kp < k || n < 0 || (mmla_layout(isa) && kp % 8 != 0)) return -1;
+  if (kp % 4 != 0 || kp < k || n < 0 || (mmla_layout(isa) && kp % 8 != 0) ||
+      (isa == I8_ISA_AMX && kp % 64 != 0))
+    return -1;
   if (mmla_layout(isa)) {  // panel, group of 8 inputs, column pair, column of the pair, input within the group
     uint8_t* out = packed;
     for (int64_t p = 0; p < (n + kPanel - 1) / kPanel; ++p)
@@ -844,7 +1000,9 @@ int i8_pack(int isa, const int8_t* w, int64_t n, int64_t k, int64_t kp, uint8_t*
 // kp, zero padding) and the weight packed as above.
 int i8_gemm_s32(int isa, const int8_t* q, int64_t rows, int64_t kp, const int8_t* packed, int64_t n, int32_t* acc,
                 int64_t acc_stride) {
-  if (kp % 4 != 0 || rows < 0 || n < 0 || !has_isa(isa) || (mmla_layout(isa) && kp % 8 != 0)) return -1;
+  if (kp % 4 != 0 || rows < 0 || n < 0 || !has_isa(isa) || (mmla_layout(isa) && kp % 8 != 0) ||
+      (isa == I8_ISA_AMX && kp % 64 != 0))
+    return -1;
   if (mmla_layout(isa)) {
     const MmlaCall call{q, rows, kp, packed, n, nullptr, nullptr, nullptr, nullptr, acc, acc_stride};
     gemm_mmla(isa, call, 1);
@@ -856,7 +1014,7 @@ int i8_gemm_s32(int isa, const int8_t* q, int64_t rows, int64_t kp, const int8_t
     for (int64_t m = 0; m < rows; ++m) comp[m] = 128 * row_sum(q + m * kp, kp);
     const VnniCall call{q,       rows,    kp,      reinterpret_cast<const uint8_t*>(packed), n, comp.data(), nullptr,
                         nullptr, nullptr, nullptr, acc, acc_stride};
-    gemm_vnni_layout(isa, call, 1);
+    gemm_vnni_layout(isa, call, 1, /*tiles_always=*/true);
     return 0;
   }
 #endif

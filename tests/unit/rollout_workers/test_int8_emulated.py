@@ -105,7 +105,7 @@ def test_the_avx2_cap_leaves_every_library_on_avx2_paths():
     result = _probe("avx2")
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert seen["int8"][0] == "avx2" and not {"vnni", "avxvnni"} & set(seen["int8"])
+    assert seen["int8"][0] == "avx2" and not {"amx", "vnni", "avxvnni"} & set(seen["int8"])
     assert "avx512" not in seen["weight_only"] and seen["weight_only"][0] == "avx2"
     assert "bf16" not in seen["fp8"]
     assert seen["attention_isa"] == 1 and seen["lora_native"] is False and seen["avx512_flags"] == []

@@ -10,7 +10,7 @@ from rollout_workers.embedded import int8_linear
 from rollout_workers.embedded.int8_linear import ENV_KERNEL, int8_kernel_name, integer_product, prepare_int8
 
 PATHS = int8_linear.available_kernels()
-COMPILED = [path for path in PATHS if path in ("vnni", "avx2", "portable")]
+COMPILED = [path for path in PATHS if path in ("amx", "vnni", "avxvnni", "avx2", "portable")]
 
 
 def test_the_compiled_kernels_build_and_pass_their_self_test_here():
@@ -18,8 +18,9 @@ def test_the_compiled_kernels_build_and_pass_their_self_test_here():
     would silently fall back to a slow path."""
     assert int8_linear._Library.error == ""
     assert PATHS[-1] == "reference" and {"avx2", "portable", "onednn"} <= set(PATHS)
-    if "avx512_vnni" in int8_linear._cpu_flags() and torch.backends.cpu.get_cpu_capability() == "AVX512":
-        assert PATHS[0] == "vnni"
+    flags = int8_linear._cpu_flags()
+    if "avx512_vnni" in flags and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert PATHS[0] == ("amx" if "amx_int8" in flags else "vnni")
 
 
 def _operands(case: str, rows: int, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -75,6 +76,33 @@ def test_the_integer_product_is_the_int32_dot_product_for_any_int8(path):
             packed = prepare_int8(QuantizedWeight(q=q_w, scale=torch.ones(out_features), scheme="int8"), path)
             expected = (q_x.to(torch.int64) @ q_w.to(torch.int64).t()).to(torch.int32)  # |sum| < 2^31 here
             assert torch.equal(integer_product(q_x, packed), expected)
+
+
+@pytest.mark.parametrize("path", [path for path in PATHS if path == "amx"])
+def test_the_amx_tiles_are_exact_at_every_row_count_and_refuse_unpadded_inputs(path):
+    """AMX's tiles take 16 rows: every count from 1 to 40 (whole blocks, then a block of the rest under its own tile
+    configuration), partial panel groups, two threads; below `amx_min_rows` rows `int8_linear` runs the VNNI kernel
+    on the same layout, from it the tiles, and both give the reference's bits. Inputs not padded to 64 are refused."""
+    generator = torch.Generator().manual_seed(1)
+    weight = quantize_weight(torch.randn(72, 130, generator=generator), "int8")  # 5 panels: a group of 4 and of 1
+    packed = prepare_int8(weight, path)
+    assert packed.padded_in == 192
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in range(1, 41):
+            x = torch.randn(rows, 130, generator=generator) * 3
+            assert torch.equal(int8_linear.int8_linear(x, packed, None), quantized_linear(x, weight)), rows
+            q_x = torch.randint(-128, 128, (rows, 130), dtype=torch.int8, generator=generator)
+            assert torch.equal(integer_product(q_x, packed), q_x.to(torch.int32) @ weight.q.to(torch.int32).t()), rows
+    finally:
+        torch.set_num_threads(threads)
+    lib = int8_linear._Library.lib
+    out = torch.empty(16, 72)
+    x = torch.randn(16, 130)
+    for padded_in, status in ((192, 0), (132, -1)):
+        assert lib.i8_linear(int8_linear._ISA[path], x.data_ptr(), 16, 130, 130, packed.packed.data_ptr(), 72,
+                             padded_in, packed.scale.data_ptr(), None, out.data_ptr(), 72, 1) == status  # fmt: skip
 
 
 @pytest.mark.parametrize("path", PATHS)
