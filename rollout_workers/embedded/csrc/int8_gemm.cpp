@@ -436,6 +436,10 @@ I8_AMX void amx_configure(int rows) {
   _tile_loadconfig(&config);
 }
 
+// A function of its own, like amx_configure: clang outlines an OpenMP region into a function without this file's
+// target attributes, where a tile instruction written inline cannot be compiled
+I8_AMX void amx_release() { _tile_release(); }
+
 // rows [m, m + mr) (mr <= 16, the configured tile rows) against panels [p, p + NR)
 template <int NR>
 I8_AMX void block_amx(const VnniCall& a, int64_t m, int64_t p, int mr) {
@@ -517,7 +521,7 @@ I8_AMX void gemm_amx(const VnniCall& a, int threads) {
 #pragma omp for schedule(static) nowait
       for (int64_t g = 0; g < groups; ++g) group_amx(a, full, g * kAmxPanels, tail);
     }
-    _tile_release();
+    amx_release();
   }
 }
 
