@@ -38,8 +38,9 @@ def test_without_the_cap_the_check_names_what_escaped(monkeypatch):
         isa_cap_check("avx2")
     message = str(raised.value)
     assert "native_isa_cap=''" in message  # on any CPU: the kernels' own cap was not set
-    if engine_bench.cpu_isa()["avx512_vnni"]:  # the Zen 4 machines here: AVX-512 kernels ran
-        assert "int8='vnni'" in message and "avx512" in message
+    if engine_bench.cpu_isa()["avx512_vnni"]:  # Zen 4 and AMX Xeons: AVX-512 kernels (AMX tiles on the latter) ran
+        kernel = "amx" if engine_bench.cpu_isa()["amx_int8"] else "vnni"
+        assert f"int8='{kernel}'" in message and "avx512" in message
 
 
 def test_an_unknown_bench_isa_is_an_error_naming_the_variable(monkeypatch):
