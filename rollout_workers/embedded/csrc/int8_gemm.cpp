@@ -413,9 +413,6 @@ I8_VNNI void gemm_vnni(const VnniCall& a, int threads) {
 constexpr int kAmxRows = 16;    // rows of an activation / accumulator tile
 constexpr int kAmxK = 64;       // inputs of an activation tile row (bytes)
 constexpr int kAmxPanels = 4;   // accumulator tiles: panels per block
-
-
-
 #ifndef I8_AMX_MIN_ROWS
 #define I8_AMX_MIN_ROWS 6
 #endif
