@@ -11,7 +11,7 @@ that expose saturation, rounded fp32 sums and layout tails):
 - `amx` (AMX-INT8: Intel Xeon Sapphire Rapids and later): the same library's `TDPBSUD` tiles (16 rows x 64 inputs
   x 16 columns a product) on the `vnni` layout with inputs padded to 64, from 6 rows a call; fewer rows run `vnni`
   on the same packed weight. On an AMX Xeon (2026-12-06, one thread, a decode step's 101 MB of int8 weights) 16 rows
-  took 8.0-9.4 ms against `vnni`'s 12.8-15.0, 32 rows 10.1 against 21.0 (docs/kernels.md).
+  took 8.0-10.1 ms against `vnni`'s 12.8-15.4, 32 rows 10.1-12.6 against 21.0-23.2 (docs/kernels.md).
 - `vnni` (AVX512-VNNI: Zen 4, Ice Lake and later): the C++ library's fused kernel (`csrc/int8_gemm.cpp`), one call
   per linear: quantize, `vpdpbusd` on (w + 128) x q with the offset's share subtracted in int32, fp32 epilogue.
 - `avxvnni` (AVX-VNNI without AVX-512: Intel Alder Lake and later client cores, Zen 5 with AVX-512 off): the same
