@@ -186,8 +186,8 @@ def _pack(q: torch.Tensor, kernel: str) -> tuple[torch.Tensor, int]:
     portable, w + 128 in groups of 4 for vnni and avxvnni, w in groups of 4 for dotprod, groups of 8 by column pairs
     for i8mm; zero-weight padding to PANEL columns and a multiple of 4 inputs, of 8 for i8mm)."""
     out_features, in_features = q.shape
-    group = 8 if kernel in _MMLA_KERNELS else 4
-    padded_in = -(-in_features // PADDED_IN_MULTIPLE.get(kernel, group)) * PADDED_IN_MULTIPLE.get(kernel, group)
+    multiple = PADDED_IN_MULTIPLE.get(kernel, 8 if kernel in _MMLA_KERNELS else 4)  # the layout's group of inputs
+    padded_in = -(-in_features // multiple) * multiple
     packed = torch.empty(-(-out_features // PANEL) * PANEL * padded_in, dtype=torch.uint8)
     lib = _Library.get()
     if lib is None:

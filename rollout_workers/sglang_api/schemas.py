@@ -248,9 +248,13 @@ def check_request_size(prompts: list[list[int] | str] | list[str], n: int = 1) -
     if chars > MAX_TEXT_CHARS_PER_REQUEST:
         raise BadRequest(
             f"The text prompts of a request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together; "
-            f"this one's {len(prompts)} prompt{'s hold' if len(prompts) != 1 else ' holds'} {chars}. Send them in "
-            "several requests."
+            f"this one's {_holding(len(prompts), 'prompt')} {chars}. Send them in several requests."
         )
+
+
+def _holding(count: int, noun: str) -> str:
+    """'1 prompt holds', '3 prompts hold': the subject of a size refusal."""
+    return f"{count} {noun} holds" if count == 1 else f"{count} {noun}s hold"
 
 
 def check_chat_size(messages: list[dict[str, str]]) -> None:
@@ -264,8 +268,7 @@ def check_chat_size(messages: list[dict[str, str]]) -> None:
     if chars > MAX_TEXT_CHARS_PER_REQUEST:
         raise BadRequest(
             f"The messages of a chat request may hold at most {MAX_TEXT_CHARS_PER_REQUEST} characters together "
-            f"(roles and contents); this one's {len(messages)} message{'s hold' if len(messages) != 1 else ' holds'} "
-            f"{chars}."
+            f"(roles and contents); this one's {_holding(len(messages), 'message')} {chars}."
         )
 
 
@@ -281,8 +284,7 @@ def check_detokenize_size(token_lists: list[list[int]]) -> None:
     if tokens > MAX_TOKENS_PER_REQUEST:
         raise BadRequest(
             f"The token lists of a detokenize request may hold at most {MAX_TOKENS_PER_REQUEST} tokens together; "
-            f"this one's {len(token_lists)} list{'s hold' if len(token_lists) != 1 else ' holds'} {tokens}. Send them "
-            "in several requests."
+            f"this one's {_holding(len(token_lists), 'list')} {tokens}. Send them in several requests."
         )
 
 
