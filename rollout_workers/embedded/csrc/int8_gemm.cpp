@@ -430,6 +430,9 @@ I8_AMX void amx_configure(int rows) {
   for (int t = 0; t < kAmxPanels; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = 64;
   config.rows[4] = static_cast<uint8_t>(rows), config.colsb[4] = kAmxK;
   for (int t = 6; t < 8; ++t) config.rows[t] = kAmxK / 4, config.colsb[t] = 64;
+  // The stores above are read by LDTILECFG alone, which the compiler does not see reading them: GCC 12 dropped them
+  // as dead where such a function was not inlined (a SIGILL at the first tile instruction; docs/lora.md).
+  __asm__ volatile("" : : "m"(config) : "memory");
   _tile_loadconfig(&config);
 }
 
