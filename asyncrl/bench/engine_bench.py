@@ -82,7 +82,7 @@ PROMPT_TOKENS = 8
 SCHEMES = ("none", "int8", "fp8", "w8a16", "w4a16")
 LABELS = {"none": "fp32"}  # metric names call the unquantized engine fp32
 BATCHES = (1, 32, 64)
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 BIG_SHAPE = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
              "num_attention_heads": 16, "num_key_value_heads": 4}  # fmt: skip
 SMOL_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -317,7 +317,15 @@ def cpu_isa() -> dict[str, bool]:
 def platform_details() -> dict[str, object]:
     """The CPU's ISA flags and the INT8 kernel this machine's engines run (for a bench's JSON `details`)."""
     return {"cpu_isa": [flag for flag, present in cpu_isa().items() if present], "kernel_by_scheme": {
-        "int8": int8_kernel()}}  # fmt: skip
+        "int8": int8_kernel(), "lora_int8": lora_int8_kernel()}}  # fmt: skip
+
+
+def lora_int8_kernel() -> str:
+    """The kernel int8 LoRA adapters built now run on (`low_rank.int8_kernel`: amx or avx512), or "torch" (GEMMs on
+    their float32 values) where csrc/lora_gemm.cpp does not run."""
+    from rollout_workers.embedded import low_rank
+
+    return low_rank.int8_kernel() or "torch"
 
 
 def int8_kernel() -> str:
@@ -572,6 +580,7 @@ def _run(quick: bool) -> BenchResult:
         "kernels": kernels,
         "kernel_by_scheme": {
             "int8": int8_kernel(),
+            "lora_int8": lora_int8_kernel(),
             "w8a16": weight_only.kernel_name(),
             "w4a16": weight_only.kernel_name(),
             "fp8": fp8_linear.fp8_kernel_name(),

@@ -508,12 +508,13 @@ def run(quick: bool) -> BenchResult:
 
 def _details() -> dict[str, object]:
     """The CPU's ISA and the kernels the workers' engines ran: the figures mean nothing without them."""
-    from asyncrl.bench.engine_bench import platform_details
-    from rollout_workers.embedded.low_rank import _native_lora
+    from asyncrl.bench.engine_bench import lora_int8_kernel, platform_details
 
+    kernel = lora_int8_kernel()
+    functions = {"amx": "lr_apply_q8_amx", "avx512": "lr_apply_q8"}
     return {
         **platform_details(),
-        "lora_kernel": f"csrc/lora_gemm.cpp lr_apply_q8 ({LORA_SYNC_DTYPE} adapters as published)"
-        if _native_lora() is not None
+        "lora_kernel": f"csrc/lora_gemm.cpp {functions[kernel]} ({LORA_SYNC_DTYPE} adapters as published)"
+        if kernel in functions
         else f"torch GEMMs on the float32 values of {LORA_SYNC_DTYPE} adapters",
     }

@@ -49,7 +49,7 @@ from rollout_workers.embedded.linears import (  # noqa: F401 - re-exported: the 
     linear,
     prepare_linear,
 )
-from rollout_workers.embedded.low_rank import LowRank, add_low_rank, stack_low_rank  # noqa: F401 - re-exported
+from rollout_workers.embedded.low_rank import LowRank, add_low_rank, refresh_packed, stack_low_rank  # noqa: F401 - re-exported
 from rollout_workers.embedded.native_layers import LayersPlan
 from rollout_workers.embedded.offset_prefill import OffsetPrompts
 from rollout_workers.embedded.weight_only import GroupQuantized
@@ -215,11 +215,17 @@ class ModelWeights:
         version written there) and reused by every later version in it."""
         target = torch.device(device)
 
+        made: list[bool] = []
+
         def stacked() -> list[dict[str, LowRank | None]]:
+            made.append(True)
             return [_layer_adapters(weights, f"model.layers.{i}.", dtype, target) for i in range(len(self.layers))]
 
         key = ("layers", dtype, target, None if pooled is None else pooled.others)  # what stacking reads beyond views
         adapters = stacked() if pooled is None else pooled.derived(key, stacked)
+        if not made:  # an earlier version's stacking in this buffer: the `amx` kernel's layouts are copies, redone
+            for adapter in (held for layer in adapters for held in layer.values() if held is not None):
+                refresh_packed(adapter)
         layers = [dataclasses.replace(layer, **held) for layer, held in zip(self.layers, adapters)]
         return dataclasses.replace(self, layers=layers, pooled=pooled, layers_plan=None)
 

@@ -30,6 +30,7 @@ _AVX2_PROBES: dict[str, Callable[[Callable[..., int]], Callable[..., int]]] = {
     "wo_has_isa": lambda probe: lambda isa: probe(isa) if isa in (0, 1) else 0,  # reference, avx2
     "fd_linear_isa": lambda probe: lambda: min(probe(), 1),  # 2 AVX-512, 1 AVX2 + FMA, 0 portable
     "lr_has_avx512f": lambda probe: lambda: 0,
+    "lr_has_amx": lambda probe: lambda: 0,
 }
 """Each library's ISA probe (by symbol) as `ASYNCRL_ISA_CAP=avx2` answers it: only what an AVX2-only CPU runs."""
 

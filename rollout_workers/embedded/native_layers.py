@@ -61,7 +61,8 @@ class LayersPlan:
     """The largest LoRA rank of any linear (0: no adapters): the adapters' scratch is rows x this."""
     kernels: tuple[int, int | None, int | None]
     """The addresses of int8_gemm.cpp's `i8_linear` and, where adapters come, lora_gemm.cpp's `lr_apply` and
-    `lr_apply_q8` (else nulls): looked up once per version, not per step."""
+    `lr_apply_q8` (or `lr_apply_q8_amx` for adapters packed for it, with the same arguments; else nulls): looked up
+    once per version, not per step."""
     kept: tuple[object, ...]
     """Every tensor and ctypes array the descriptors point into (float copies of the biases included)."""
 
@@ -81,6 +82,9 @@ def plan_for(weights: ModelWeights) -> LayersPlan | None:
     adapters = [a for layer in layers for a in (layer.qkv_lora, layer.o_lora, layer.gate_up_lora, layer.down_lora)]
     if any(a is not None and a.native is None for a in adapters):  # adapters on torch's GEMMs
         return None
+    amx = {bool(a.amx) for a in adapters if a is not None and a.a_scale is not None}
+    if len(amx) > 1:  # int8 adapters on both kernels (built before and after ASYNCRL_LORA_KERNEL changed)
+        return None
     if fused_decode._Library.get() is None or int8_linear._Library.get() is None:
         return None
     kept: list[object] = []
@@ -90,7 +94,8 @@ def plan_for(weights: ModelWeights) -> LayersPlan | None:
             return None
         int8 = adapter.a_scale is not None
         ranks, cols, bs, *b_scales, scalings = adapter.native  # type: ignore[misc]  # checked above
-        descriptor = _LoraC(adapter.a.data_ptr(), _ptr(adapter.a_scale), adapter.a.shape[0], len(adapter.b_t),
+        a = adapter.amx[0] if adapter.amx else adapter.a  # the `amx` kernel's A^T (lr_apply_q8_amx)
+        descriptor = _LoraC(a.data_ptr(), _ptr(adapter.a_scale), adapter.a.shape[0], len(adapter.b_t),
                             ctypes.addressof(ranks), ctypes.addressof(cols), ctypes.addressof(bs),
                             ctypes.addressof(b_scales[0]) if int8 else None, ctypes.addressof(scalings))  # fmt: skip
         kept.extend((adapter, descriptor))
@@ -118,7 +123,8 @@ def plan_for(weights: ModelWeights) -> LayersPlan | None:
     kernel = next(iter(kernels))
     max_rank = max((a.a.shape[0] for a in adapters if a is not None), default=0)
     lora_lib = _native_lora() if max_rank else None  # loaded: `LowRank.native` is made only where it is
-    lora_fns = (_address(lora_lib.lr_apply), _address(lora_lib.lr_apply_q8)) if lora_lib else (None, None)
+    q8 = (lora_lib.lr_apply_q8_amx if amx == {True} else lora_lib.lr_apply_q8) if lora_lib else None
+    lora_fns = (_address(lora_lib.lr_apply), _address(q8)) if lora_lib else (None, None)
     kernels = (_address(int8_linear._Library.lib.i8_linear), *lora_fns)  # type: ignore[union-attr]
     return LayersPlan(
         descriptors, final_norm, int8_linear._ISA[kernel], layers[0].down.q.shape[1], max_rank, kernels, tuple(kept)

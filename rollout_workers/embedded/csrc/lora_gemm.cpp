@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <immintrin.h>
+#include <vector>
 
 namespace {
 
@@ -279,11 +280,381 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequantize_panels<true
     }
 }
 
+// ------------------------------------------------------------------------------------------------ AMX-BF16, int8
+// lr_apply_q8 on Intel AMX tiles (TDPBF16PS: fp32 accumulators += pairs of bf16 products, each exact in fp32). An
+// int8 adapter value is exact in bf16 (8 significant bits), so only the fp32 operand is split, into two bf16 pieces
+// x = x1 + x2 + e (x1 = bf16(x), x2 = bf16(x - x1), |e| <= 2^-17 |x|: 500 times below the int8 rounding of the
+// adapter values themselves), and each sum runs over k in order, piece by piece, in fp32 (the tiles flush values
+// below fp32's normal range). Not the AVX-512 path's bits (its sums are exact products of x, in another order):
+// within ~1e-5 of the adapters' output, the same bits for any row count, row split or thread count (batch-
+// invariant, as that path). A^T and each B are laid out in the tiles' pair rows (row i: inputs 2i and 2i + 1 of
+// every column side by side) once a call; the B product adds into the output's own tiles (s folded into `low`).
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define LR_AMX_COMPILER 1
+#define LR_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr int64_t kTileRows = 16;  // rows of a tile, and columns of an fp32 accumulator tile
+constexpr int64_t kTileK = 32;     // bf16 inputs of an operand tile row, at most
+constexpr int64_t kRowChunk = 64;  // x rows split at a time (bounds the pieces' scratch)
+constexpr int kPieces = 2;
+
+// AMX-TILE (cpuid leaf 7 EDX bit 24), AMX-BF16 (bit 22), AVX512-BF16 (leaf 7 subleaf 1 EAX bit 5) and Linux's
+// permission for this process's tile data (once; refused by a kernel older than 5.16).
+bool has_amx_bf16() {
+    static const bool permitted = [] {
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (!has_avx512f() || !__builtin_cpu_supports("avx512bw")) return false;
+        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
+        if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !((eax >> 5) & 1u)) return false;
+        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return permitted;
+}
+
+struct alignas(64) TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: fp32 accumulators (rows x 16); 4-5: the fp32 operand's pieces (rows x k bf16); 6-7: int8 values as
+// bf16 pairs (k / 2 pair rows x 16 columns), used alternately.
+LR_AMX void tiles_configure(int64_t rows, int64_t k) {
+    TileConfig config;
+    for (int t = 0; t < 4; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = 64;
+    for (int t = 4; t < 6; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = static_cast<uint16_t>(2 * k);
+    for (int t = 6; t < 8; ++t) config.rows[t] = static_cast<uint8_t>(k / 2), config.colsb[t] = 64;
+    __asm__ volatile("" : : "m"(config) : "memory");  // GCC 12 dropped these stores as dead before LDTILECFG
+    _tile_loadconfig(&config);
+}
+
+// Functions of their own: clang outlines an OpenMP region into a function without these target attributes.
+LR_AMX void tiles_release() { _tile_release(); }
+
+// bf16 bits of 16 fp32 values (round to nearest even), and those bits back as fp32 (exact).
+LR_AMX inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+LR_AMX inline __m512 from_bf16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+// pieces[p] (rows x k_pad bf16, row-major, plane p at p * rows * k_pad) = piece p of s * src (rows x k, row stride
+// ss), zeros past k.
+LR_AMX void split_pieces(const float* src, int64_t rows, int64_t k, int64_t ss, int64_t k_pad, float s,
+                         uint16_t* pieces) {
+    const int64_t plane = rows * k_pad;
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t m = 0; m < rows; ++m) {
+        uint16_t* p1 = pieces + m * k_pad;
+        for (int64_t c = 0; c < k_pad; c += 16) {
+            const int64_t left = k - c;
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src + m * ss + c), sv);
+            const __m256i b1 = to_bf16(x);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p1 + c), b1);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p1 + plane + c), to_bf16(_mm512_sub_ps(x, from_bf16(b1))));
+        }
+    }
+}
+
+// 32 int8 values (the first `count`, zeros after) as 32 bf16 (exact).
+LR_AMX inline __m512i bf16_of_int8(const int8_t* p, int64_t count) {
+    const __mmask32 mask = count >= 32 ? (__mmask32)0xFFFFFFFFu : count <= 0 ? (__mmask32)0 : (__mmask32)((1u << count) - 1u);
+    const __m256i bytes = _mm256_maskz_loadu_epi8(mask, p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo in the low 16 bf16
+}
+
+// 16 x 16 32-bit words: r[i][j] -> r[j][i].
+LR_AMX inline void transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 4; ++i) {
+            t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + i + 4], 0x88);
+            t[8 * h + i + 4] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+// A^T in pair rows: at (k_pad / 2 rows x r_pad columns of 32-bit pairs), pair (i, j) = (a[j, 2i], a[j, 2i + 1]) as
+// bf16, zeros past r and k. a is (r, k) int8 row-major.
+LR_AMX void pack_a(const int8_t* a, int64_t r, int64_t k, int64_t r_pad, int64_t k_pad, uint32_t* at) {
+    for (int64_t j0 = 0; j0 < r_pad; j0 += 16)
+        for (int64_t c0 = 0; c0 < k_pad; c0 += kTileK) {
+            __m512i rows[16];
+            for (int jj = 0; jj < 16; ++jj)
+                rows[jj] = j0 + jj < r ? bf16_of_int8(a + (j0 + jj) * k + c0, k - c0) : _mm512_setzero_si512();
+            transpose16(rows);  // rows[ii]: pair row c0 / 2 + ii, columns j0 .. j0 + 15
+            for (int ii = 0; ii < 16; ++ii) _mm512_storeu_si512(at + (c0 / 2 + ii) * r_pad + j0, rows[ii]);
+        }
+}
+
+// A member's B in pair rows: bv (rank_pad / 2 rows x n_pad columns of 32-bit pairs), pair (i, c) = (B[2i, c],
+// B[2i + 1, c]) as bf16, zeros past rank and n. bp: its panels of 32 columns (rank, 32) int8, zero past n.
+LR_AMX void pack_b(const int8_t* bp, int64_t rank, int64_t rank_pad, int64_t n_pad, uint32_t* bv) {
+    const __m512i lo_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                              37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_index = _mm512_add_epi16(lo_index, _mm512_set1_epi16(16));
+    for (int64_t t = 0; t < n_pad / 32; ++t) {
+        const int8_t* panel = bp + t * rank * 32;
+        for (int64_t i = 0; i < rank_pad / 2; ++i) {
+            const __m512i even = 2 * i < rank ? bf16_of_int8(panel + 2 * i * 32, 32) : _mm512_setzero_si512();
+            const __m512i odd = 2 * i + 1 < rank ? bf16_of_int8(panel + (2 * i + 1) * 32, 32) : _mm512_setzero_si512();
+            _mm512_storeu_si512(bv + i * n_pad + 32 * t, _mm512_permutex2var_epi16(even, lo_index, odd));
+            _mm512_storeu_si512(bv + i * n_pad + 32 * t + 16, _mm512_permutex2var_epi16(even, hi_index, odd));
+        }
+    }
+}
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// This thread's scratch of at least `bytes`, kept across calls, 64-byte aligned.
+inline void* aligned_scratch(int64_t bytes) {
+    thread_local std::vector<char> held;
+    std::vector<char>& h = held;
+    if (static_cast<int64_t>(h.size()) < bytes + 64) h.resize(static_cast<size_t>(bytes + 64));
+    const auto address = reinterpret_cast<uintptr_t>(h.data());
+    return reinterpret_cast<void*>((address + 63) & ~static_cast<uintptr_t>(63));
+}
+
+// Accumulator tile ACC += both pieces (tiles 4, 5) times the pair columns at b (row stride vs words), loaded in tile
+// B. A macro: the tile intrinsics paste their tile numbers into the instruction's text (no template parameter).
+#define LR_PIECES_TIMES(ACC, B, b, vs)  \
+    do {                                \
+        _tile_loadd(B, (b), (vs) * 4);  \
+        _tile_dpbf16ps(ACC, 4, B);      \
+        _tile_dpbf16ps(ACC, 5, B);      \
+    } while (0)
+
+// acc[b] (b < 4; 16 x 16 fp32, rows past the configured ones unset) = the product of the configured rows of the
+// pieces (from p, row stride ps bf16, the second piece `plane` further) by `count` (<= 4) blocks of 16 pair columns
+// of `packed` from b0 (row stride vs words), over `steps` K steps of k_tile inputs (k_tile / 2 pair rows a step), in
+// order, piece by piece: the tile product of both halves (pieces in tiles 4-5, the pair columns in 6 and 7 in turn).
+LR_AMX void tiles_product(const uint16_t* p, int64_t plane, int64_t ps, int64_t k_tile, int64_t steps,
+                          const uint32_t* b0, int64_t vs, int count, float* acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(4, p + step * k_tile, ps * 2);
+        _tile_loadd(5, p + plane + step * k_tile, ps * 2);
+        const uint32_t* b = b0 + step * (k_tile / 2) * vs;
+        LR_PIECES_TIMES(0, 6, b, vs);
+        if (count > 1) LR_PIECES_TIMES(1, 7, b + 16, vs);
+        if (count > 2) LR_PIECES_TIMES(2, 6, b + 32, vs);
+        if (count > 3) LR_PIECES_TIMES(3, 7, b + 48, vs);
+    }
+    _tile_stored(0, acc, 64);
+    _tile_stored(1, acc + 256, 64);
+    _tile_stored(2, acc + 512, 64);
+    _tile_stored(3, acc + 768, 64);
+    __asm__ volatile("" ::: "memory");  // the tile stores wrote acc (the intrinsics are asm without memory operands)
+}
+
+// low[m, j0 + 16b + j] (b < count, j0 + 16b + j < j1) = sa[.] * the product of rows [m, m + mr) of the pieces
+// (row stride k_pad, plane stride `plane`) by A^T's pair columns from j0, summed over k in order, piece by piece.
+LR_AMX void a_block_amx(const uint16_t* pieces, int64_t plane, int64_t k_pad, const uint32_t* at, int64_t r_pad,
+                        int64_t j0, int64_t j1, int count, const float* sa, int64_t mr, float* low, int64_t r) {
+    alignas(64) float acc[4 * 256];
+    tiles_product(pieces, plane, k_pad, kTileK, k_pad / kTileK, at + j0, r_pad, count, acc);
+    for (int b = 0; b < count; ++b) {
+        const int64_t col = j0 + 16 * b, left = j1 - col;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __m512 scale = _mm512_maskz_loadu_ps(mask, sa + col);
+        for (int64_t i = 0; i < mr; ++i)
+            _mm512_mask_storeu_ps(low + i * r + col, mask, _mm512_mul_ps(_mm512_load_ps(acc + b * 256 + i * 16), scale));
+    }
+}
+
+// low (rows x r) = sa[j] * sum_p x[m, p] a[j, p] on tiles for adapter columns [j0, j1) (j0 a multiple of 16).
+LR_AMX void a_half_amx(const float* x, int64_t rows, int64_t k, int64_t xs, const uint32_t* at, int64_t r_pad,
+                       const float* sa, int64_t r, int64_t j0, int64_t j1, float* low) {
+    const int64_t k_pad = round_up(k, kTileK);
+    int64_t configured = 0;
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
+        const int64_t chunk = std::min(kRowChunk, rows - m0);
+        auto* pieces = static_cast<uint16_t*>(aligned_scratch(kPieces * chunk * k_pad * 2));
+        split_pieces(x + m0 * xs, chunk, k, xs, k_pad, 1.0f, pieces);
+        __asm__ volatile("" ::: "memory");  // the pieces are in memory before a tile load reads them
+        for (int64_t m = 0; m < chunk; m += kTileRows) {
+            const int64_t mr = std::min(kTileRows, chunk - m);
+            if (mr != configured) tiles_configure(mr, kTileK), configured = mr;
+            for (int64_t j = j0; j < j1; j += 64) {
+                const int count = static_cast<int>(std::min<int64_t>(4, (j1 - j + 15) / 16));
+                a_block_amx(pieces + m * k_pad, chunk * k_pad, k_pad, at, r_pad, j, j1, count, sa, mr,
+                            low + (m0 + m) * r, r);
+            }
+        }
+    }
+}
+
+// out[m, c] += sum_q low'[m, q] b[q, c] for `count` (<= 4) 16-column blocks from column c (accumulator tiles
+// 0..count-1) and rows [m, m + mr) (the configured tile rows): the pieces of low' = s * low (mr x k_pad bf16 a plane,
+// K steps of k_tile) by B packed (bv, row stride n_pad words) in tiles (tiles_product), stored
+// and added into the output row by row (columns past n masked). Adding in the output's own tiles (a tile load and
+// store of 16 strided rows a block) ran 15-20% slower than these row-wise adds.
+LR_AMX void b_blocks_amx(const uint16_t* p, int64_t plane, int64_t k_tile, int64_t steps, const uint32_t* bv,
+                         int64_t n_pad, int64_t n, int64_t c, int count, int64_t mr, float* o, int64_t os) {
+    alignas(64) float acc[4 * 256];
+    tiles_product(p, plane, k_tile * steps, k_tile, steps, bv + c, n_pad, count, acc);
+    for (int64_t i = 0; i < mr; ++i)
+        for (int b = 0; b < count; ++b) {
+            const int64_t left = n - c - 16 * b;
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+            float* row = o + i * os + c + 16 * b;
+            const __m512 add = _mm512_load_ps(acc + b * 256 + i * 16);
+            _mm512_mask_storeu_ps(row, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, row), add));
+        }
+}
+
+// The B product of one member's 16-column blocks [t0, t1) on tiles (b_blocks_amx), 16 rows at a time.
+LR_AMX void b_half_amx(const uint16_t* pieces, int64_t plane, int64_t k_tile, int64_t steps, int64_t rows,
+                       const uint32_t* bv, int64_t n_pad, int64_t n, int64_t t0, int64_t t1, float* out, int64_t os) {
+    const int64_t k_pad = k_tile * steps;
+    for (int64_t m = 0; m < rows; m += kTileRows) {
+        const int64_t mr = std::min(kTileRows, rows - m);
+        tiles_configure(mr, k_tile);
+        const uint16_t* p = pieces + m * k_pad;
+        for (int64_t t = t0; t < t1; t += 4) {
+            const int count = static_cast<int>(std::min<int64_t>(4, t1 - t));
+            b_blocks_amx(p, plane, k_tile, steps, bv, n_pad, n, 16 * t, count, mr, out + m * os, os);
+        }
+    }
+}
+
+// The packed layouts' sizes in 32-bit words: A^T (k_pad / 2 pair rows x r_pad columns) and a member's B (rank_pad / 2
+// pair rows x n_pad columns; one K step of rank_pad up to 32, else steps of 32).
+inline int64_t a_pad_rows(int64_t r) { return round_up(r, 16); }
+inline int64_t b_k_tile(int64_t rank) { return rank <= kTileK ? round_up(rank, 16) : kTileK; }
+inline int64_t b_rank_pad(int64_t rank) { return round_up(rank, b_k_tile(rank)); }
+
+// lr_apply_q8 on tiles: at is A^T packed (pack_a), bvs[i] member i's B packed (pack_b); otherwise lr_apply_q8's
+// arguments. Each thread configures its own tiles and gives them back.
+LR_AMX void apply_q8_amx(const float* x, int64_t rows, int64_t k, int64_t xs, const uint32_t* at, const float* sa,
+                         int64_t r, float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols,
+                         const uint32_t* const* bvs, const float* const* sbs, const float* scalings, float* out,
+                         int64_t os, int threads) {
+    const int parts = threads > 1 ? threads : 1;
+    const int64_t r_pad = a_pad_rows(r), a_blocks = r_pad / 16;
+    auto a_part = [&](int p) {
+        const int64_t j0 = 16 * (a_blocks * p / parts), j1 = std::min(r, 16 * (a_blocks * (p + 1) / parts));
+        if (j0 < j1) a_half_amx(x, rows, k, xs, at, r_pad, sa, r, j0, j1, low);
+    };
+    if (parts == 1) {
+        a_part(0);
+    } else {
+#pragma omp parallel num_threads(parts)
+        {
+#pragma omp for schedule(static)
+            for (int p = 0; p < parts; ++p) a_part(p);
+            tiles_release();
+        }
+    }
+    for (int64_t i = 0; i < n_members; ++i) {
+        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0;
+        for (int64_t mm = 0; mm < rows; ++mm)
+            for (int64_t q = 0; q < rank; ++q) low[mm * r + r0 + q] *= sbs[i][q];
+    }
+    // Each member: the pieces of s times its low columns, then its 16-column blocks split over the threads.
+    for (int64_t i = 0; i < n_members; ++i) {
+        const int64_t r0 = ranks[2 * i], rank = ranks[2 * i + 1] - r0, c0 = cols[2 * i], n = cols[2 * i + 1] - c0;
+        const int64_t k_tile = b_k_tile(rank), rank_pad = b_rank_pad(rank), steps = rank_pad / k_tile;
+        const int64_t n_pad = round_up(n, 32), blocks = (n + 15) / 16;
+        auto* pieces = static_cast<uint16_t*>(aligned_scratch(kPieces * rows * rank_pad * 2));
+        split_pieces(low + r0, rows, rank, r, rank_pad, scalings[i], pieces);
+        __asm__ volatile("" ::: "memory");  // the pieces are in memory before a tile load reads them
+        if (parts == 1) {
+            b_half_amx(pieces, rows * rank_pad, k_tile, steps, rows, bvs[i], n_pad, n, 0, blocks, out + c0, os);
+        } else {
+#pragma omp parallel num_threads(parts)
+            {
+#pragma omp for schedule(static)
+                for (int p = 0; p < parts; ++p) {
+                    const int64_t t0 = blocks * p / parts, t1 = blocks * (p + 1) / parts;
+                    if (t0 < t1) b_half_amx(pieces, rows * rank_pad, k_tile, steps, rows, bvs[i], n_pad, n, t0, t1,
+                                            out + c0, os);
+                }
+                tiles_release();
+            }
+        }
+    }
+    if (parts == 1) tiles_release();
+}
+#endif  // LR_AMX_COMPILER
+
 }  // namespace
 
 extern "C" {
 
-int lr_abi_version(void) { return 5; }
+int lr_abi_version(void) { return 6; }
+
+// 1 where lr_apply_q8_amx runs here: AMX-TILE, AMX-BF16 and AVX512-BF16, and Linux's permission for tile data.
+int lr_has_amx(void) {
+#ifdef LR_AMX_COMPILER
+    return has_amx_bf16() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// 32-bit words of lr_amx_pack_a's layout for A (r, k), and of lr_amx_pack_b's for a member's B^T (rank, n).
+int64_t lr_amx_a_words(int64_t r, int64_t k) {
+#ifdef LR_AMX_COMPILER
+    return round_up(k, kTileK) / 2 * a_pad_rows(r);
+#else
+    return r * k;
+#endif
+}
+int64_t lr_amx_b_words(int64_t rank, int64_t n) {
+#ifdef LR_AMX_COMPILER
+    return b_rank_pad(rank) / 2 * round_up(n, 32);
+#else
+    return rank * n;
+#endif
+}
+
+// int8 A (r, k) -> at (lr_amx_a_words): A^T as bf16 pairs (row i: inputs 2i and 2i + 1 of every adapter row), zero
+// padded; one pass a version. -1 where lr_has_amx is 0.
+int lr_amx_pack_a(const int8_t* a, int64_t r, int64_t k, uint32_t* at) {
+#ifdef LR_AMX_COMPILER
+    if (!has_amx_bf16()) return -1;
+    pack_a(a, r, k, a_pad_rows(r), round_up(k, kTileK), at);
+    return 0;
+#else
+    (void)a, (void)r, (void)k, (void)at;
+    return -1;
+#endif
+}
+
+// A member's B^T in lr_apply_q8's int8 panels (ceil(n / 32), rank, 32) -> bv (lr_amx_b_words): B as bf16 pairs (row
+// i: ranks 2i and 2i + 1 of every output column), zero padded. -1 where lr_has_amx is 0.
+int lr_amx_pack_b(const int8_t* panels, int64_t rank, int64_t n, uint32_t* bv) {
+#ifdef LR_AMX_COMPILER
+    if (!has_amx_bf16()) return -1;
+    pack_b(panels, rank, b_rank_pad(rank), round_up(n, 32), bv);
+    return 0;
+#else
+    (void)panels, (void)rank, (void)n, (void)bv;
+    return -1;
+#endif
+}
 
 // q (rows, cols) int8, s (rows,) float32 -> out (rows, cols) float32: A (count * r, in), or B^T (count * r, out).
 // avx512: 1 lets it use AVX-512F where the CPU has it, 0 runs the portable loop (ASYNCRL_ISA_CAP, tests).
@@ -327,6 +698,22 @@ int lr_apply_q8(const float* x, int64_t rows, int64_t k, int64_t xs, const int8_
     if (!has_avx512f()) return -1;
     apply<int8_t>(x, rows, k, xs, qa, sa, r, low, n_members, ranks, cols, qbs, sbs, scalings, out, os, threads);
     return 0;
+}
+
+// lr_apply_q8 on AMX tiles (see "AMX-BF16, int8" above): at from lr_amx_pack_a, bvs[i] from lr_amx_pack_b (this
+// version's), otherwise lr_apply_q8's arguments. -1 where lr_has_amx is 0.
+int lr_apply_q8_amx(const float* x, int64_t rows, int64_t k, int64_t xs, const uint32_t* at, const float* sa, int64_t r,
+                    float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols, const uint32_t* const* bvs,
+                    const float* const* sbs, const float* scalings, float* out, int64_t os, int threads) {
+#ifdef LR_AMX_COMPILER
+    if (!has_amx_bf16()) return -1;
+    apply_q8_amx(x, rows, k, xs, at, sa, r, low, n_members, ranks, cols, bvs, sbs, scalings, out, os, threads);
+    return 0;
+#else
+    (void)x, (void)rows, (void)k, (void)xs, (void)at, (void)sa, (void)r, (void)low, (void)n_members, (void)ranks;
+    (void)cols, (void)bvs, (void)sbs, (void)scalings, (void)out, (void)os, (void)threads;
+    return -1;
+#endif
 }
 
 }  // extern "C"

@@ -66,9 +66,10 @@ def test_quick_writes_every_ratio_and_the_trl_settings(quick, tmp_path: Path) ->
     async_argv = written["details"]["asyncrl_argv"]
     assert "staleness.max_lag=0" in async_argv["decode_sync"] and "quant.scheme=none" in async_argv["decode_fp32"]
     assert all("algo.filter_groups=false" in argv for argv in async_argv.values())
-    from asyncrl.bench.engine_bench import int8_kernel
+    from asyncrl.bench.engine_bench import int8_kernel, lora_int8_kernel
 
-    assert written["details"]["kernel_by_scheme"] == {"int8": int8_kernel()} and "cpu_isa" in written["details"]
+    kernels = {"int8": int8_kernel(), "lora_int8": lora_int8_kernel()}
+    assert written["details"]["kernel_by_scheme"] == kernels and "cpu_isa" in written["details"]
     metrics = written["metrics"]
     assert metrics["decode_train_floor_s"] > 0 and metrics["decode_fp32_gemm_gflops"] > 0
     assert metrics["decode_ceiling_vs_trl_samples_s"] > 0 and metrics["decode_ceiling_async_vs_sync"] > 0

@@ -91,11 +91,13 @@ def test_the_quick_sync_phase_reports_every_worker_figure(tmp_path):
 def test_the_sync_bench_names_the_isa_and_the_kernels_it_ran():
     from asyncrl.bench.engine_bench import int8_kernel
     from rollout_workers.embedded.low_rank import _native_lora
+    from rollout_workers.embedded.low_rank import int8_kernel as lora_kernel
 
     details = sync_bench._details()
     assert "avx2" in details["cpu_isa"] or not details["cpu_isa"]  # x86 CI machines have AVX2
-    assert details["kernel_by_scheme"] == {"int8": int8_kernel()}
+    assert details["kernel_by_scheme"] == {"int8": int8_kernel(), "lora_int8": lora_kernel() or "torch"}
     assert ("lr_apply_q8" in details["lora_kernel"]) == (_native_lora() is not None)  # AVX-512F and a compiler
+    assert ("lr_apply_q8_amx" in details["lora_kernel"]) == (lora_kernel() == "amx")  # AMX-BF16 tiles
 
 
 @pytest.mark.slow

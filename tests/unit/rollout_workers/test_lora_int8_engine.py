@@ -22,7 +22,8 @@ from quant_sync.export import (
 )
 from quant_sync.update import WeightUpdate
 from rollout_workers.embedded.engine import EmbeddedEngine, build_weight_map
-from rollout_workers.embedded.low_rank import _native_lora, _panels, add_low_rank, stack_low_rank
+from rollout_workers.embedded.int8_linear import _cpu_flags
+from rollout_workers.embedded.low_rank import ENV_KERNEL, _native_lora, _panels, add_low_rank, stack_low_rank
 from rollout_workers.embedded.model import KVCache, ModelWeights, prefill
 
 Q = "model.layers.0.self_attn.q_proj"
@@ -35,10 +36,27 @@ def _int8_member(rank: int, out: int, inp: int, seed: int, scaling: float = 2.0)
     return qa[""], qb[""], scaling, qa[LORA_SCALE], qb[LORA_SCALE]
 
 
+KERNELS_HERE = (["amx"] if {"amx_bf16", "avx512_bf16"} <= _cpu_flags() else []) + ["avx512"]
+"""The int8 adapters' kernels this machine runs (`low_rank.int8_kernel`; `avx512` falls back to torch without
+AVX-512F, which the tests then check instead)."""
+
+
+def _assert_within_kernel_bound(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, kernel: str) -> None:
+    """`avx512` (fp32 FMAs) to 1e-5; `amx` within 2^-14 of each output's sum of absolute products `bound`
+    (`s * (|x| |A|^T) |B|^T`): its fp32 operand in two bf16 pieces is exact to 2^-17 of each value."""
+    if kernel == "amx":
+        assert ((got.double() - want).abs() <= 2.0**-14 * bound + 1e-6).all(), (got.double() - want).abs().max()
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS_HERE)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_the_int8_kernel_equals_the_float32_product_of_the_dequantized_adapters(rows):
+def test_the_int8_kernel_equals_the_float32_product_of_the_dequantized_adapters(rows, kernel, monkeypatch):
     """Rows off the kernel's tiles, inputs not of 16, outputs not of 32, members of different ranks and one without
-    an adapter: lr_apply_q8 (or, without AVX-512F, torch on the dequantized values) against float64."""
+    an adapter: lr_apply_q8 or lr_apply_q8_amx (or, without AVX-512F, torch on the dequantized values) against
+    float64."""
+    monkeypatch.setenv(ENV_KERNEL, kernel)
     gen = torch.Generator().manual_seed(rows)
     inp, outs = 37, [45, 7, 16, 33]
     members = [_int8_member(3, outs[0], inp, 1), _int8_member(5, outs[1], inp, 2), None,
@@ -46,29 +64,40 @@ def test_the_int8_kernel_equals_the_float32_product_of_the_dequantized_adapters(
     stacked = stack_low_rank(members, outs)
     assert stacked is not None
     assert (stacked.a.dtype == torch.int8) == (_native_lora() is not None)  # else dequantized to float32 at build
+    assert bool(stacked.amx) == (kernel == "amx")
     x, base = torch.randn(rows, inp, generator=gen), torch.randn(rows, sum(outs), generator=gen)
-    want, col = base.double().clone(), 0
-    for member, out in zip(members, outs):
-        if member is not None:
-            qa, qb, scaling, sa, sb = member
-            a, b = qa.double() * sa.double()[:, None], qb.double() * sb.double()[None, :]
-            want[:, col : col + out] += scaling * (x.double() @ a.t()) @ b.t()
-        col += out
+    want, bound = _float64_product(x, base, members, outs)
     got = add_low_rank(x, base.clone(), stacked)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    _assert_within_kernel_bound(got, want, bound, kernel)
     assert torch.equal(got[:, 52:68], base[:, 52:68])  # the member without an adapter: untouched
     if stacked.a.dtype == torch.int8:  # torch's GEMMs on the same int8 LowRank (its float32 values)
         import dataclasses
 
-        torch_path = add_low_rank(x, base.clone(), dataclasses.replace(stacked, native=None))
-        torch.testing.assert_close(torch_path, got, rtol=1e-5, atol=1e-5)
+        torch_path = add_low_rank(x, base.clone(), dataclasses.replace(stacked, native=None, amx=()))
+        _assert_within_kernel_bound(got, torch_path.double(), bound, kernel)
 
 
-@pytest.mark.parametrize("int8", [True, False])
-def test_the_kernel_gives_the_same_bits_on_any_thread_count_past_one_panel_pair(int8):
+def _float64_product(
+    x: torch.Tensor, base: torch.Tensor, members: list, outs: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """base + each int8 member's s * (x A^T) B^T in float64, and each output's s * (|x| |A|^T) |B|^T."""
+    want, bound, col = base.double().clone(), torch.zeros(base.shape, dtype=torch.float64), 0
+    for member, out in zip(members, outs):
+        if member is not None:
+            a, b, scaling = _float64(member, True)
+            want[:, col : col + out] += scaling * (x.double() @ a.t()) @ b.t()
+            bound[:, col : col + out] = abs(scaling) * (x.double().abs() @ a.abs().t()) @ b.abs().t()
+        col += out
+    return want, bound
+
+
+@pytest.mark.parametrize("int8", [*[f"int8-{kernel}" for kernel in KERNELS_HERE], ""])
+def test_the_kernel_gives_the_same_bits_on_any_thread_count_past_one_panel_pair(int8, monkeypatch):
     """Outputs of whole 64-column tiles, a pair with a ragged second panel and a lone last panel (130 = 64 + 64 + 2,
     100 = 64 + 36), rows off the 4-row tiles, adapter rows off the 4-row groups (13): 1, 2 and 3 threads give the
-    bits of one, and equal float64 (int8 adapters on lr_apply_q8, float32 ones on lr_apply)."""
+    bits of one, and equal float64 (int8 adapters on lr_apply_q8 or lr_apply_q8_amx, float32 ones on lr_apply)."""
+    kernel = int8.removeprefix("int8-") or "avx512"
+    monkeypatch.setenv(ENV_KERNEL, kernel)
     gen = torch.Generator().manual_seed(7)
     inp, outs = 80, [130, 100, 64]
     if int8:
@@ -78,11 +107,12 @@ def test_the_kernel_gives_the_same_bits_on_any_thread_count_past_one_panel_pair(
     stacked = stack_low_rank(members, outs)
     assert stacked is not None and (stacked.native is not None) == (_native_lora() is not None)
     x, base = torch.randn(9, inp, generator=gen), torch.randn(9, sum(outs), generator=gen)
-    want, col = base.double().clone(), 0
+    want, bound, col = base.double().clone(), torch.zeros(base.shape, dtype=torch.float64), 0
     for member, out in zip(members, outs):
         if member is not None:
-            a, b, scaling = _float64(member, int8)
+            a, b, scaling = _float64(member, bool(int8))
             want[:, col : col + out] += scaling * (x.double() @ a.t()) @ b.t()
+            bound[:, col : col + out] = scaling * (x.double().abs() @ a.abs().t()) @ b.abs().t()
         col += out
     previous, results = torch.get_num_threads(), []
     try:
@@ -91,7 +121,7 @@ def test_the_kernel_gives_the_same_bits_on_any_thread_count_past_one_panel_pair(
             results.append(add_low_rank(x, base.clone(), stacked))
     finally:
         torch.set_num_threads(previous)
-    torch.testing.assert_close(results[0].double(), want, rtol=1e-5, atol=1e-5)
+    _assert_within_kernel_bound(results[0], want, bound, kernel)
     assert all(torch.equal(result, results[0]) for result in results[1:])
     assert torch.equal(results[0][:, 230:], base[:, 230:])  # the member without an adapter: untouched
 
@@ -303,3 +333,53 @@ def test_a_pooled_version_on_the_checked_base_skips_the_per_tensor_checks(monkey
         engine.stage_weights(update)
         assert engine.apply_staged() and engine.version == version
         assert len(checks) == want_checks, version
+
+
+@pytest.mark.parametrize("kernel", KERNELS_HERE)
+def test_each_row_gets_the_same_bits_alone_and_in_any_batch(kernel, monkeypatch):
+    """Batch invariance on every int8 kernel here: rows 1-40 and 70 (past the amx kernel's 16-row tiles and its 64-row
+    chunks), a rank past 32 (two K steps of the B product), an input size off 32 and a stacked rank off 16: each row
+    of a batch equals that row computed alone, bit for bit, on 1 and 2 threads."""
+    monkeypatch.setenv(ENV_KERNEL, kernel)
+    inp, outs = 50, [40, 70]
+    members = [_int8_member(37, outs[0], inp, 1), _int8_member(6, outs[1], inp, 2)]
+    stacked = stack_low_rank(members, outs)
+    assert stacked is not None and bool(stacked.amx) == (kernel == "amx")
+    gen = torch.Generator().manual_seed(3)
+    x, base = torch.randn(70, inp, generator=gen), torch.randn(70, sum(outs), generator=gen)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([add_low_rank(x[i : i + 1], base[i : i + 1].clone(), stacked) for i in range(70)])
+        want, bound = _float64_product(x, base, members, outs)
+        _assert_within_kernel_bound(alone, want, bound, "amx")  # the looser bound: rank 37 sums past 1e-5 in fp32
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in [*range(1, 41), 70]:
+                batch = add_low_rank(x[:rows], base[:rows].clone(), stacked)
+                assert torch.equal(batch, alone[:rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_int8_kernel_named_must_run_here(monkeypatch):
+    """`ASYNCRL_LORA_KERNEL` picks the int8 adapters' kernel: a name not among them, or one this CPU does not run
+    (AMX tiles hidden here), is an error naming what runs; unset, the best that runs."""
+    from rollout_workers.embedded import low_rank
+
+    lib = low_rank._native_lora()
+    if lib is None:  # no AVX-512F here: torch's GEMMs run int8 adapters, whatever is asked
+        monkeypatch.setenv(ENV_KERNEL, "amx")
+        assert low_rank.int8_kernel() is None
+        return
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    assert low_rank.int8_kernel() == ("amx" if lib.lr_has_amx() else "avx512")
+    monkeypatch.setenv(ENV_KERNEL, "tiles")
+    with pytest.raises(ValueError, match="ASYNCRL_LORA_KERNEL='tiles' is not one of amx, avx512"):
+        low_rank.int8_kernel()
+    monkeypatch.setattr(lib, "lr_has_amx", lambda: 0)
+    monkeypatch.setenv(ENV_KERNEL, "amx")
+    with pytest.raises(ValueError, match="ASYNCRL_LORA_KERNEL=amx: this machine runs only avx512"):
+        low_rank.int8_kernel()
+    monkeypatch.setenv(ENV_KERNEL, "avx512")
+    assert low_rank.int8_kernel() == "avx512"
