@@ -5,8 +5,8 @@ linear) into one `LowRank`, and `add_low_rank` adds `s * B (A x)` into a base li
 The members' A matrices lie one above the other (one pass over x gives every member's `A x`) and each member's
 `s * B` adds into its own output columns. On an AVX-512 CPU in fp32 both products run in one call of
 csrc/lora_gemm.cpp: `lr_apply` on float32 adapters, `lr_apply_q8` on int8 ones with their per-rank scales
-(converted in registers), or on an AMX CPU `lr_apply_q8_amx` on AMX-BF16 tiles (`int8_kernel`: the adapters laid
-out for the tiles once a version, `LowRank.amx`); elsewhere torch's GEMMs run them (int8 adapters on their float32
+(converted in registers), or on an AMX CPU `lr_apply_q8_amx` on AMX-BF16 tiles (`int8_kernel`: A laid out for the
+tiles once a version, `LowRank.amx`); elsewhere torch's GEMMs run them (int8 adapters on their float32
 values). Adapters the
 subscriber decoded into its pooled buffers (quant_sync/adapter_buffers.py) run in place, and what a group of such a
 buffer needs beyond views is kept for the next version in it (`_STACKED`). The library also decodes int8 adapter
@@ -43,8 +43,9 @@ class LowRank:
     # empty when rebuilt from `_STACKED` (the kernel arrays point into the pooled buffer that `a` keeps alive)
     a_scale: torch.Tensor | None = None  # int8 adapters (`a`, `b_t` int8, lr_apply_q8): A's per-rank scales (R,)
     b_scales: tuple[torch.Tensor, ...] = ()  # int8 adapters: each member's B per-rank scales (r_i,)
-    amx: tuple[torch.Tensor, ...] = ()  # int8 adapters on the `amx` kernel: A^T, then each member's B, in the tiles'
-    # layout (int32 words: lr_amx_pack_a / lr_amx_pack_b); `native`'s third array then points at the B's here
+    amx: torch.Tensor | None = None  # int8 adapters on the `amx` kernel: A^T in the tiles' layout (int32 words,
+    # lr_amx_pack_a; each B is laid out from its panels once a call)
+    amx_jobs: ctypes.Array | None = None  # lr_amx_pack_all's job that makes `amx` from `a` (a view)
 
 
 ENV_KERNEL = "ASYNCRL_LORA_KERNEL"
@@ -79,7 +80,7 @@ def stack_low_rank(
     view spans them), each B is a transposed view of a contiguous B^T and has its panels beside it (`panels_of`), so
     an adapter version builds without copying a value, and what the kernel needs beyond those views is kept for the
     next version in the same buffer (`_STACKED`). Any other tensors are copied (their owner may change them later).
-    On the `amx` kernel (`int8_kernel`) int8 adapters are also laid out for the tiles, once a version (`_amx_pack`)."""
+    On the `amx` kernel (`int8_kernel`) the int8 A is also laid out for the tiles, once a version (`_amx_pack`)."""
     if len(adapters) != len(out_features):
         raise ValueError(f"stack_low_rank: {len(adapters)} adapters for {len(out_features)} output sizes")
     device = device or torch.device("cpu")
@@ -128,11 +129,11 @@ def stack_low_rank(
     if not native:
         return LowRank(**fields)
     panels = tuple(_decoded_panels(b, b_t) for b, b_t in zip(bs, b_ts))
-    amx = _amx_pack(a, panels, ranks, cols) if amx_kernel else ()
+    amx, amx_jobs = _amx_pack(a) if amx_kernel else (None, None)
     native_arrays = (
         (ctypes.c_int64 * (2 * len(ranks)))(*[bound for pair in ranks for bound in pair]),
         (ctypes.c_int64 * (2 * len(cols)))(*[bound for pair in cols for bound in pair]),
-        (ctypes.c_void_p * len(panels))(*[matrix.data_ptr() for matrix in (amx[1:] if amx else panels)]),
+        (ctypes.c_void_p * len(panels))(*[panel.data_ptr() for panel in panels]),
         *([(ctypes.c_void_p * len(b_scales))(*[scale.data_ptr() for scale in b_scales])] if int8 else []),
         (ctypes.c_float * len(scalings))(*scalings),
     )
@@ -141,37 +142,34 @@ def stack_low_rank(
     if key is not None and all(t.untyped_storage().data_ptr() == storage for t in pooled):
         if len(_STACKED) >= STACKED_KEPT:
             _STACKED.clear()
-        _STACKED[key] = _Stacked(a.shape[0], fields["scalings"], fields["ranks"], fields["cols"], native_arrays, amx)
-    return LowRank(**fields, native=native_arrays, panels=panels, amx=amx)
+        _STACKED[key] = _Stacked(
+            a.shape[0], fields["scalings"], fields["ranks"], fields["cols"], native_arrays, amx, amx_jobs
+        )
+    return LowRank(**fields, native=native_arrays, panels=panels, amx=amx, amx_jobs=amx_jobs)
 
 
-def refresh_packed(adapter: LowRank) -> None:
-    """Lay out `adapter`'s current values for the `amx` kernel again (in its own `amx` tensors; nothing for other
-    kernels): a LowRank of a pooled buffer reused for a later version in it (`ModelWeights.with_adapters`) reads
-    A and the panels through views, rewritten in place, but its tile layouts are copies."""
-    if adapter.amx:
-        panels = adapter.panels or tuple(_decoded_panels(b_t.t(), b_t) for b_t in adapter.b_t)
-        _amx_pack(adapter.a, panels, adapter.ranks, adapter.cols, adapter.amx)
+def pack_jobs(adapters: list[LowRank]) -> ctypes.Array | None:
+    """The `amx` kernel's layout jobs of every adapter among `adapters` that has one, in one array (`repack`); None
+    where none has. A pooled buffer's reused stacking keeps it (`ModelWeights.with_adapters`)."""
+    jobs = [job for adapter in adapters if adapter.amx_jobs is not None for job in adapter.amx_jobs]
+    return (ctypes.c_int64 * len(jobs))(*jobs) if jobs else None
 
 
-def _amx_pack(
-    a: torch.Tensor,
-    panels: tuple[torch.Tensor, ...],
-    ranks: tuple[tuple[int, int], ...] | list[tuple[int, int]],
-    cols: tuple[tuple[int, int], ...] | list[tuple[int, int]],
-    into: tuple[torch.Tensor, ...] = (),
-) -> tuple[torch.Tensor, ...]:
-    """int8 A (R, in) and each member's int8 B^T panels laid out for `lr_apply_q8_amx` (A^T, then each B, as int32
-    words), into `into` where given (a kept group's tensors: this version's values at the same addresses)."""
+def repack(jobs: ctypes.Array | None) -> None:
+    """Run `pack_jobs`' jobs (one native call): the tile layouts again from the current values of views rewritten
+    in place (a later version in the same pooled buffer); the layouts are copies, the rest of a LowRank views."""
+    if jobs is not None and _LORA_LIBRARY.lib.lr_amx_pack_all(jobs, len(jobs) // 4) != 0:  # type: ignore[union-attr]
+        raise RuntimeError("lora_gemm: lr_amx_pack_all refused (no AMX-BF16 on this CPU), yet it was chosen")
+
+
+def _amx_pack(a: torch.Tensor) -> tuple[torch.Tensor, ctypes.Array]:
+    """int8 A (R, in) laid out for `lr_apply_q8_amx` (A^T as int32 words), and the job that made it (`repack` makes
+    it again from the same address)."""
     lib = _LORA_LIBRARY.lib
-    sizes = [lib.lr_amx_a_words(a.shape[0], a.shape[1])]  # type: ignore[union-attr]
-    sizes += [lib.lr_amx_b_words(hi - lo, c1 - c0) for (lo, hi), (c0, c1) in zip(ranks, cols)]  # type: ignore[union-attr]
-    packed = into or tuple(torch.empty(size, dtype=torch.int32) for size in sizes)
-    if lib.lr_amx_pack_a(a.data_ptr(), a.shape[0], a.shape[1], packed[0].data_ptr()) != 0:  # type: ignore[union-attr]
-        raise RuntimeError("lora_gemm: lr_amx_pack_a refused (no AMX-BF16 on this CPU), yet the amx kernel was chosen")
-    for panel, out, (lo, hi), (c0, c1) in zip(panels, packed[1:], ranks, cols):
-        lib.lr_amx_pack_b(panel.data_ptr(), hi - lo, c1 - c0, out.data_ptr())  # type: ignore[union-attr]
-    return packed
+    packed = torch.empty(lib.lr_amx_a_words(a.shape[0], a.shape[1]), dtype=torch.int32)  # type: ignore[union-attr]
+    job = (ctypes.c_int64 * 4)(a.data_ptr(), a.shape[0], a.shape[1], packed.data_ptr())
+    repack(job)
+    return packed, job
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +182,10 @@ class _Stacked:
     ranks: tuple[tuple[int, int], ...]
     cols: tuple[tuple[int, int], ...]
     native: tuple[ctypes.Array, ...]
-    amx: tuple[torch.Tensor, ...] = ()
-    """The `amx` kernel's layouts of the group (not views of the buffer), repacked in place for each version."""
+    amx: torch.Tensor | None = None
+    """The `amx` kernel's layout of the group's A (not a view of the buffer), repacked in place for each version."""
+    amx_jobs: ctypes.Array | None = None
+    """The jobs that make `amx` from the buffer's views (`repack`)."""
 
 
 STACKED_KEPT = 4096
@@ -222,11 +222,10 @@ def _from_kept(built: _Stacked, members: list[tuple], int8: bool) -> LowRank:
     a = first.as_strided((built.rows, first.shape[1]), (first.shape[1], 1))
     a_scale = members[0][3].as_strided((built.rows,), (1,)) if int8 else None
     b_scales = tuple(member[4] for member in members) if int8 else ()
-    if built.amx:  # this version's values into the kept layouts (the buffer's last version is no longer in use)
-        _amx_pack(a, tuple(_decoded_panels(member[1], member[1].t()) for member in members), built.ranks, built.cols,
-                  built.amx)  # fmt: skip
+    repack(built.amx_jobs)  # this version's values into the kept layouts (the buffer's last version is not in use)
     return LowRank(a, tuple(member[1].t() for member in members), built.scalings, built.ranks, built.cols,
-                   native=built.native, a_scale=a_scale, b_scales=b_scales, amx=built.amx)  # fmt: skip
+                   native=built.native, a_scale=a_scale, b_scales=b_scales, amx=built.amx,
+                   amx_jobs=built.amx_jobs)  # fmt: skip
 
 
 def _check_fits(a: torch.Tensor, b: torch.Tensor, out: int) -> None:
@@ -297,10 +296,9 @@ def _declare_lora(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lr_apply_q8_amx.argtypes = lib.lr_apply_q8.argtypes
     lib.lr_apply_q8_amx.restype = ctypes.c_int
     lib.lr_has_amx.argtypes, lib.lr_has_amx.restype = [], ctypes.c_int
-    for name in ("lr_amx_a_words", "lr_amx_b_words"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [i64, i64], i64
+    lib.lr_amx_a_words.argtypes, lib.lr_amx_a_words.restype = [i64, i64], i64
     lib.lr_amx_pack_a.argtypes, lib.lr_amx_pack_a.restype = [ptr, i64, i64, ptr], ctypes.c_int
-    lib.lr_amx_pack_b.argtypes, lib.lr_amx_pack_b.restype = [ptr, i64, i64, ptr], ctypes.c_int
+    lib.lr_amx_pack_all.argtypes, lib.lr_amx_pack_all.restype = [ptr, i64], ctypes.c_int
     lib.lr_dequantize_rows.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
     lib.lr_dequantize_rows.restype = None
     lib.lr_dequantize_panels.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
@@ -372,13 +370,13 @@ def add_low_rank(x: torch.Tensor, out: torch.Tensor, adapter: LowRank) -> torch.
         low = _scratch(rows.shape[0] * adapter.a.shape[0])  # (rows, R), written before it is read
         if adapter.a_scale is not None:  # int8 adapters
             ranks, cols, panels, b_scales, scalings = adapter.native
-            apply, a = (lib.lr_apply_q8_amx, adapter.amx[0]) if adapter.amx else (lib.lr_apply_q8, adapter.a)  # type: ignore[union-attr]
+            apply, a = (lib.lr_apply_q8, adapter.a) if adapter.amx is None else (lib.lr_apply_q8_amx, adapter.amx)  # type: ignore[union-attr]
             threads = torch.get_num_threads()
             done = apply(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), a.data_ptr(),
                          adapter.a_scale.data_ptr(), adapter.a.shape[0], low.data_ptr(), len(adapter.b_t), ranks,
                          cols, panels, b_scales, scalings, out.data_ptr(), out.shape[-1], threads)  # fmt: skip
             if done != 0:
-                kernel = "lr_apply_q8_amx (no AMX-BF16" if adapter.amx else "lr_apply_q8 (no AVX-512F"
+                kernel = "lr_apply_q8 (no AVX-512F" if adapter.amx is None else "lr_apply_q8_amx (no AMX-BF16"
                 raise RuntimeError(f"lora_gemm: {kernel} on this CPU), yet adapters were packed for it")
             return out
         ranks, cols, b_ts, scalings = adapter.native

@@ -49,7 +49,7 @@ from rollout_workers.embedded.linears import (  # noqa: F401 - re-exported: the 
     linear,
     prepare_linear,
 )
-from rollout_workers.embedded.low_rank import LowRank, add_low_rank, refresh_packed, stack_low_rank  # noqa: F401 - re-exported
+from rollout_workers.embedded.low_rank import LowRank, add_low_rank, pack_jobs, repack, stack_low_rank  # noqa: F401 - re-exported
 from rollout_workers.embedded.native_layers import LayersPlan
 from rollout_workers.embedded.offset_prefill import OffsetPrompts
 from rollout_workers.embedded.weight_only import GroupQuantized
@@ -224,8 +224,8 @@ class ModelWeights:
         key = ("layers", dtype, target, None if pooled is None else pooled.others)  # what stacking reads beyond views
         adapters = stacked() if pooled is None else pooled.derived(key, stacked)
         if not made:  # an earlier version's stacking in this buffer: the `amx` kernel's layouts are copies, redone
-            for adapter in (held for layer in adapters for held in layer.values() if held is not None):
-                refresh_packed(adapter)
+            held = [adapter for layer in adapters for adapter in layer.values() if adapter is not None]
+            repack(pooled.derived((*key, "amx"), lambda: pack_jobs(held)))  # type: ignore[union-attr]
         layers = [dataclasses.replace(layer, **held) for layer, held in zip(self.layers, adapters)]
         return dataclasses.replace(self, layers=layers, pooled=pooled, layers_plan=None)
 

@@ -82,7 +82,7 @@ def plan_for(weights: ModelWeights) -> LayersPlan | None:
     adapters = [a for layer in layers for a in (layer.qkv_lora, layer.o_lora, layer.gate_up_lora, layer.down_lora)]
     if any(a is not None and a.native is None for a in adapters):  # adapters on torch's GEMMs
         return None
-    amx = {bool(a.amx) for a in adapters if a is not None and a.a_scale is not None}
+    amx = {a.amx is not None for a in adapters if a is not None and a.a_scale is not None}
     if len(amx) > 1:  # int8 adapters on both kernels (built before and after ASYNCRL_LORA_KERNEL changed)
         return None
     if fused_decode._Library.get() is None or int8_linear._Library.get() is None:
@@ -94,7 +94,7 @@ def plan_for(weights: ModelWeights) -> LayersPlan | None:
             return None
         int8 = adapter.a_scale is not None
         ranks, cols, bs, *b_scales, scalings = adapter.native  # type: ignore[misc]  # checked above
-        a = adapter.amx[0] if adapter.amx else adapter.a  # the `amx` kernel's A^T (lr_apply_q8_amx)
+        a = adapter.a if adapter.amx is None else adapter.amx  # the `amx` kernel's A^T (lr_apply_q8_amx)
         descriptor = _LoraC(a.data_ptr(), _ptr(adapter.a_scale), adapter.a.shape[0], len(adapter.b_t),
                             ctypes.addressof(ranks), ctypes.addressof(cols), ctypes.addressof(bs),
                             ctypes.addressof(b_scales[0]) if int8 else None, ctypes.addressof(scalings))  # fmt: skip

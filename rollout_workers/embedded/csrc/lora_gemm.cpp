@@ -6,6 +6,7 @@
 // quant_sync/adapter_buffers.py); s_i multiplies each output tile once, as peft scales its output (not B).
 // Both halves run on the caller's thread count (the engine's torch threads: a worker's `rollout.threads`), split so
 // that each output is summed by one thread in one order: the bits do not depend on the count.
+// On an AMX CPU int8 adapters can run on AMX-BF16 tiles instead (lr_apply_q8_amx, below: "AMX-BF16, int8").
 // Plain C ABI for ctypes. lr_apply returns 0 when done, -1 when this CPU lacks AVX-512F (the caller's torch path).
 // lr_dequantize_rows and lr_dequantize_panels decode an int8 adapter version into those float32 layouts in one pass
 // (any x86-64 CPU): each value is float(q) * s, one rounding, bit for bit torch's `q.float() * s`.
@@ -286,9 +287,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequantize_panels<true
 // x = x1 + x2 + e (x1 = bf16(x), x2 = bf16(x - x1), |e| <= 2^-17 |x|: 500 times below the int8 rounding of the
 // adapter values themselves), and each sum runs over k in order, piece by piece, in fp32 (the tiles flush values
 // below fp32's normal range). Not the AVX-512 path's bits (its sums are exact products of x, in another order):
-// within ~1e-5 of the adapters' output, the same bits for any row count, row split or thread count (batch-
-// invariant, as that path). A^T and each B are laid out in the tiles' pair rows (row i: inputs 2i and 2i + 1 of
-// every column side by side) once a call; the B product adds into the output's own tiles (s folded into `low`).
+// within 2^-14 of each output's sum of absolute products, the same bits for any row count, row split or thread count
+// (batch-invariant, as that path). A^T (once a version: lr_amx_pack_a) and each B (once a call, from its int8
+// panels) are laid out in the tiles' pair rows (row i: inputs 2i and 2i + 1 of every column side by side); `s` is
+// folded into `low` before its split.
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define LR_AMX_COMPILER 1
 #define LR_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
@@ -341,7 +343,7 @@ LR_AMX inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v);
 LR_AMX inline __m512 from_bf16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 
 // pieces[p] (rows x k_pad bf16, row-major, plane p at p * rows * k_pad) = piece p of s * src (rows x k, row stride
-// ss), zeros past k.
+// ss), zeros past k. (32 values an iteration, one VCVTNE2PS2BF16 a piece, measured no faster.)
 LR_AMX void split_pieces(const float* src, int64_t rows, int64_t k, int64_t ss, int64_t k_pad, float s,
                          uint16_t* pieces) {
     const int64_t plane = rows * k_pad;
@@ -392,6 +394,14 @@ LR_AMX inline void transpose16(__m512i* r) {
     }
 }
 
+// 64 bytes of A^T's layout, written around the caches where aligned (a version's layout is read at its first decode
+// step, after the base's weights have streamed through the caches: a store that reads the line first only doubled
+// the traffic, 0.80 -> 0.54 ms a version of the `big` model); the caller ends with a store fence.
+LR_AMX inline void store_layout(uint32_t* p, __m512i v) {
+    if ((reinterpret_cast<uintptr_t>(p) & 63u) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+    else _mm512_storeu_si512(p, v);
+}
+
 // A^T in pair rows: at (k_pad / 2 rows x r_pad columns of 32-bit pairs), pair (i, j) = (a[j, 2i], a[j, 2i + 1]) as
 // bf16, zeros past r and k. a is (r, k) int8 row-major.
 LR_AMX void pack_a(const int8_t* a, int64_t r, int64_t k, int64_t r_pad, int64_t k_pad, uint32_t* at) {
@@ -401,7 +411,7 @@ LR_AMX void pack_a(const int8_t* a, int64_t r, int64_t k, int64_t r_pad, int64_t
             for (int jj = 0; jj < 16; ++jj)
                 rows[jj] = j0 + jj < r ? bf16_of_int8(a + (j0 + jj) * k + c0, k - c0) : _mm512_setzero_si512();
             transpose16(rows);  // rows[ii]: pair row c0 / 2 + ii, columns j0 .. j0 + 15
-            for (int ii = 0; ii < 16; ++ii) _mm512_storeu_si512(at + (c0 / 2 + ii) * r_pad + j0, rows[ii]);
+            for (int ii = 0; ii < 16; ++ii) store_layout(at + (c0 / 2 + ii) * r_pad + j0, rows[ii]);
         }
 }
 
@@ -539,17 +549,25 @@ LR_AMX void b_half_amx(const uint16_t* pieces, int64_t plane, int64_t k_tile, in
     }
 }
 
-// The packed layouts' sizes in 32-bit words: A^T (k_pad / 2 pair rows x r_pad columns) and a member's B (rank_pad / 2
-// pair rows x n_pad columns; one K step of rank_pad up to 32, else steps of 32).
+// The layouts' sizes in 32-bit words: A^T (k_pad / 2 pair rows x r_pad columns) and a member's B (rank_pad / 2 pair
+// rows x n_pad columns; one K step of rank_pad up to 32, else steps of 32).
 inline int64_t a_pad_rows(int64_t r) { return round_up(r, 16); }
 inline int64_t b_k_tile(int64_t rank) { return rank <= kTileK ? round_up(rank, 16) : kTileK; }
 inline int64_t b_rank_pad(int64_t rank) { return round_up(rank, b_k_tile(rank)); }
 
-// lr_apply_q8 on tiles: at is A^T packed (pack_a), bvs[i] member i's B packed (pack_b); otherwise lr_apply_q8's
-// arguments. Each thread configures its own tiles and gives them back.
+// This thread's scratch for a member's B laid out (pack_b, once a call), kept across calls.
+inline uint32_t* b_scratch(int64_t words) {
+    thread_local std::vector<uint32_t> held;
+    if (static_cast<int64_t>(held.size()) < words) held.resize(static_cast<size_t>(words));
+    return held.data();
+}
+
+// lr_apply_q8 on tiles: at is A^T laid out (pack_a, once a version); each member's B is laid out from its int8 panels
+// once a call (the int8 panels are half the bytes a step streams: as fast as a layout kept a version, which doubled
+// a version's writes); otherwise lr_apply_q8's arguments. Each thread configures its own tiles and gives them back.
 LR_AMX void apply_q8_amx(const float* x, int64_t rows, int64_t k, int64_t xs, const uint32_t* at, const float* sa,
                          int64_t r, float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols,
-                         const uint32_t* const* bvs, const float* const* sbs, const float* scalings, float* out,
+                         const int8_t* const* bps, const float* const* sbs, const float* scalings, float* out,
                          int64_t os, int threads) {
     const int parts = threads > 1 ? threads : 1;
     const int64_t r_pad = a_pad_rows(r), a_blocks = r_pad / 16;
@@ -579,16 +597,18 @@ LR_AMX void apply_q8_amx(const float* x, int64_t rows, int64_t k, int64_t xs, co
         const int64_t n_pad = round_up(n, 32), blocks = (n + 15) / 16;
         auto* pieces = static_cast<uint16_t*>(aligned_scratch(kPieces * rows * rank_pad * 2));
         split_pieces(low + r0, rows, rank, r, rank_pad, scalings[i], pieces);
-        __asm__ volatile("" ::: "memory");  // the pieces are in memory before a tile load reads them
+        uint32_t* bv = b_scratch(rank_pad / 2 * n_pad);
+        pack_b(bps[i], rank, rank_pad, n_pad, bv);
+        __asm__ volatile("" ::: "memory");  // the pieces and B are in memory before a tile load reads them
         if (parts == 1) {
-            b_half_amx(pieces, rows * rank_pad, k_tile, steps, rows, bvs[i], n_pad, n, 0, blocks, out + c0, os);
+            b_half_amx(pieces, rows * rank_pad, k_tile, steps, rows, bv, n_pad, n, 0, blocks, out + c0, os);
         } else {
 #pragma omp parallel num_threads(parts)
             {
 #pragma omp for schedule(static)
                 for (int p = 0; p < parts; ++p) {
                     const int64_t t0 = blocks * p / parts, t1 = blocks * (p + 1) / parts;
-                    if (t0 < t1) b_half_amx(pieces, rows * rank_pad, k_tile, steps, rows, bvs[i], n_pad, n, t0, t1,
+                    if (t0 < t1) b_half_amx(pieces, rows * rank_pad, k_tile, steps, rows, bv, n_pad, n, t0, t1,
                                             out + c0, os);
                 }
                 tiles_release();
@@ -614,7 +634,7 @@ int lr_has_amx(void) {
 #endif
 }
 
-// 32-bit words of lr_amx_pack_a's layout for A (r, k), and of lr_amx_pack_b's for a member's B^T (rank, n).
+// 32-bit words of lr_amx_pack_a's layout for A (r, k).
 int64_t lr_amx_a_words(int64_t r, int64_t k) {
 #ifdef LR_AMX_COMPILER
     return round_up(k, kTileK) / 2 * a_pad_rows(r);
@@ -622,20 +642,13 @@ int64_t lr_amx_a_words(int64_t r, int64_t k) {
     return r * k;
 #endif
 }
-int64_t lr_amx_b_words(int64_t rank, int64_t n) {
-#ifdef LR_AMX_COMPILER
-    return b_rank_pad(rank) / 2 * round_up(n, 32);
-#else
-    return rank * n;
-#endif
-}
-
 // int8 A (r, k) -> at (lr_amx_a_words): A^T as bf16 pairs (row i: inputs 2i and 2i + 1 of every adapter row), zero
 // padded; one pass a version. -1 where lr_has_amx is 0.
 int lr_amx_pack_a(const int8_t* a, int64_t r, int64_t k, uint32_t* at) {
 #ifdef LR_AMX_COMPILER
     if (!has_amx_bf16()) return -1;
     pack_a(a, r, k, a_pad_rows(r), round_up(k, kTileK), at);
+    _mm_sfence();  // the streamed stores are visible before any later read
     return 0;
 #else
     (void)a, (void)r, (void)k, (void)at;
@@ -643,17 +656,16 @@ int lr_amx_pack_a(const int8_t* a, int64_t r, int64_t k, uint32_t* at) {
 #endif
 }
 
-// A member's B^T in lr_apply_q8's int8 panels (ceil(n / 32), rank, 32) -> bv (lr_amx_b_words): B as bf16 pairs (row
-// i: ranks 2i and 2i + 1 of every output column), zero padded. -1 where lr_has_amx is 0.
-int lr_amx_pack_b(const int8_t* panels, int64_t rank, int64_t n, uint32_t* bv) {
-#ifdef LR_AMX_COMPILER
-    if (!has_amx_bf16()) return -1;
-    pack_b(panels, rank, b_rank_pad(rank), round_up(n, 32), bv);
+// `count` A layouts in one call (a version's, not a call per group): jobs[4 * i ...] = an A's address, r, k and its
+// layout's address (lr_amx_pack_a), as int64. -1 where lr_has_amx is 0.
+int lr_amx_pack_all(const int64_t* jobs, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t* job = jobs + 4 * i;
+        const int status = lr_amx_pack_a(reinterpret_cast<const int8_t*>(job[0]), job[1], job[2],
+                                         reinterpret_cast<uint32_t*>(job[3]));
+        if (status != 0) return status;
+    }
     return 0;
-#else
-    (void)panels, (void)rank, (void)n, (void)bv;
-    return -1;
-#endif
 }
 
 // q (rows, cols) int8, s (rows,) float32 -> out (rows, cols) float32: A (count * r, in), or B^T (count * r, out).
@@ -700,18 +712,18 @@ int lr_apply_q8(const float* x, int64_t rows, int64_t k, int64_t xs, const int8_
     return 0;
 }
 
-// lr_apply_q8 on AMX tiles (see "AMX-BF16, int8" above): at from lr_amx_pack_a, bvs[i] from lr_amx_pack_b (this
-// version's), otherwise lr_apply_q8's arguments. -1 where lr_has_amx is 0.
+// lr_apply_q8 on AMX tiles (see "AMX-BF16, int8" above): at from lr_amx_pack_a (this version's A), otherwise
+// lr_apply_q8's arguments (B in its int8 panels). -1 where lr_has_amx is 0.
 int lr_apply_q8_amx(const float* x, int64_t rows, int64_t k, int64_t xs, const uint32_t* at, const float* sa, int64_t r,
-                    float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols, const uint32_t* const* bvs,
+                    float* low, int64_t n_members, const int64_t* ranks, const int64_t* cols, const int8_t* const* qbs,
                     const float* const* sbs, const float* scalings, float* out, int64_t os, int threads) {
 #ifdef LR_AMX_COMPILER
     if (!has_amx_bf16()) return -1;
-    apply_q8_amx(x, rows, k, xs, at, sa, r, low, n_members, ranks, cols, bvs, sbs, scalings, out, os, threads);
+    apply_q8_amx(x, rows, k, xs, at, sa, r, low, n_members, ranks, cols, qbs, sbs, scalings, out, os, threads);
     return 0;
 #else
     (void)x, (void)rows, (void)k, (void)xs, (void)at, (void)sa, (void)r, (void)low, (void)n_members, (void)ranks;
-    (void)cols, (void)bvs, (void)sbs, (void)scalings, (void)out, (void)os, (void)threads;
+    (void)cols, (void)qbs, (void)sbs, (void)scalings, (void)out, (void)os, (void)threads;
     return -1;
 #endif
 }
