@@ -405,6 +405,7 @@ def _result(workloads: list[Workload], runs: dict[str, list[Run]], checked: dict
             figures["decode_async"]["steady_samples_s"] / figures["decode_trl_malloc"]["steady_samples_s"]
         )
     metrics.update(_lora_vs_full(figures))
+    metrics.update(figures_of.time_to_acc_bound(figures))
     ratios = figures_of.ratios(figures, bound_s)
     learning = {workload.name for workload in workloads if workload.learns}
     from asyncrl.bench.engine_bench import platform_details

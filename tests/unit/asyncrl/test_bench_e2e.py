@@ -160,6 +160,34 @@ def test_time_to_accuracy_uses_a_rolling_mean_fixed_before_the_run() -> None:
     assert figures["launch_s"] == 10.0 and figures["steady_step_s"] == 1.0 and figures["gen_per_trained"] == 1.0
 
 
+def test_a_run_that_misses_the_target_bounds_the_time_to_it_by_its_end() -> None:
+    """A seed that never reaches the target has no time to it (nan, so the ratio is nan) but a censored one, its
+    run's end; where TRL missed in some seed and ours reached it in all, TRL's censored mean over ours bounds the
+    ratio from below. Nothing is claimed where ours missed, or where TRL reached it everywhere."""
+    from asyncrl.bench.e2e_metrics import contender_figures, time_to_acc_bound
+
+    def run(accuracies: list[float], contender: str, step_s: float) -> Run:
+        rows = [StepRow(step=k, end_s=4.0 + step_s * (k + 1), accuracy=a, trained_samples=128, generated_samples=128,
+                        generated_tokens=512) for k, a in enumerate(accuracies)]  # fmt: skip
+        return Run(workload="builtin", contender=contender, seed=0, out_dir="", rows=rows,
+                   total_generated_samples=128 * len(rows), gen_core_s_per_sample=0.01)  # fmt: skip
+
+    missed, learned = [0.5] * 10, [0.5, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    figures = run_figures(run(missed, "trl", 1.0))
+    assert math.isnan(figures["time_to_acc_s"]) and figures["reached_acc"] == 0.0
+    assert figures["time_to_acc_censored_s"] == 14.0  # the run's last step ends at 4 + 10 * 1
+    assert run_figures(run(learned, "trl", 1.0))["time_to_acc_censored_s"] == 10.0  # reached at step 6: its time
+    trl = contender_figures([run(missed, "trl", 1.0), run(learned, "trl", 1.0)])
+    ours = contender_figures([run(learned, "async", 0.5), run(learned, "async", 0.5)])
+    assert trl["reached_acc"] == 0.5 and math.isnan(trl["time_to_acc_s_mean"])
+    bound = time_to_acc_bound({"builtin_trl": trl, "builtin_async": ours})
+    assert bound == {"builtin_time_to_acc_vs_trl_at_least": pytest.approx((14.0 + 10.0) / 2 / 7.0)}  # ours 4 + 6 * 0.5
+    assert math.isnan(ratios({"builtin_trl": trl, "builtin_async": ours}, math.nan)["e2e_vs_trl_time_to_acc"])
+    ours_missed = contender_figures([run(learned, "async", 0.5), run(missed, "async", 0.5)])
+    assert time_to_acc_bound({"builtin_trl": trl, "builtin_async": ours_missed}) == {}
+    assert time_to_acc_bound({"builtin_trl": ours, "builtin_async": ours}) == {}  # reached everywhere: the ratio
+
+
 def test_the_steady_window_starts_after_the_run_ahead_has_filled() -> None:
     # the decode workload's fp32 contender as measured: long waits while the run-ahead fills, then 19.6 s a step
     step_s = [24.4, 35.7, 22.8, 22.3] + [19.6] * 12
