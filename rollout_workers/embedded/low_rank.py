@@ -6,11 +6,10 @@ The members' A matrices lie one above the other (one pass over x gives every mem
 `s * B` adds into its own output columns. On an AVX-512 CPU in fp32 both products run in one call of
 csrc/lora_gemm.cpp: `lr_apply` on float32 adapters, `lr_apply_q8` on int8 ones with their per-rank scales
 (converted in registers), or on an AMX CPU `lr_apply_q8_amx` on AMX-BF16 tiles (`int8_kernel`: A laid out for the
-tiles once a version, `LowRank.amx`); elsewhere torch's GEMMs run them (int8 adapters on their float32
-values). Adapters the
-subscriber decoded into its pooled buffers (quant_sync/adapter_buffers.py) run in place, and what a group of such a
-buffer needs beyond views is kept for the next version in it (`_STACKED`). The library also decodes int8 adapter
-versions into float32 in one pass (`NativeDequantizer`) for engines that do not run them as int8.
+tiles once a version, `LowRank.amx`); elsewhere torch's GEMMs run them (int8 adapters on their float32 values).
+Adapters the subscriber decoded into its pooled buffers (quant_sync/adapter_buffers.py) run in place, and what a
+group of such a buffer needs beyond views is kept for the next version in it (`_STACKED`). The library also decodes
+int8 adapter versions into float32 in one pass (`NativeDequantizer`) for engines that do not run them as int8.
 """
 
 from __future__ import annotations

@@ -224,8 +224,8 @@ class ModelWeights:
         key = ("layers", dtype, target, None if pooled is None else pooled.others)  # what stacking reads beyond views
         adapters = stacked() if pooled is None else pooled.derived(key, stacked)
         if not made:  # an earlier version's stacking in this buffer: the `amx` kernel's layouts are copies, redone
-            held = [adapter for layer in adapters for adapter in layer.values() if adapter is not None]
-            repack(pooled.derived((*key, "amx"), lambda: pack_jobs(held)))  # type: ignore[union-attr]
+            groups = [adapter for layer in adapters for adapter in layer.values() if adapter is not None]
+            repack(pooled.derived((*key, "amx"), lambda: pack_jobs(groups)))  # type: ignore[union-attr]
         layers = [dataclasses.replace(layer, **held) for layer, held in zip(self.layers, adapters)]
         return dataclasses.replace(self, layers=layers, pooled=pooled, layers_plan=None)
 
