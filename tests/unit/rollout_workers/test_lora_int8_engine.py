@@ -339,7 +339,8 @@ def test_a_pooled_version_on_the_checked_base_skips_the_per_tensor_checks(monkey
 def test_each_row_gets_the_same_bits_alone_and_in_any_batch(kernel, monkeypatch):
     """Batch invariance on every int8 kernel here: rows 1-40 and 70 (past the amx kernel's 16-row tiles and its 64-row
     chunks), a rank past 32 (two K steps of the B product), an input size off 32 and a stacked rank off 16: each row
-    of a batch equals that row computed alone, bit for bit, on 1 and 2 threads."""
+    of a batch equals that row computed alone, bit for bit, on 1 and 2 threads. (Without csrc/lora_gemm.cpp torch's
+    GEMMs run them, which promise no such thing: there each batch is only checked against float64.)"""
     monkeypatch.setenv(ENV_KERNEL, kernel)
     inp, outs = 50, [40, 70]
     members = [_int8_member(37, outs[0], inp, 1), _int8_member(6, outs[1], inp, 2)]
@@ -357,7 +358,10 @@ def test_each_row_gets_the_same_bits_alone_and_in_any_batch(kernel, monkeypatch)
             torch.set_num_threads(threads)
             for rows in [*range(1, 41), 70]:
                 batch = add_low_rank(x[:rows], base[:rows].clone(), stacked)
-                assert torch.equal(batch, alone[:rows]), (threads, rows)
+                if stacked.native is not None:
+                    assert torch.equal(batch, alone[:rows]), (threads, rows)
+                else:
+                    _assert_within_kernel_bound(batch, want[:rows], bound[:rows], "amx")
     finally:
         torch.set_num_threads(previous)
 
