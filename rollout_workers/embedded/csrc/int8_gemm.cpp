@@ -71,11 +71,10 @@
 #ifdef I8_AVXVNNI_COMPILER
 #define I8_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
 #endif
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#include "amx_tiles.h"
+#ifdef AMX_TILES_COMPILER
 #define I8_AMX_COMPILER 1  // GCC 11 and clang 12 brought -mamx-tile / -mamx-int8 and their intrinsics
 #define I8_AMX __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #endif
 
@@ -418,22 +417,12 @@ constexpr int kAmxPanels = 4;   // accumulator tiles: panels per block
 #endif
 constexpr int64_t kAmxMinRows = I8_AMX_MIN_ROWS;
 
-struct alignas(64) TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 I8_AMX void amx_configure(int rows) {
-  TileConfig config;
+  AmxTileConfig config;
   for (int t = 0; t < kAmxPanels; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = 64;
   config.rows[4] = static_cast<uint8_t>(rows), config.colsb[4] = kAmxK;
   for (int t = 6; t < 8; ++t) config.rows[t] = kAmxK / 4, config.colsb[t] = 64;
-  // The stores above are read by LDTILECFG alone, which the compiler does not see reading them: GCC 12 dropped them
-  // as dead where such a function was not inlined (a SIGILL at the first tile instruction; docs/lora.md).
-  __asm__ volatile("" : : "m"(config) : "memory");
-  _tile_loadconfig(&config);
+  amx_load_config(config);
 }
 
 // A function of its own, like amx_configure: clang outlines an OpenMP region into a function without this file's
@@ -528,16 +517,8 @@ I8_AMX void gemm_amx(const VnniCall& a, int threads) {
 }
 
 // AMX-TILE (cpuid leaf 7 EDX bit 24) and AMX-INT8 (bit 25), the VNNI path (for the small-row calls and the
-// epilogue), and Linux's permission for this process's tile data (once; refused by a kernel older than 5.16).
-bool has_amx(bool vnni) {
-  static const bool permitted = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return vnni && permitted;
-}
+// epilogue), and Linux's permission for this process's tile data (amx_tiles.h).
+bool has_amx(bool vnni) { return vnni && amx_available((1u << 24) | (1u << 25)); }
 #endif  // I8_AMX_COMPILER
 
 // ------------------------------------------------------------------------------------------------ AVX-VNNI

@@ -291,48 +291,35 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dequantize_panels<true
 // (batch-invariant, as that path). A^T (once a version: lr_amx_pack_a) and each B (once a call, from its int8
 // panels) are laid out in the tiles' pair rows (row i: inputs 2i and 2i + 1 of every column side by side); `s` is
 // folded into `low` before its split.
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#include "amx_tiles.h"
+#ifdef AMX_TILES_COMPILER
 #define LR_AMX_COMPILER 1
 #define LR_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 constexpr int64_t kTileRows = 16;  // rows of a tile, and columns of an fp32 accumulator tile
 constexpr int64_t kTileK = 32;     // bf16 inputs of an operand tile row, at most
 constexpr int64_t kRowChunk = 64;  // x rows split at a time (bounds the pieces' scratch)
 constexpr int kPieces = 2;
 
-// AMX-TILE (cpuid leaf 7 EDX bit 24), AMX-BF16 (bit 22), AVX512-BF16 (leaf 7 subleaf 1 EAX bit 5) and Linux's
-// permission for this process's tile data (once; refused by a kernel older than 5.16).
+// AVX-512 F/BW and AVX512-BF16 (cpuid leaf 7 subleaf 1 EAX bit 5), AMX-TILE (leaf 7 EDX bit 24) and AMX-BF16 (bit
+// 22), and Linux's permission for this process's tile data (amx_tiles.h).
 bool has_amx_bf16() {
-    static const bool permitted = [] {
+    static const bool bf16 = [] {
         unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-        if (!has_avx512f() || !__builtin_cpu_supports("avx512bw")) return false;
-        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
-        if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !((eax >> 5) & 1u)) return false;
-        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+        return has_avx512f() && __builtin_cpu_supports("avx512bw") && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) &&
+               ((eax >> 5) & 1u);
     }();
-    return permitted;
+    return bf16 && amx_available((1u << 24) | (1u << 22));
 }
-
-struct alignas(64) TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: fp32 accumulators (rows x 16); 4-5: the fp32 operand's pieces (rows x k bf16); 6-7: int8 values as
 // bf16 pairs (k / 2 pair rows x 16 columns), used alternately.
 LR_AMX void tiles_configure(int64_t rows, int64_t k) {
-    TileConfig config;
+    AmxTileConfig config;
     for (int t = 0; t < 4; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = 64;
     for (int t = 4; t < 6; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = static_cast<uint16_t>(2 * k);
     for (int t = 6; t < 8; ++t) config.rows[t] = static_cast<uint8_t>(k / 2), config.colsb[t] = 64;
-    __asm__ volatile("" : : "m"(config) : "memory");  // GCC 12 dropped these stores as dead before LDTILECFG
-    _tile_loadconfig(&config);
+    amx_load_config(config);
 }
 
 // Functions of their own: clang outlines an OpenMP region into a function without these target attributes.
@@ -437,9 +424,8 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // This thread's scratch of at least `bytes`, kept across calls, 64-byte aligned.
 inline void* aligned_scratch(int64_t bytes) {
     thread_local std::vector<char> held;
-    std::vector<char>& h = held;
-    if (static_cast<int64_t>(h.size()) < bytes + 64) h.resize(static_cast<size_t>(bytes + 64));
-    const auto address = reinterpret_cast<uintptr_t>(h.data());
+    if (static_cast<int64_t>(held.size()) < bytes + 64) held.resize(static_cast<size_t>(bytes + 64));
+    const auto address = reinterpret_cast<uintptr_t>(held.data());
     return reinterpret_cast<void*>((address + 63) & ~static_cast<uintptr_t>(63));
 }
 
@@ -493,24 +479,16 @@ LR_AMX void a_block_amx(const uint16_t* pieces, int64_t plane, int64_t k_pad, co
     }
 }
 
-// low (rows x r) = sa[j] * sum_p x[m, p] a[j, p] on tiles for adapter columns [j0, j1) (j0 a multiple of 16).
-LR_AMX void a_half_amx(const float* x, int64_t rows, int64_t k, int64_t xs, const uint32_t* at, int64_t r_pad,
+// low (rows x r) = sa[j] * sum_p x[m, p] a[j, p] on tiles for adapter columns [j0, j1) (j0 a multiple of 16), given
+// x's pieces (rows x k_pad a plane, split_pieces).
+LR_AMX void a_half_amx(const uint16_t* pieces, int64_t rows, int64_t k_pad, const uint32_t* at, int64_t r_pad,
                        const float* sa, int64_t r, int64_t j0, int64_t j1, float* low) {
-    const int64_t k_pad = round_up(k, kTileK);
-    int64_t configured = 0;
-    for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
-        const int64_t chunk = std::min(kRowChunk, rows - m0);
-        auto* pieces = static_cast<uint16_t*>(aligned_scratch(kPieces * chunk * k_pad * 2));
-        split_pieces(x + m0 * xs, chunk, k, xs, k_pad, 1.0f, pieces);
-        __asm__ volatile("" ::: "memory");  // the pieces are in memory before a tile load reads them
-        for (int64_t m = 0; m < chunk; m += kTileRows) {
-            const int64_t mr = std::min(kTileRows, chunk - m);
-            if (mr != configured) tiles_configure(mr, kTileK), configured = mr;
-            for (int64_t j = j0; j < j1; j += 64) {
-                const int count = static_cast<int>(std::min<int64_t>(4, (j1 - j + 15) / 16));
-                a_block_amx(pieces + m * k_pad, chunk * k_pad, k_pad, at, r_pad, j, j1, count, sa, mr,
-                            low + (m0 + m) * r, r);
-            }
+    for (int64_t m = 0; m < rows; m += kTileRows) {
+        const int64_t mr = std::min(kTileRows, rows - m);
+        if (m == 0 || mr != kTileRows) tiles_configure(mr, kTileK);
+        for (int64_t j = j0; j < j1; j += 64) {
+            const int count = static_cast<int>(std::min<int64_t>(4, (j1 - j + 15) / 16));
+            a_block_amx(pieces + m * k_pad, rows * k_pad, k_pad, at, r_pad, j, j1, count, sa, mr, low + m * r, r);
         }
     }
 }
@@ -570,19 +548,26 @@ LR_AMX void apply_q8_amx(const float* x, int64_t rows, int64_t k, int64_t xs, co
                          const int8_t* const* bps, const float* const* sbs, const float* scalings, float* out,
                          int64_t os, int threads) {
     const int parts = threads > 1 ? threads : 1;
-    const int64_t r_pad = a_pad_rows(r), a_blocks = r_pad / 16;
-    auto a_part = [&](int p) {
-        const int64_t j0 = 16 * (a_blocks * p / parts), j1 = std::min(r, 16 * (a_blocks * (p + 1) / parts));
-        if (j0 < j1) a_half_amx(x, rows, k, xs, at, r_pad, sa, r, j0, j1, low);
-    };
-    if (parts == 1) {
-        a_part(0);
-    } else {
+    const int64_t r_pad = a_pad_rows(r), a_blocks = r_pad / 16, k_pad = round_up(k, kTileK);
+    // The A half, 64 rows at a time: x's pieces split once (this thread), the threads' runs of adapter columns on them
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
+        const int64_t chunk = std::min(kRowChunk, rows - m0);
+        auto* pieces = static_cast<uint16_t*>(aligned_scratch(kPieces * chunk * k_pad * 2));
+        split_pieces(x + m0 * xs, chunk, k, xs, k_pad, 1.0f, pieces);
+        __asm__ volatile("" ::: "memory");  // the pieces are in memory before a tile load reads them
+        auto a_part = [&](int p) {
+            const int64_t j0 = 16 * (a_blocks * p / parts), j1 = std::min(r, 16 * (a_blocks * (p + 1) / parts));
+            if (j0 < j1) a_half_amx(pieces, chunk, k_pad, at, r_pad, sa, r, j0, j1, low + m0 * r);
+        };
+        if (parts == 1) {
+            a_part(0);
+        } else {
 #pragma omp parallel num_threads(parts)
-        {
+            {
 #pragma omp for schedule(static)
-            for (int p = 0; p < parts; ++p) a_part(p);
-            tiles_release();
+                for (int p = 0; p < parts; ++p) a_part(p);
+                tiles_release();
+            }
         }
     }
     for (int64_t i = 0; i < n_members; ++i) {
