@@ -214,10 +214,13 @@ def _fork_actor(server: socket.socket, env: dict[str, str], title: str, fds: lis
     intermediate = os.fork()
     if intermediate == 0:
         os.close(report_read)
+        # its pid read here, before the fork: an actor that asked for its parent's pid after the intermediate had
+        # exited got the driver's, and waited out its whole adoption deadline (5 s) for an adoption already done
+        intermediate_pid = os.getpid()
         actor = os.fork()
         if actor == 0:
             os.close(report_write)
-            _become_actor(server, env, title, fds, os.getppid())
+            _become_actor(server, env, title, fds, intermediate_pid)
         os.write(report_write, f"{actor}\n".encode())
         os._exit(0)
     os.close(report_write)

@@ -3,6 +3,7 @@ interface the driver uses under both launchers."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -265,3 +266,48 @@ def test_what_an_actor_started_ends_with_it_killed_or_stopped(local):
     while not all(_gone(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [pid for pid in children if not _gone(pid)] == []
+
+
+FORK_ACTOR_AFTER_ITS_INTERMEDIATE_EXITED = """
+import ctypes, json, os, socket, sys
+from common import zygote
+
+ctypes.CDLL(None).prctl(zygote.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # this process plays the driver
+real_fork, forks = os.fork, []
+
+def fork_then_wait_for_the_intermediate_to_exit():
+    parent = os.getpid()
+    pid = real_fork()
+    forks.append(pid)
+    if pid == 0 and len(forks) == 2:  # the actor: runs on only once the intermediate is gone (the scheduler's choice)
+        while os.getppid() == parent:
+            pass
+    return pid
+
+def record(server, env, title, fds, intermediate):
+    os.write(fds[1], json.dumps({"intermediate": intermediate, "parent": os.getppid()}).encode())
+    os._exit(0)
+
+os.fork, zygote._become_actor = fork_then_wait_for_the_intermediate_to_exit, record
+out_read, out_write = os.pipe()
+ends = [os.open(os.devnull, os.O_RDONLY), out_write, os.open(os.devnull, os.O_WRONLY)]
+server, _ = socket.socketpair()
+pid = zygote._fork_actor(server, {}, "actor", ends)
+print(json.dumps({"driver": os.getpid(), "actor": pid, "seen": json.loads(os.read(out_read, 4096))}))
+os.waitpid(pid, 0)
+"""
+
+
+def test_an_actor_whose_intermediate_exits_first_still_knows_the_intermediate_pid():
+    """The zygote forks an intermediate, which forks the actor and exits; the actor waits until the driver (a child
+    subreaper) has adopted it. Where the intermediate exits before the actor first runs, the actor must still wait
+    for the intermediate's pid to go, not for the driver's (its parent already): that wait lasted its 5 s deadline,
+    a start-up in every few runs (`workers_running +4.9`)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_ACTOR_AFTER_ITS_INTERMEDIATE_EXITED],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[3],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["seen"]["parent"] == report["driver"]  # adopted before the actor ran
+    assert report["seen"]["intermediate"] not in (report["driver"], report["actor"])
