@@ -83,7 +83,7 @@ def collate(groups: list[list[Trajectory]], pad_id: int) -> Batch:
         mask=torch.from_numpy(mask),
         behav_logp=torch.from_numpy(behav),
         versions=torch.from_numpy(versions),
-        rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float64),  # any finite reward (`advantages`)
         correct=torch.tensor([float(t.correct) for t in trajs]),
         group_index=torch.from_numpy(group_index),
         truncated=torch.tensor([t.finish == "length" for t in trajs]),

@@ -163,21 +163,28 @@ def regularizers(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dic
 
 
 def advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-response advantages (B,) from rewards (B,) and group ids (B,) in 0..n_groups-1 (ALGORITHMS.md)."""
+    """Per-response advantages (B,) float32 from rewards (B,) and group ids (B,) in 0..n_groups-1 (ALGORITHMS.md).
+
+    Computed in float64: a reward past float32's range (a finite float64 from a reward function, as the wire accepts
+    it), or whose squared deviation is, would make a group's mean or spread inf and every advantage NaN; `grpo`'s
+    are the same for any scale of the rewards."""
+    rewards = rewards.to(torch.float64)
     n_groups = int(group_index.max()) + 1
-    counts = torch.zeros(n_groups).index_add_(0, group_index, torch.ones_like(rewards))
-    sums = torch.zeros(n_groups).index_add_(0, group_index, rewards)
+    counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards))
+    sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, rewards)
     mean = (sums / counts)[group_index]
     if estimator == "grpo":
-        sq = torch.zeros(n_groups).index_add_(0, group_index, (rewards - mean) ** 2)
+        sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, (rewards - mean) ** 2)
         std = (sq / (counts - 1).clamp_min(1.0)).sqrt()[group_index]  # unbiased, as torch.std
-        return (rewards - mean) / (std + 1e-6)
-    if estimator == "drgrpo":
-        return rewards - mean
-    if estimator == "rloo":
+        adv = (rewards - mean) / (std + 1e-6)
+    elif estimator == "drgrpo":
+        adv = rewards - mean
+    elif estimator == "rloo":
         size = counts[group_index]
-        return (rewards - mean) * size / (size - 1).clamp_min(1.0)
-    raise ValueError(f"unknown algo.adv {estimator!r}")
+        adv = (rewards - mean) * size / (size - 1).clamp_min(1.0)
+    else:
+        raise ValueError(f"unknown algo.adv {estimator!r}")
+    return adv.to(torch.float32)
 
 
 def mismatch_metrics(

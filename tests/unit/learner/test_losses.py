@@ -441,3 +441,27 @@ def test_acrl_metrics_of_micro_batches_combine_to_the_whole_batchs(agg):
         )
         assert combined == pytest.approx(whole[key], rel=1e-6, abs=1e-7), key
     assert 0.0 < whole["acrl/rho_trunc"] < 1.0  # the truncation share is exercised, not trivially 0 or 1
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+def test_rewards_past_float32_s_range_give_finite_advantages(estimator):
+    """A reward function may return any finite number (the wire takes float64): 1e39 lies past float32's range and
+    1e25's squared deviations do; the batch keeps them and `grpo`'s advantages are those of any other scale."""
+    import dataclasses
+
+    from tiny_learner import random_groups
+
+    from learner.batch import collate
+
+    groups = random_groups(vocab=24, n_groups=3, size=4)  # rewards 0, 1, 0, 1 in each group
+    unit = collate(groups, pad_id=0)
+    expected = advantages(unit.rewards, unit.group_index, estimator)
+    for scale in (1e25, 1e39):
+        scaled = [[dataclasses.replace(t, reward=t.reward * scale) for t in group] for group in groups]
+        batch = collate(scaled, pad_id=0)
+        adv = advantages(batch.rewards, batch.group_index, estimator)
+        assert adv.dtype == torch.float32
+        if estimator == "grpo":
+            assert torch.allclose(adv, expected, rtol=1e-5), scale  # to the 1e-6 in the spread at scale 1
+        elif scale < 1e38:  # the others keep the rewards' scale: 1e39 is past float32 as an advantage too
+            assert torch.isfinite(adv).all() and torch.allclose(adv, expected * scale, rtol=1e-6), scale
