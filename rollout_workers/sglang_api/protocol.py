@@ -53,6 +53,18 @@ class BadRequest(ValueError):
         self.validation = validation
 
 
+QUEUE_FULL = "The request queue is full."
+"""SGLang's words for a request its scheduler refuses at admission (`--max-queued-requests`)."""
+
+
+class QueueFull(Exception):
+    """A non-streaming request refused at admission: `--max-queued-requests` requests already wait. SGLang answers
+    503: FastAPI's `{"detail"}` on `/generate`, its OpenAI error body (`type` "503", `code` 503) on `/v1/...`."""
+
+    def __init__(self) -> None:
+        super().__init__(QUEUE_FULL)
+
+
 def error_body(message: str, validation: bool) -> dict[str, Any]:
     """SGLang's 400 bodies: validation errors (FastAPI's, overridden to 400) or a ValueError from handling."""
     if validation:

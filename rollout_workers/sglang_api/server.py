@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without sampling_seed")
     parser.add_argument("--max-batch", type=int, default=256, help="sequences decoded together (KV-cache slots)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response positions per slot")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="requests that may wait to join the engine; one more is refused with 503 (default: no "
+                             "limit, as SGLang)")  # fmt: skip
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -141,6 +144,7 @@ def load(args: argparse.Namespace) -> ModelService:
         args.max_seq_len,
         args.precision,
         args.device,
+        args.max_queued_requests,
     )
     try:
         attach(service, args)  # --enable-lora

@@ -51,7 +51,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from rollout_workers.sglang_api import lora_serve, server_state
 from rollout_workers.sglang_api.openai_routes import openai_routes
-from rollout_workers.sglang_api.protocol import BadRequest, error_body
+from rollout_workers.sglang_api.protocol import BadRequest, QueueFull, error_body
 from rollout_workers.sglang_api.schemas import (
     AbortReq,
     DetokenizeReqInput,
@@ -86,6 +86,7 @@ def make_app(service: ModelService) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(SchedulerDied, _scheduler_died)
+    app.add_exception_handler(QueueFull, _queue_full)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.include_router(native_routes)
@@ -191,6 +192,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         return await _bad_request(request, cause)
     reason = f"{type(cause).__name__}: {str(cause)[:120]}" if cause is not None else str(exc.detail)
     return JSONResponse(error_body(f"JSON decode error: {reason}", validation=True), status_code=400)
+
+
+async def _queue_full(request: Request, exc: Exception) -> JSONResponse:
+    """A request refused at admission (`--max-queued-requests`): 503 as SGLang answers it, FastAPI's `{"detail"}` on
+    its native routes (an HTTPException from its tokenizer manager) and its OpenAI error body on `/v1/...`."""
+    if request.url.path.startswith("/v1/"):
+        body = {"object": "error", "message": str(exc), "type": "503", "param": None, "code": 503}
+        return JSONResponse(body, status_code=503)
+    return JSONResponse({"detail": str(exc)}, status_code=503)
 
 
 async def _scheduler_died(_: Request, exc: Exception) -> JSONResponse:

@@ -126,6 +126,7 @@ def server_args(service: ModelService) -> dict[str, Any]:
         "port": service.launch.get("port"),
         "mem_fraction_static": None,
         "max_running_requests": engine.max_batch,
+        "max_queued_requests": service.max_queued_requests,
         "max_total_tokens": engine.max_batch * engine.max_seq_len,
         "schedule_policy": "fcfs",
         "random_seed": service.seed,

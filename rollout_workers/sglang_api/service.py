@@ -84,11 +84,18 @@ class ModelService:
         max_seq_len: int = 2048,
         precision: str = "fp32",
         device: str = "cpu",
+        max_queued_requests: int | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1 (sequences decoded together), got {max_batch}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0 when set, got {max_queued_requests}")
+        self.max_queued_requests = max_queued_requests
+        """SGLang's `--max-queued-requests`: at most this many requests wait to join the engine; a request that would
+        be one more is refused (`QueueFull`, 503; a stream's samples end on `finish_reason` abort, status 503). None:
+        no limit, SGLang's default."""
         import torch
         from transformers import AutoTokenizer
 
@@ -162,8 +169,25 @@ class ModelService:
                 req.adapter = adapter  # type: ignore[attr-defined]  # the request's LoRA adapter (lora_serve.py)
         for i in range(n):  # SGLang's order: the batch repeated n times
             order.extend(group[i] for group in groups)
-        self._call(lambda: self._waiting.extend(groups), wait=False)
+        if self.max_queued_requests is None:
+            self._call(lambda: self._waiting.extend(groups), wait=False)
+        elif not self._call(lambda: self._queue_within_limit(groups)) and not request.stream:
+            raise protocol.QueueFull()
         return order
+
+    def _queue_within_limit(self, groups: list[list[ServeRequest]]) -> bool:
+        """Queue `groups` if the waiting requests stay within `max_queued_requests`, else end every one of them on
+        SGLang's abort (503) unqueued: all or none, so a refused batch leaves no half of itself running."""
+        assert self.max_queued_requests is not None
+        waiting = sum(len(group) for group in self._waiting)
+        if waiting + sum(len(group) for group in groups) <= self.max_queued_requests:
+            self._waiting.extend(groups)
+            return True
+        refused = protocol.finish_abort(protocol.QUEUE_FULL, 503)
+        for req in (req for group in groups for req in group):
+            req.finish = refused
+            req.settle()
+        return False
 
     async def wait(self, order: list[ServeRequest]) -> None:
         """Until every request of `order` has finished (or was aborted), without holding a thread."""

@@ -76,3 +76,54 @@ def test_body_limit_for_declared_and_chunked_bodies(base_url):
     )
     assert response.status_code == 400 and "over" in response.json()["error"]["message"]
     assert requests.get(f"{base_url}/health", timeout=5).status_code == 200
+
+
+def test_requests_past_max_queued_requests_are_refused_as_sglang_refuses_them():
+    """`--max-queued-requests 3`: with three requests waiting (paused), one more is refused with SGLang's 503 on
+    /generate and on /v1/completions, a stream's sample ends on the abort, and a batch that would pass the limit is
+    refused whole; the waiting ones then finish, and the queue takes requests again once it has room."""
+    from rollout_workers.sglang_api.protocol import QUEUE_FULL
+
+    model_dir = str(resolve_model_path("builtin:micro", log=lambda *a: None))
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+    with serve(model_dir, "--quant", "int8", "--max-queued-requests", "3") as url:
+        assert requests.get(f"{url}/server_info", timeout=10).json()["max_queued_requests"] == 3
+        requests.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+        statuses: list[int] = []
+        waiting = [
+            threading.Thread(
+                target=lambda: statuses.append(requests.post(f"{url}/generate", json=body, timeout=60).status_code)
+            )
+            for _ in range(3)
+        ]
+        for thread in waiting:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while requests.get(f"{url}/get_load", timeout=10).json()[0]["num_waiting_reqs"] < 3:
+            assert time.monotonic() < deadline and not statuses, statuses  # queued, not answered
+            time.sleep(0.05)
+        refused = requests.post(f"{url}/generate", json=body, timeout=10)
+        assert refused.status_code == 503 and refused.json() == {"detail": QUEUE_FULL}
+        model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        completion = {"model": model, "prompt": "1+1=", "max_tokens": 2}
+        refused = requests.post(f"{url}/v1/completions", json=completion, timeout=10)
+        assert refused.status_code == 503
+        assert refused.json() == {"object": "error", "message": QUEUE_FULL, "type": "503", "param": None, "code": 503}
+        stream = requests.post(f"{url}/generate", json={**body, "stream": True}, timeout=10)
+        events = [line[len("data: ") :] for line in stream.text.splitlines() if line.startswith("data: ")]
+        assert stream.status_code == 200 and events[-1] == "[DONE]"
+        finish = json.loads(events[-2])["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and finish["status_code"] == 503 and finish["message"] == QUEUE_FULL
+        assert requests.get(f"{url}/get_load", timeout=10).json()[0]["num_waiting_reqs"] == 3  # none joined
+        requests.post(f"{url}/continue_generation", json={}, timeout=10).raise_for_status()
+        for thread in waiting:
+            thread.join(timeout=60)
+        assert statuses == [200] * 3
+        batch = {"input_ids": [PROMPT, PROMPT], "sampling_params": {"max_new_tokens": 2, "n": 1}}
+        answer = requests.post(f"{url}/generate", json=batch, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()) == 2
+        requests.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+        four = {"input_ids": [PROMPT] * 4, "sampling_params": {"max_new_tokens": 2}}
+        refused = requests.post(f"{url}/generate", json=four, timeout=10)  # 4 > 3 even into an empty queue
+        assert refused.status_code == 503 and refused.json() == {"detail": QUEUE_FULL}
+        assert requests.get(f"{url}/get_load", timeout=10).json()[0]["num_reqs"] == 0
