@@ -22,9 +22,10 @@ import torch.distributed as dist
 from learner.batch import Batch
 from learner.devices import model_device, process_group_backend
 
-# Wire codes of the batch fields' dtypes for the broadcast header (bool travels as uint8: gloo has no bool).
-_DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8}
-_CODES = {torch.int64: 0, torch.float32: 1, torch.bool: 2}
+# Wire codes of the batch fields' dtypes for the broadcast header (bool travels as uint8: gloo has no bool; float64:
+# the rewards, as the wire carries them: `learner.losses.advantages`).
+_DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8, 3: torch.float64}
+_CODES = {torch.int64: 0, torch.float32: 1, torch.bool: 2, torch.float64: 3}
 
 
 @dataclass(frozen=True, slots=True)

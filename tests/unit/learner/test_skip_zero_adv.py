@@ -19,7 +19,8 @@ def _batch_with_equal_groups(model: torch.nn.Module, equal: dict[int, float], gr
     batch = with_behavior(tiny_batch(seed=4, groups=groups), model, seed=5)
     for group, reward in equal.items():
         batch.rewards[batch.group_index == group] = reward
-    batch.rewards[batch.group_index == 1] = torch.tensor([1.0, 0.0, 0.0, 1.0])  # group 1 keeps a spread
+    spread = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=batch.rewards.dtype)
+    batch.rewards[batch.group_index == 1] = spread  # group 1 keeps a spread
     return batch
 
 

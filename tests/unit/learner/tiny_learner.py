@@ -53,7 +53,7 @@ def tiny_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> Batch:
         response_pos[i, :r] = torch.arange(p, p + r)
         response_ids[i, :r] = input_ids[i, p : p + r]
         mask[i, :r] = 1.0
-    rewards = torch.randint(0, 2, (n,), generator=gen).float()
+    rewards = torch.randint(0, 2, (n,), generator=gen).double()  # float64, as `learner.batch.collate` gives them
     return Batch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -63,7 +63,7 @@ def tiny_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> Batch:
         behav_logp=torch.zeros((n, t_len)),
         versions=torch.zeros((n, t_len), dtype=torch.long),
         rewards=rewards,
-        correct=rewards.clone(),
+        correct=rewards.float(),
         group_index=torch.arange(groups).repeat_interleave(group_size),
         truncated=resp_len == 8,
     )
