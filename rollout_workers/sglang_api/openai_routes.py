@@ -134,6 +134,7 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
         "top_logprobs_num": obj.logprobs or 0,
         "return_text_in_logprobs": True,
         "lora_path": openai_lora_path(obj.model, obj.lora_path),
+        "stream": obj.stream,  # a stream refused at admission answers 200 and ends on the abort, as SGLang's
     }
     request, order = await _submit(service, body)
     if obj.stream:
@@ -281,6 +282,7 @@ async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
         "top_logprobs_num": top,
         "return_text_in_logprobs": True,
         "lora_path": openai_lora_path(obj.model, obj.lora_path),
+        "stream": obj.stream,
     }
     request, order = await _submit(service, body)
     if obj.stream:

@@ -80,8 +80,9 @@ def test_body_limit_for_declared_and_chunked_bodies(base_url):
 
 def test_requests_past_max_queued_requests_are_refused_as_sglang_refuses_them():
     """`--max-queued-requests 3`: with three requests waiting (paused), one more is refused with SGLang's 503 on
-    /generate and on /v1/completions, a stream's sample ends on the abort, and a batch that would pass the limit is
-    refused whole; the waiting ones then finish, and the queue takes requests again once it has room."""
+    /generate and on /v1/completions, a stream's samples (native and OpenAI) end on the abort, and a batch that would
+    pass the limit is refused whole; the waiting ones then finish, and the queue takes requests again once it has
+    room."""
     from rollout_workers.sglang_api.protocol import QUEUE_FULL
 
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *a: None))
@@ -114,6 +115,10 @@ def test_requests_past_max_queued_requests_are_refused_as_sglang_refuses_them():
         assert stream.status_code == 200 and events[-1] == "[DONE]"
         finish = json.loads(events[-2])["meta_info"]["finish_reason"]
         assert finish["type"] == "abort" and finish["status_code"] == 503 and finish["message"] == QUEUE_FULL
+        stream = requests.post(f"{url}/v1/completions", json={**completion, "stream": True}, timeout=10)
+        events = [line[len("data: ") :] for line in stream.text.splitlines() if line.startswith("data: ")]
+        assert stream.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
         assert requests.get(f"{url}/get_load", timeout=10).json()[0]["num_waiting_reqs"] == 3  # none joined
         requests.post(f"{url}/continue_generation", json={}, timeout=10).raise_for_status()
         for thread in waiting:
