@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if args.config is not None or args.resume:
+        from asyncrl.startup import start_fork_server_early
+
+        start_fork_server_early()
     if args.resume == "auto":
         if args.config is None or "=" in args.config:
             print("asyncrl: --resume auto needs the CONFIG file of the run (asyncrl up --resume auto CONFIG)",

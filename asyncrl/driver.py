@@ -39,7 +39,7 @@ from asyncrl import checkpoint, raycluster, run_lock
 from asyncrl.console import one_time_work
 from asyncrl.metrics import EnvMetrics, MetricsLogger
 from asyncrl.operations import Operations, OperationsSections
-from asyncrl.startup import StartupClock
+from asyncrl.startup import StartupClock, quiet_libraries
 from asyncrl.supervise import BufferSupervisor, WorkerPool
 from asyncrl.watchdog import RunFailed, Watchdog, actor_death, failure
 from common import actors, train_gate
@@ -184,7 +184,12 @@ def run(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
     clock = StartupClock()
     clock.mark("driver_imports")
     quiet_libraries()  # first: transformers reads it at import, and the fork server imports it for every local actor
-    actors.use(actors.resolve_launcher(cfg.ray))  # `local`: the fork server imports torch while the driver goes on
+    launcher = actors.resolve_launcher(cfg.ray)
+    actors.use(launcher)  # `local`: the fork server imports torch while the driver goes on
+    if launcher != "local":
+        from common import zygote
+
+        zygote.discard()  # `asyncrl up` started it before it knew (`asyncrl.startup.start_fork_server_early`)
     with one_time_work(cfg.logging.console) as log:  # a bar on a terminal while a built-in model is built
         try:
             model_dir = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log))
@@ -336,14 +341,6 @@ class StopSignals:
             raise KeyboardInterrupt(f"{name} again: stopping now, without a checkpoint")
         self.requested = name
         self.logger.info(f"{name}: stopping after this step (workers stop, then a checkpoint); {name} again: now")
-
-
-def quiet_libraries() -> None:
-    """No progress bars or advisory warnings from transformers / HF hub in this process or the actors it starts."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
 
 
 def _train(

@@ -123,3 +123,22 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def quiet_libraries() -> None:
+    """No progress bars or advisory warnings from transformers / HF hub in this process or the actors it starts."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
+
+
+def start_fork_server_early() -> None:
+    """Start the local actors' fork server (`common.zygote`) as `asyncrl up` begins, before its config is read: the
+    server's imports of torch and transformers (about 3.5 CPU-seconds, the longest stretch of a local start-up)
+    then overlap the driver's reading of the config (about 0.35 s) too. A run whose launcher turns out to be Ray ends
+    it (`common.actors.use`)."""
+    from common import zygote
+
+    quiet_libraries()  # first: the fork server imports transformers, which reads it at import
+    zygote.start()

@@ -3,8 +3,8 @@ that warm process instead of starting a fresh interpreter (`ray.launcher=local`,
 
 A fresh actor process spends about 2 CPU-seconds importing torch and transformers before it does anything; a run
 starts a learner and two rollout workers at once, which is 6 CPU-seconds of a 2-core machine's start-up spent on the
-same imports three times. The zygote (`python -m common.zygote`, started by the driver) imports them once, then forks
-each actor from itself:
+same imports three times. The zygote (`python -m common.zygote`, started as `asyncrl up` begins, before it reads its
+config: `asyncrl.startup.start_fork_server_early`) imports them once, then forks each actor from itself:
 
     driver --request (env, 3 pipe fds over a Unix socket)--> zygote --fork--> intermediate --fork--> actor
     driver <--actor pid-------------------------------------- zygote (after the intermediate has exited)
@@ -180,6 +180,21 @@ def start() -> Zygote | None:
             print(f"asyncrl: no zygote ({err}); local actors start as fresh processes", file=sys.stderr)
             _failed = True
         return _zygote
+
+
+def discard() -> None:
+    """End this process's zygote, started before the launcher was known (`asyncrl up` starts it early), for a run
+    whose actors start under Ray: no fork server left importing, and this process no longer a child subreaper (the
+    orphans of Ray's processes go to init, which reaps them)."""
+    global _zygote, _failed
+    with _start_lock:
+        if _zygote is None:
+            return
+        atexit.unregister(_zygote.close)
+        _zygote.close()
+        _zygote, _failed = None, False
+        with contextlib.suppress(OSError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def spawn(env: dict[str, str], title: str) -> ForkedProcess | None:

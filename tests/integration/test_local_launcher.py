@@ -5,6 +5,7 @@ checkpoint, and every group is trained once; `asyncrl status` and `scale` answer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -97,6 +98,42 @@ def test_a_run_that_fails_its_input_checks_ends_with_its_reason_and_no_trace_of_
         done.stderr.strip() == f"asyncrl: model.path: {not_a_model}: no config.json (is this a Hugging Face model "
         "directory?)"
     ), done.stderr  # the pipes close only once the zygote has exited: its last words would be here
+
+
+def test_a_config_error_ends_up_with_its_reason_alone_though_the_fork_server_started_before_the_config(tmp_path):
+    """`asyncrl up` starts the fork server before it reads its config (`start_fork_server_early`): a config that does
+    not load ends the run with its message alone and leaves no process (the zygote, still importing, goes quietly)."""
+    mark = f"config-error-{os.getpid()}-{tmp_path.name}"  # in the environment of every process this run starts
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs/dapo_int8.yaml"),
+                           f"logging.dir={tmp_path}", "train.stepz=3"], capture_output=True, text=True,
+                          env={**ENV, "ASYNCRL_TEST_MARK": mark}, cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("asyncrl: ") and "stepz" in done.stderr and "Traceback" not in done.stderr, (
+        done.stderr
+    )
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if (
+                "common.zygote" in " ".join(proc.info["cmdline"] or [])
+                and proc.environ().get("ASYNCRL_TEST_MARK") == mark
+            ):
+                left.append(proc.pid)
+    assert left == [], left
+
+
+def test_a_ray_run_ends_the_fork_server_started_before_it_knew_its_launcher() -> None:
+    """`zygote.discard`: the server exits and this process is no longer a child subreaper (Ray's orphans go to init)."""
+    code = (
+        "import ctypes, json; from common import zygote; z = zygote.start(); pid = z.process.pid; zygote.discard();"
+        "flag = ctypes.c_int(-1); ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0);"  # PR_GET_CHILD_SUBREAPER
+        "print(json.dumps({'pid': pid, 'exit': z.process.poll(), 'subreaper': flag.value, 'again': zygote._zygote}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["exit"] is not None and not psutil.pid_exists(report["pid"]), report
+    assert report["subreaper"] == 0 and report["again"] is None, report
 
 
 def test_a_truncated_weight_file_fails_the_run_before_it_starts_naming_the_file(tmp_path):
