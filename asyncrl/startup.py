@@ -137,7 +137,7 @@ def start_fork_server_early() -> None:
     """Start the local actors' fork server (`common.zygote`) as `asyncrl up` begins, before its config is read: the
     server's imports of torch and transformers (about 3.5 CPU-seconds, the longest stretch of a local start-up)
     then overlap the driver's reading of the config (about 0.35 s) too. A run whose launcher turns out to be Ray ends
-    it (`common.actors.use`)."""
+    it (`asyncrl.driver.run` calls `common.zygote.discard`)."""
     from common import zygote
 
     quiet_libraries()  # first: the fork server imports transformers, which reads it at import
