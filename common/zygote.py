@@ -171,9 +171,7 @@ def start() -> Zygote | None:
             _failed = True
             return None
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+            _child_subreaper(True)
             _zygote = Zygote()
             atexit.register(_zygote.close)  # no process of the run outlives `asyncrl up` (it held the output pipes)
         except Exception as err:  # the actors start as fresh interpreters
@@ -194,7 +192,14 @@ def discard() -> None:
         _zygote.close()
         _zygote, _failed = None, False
         with contextlib.suppress(OSError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+            _child_subreaper(False)
+
+
+def _child_subreaper(on: bool) -> None:
+    """Make this process a child subreaper (orphans of its descendants become its children), or stop being one."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 def spawn(env: dict[str, str], title: str) -> ForkedProcess | None:
