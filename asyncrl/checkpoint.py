@@ -17,7 +17,6 @@ consumed after the checkpoint go back to the queue, groups generated with the lo
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import zipfile
 from collections.abc import Callable
@@ -25,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from common.fsutil import fsync_dir, fsync_tree
+from common.run_files import CHECKPOINTS, STEP_DIR
 
-CHECKPOINTS = "checkpoints"
 META = "meta.json"
 TRAINING_STATE = "training_state.pt"
-_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -37,7 +35,7 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name))]
     return [p for _, p in sorted(found) if (p / META).is_file()]
 
 
@@ -56,7 +54,7 @@ def latest_whole(run_dir: Path, say: Callable[[str], Any] | None = None) -> Path
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return None
-    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))), reverse=True)
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name))), reverse=True)
     for _, path in found:
         problem = damage(path)
         if not problem:
@@ -118,7 +116,7 @@ def read_meta(checkpoint_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is missing (a checkpoint cut short?)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path} cannot be read as JSON ({err})") from None
-    match = _STEP_DIR.fullmatch(checkpoint_dir.name)
+    match = STEP_DIR.fullmatch(checkpoint_dir.name)
     step = meta.get("step") if isinstance(meta, dict) else None
     if type(step) is not int or step < 0 or (match is not None and step != int(match.group(1))):
         expected = f", not {match.group(1)} as its directory says" if match else ""
@@ -153,7 +151,7 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     shutil.rmtree(replaced, ignore_errors=True)
     kept = checkpoint_dirs(run_dir)[-keep_last:]
     for old in root.iterdir():  # older checkpoints, and a step_<k> a kill left half deleted (no meta.json)
-        if _STEP_DIR.fullmatch(old.name) and old not in kept:
+        if STEP_DIR.fullmatch(old.name) and old not in kept:
             _delete(old)
     return target
 

@@ -16,9 +16,12 @@ field):
 | `max_lag` | `v`: int | staleness.max_lag changed live (SetMaxLag) |
 | `streak` | `p`: prompt key (u64), `n`: int | a prompt's zero-variance streak is now `n` (buffer/selective.py) |
 | `rewind` | `s`: step, `g`, `d`: group ids, `c`: count | resume at s: `g` (consumed at >= s) requeued, `d` dropped |
-| `state` | `cursor`, `step`, `consumed`, `max_lag`, `pending`: indices, `streaks` | the head of a compacted journal |
+| `state` | `cursor`, `step`, `consumed`, `max_lag`, `pending`, `kept_from`, `streaks` | a compacted journal's head |
+| `kept` | `m`: encoded `PushGroup` bytes, `s`: train step | a group consumed at s, kept for a resume by a compaction |
 
-A `rewind` record's `c` is the consumed count after it. A `state` record's `max_lag` is null unless set live
+A `rewind` record's `c` is the consumed count after it. A `state` record's `pending` lists the indices still leased
+or returned; its `kept_from` (absent in journals written before 2026-12-07, which kept none) is the first train step
+whose consumed groups follow it as `kept` records; its `max_lag` is null unless set live
 (SetMaxLag): a null one leaves the config's value in force after a restart. A `lease` record's `x` (problems that
 selective rollout passed over), `streak` records and a `state` record's `streaks` (`[[prompt key, streak], ...]`)
 appear only with `algo.skip_zero_variance` on.
@@ -27,11 +30,12 @@ A crash can leave a torn last record; `read_records` cuts the file after the las
 follows. Damage with intact records after it (a bad disk, an edited file) is skipped instead, keeping the records
 after it, and the original is saved beside the journal (`read_records`).
 
-Compaction (`Journal.rewrite`): the service replaces the file with `recovery.snapshot(state)` (one `state` record and
-the `admit` records of the groups still queued) once it outgrows its threshold, so the file stays proportional to
-what is in flight. The new file is written beside the old one, fsynced and renamed over it (then the directory is
-fsynced): a crash at any point leaves either the old journal or the new one, both complete, so a consumed group is
-never replayed and an admitted one never lost.
+Compaction (`Journal.rewrite`): the service replaces the file with `recovery.snapshot(state)` (one `state` record, a
+`kept` record per group consumed at or after its `kept_from` step, and the `admit` records of the groups still
+queued) once it outgrows its threshold, so the file stays proportional to what is in flight and to what a resume
+from a checkpoint on disk would train again (`recovery.keep_from`). The new file is written beside the old one,
+fsynced and renamed over it (then the directory is fsynced): a crash at any point leaves either the old journal or
+the new one, both complete, so a consumed group is never replayed and an admitted one never lost.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import struct
 import sys
 import threading
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +135,19 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         with open(path, "r+b") as handle:
             handle.truncate(offset)
     return records
+
+
+def intact_records(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of the journal at `path` up to the first that is not intact, read without changing the file (a
+    compaction reads the live journal with it; `read_records` is the start-up reader that repairs)."""
+    data = path.read_bytes()
+    v1, offset, _ = _layout(data)
+    while offset < len(data):
+        record, end = _record_at(data, offset, v1)
+        if record is None:
+            return
+        yield record
+        offset = end
 
 
 def _layout(data: bytes) -> tuple[bool, int, bool]:

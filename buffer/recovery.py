@@ -11,20 +11,83 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import msgpack
 
 from buffer import ingest
 from buffer.ingest import CheckedPush
 from buffer.state import BufferState, Lease, Queued, group_id, group_index
 
 
-def snapshot(state: BufferState) -> list[dict[str, Any]]:
+def keep_from(checkpoint_steps: list[int], checkpoint_every: int, step: int) -> int:
+    """The first train step whose consumed groups a compaction keeps: the oldest checkpoint on disk (a resume from it
+    trains them again); without one, step 0 when checkpoints are being written (a learner restarted before the first
+    one starts from the initial model), else none (`step + 1`: with `checkpoint.every=0` only `down` saves one, and a
+    restart from the initial model counts the groups compacted away as `rewind_lost_groups`)."""
+    if checkpoint_steps:
+        return min(checkpoint_steps)
+    return 0 if checkpoint_every > 0 else step + 1
+
+
+def kept_payloads(
+    records: Iterable[dict[str, Any]], wanted: list[tuple[int, str, int]], from_step: int
+) -> tuple[int, list[tuple[int, bytes]]]:
+    """(from_step, the (step, payload) of each consumed group in `wanted`, in its order): `wanted` is
+    `BufferState.consumed_log` from `from_step` on, the payloads are read from the journal's `records` (the `admit`
+    record before the group's consume record at that step, or the `kept` record of an earlier compaction). A group
+    not found there (damage, or a bug) moves `from_step` past its step, so that what is kept is a whole run of steps
+    and a resume before it counts its groups lost instead of training part of a batch again."""
+    steps = {group: step for step, group, _ in wanted}
+    admitted: dict[str, bytes] = {}
+    found: dict[str, bytes] = {}
+    for record in records:
+        kind = record.get("k")
+        if kind in ("admit", "kept"):
+            group = _group_of(record["m"])
+            if group not in steps:
+                continue
+            if kind == "admit":
+                admitted[group] = record["m"]
+            elif steps[group] == record.get("s"):
+                found[group] = record["m"]
+        elif kind == "consume":
+            for group in record.get("g", []):
+                if group in admitted and steps.get(group) == record.get("s"):
+                    found[group] = admitted[group]
+    missing = [step for step, group, _ in wanted if group not in found]
+    if missing:
+        from_step = max(from_step, max(missing) + 1)
+    return from_step, [(step, found[group]) for step, group, _ in wanted if step >= from_step]
+
+
+def _group_of(payload: bytes) -> str | None:
+    """The `group` field of a journaled PushGroup (validated when it was admitted), read without decoding its
+    trajectories: 1 us against 40 for `ingest.decode_request`, for a compaction that reads every admit record."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(payload)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "group":
+                group = unpacker.unpack()
+                return group if isinstance(group, str) else None
+            unpacker.skip()
+    except (ValueError, msgpack.UnpackException, msgpack.OutOfData):
+        return None
+    return None
+
+
+def snapshot(
+    state: BufferState, kept: list[tuple[int, bytes]] | None = None, kept_from: int | None = None
+) -> list[dict[str, Any]]:
     """The journal records of the current state alone: what a compacted journal holds (see buffer/journal.py).
 
-    A `state` record (cursor, step, consumed count, max_lag, the indices still leased or returned, and with selective
-    rollout the prompts' zero-variance streaks), then one `admit` record per queued group in queue order. Everything
-    resolved is implied by the cursor.
+    A `state` record (cursor, step, consumed count, max_lag, the indices still leased or returned, the first step
+    whose consumed groups it keeps, and with selective rollout the prompts' zero-variance streaks), then a `kept`
+    record per consumed group a resume could train again (`kept`: (step, payload), from `kept_payloads`), then one
+    `admit` record per queued group in queue order. Everything else resolved is implied by the cursor.
     """
     pending = sorted(lease.index for lease in [*state.leased.values(), *state.returned.values()])
     head = {
@@ -36,9 +99,12 @@ def snapshot(state: BufferState) -> list[dict[str, Any]]:
         "max_lag": state.max_lag if state.max_lag_set_live else None,  # else the config's value applies
         "pending": pending,
     }
+    if kept_from is not None:
+        head["kept_from"] = kept_from
     if state.history is not None:
         head["streaks"] = state.history.snapshot()
-    return [head, *({"k": "admit", "m": q.payload} for q in state.queue)]
+    kept_records = ({"k": "kept", "s": step, "m": payload} for step, payload in kept or [])
+    return [head, *kept_records, *({"k": "admit", "m": q.payload} for q in state.queue)]
 
 
 def replay(state: BufferState, records: list[dict[str, Any]], now: float | None = None) -> None:
@@ -59,7 +125,8 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
             if record.get("max_lag") is not None:  # set live (SetMaxLag) before the compaction
                 state.max_lag, state.max_lag_set_live = int(record["max_lag"]), True
             unresolved = set(record["pending"])
-            state.compacted_step = state.step
+            # consume records of the steps before `kept_from` are gone (older journals: every step up to this one)
+            state.compacted_step = int(record["kept_from"]) - 1 if record.get("kept_from") is not None else state.step
             admitted_count = int(record.get("admitted", 0))  # admits compacted away (older journals: unknown)
             if state.history is not None:
                 state.history.restore(record.get("streaks", []))
@@ -69,6 +136,11 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
         elif kind == "streak":
             if state.history is not None:
                 state.history.set(int(record["p"]), int(record["n"]))
+        elif kind == "kept":  # a group consumed at step `s` that a compaction kept for a resume from before it
+            msg = ingest.decode_request(ingest.upgrade_push(record["m"]))
+            assert isinstance(msg, CheckedPush)
+            admitted[msg.group] = Queued.of(msg)
+            consumed_at[msg.group] = int(record["s"])
         elif kind == "admit":
             msg = ingest.decode_request(ingest.upgrade_push(record["m"]))
             assert isinstance(msg, CheckedPush)
@@ -107,6 +179,11 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
     state.counters["admitted_groups"] = admitted_count
     state.counters["consumed_groups"] = state.consumed_groups
     state.counters["replayed_groups"] = len(state.queue)
+    state.consumed_log = deque(
+        (step, group, memoryview(admitted[group].payload).nbytes)
+        for group, step in sorted(consumed_at.items(), key=lambda item: item[1])  # stable: consumption order
+        if group in admitted
+    )
     state.replayed = (admitted, consumed_at)
 
 
@@ -153,6 +230,7 @@ def rewind(state: BufferState, next_step: int) -> dict[str, int]:
     state.consumed_groups = min(state.consumed_groups - len(back), next_step * state.groups_per_step)
     dropped = [q.group for q in state.queue if q.newest_version > next_step]
     state.queue = deque(q for q in state.queue if q.newest_version <= next_step)
+    state.consumed_log = deque(entry for entry in state.consumed_log if entry[0] < next_step)
     state.step = max(next_step - 1, 0)
     state.counters["consumed_groups"] = state.consumed_groups
     state.counters["rewound_groups"] += len(back)

@@ -45,6 +45,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from buffer import ingest, recovery
 from buffer.ingest import CheckedPush
-from buffer.journal import Journal, read_records
+from buffer.journal import Journal, intact_records, read_records
 from buffer.launcher import EXIT_JOURNAL_UNWRITABLE
 from buffer.memory import configure_malloc, reserve
 from buffer.selective import PromptHistory, SkipRule
@@ -67,6 +68,7 @@ from common import wire
 from common.config_rules import skip_zero_variance_on
 from common.curve import CurveKeyError, ServerKeys, server_keys
 from common.netaddr import bind
+from common.run_files import checkpoint_steps
 from common.tasks import make_source
 from common.wire import (
     ErrorReply,
@@ -108,6 +110,7 @@ class ServiceConfig:
     train: cfgmod.TrainConfig
     algo: cfgmod.AlgoConfig
     data: cfgmod.DataConfig
+    checkpoint: cfgmod.CheckpointConfig  # `every`: what a compaction keeps for a resume (recovery.keep_from)
 
 
 _SECTIONS = {
@@ -116,6 +119,7 @@ _SECTIONS = {
     "train": cfgmod.TrainConfig,
     "algo": cfgmod.AlgoConfig,
     "data": cfgmod.DataConfig,
+    "checkpoint": cfgmod.CheckpointConfig,
 }
 
 
@@ -155,8 +159,11 @@ class BufferService:
         journal: Journal | None,
         compact_bytes: int = COMPACT_BYTES,
         redeliver: tuple[int, list[Queued]] | None = None,
+        keep_from: Callable[[int], int] | None = None,
     ) -> None:
         self.state = state
+        # current step -> the first step whose consumed groups a compaction keeps (recovery.keep_from); None: none
+        self.keep_from = keep_from
         self.redeliver = redeliver  # (step, groups) consumed before a crash, maybe never received (module doc)
         self.socket = socket
         self.journal = journal
@@ -245,15 +252,21 @@ class BufferService:
 
     def _maybe_compact(self) -> None:
         """Rewrite the journal as a snapshot once it is past `compact_bytes` and twice its last compacted size, and
-        at least half of it is garbage: a snapshot of a queue that holds most of the journal would only copy it."""
+        at least half of it is garbage: a snapshot of a queue (and of the consumed groups a resume could train again,
+        `keep_from`) that holds most of the journal would only copy it."""
         if self.journal is None or self.journal.size_bytes() < self._compact_at:
             return
         size = self.journal.size_bytes()
-        if 2 * self.state.queued_bytes() > size:
+        kept_from = self.keep_from(self.state.step) if self.keep_from is not None else self.state.step + 1
+        self.state.prune_consumed(kept_from)
+        if 2 * (self.state.queued_bytes() + self.state.kept_bytes()) > size:
             self._compact_at = size + self.compact_bytes // 4  # look again once the journal has grown some more
             return
         self._flush()
-        self.journal.rewrite(recovery.snapshot(self.state))
+        wanted = list(self.state.consumed_log)
+        kept_from, kept = recovery.kept_payloads(intact_records(self.journal.path), wanted, kept_from)
+        self.journal.rewrite(recovery.snapshot(self.state, kept, kept_from))
+        self.state.prune_consumed(kept_from)
         self.state.counters["journal_compactions"] += 1
         self._compact_at = max(self.compact_bytes, 2 * self.journal.size_bytes())
 
@@ -501,13 +514,14 @@ def _serve(
     state: BufferState,
     journal: Journal | None,
     redeliver: tuple[int, list[Queued]] | None = None,
+    keep_from: Callable[[int], int] | None = None,
 ) -> int:
     """Bind, print READY, and serve until SIGTERM / SIGINT (0) or a journal write error (3); then close everything."""
     context = zmq.Context()
     auth = start_authenticator(context, curve) if curve is not None else None
     socket = make_socket(context, curve)
     monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES) if curve is not None else None
-    service = BufferService(state, socket, journal, buffer_cfg.compact_bytes, redeliver)
+    service = BufferService(state, socket, journal, buffer_cfg.compact_bytes, redeliver, keep_from)
 
     def stop(signum: int, frame: object) -> None:
         service.stopping = True
@@ -590,4 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.resume_step is not None:
         print("buffer: --resume-step needs buffer.journal=true", file=sys.stderr)
         return 2
-    return _serve(cfg.buffer, curve, state, journal, redeliver)
+    every = cfg.checkpoint.every
+
+    def keep_from(step: int) -> int:
+        return recovery.keep_from(checkpoint_steps(run_dir), every, step)
+
+    return _serve(cfg.buffer, curve, state, journal, redeliver, keep_from)

@@ -136,7 +136,10 @@ class BufferState:
         self.counters: Counter[str] = Counter()
         # Journal recovery (buffer/recovery.py) keeps these:
         self.replayed: tuple[dict[str, Queued], dict[str, int]] | None = None  # for `rewind`: admits, consumes
-        self.compacted_step: int | None = None  # step of the `state` record of a compacted journal (for `rewind`)
+        self.compacted_step: int | None = None  # consume records of steps <= this were compacted away (`rewind`)
+        # (train step, group, payload bytes) of every consumed group a resume could train again, in consumption
+        # order: what a compaction keeps (buffer/recovery.py `keep_from`); pruned below the oldest checkpoint's step
+        self.consumed_log: deque[tuple[int, str, int]] = deque()
         self.max_lag_set_live = False  # SetMaxLag was used: max_lag outlives restarts (else the config's applies)
 
     # -- throttle -----------------------------------------------------------------------------------------------
@@ -253,6 +256,15 @@ class BufferState:
         """Bytes of the queued groups' payloads: what a journal snapshot would have to copy."""
         return sum(memoryview(queued.payload).nbytes for queued in self.queue)
 
+    def kept_bytes(self) -> int:
+        """Bytes of the consumed groups a compaction keeps (`consumed_log`, pruned by `prune_consumed`)."""
+        return sum(entry[2] for entry in self.consumed_log)
+
+    def prune_consumed(self, from_step: int) -> None:
+        """Forget the consumed groups of steps before `from_step`: no resume can train them again."""
+        while self.consumed_log and self.consumed_log[0][0] < from_step:
+            self.consumed_log.popleft()
+
     def take_batch(self, step: int, num_groups: int) -> tuple[list[Queued] | None, int]:
         """Record `step`, drop queued groups too stale for it; (the oldest `num_groups` groups or None, dropped)."""
         self.step = step
@@ -260,6 +272,7 @@ class BufferState:
         if num_groups < 1 or len(self.queue) < num_groups:
             return None, dropped
         taken = [self.queue.popleft() for _ in range(num_groups)]
+        self.consumed_log.extend((step, q.group, memoryview(q.payload).nbytes) for q in taken)
         self.consumed_groups += num_groups
         self.counters["consumed_groups"] += num_groups
         self.log_record({"k": "consume", "g": [q.group for q in taken], "s": step})
@@ -269,6 +282,8 @@ class BufferState:
         """Put back a batch whose reply could not be delivered, at the head of the queue."""
         for queued in reversed(taken):
             self.queue.appendleft(queued)
+        back = {q.group for q in taken}
+        self.consumed_log = deque(entry for entry in self.consumed_log if entry[1] not in back)
         self.consumed_groups -= len(taken)
         self.counters["consumed_groups"] -= len(taken)
         self.counters["requeued_groups"] += len(taken)

@@ -265,7 +265,10 @@ class BufferConfig:
     """Seconds without any request from a worker after which it is declared dead and its leases return; 0: off.
     Rollout workers send a heartbeat every worker_timeout_s / 6 seconds, also while generating."""
     compact_bytes: int = in_range(1, default=67108864)
-    """Journal size in bytes that triggers compaction into a snapshot of the live state."""
+    """Journal size in bytes that triggers compaction into a snapshot of the live state: the queued groups and, for
+    a resume, those consumed since the oldest checkpoint on disk (since step 0 before the first, with
+    `checkpoint.every > 0`; none with `checkpoint.every = 0`, where a restart from the initial model counts the
+    groups consumed before the compaction as `rewind_lost_groups`)."""
     reserve_mb: int = in_range(0, 512, default=128)  # buffer.memory.MAX_RESERVE_MB
     """MiB of memory the buffer process faults in at start-up and keeps for queued groups, so that admitting them
     does not page-fault on every message (buffer/memory.py; the process starts at about this resident size)."""

@@ -668,6 +668,37 @@ def test_compaction_bounds_the_journal_and_keeps_exactly_once(tmp_path: Path) ->
             assert buffer.client.push_group(group, make_group(lease, version=12)).reason == "duplicate"
 
 
+def test_a_resume_from_the_oldest_checkpoint_after_a_compaction_trains_the_same_groups_again(tmp_path: Path) -> None:
+    """Checkpoints every 3 steps, the last 2 kept, as a run writes them; the journal compacts several times. A resume
+    from the oldest checkpoint on disk, from before the last compaction, gets back every group consumed since, in the
+    same batches: none is lost (the compaction kept them as `kept` records)."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    batches: list[list[str]] = []
+    sections: dict[str, Any] = {"buffer": {"compact_bytes": 4096}, "staleness": {"max_lag": 100}}
+    with running_buffer(tmp_path, run_dir=run_dir, checkpoint={"every": 3}, **sections) as buffer:
+        for step in range(14):
+            lease_and_push(buffer, BATCH)  # version 0: no group is dropped by the rewind for its versions
+            batch = buffer.client.fetch_batch(step=step, num_groups=BATCH, wait_s=0.0)
+            batches.append([g[0].group for g in batch.groups])
+            if (step + 1) % 3 == 0:  # step_<k>: k steps trained; the oldest beyond 2 deleted
+                (checkpoints / f"step_{step + 1}").mkdir(parents=True)
+                for old in sorted(checkpoints.iterdir(), key=lambda p: int(p.name[5:]))[:-2]:
+                    old.rmdir()
+        assert buffer.stats()["journal_compactions"] >= 2
+        buffer.proc.kill()
+        buffer.proc.wait()
+    head = read_records(run_dir / "buffer.journal")[0]
+    assert head["k"] == "state" and head["step"] >= 9  # the last compaction came after the checkpoint resumed from
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_12", "step_9"]
+    with running_buffer(tmp_path, run_dir=run_dir, args=("--resume-step", "9"), **sections) as buffer:
+        stats = buffer.stats()
+        assert stats.get("rewind_lost_groups", 0) == 0 and stats["rewound_groups"] == 5 * BATCH
+        for step in range(9, 14):
+            batch = buffer.client.fetch_batch(step=step, num_groups=BATCH, wait_s=0.0)
+            assert [g[0].group for g in batch.groups] == batches[step]
+
+
 def test_a_fetch_of_more_than_a_reply_can_hold_is_refused_and_consumes_nothing(tmp_path: Path) -> None:
     with running_buffer(tmp_path) as buffer:
         lease_and_push(buffer, 3)

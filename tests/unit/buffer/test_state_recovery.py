@@ -10,7 +10,7 @@ from test_service import make_group
 
 from buffer import ingest, recovery
 from buffer import state as state_module
-from buffer.journal import Journal, read_records
+from buffer.journal import Journal, intact_records, read_records
 from buffer.state import BufferState
 from common import wire
 from common.config import DataConfig
@@ -74,6 +74,79 @@ def test_a_resume_past_a_compaction_leases_again_and_serves_the_next_step(tmp_pa
     assert replayed.consumed_groups == state.consumed_groups
     assert replayed.journal is not None
     replayed.journal.close()
+
+
+def _compact(state: BufferState, kept_from: int) -> int:
+    """What the service's compaction does (buffer/service.py `_maybe_compact`); returns the kept_from it wrote."""
+    assert state.journal is not None
+    state.journal.commit()
+    state.prune_consumed(kept_from)
+    kept_from, kept = recovery.kept_payloads(intact_records(state.journal.path), list(state.consumed_log), kept_from)
+    state.journal.rewrite(recovery.snapshot(state, kept, kept_from))
+    return kept_from
+
+
+def test_two_compactions_keep_what_a_resume_from_the_oldest_checkpoint_trains_again(tmp_path: Path) -> None:
+    """Steps 0-7 trained; compacted at step 5 and again at step 7, both keeping from step 2 (the oldest checkpoint);
+    a resume at step 2 gets back the groups of steps 2-7 in their order, none lost; a plain restart agrees."""
+    path = tmp_path / "buffer.journal"
+    state = _state(path, max_lag=100)
+    batches: list[list[str]] = []
+    for step in range(8):
+        while len(state.queue) < GROUPS_PER_STEP:
+            _fill(state, version=0)
+        taken, _ = state.take_batch(step, GROUPS_PER_STEP)
+        assert taken is not None
+        batches.append([q.group for q in taken])
+        if step in (5, 7):
+            assert _compact(state, kept_from=2) == 2
+    assert state.journal is not None
+    state.journal.close()
+    records = read_records(path)
+    assert [r["k"] for r in records[: 1 + 6 * GROUPS_PER_STEP]] == ["state"] + ["kept"] * 6 * GROUPS_PER_STEP
+    assert records[0]["kept_from"] == 2
+
+    state = _state(path, max_lag=100)
+    assert state.consumed_groups == 8 * GROUPS_PER_STEP
+    rewound = recovery.rewind(state, 2)
+    assert rewound == {"requeued": 6 * GROUPS_PER_STEP, "dropped": 0, "lost": 0}
+    again = [g for batch in batches[2:] for g in batch]
+    assert [q.group for q in state.queue][: len(again)] == again  # at the head, then the groups never consumed
+    assert state.consumed_groups == 2 * GROUPS_PER_STEP
+    assert state.journal is not None
+    state.journal.close()
+
+
+def test_a_group_the_journal_lacks_moves_kept_from_past_its_step(tmp_path: Path) -> None:
+    """A consumed group whose admit record is not in the journal (damage) cannot be kept: the steps up to its own are
+    then not kept at all (a resume before them counts them lost) rather than a batch coming back short."""
+    path = tmp_path / "buffer.journal"
+    state = _state(path, max_lag=100)
+    for step in range(4):
+        while len(state.queue) < GROUPS_PER_STEP:
+            _fill(state, version=0)
+        assert state.take_batch(step, GROUPS_PER_STEP)[0] is not None
+    assert state.journal is not None
+    state.journal.commit()
+    wanted = list(state.consumed_log)
+    wanted[2] = (wanted[2][0], "g999", wanted[2][2])  # a group of step 1 that no record holds
+    kept_from, kept = recovery.kept_payloads(intact_records(path), wanted, 0)
+    assert kept_from == 2 and [step for step, _ in kept] == [2, 2, 3, 3]
+    state.journal.close()
+
+
+def test_a_requeued_batch_leaves_the_consumed_log_and_keep_from_follows_the_checkpoints(tmp_path: Path) -> None:
+    state = _state(tmp_path / "buffer.journal")
+    _fill(state, version=0)
+    taken, _ = state.take_batch(0, GROUPS_PER_STEP)
+    assert taken is not None and [entry[1] for entry in state.consumed_log] == [q.group for q in taken]
+    state.requeue(taken)
+    assert not state.consumed_log and state.kept_bytes() == 0
+    assert recovery.keep_from([9, 12], checkpoint_every=3, step=13) == 9
+    assert recovery.keep_from([], checkpoint_every=3, step=13) == 0  # a restart goes back to the initial model
+    assert recovery.keep_from([], checkpoint_every=0, step=13) == 14  # no checkpoint will be written: keep none
+    assert state.journal is not None
+    state.journal.close()
 
 
 def test_compaction_keeps_max_lag_only_if_it_was_set_live(tmp_path: Path) -> None:
