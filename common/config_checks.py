@@ -72,7 +72,7 @@ def check_section(section: Any, prefix: str = "") -> None:
         if choices is not None and value not in choices:
             raise ConfigError(f"invalid value {value!r} for `{key}`; valid values: {', '.join(choices)}")
     for key, value, meta in leaves:
-        if RANGE_META not in meta:
+        if RANGE_META not in meta or value is None:  # null: the key's documented default applies (`loss.cap`)
             continue
         low, high = meta[RANGE_META]
         if (low is not None and value < low) or (high is not None and value > high):

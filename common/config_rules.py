@@ -142,6 +142,12 @@ def _check_rollout(cfg: Config) -> None:
                           "use `quant.lm_head=auto` or `fp32` with `rollout.backend=sglang`")  # fmt: skip
     if cfg.quant.lm_head == "quantized" and cfg.quant.scheme == "none":
         raise ConfigError("`quant.lm_head=quantized` needs a quantized `quant.scheme` (int8, fp8, ...), got none")
+    if cfg.algo.overlong.len > 0 and cfg.env.fn:
+        raise ConfigError(
+            "`algo.overlong.len` shapes one response's length against `rollout.max_new_tokens` (ALGORITHMS.md), but "
+            f"`env.fn` ({cfg.env.fn}) makes episodes of several turns and observations, bounded by "
+            "`env.max_total_tokens`: set `algo.overlong.len=0`"
+        )
     if cfg.algo.overlong.len >= cfg.rollout.max_new_tokens and cfg.algo.overlong.len > 0:
         raise ConfigError(
             f"`algo.overlong.len` ({cfg.algo.overlong.len}) must be below `rollout.max_new_tokens` "

@@ -335,12 +335,19 @@ class KlConfig:
     (log r)^2 / 2, `k3` = r - 1 - log r (low variance, never negative; GRPO's)."""
 
 
+DEFAULT_CAP = 2.0
+"""`loss.cap` left null: C of every weighting but `acrl`."""
+ACRL_DEFAULT_CAP = 3.0
+"""`loss.cap` left null with `loss.weighting=acrl`: ALGORITHMS.md's default C (the ACRL paper's clip value 3)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
     weighting: str = one_of(WEIGHTINGS, default="tis")
     """Mismatch weighting (ALGORITHMS.md): none, decoupled, tis, mis_token, mis_seq, acr, acrl, tbpo, gspo, pg_*."""
-    cap: float = in_range(1.0, default=2.0)
-    """C: truncation / masking threshold of the mismatch weight."""
+    cap: float | None = in_range(1.0, default=None)
+    """C: truncation / masking threshold of the mismatch weight; null (default): the weighting's own, 3 for `acrl`
+    (ALGORITHMS.md, the ACRL paper's clip value) and 2 for every other weighting."""
     eps_low: float = in_range(0.0, 1.0, default=0.2)
     """PPO lower clip."""
     eps_high: float = in_range(0.0, default=0.28)
@@ -355,6 +362,15 @@ class LossConfig:
     entropy_coef: float = in_range(0.0, default=0.0)
     """Weight of the entropy bonus over response tokens: loss -= entropy_coef * agg(H); 0: off (docs/algorithms.md,
     "KL and entropy terms")."""
+
+    @property
+    def effective_cap(self) -> float:
+        """C as the losses use it: `cap`, or the weighting's default when it is null (read it through this, never
+        `cap`: a section's defaults are built before the config's weighting is merged in, so null cannot be resolved
+        at construction)."""
+        if self.cap is not None:
+            return self.cap
+        return ACRL_DEFAULT_CAP if self.weighting == "acrl" else DEFAULT_CAP
 
 
 @dataclass(kw_only=True, slots=True)

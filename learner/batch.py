@@ -94,8 +94,10 @@ def overlong_shaping(lengths: torch.Tensor, truncated: torch.Tensor, max_len: in
     """DAPO overlong reward shaping (ALGORITHMS.md): a penalty per response, 0 when disabled (cache_len = 0)."""
     if cache_len <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
-    soft = -(lengths.float() - (max_len - cache_len)) / cache_len
-    penalty = torch.where(lengths.float() > max_len - cache_len, soft, torch.zeros_like(soft))
+    length = lengths.float()
+    soft = -(length - (max_len - cache_len)) / cache_len
+    window = (length > max_len - cache_len) & (length <= max_len)  # in [-1, 0): the spec's L_max - L_c < |y| <= L_max
+    penalty = torch.where(window, soft, torch.zeros_like(soft))
     return torch.where(truncated, torch.full_like(penalty, -1.0), penalty)
 
 

@@ -170,6 +170,11 @@ def advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimator: str)
     are the same for any scale of the rewards."""
     rewards = rewards.to(torch.float64)
     n_groups = int(group_index.max()) + 1
+    # Deviations from each group's lowest reward, exact: a group of equal rewards then has mean 0 and advantages
+    # exactly 0 (its float mean is not its reward in general: 1.1 * 8 / 8 != 1.1), as skip_zero_adv and ACRL's
+    # sign(A) need, and a large common offset (3.3e12 + 0.1) no longer rounds the deviations away.
+    low = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce_(0, group_index, rewards, "amin")
+    rewards = rewards - low[group_index]
     counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards))
     sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, rewards)
     mean = (sums / counts)[group_index]
@@ -187,6 +192,21 @@ def advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimator: str)
     return adv.to(torch.float32)
 
 
+def quantile(values: torch.Tensor, q: float) -> float:
+    """`torch.quantile(values, q)` (linear interpolation) of a 1-D tensor of any length: torch.quantile refuses more
+    than 2**24 elements (a DAPO-sized batch has more tokens), so the two order statistics come from `kthvalue`."""
+    n = values.numel()
+    if n == 0:
+        return float("nan")
+    position = q * (n - 1)
+    below = int(position)
+    low = values.kthvalue(below + 1).values
+    if below + 1 >= n:
+        return float(low)
+    high = values.kthvalue(below + 2).values
+    return float(low + (position - below) * (high - low))
+
+
 def mismatch_metrics(
     behav_logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor, cap: float
 ) -> dict[str, float]:
@@ -202,7 +222,7 @@ def mismatch_metrics(
         "mismatch/kl_k1": float((lb - lp).mean()),
         "mismatch/kl_k3": float((w - 1 - log_w).mean()),
         "mismatch/w_max": float(w.max()),
-        "mismatch/w_p99": float(torch.quantile(w, 0.99)),
+        "mismatch/w_p99": quantile(w, 0.99),
         "mismatch/w_over_cap": float((w > cap).float().mean()),
         "mismatch/seq_log_ratio_per_token": float((seq_diff / mask.sum(-1).clamp_min(1.0)).mean()),
     }

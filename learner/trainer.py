@@ -222,7 +222,9 @@ class Learner:
         staleness = (step - oldest).float()
         metrics = dict(result.metrics)
         with timed(seconds, "metrics"):
-            metrics.update(mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.cap))
+            metrics.update(
+                mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.effective_cap)
+            )
         metrics.update(
             {
                 "step": step,

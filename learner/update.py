@@ -399,6 +399,7 @@ def minibatch_backward(
                                                                 model_row_layout(model))]  # fmt: skip
     loss_sum = torch.zeros(())
     metric_sums: dict[str, float] = {}
+    metric_units: dict[str, float] = {}  # tokens or rows behind a share metric's sum (`metric_unit`)
     device_type = model_device(model).type  # autocast's: `cpu`, or `cuda` for a GPU learner (learner.devices)
     for (lo, hi), real, no_grad in passes:  # real: rows of the minibatch; no_grad: forward-only rows
         micro = batch.select(lo, hi)
@@ -425,15 +426,45 @@ def minibatch_backward(
                 scaler.scale_loss(out.loss * (share * ranks.world)).backward()
         loss_sum += out.loss.detach() * share
         for key, value in out.metrics.items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + value * share
+            unit = metric_unit(loss_cfg.weighting, key)
+            weight = share if unit == "loss" else float(micro.mask.sum()) if unit == "tokens" else float(micro.rows)
+            metric_sums[key] = metric_sums.get(key, 0.0) + value * weight
+            if unit != "loss":
+                metric_units[key] = metric_units.get(key, 0.0) + weight
     if count == 0:  # every row forward-only: the zero gradient a backward would have left, for AdamW alike
         for param in model.parameters():
             if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)
     # Fixed per weighting; with several ranks, one without real micro-batches still reports every key (as zeros).
     keys = metric_names(loss_cfg) if ranks.world > 1 else sorted(metric_sums)
-    packed = all_reduce_(torch.tensor([float(loss_sum)] + [metric_sums.get(k, 0.0) for k in keys]), ranks)
-    return float(packed[0]), dict(zip(keys, packed[1:].tolist()))
+    sums = [metric_sums.get(k, 0.0) for k in keys]
+    units = [metric_units.get(k, 0.0) for k in keys]
+    packed = all_reduce_(torch.tensor([float(loss_sum), *sums, *units]), ranks).tolist()
+    sums, units = packed[1 : 1 + len(keys)], packed[1 + len(keys) :]
+    metrics = {
+        key: total if metric_unit(loss_cfg.weighting, key) == "loss" else total / count if count > 0 else 0.0
+        for key, total, count in zip(keys, sums, units)
+    }
+    return float(packed[0]), metrics
+
+
+_ROW_SHARES = {
+    "mis_seq": ("mis_masked",),
+    "tbpo": ("tbpo_dropped",),
+    "gspo": ("ppo_clip_high", "ppo_clip_low"),
+    "pg_tis": ("tis_trunc",),
+    "pg_mis": ("mis_masked",),
+}
+_TOKEN_SHARES = ("ppo_clip_high", "ppo_clip_low", "tis_trunc", "mis_masked")
+
+
+def metric_unit(weighting: str, key: str) -> str:
+    """What a micro-batch's metric `key` is a mean over, so that micro-batches combine into the minibatch's figure
+    however it was split: `rows` (a share of responses), `tokens` (a share of loss-mask tokens), or `loss` (weighed as
+    the loss weighs rows, `loss.agg`: the regularizers and ACRL's `loss_share_mean` figures)."""
+    if key in _ROW_SHARES.get(weighting, ()):
+        return "rows"
+    return "tokens" if key in _TOKEN_SHARES else "loss"
 
 
 _METRIC_NAMES: dict[tuple[str, bool, bool], list[str]] = {}

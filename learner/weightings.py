@@ -11,7 +11,7 @@ weighting names, and it must name exactly `common.config.WEIGHTINGS` (checked at
 
 Weights are constants: computed from detached log-probs, so no gradient flows through them. Notation
 (ALGORITHMS.md): lb behavior (rollout) log-prob, lp proximal, lc current; r = exp(lc - lp) the PPO ratio,
-w = exp(lp - lb) the mismatch weight, C = `loss.cap`.
+w = exp(lp - lb) the mismatch weight, C = `loss.cap` (null: 3 for acrl, 2 otherwise; `LossConfig.effective_cap`).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def none_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
 
 def masked_token_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
     """w * 1[w <= C] per token (ALGORITHMS.md `decoupled` and `mis_token`: the same formula)."""
-    weight, over = mask_over_cap(token_log_w(inputs).exp(), cfg.cap)
+    weight, over = mask_over_cap(token_log_w(inputs).exp(), cfg.effective_cap)
     n_tokens = inputs.mask.sum().clamp_min(1.0)
     return TokenWeight(weight, {"mis_masked": float((over.float() * inputs.mask).sum() / n_tokens)})
 
@@ -113,14 +113,14 @@ def tis_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
     """Truncated IS (FlashRL, QuRL eq. 5): loss_t = -min(w, C) * clipppo(r, A)."""
     w = token_log_w(inputs).exp()  # (B, T)
     n_tokens = inputs.mask.sum().clamp_min(1.0)
-    truncated = float(((w > cfg.cap).float() * inputs.mask).sum() / n_tokens)
-    return TokenWeight(torch.clamp(w, max=cfg.cap), {"tis_trunc": truncated})
+    truncated = float(((w > cfg.effective_cap).float() * inputs.mask).sum() / n_tokens)
+    return TokenWeight(torch.clamp(w, max=cfg.effective_cap), {"tis_trunc": truncated})
 
 
 def mis_seq_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
     """Sequence-level masked IS (ACRL eq. 3): rho_i = exp(sum_t (lp - lb)), per token rho_i * 1[rho_i <= C]."""
     log_w = token_log_w(inputs)  # (B, T)
-    weight, over = mask_over_cap(log_w.sum(-1).exp(), cfg.cap)  # (B,)
+    weight, over = mask_over_cap(log_w.sum(-1).exp(), cfg.effective_cap)  # (B,)
     return TokenWeight(weight[:, None].expand_as(log_w), {"mis_masked": float(over.float().mean())})
 
 
@@ -131,7 +131,7 @@ def acr_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
     space (w may be 0 or inf).
     """
     truncated = tis_weight(inputs, cfg)
-    s = (math.log(cfg.cap) - token_log_w(inputs)).clamp_max(0.0).exp()  # (B, T) min(w, C) / w
+    s = (math.log(cfg.effective_cap) - token_log_w(inputs)).clamp_max(0.0).exp()  # (B, T) min(w, C) / w
     return TokenWeight(truncated.weight, truncated.metrics, eps_high=(1.0 + cfg.eps_high) / s - 1.0)
 
 
@@ -167,14 +167,15 @@ def acrl_weight(inputs: LossInputs, cfg: LossConfig) -> TokenWeight:
     mask = inputs.mask.bool()
     log_w = torch.where(mask, inputs.prox_logp - inputs.behav_logp, 0.0).detach()  # (B, T) log(pi / mu)
     rho = (alpha[:, None] * log_w).exp()  # (B, T) eq. 8
-    truncated = ((rho > cfg.cap) & mask).sum(-1) / mask.sum(-1).clamp_min(1)  # (B,) share of each row's tokens
+    cap = cfg.effective_cap
+    truncated = ((rho > cap) & mask).sum(-1) / mask.sum(-1).clamp_min(1)  # (B,) share of each row's tokens
     metrics = {
         "acrl/x": x,
         "acrl/y_mean": loss_share_mean(y, inputs.mask, cfg),
         "acrl/alpha_mean": loss_share_mean(alpha, inputs.mask, cfg),
         "acrl/rho_trunc": loss_share_mean(truncated, inputs.mask, cfg),
     }
-    return TokenWeight(torch.clamp(rho, max=cfg.cap), metrics)
+    return TokenWeight(torch.clamp(rho, max=cap), metrics)
 
 
 def loss_row_weights(mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -255,12 +256,13 @@ def pg_is_loss(inputs: LossInputs, cfg: LossConfig) -> SequenceLoss:
 def pg_tis_loss(inputs: LossInputs, cfg: LossConfig) -> SequenceLoss:
     """FP16 paper eq. 6: pg_is with the weight truncated, min(rho_i', C)."""
     rho = pg_rho(inputs)  # (B,)
-    return pg_loss(inputs, torch.clamp(rho, max=cfg.cap), {"tis_trunc": float((rho > cfg.cap).float().mean())})
+    cap = cfg.effective_cap
+    return pg_loss(inputs, torch.clamp(rho, max=cap), {"tis_trunc": float((rho > cap).float().mean())})
 
 
 def pg_mis_loss(inputs: LossInputs, cfg: LossConfig) -> SequenceLoss:
     """FP16 paper eq. 7: pg_is with the weight masked, rho_i' * 1[rho_i' <= C]."""
-    weight, over = mask_over_cap(pg_rho(inputs), cfg.cap)  # (B,)
+    weight, over = mask_over_cap(pg_rho(inputs), cfg.effective_cap)  # (B,)
     return pg_loss(inputs, weight, {"mis_masked": float(over.float().mean())})
 
 

@@ -87,6 +87,26 @@ def test_bad_overrides_name_the_key(override, expected):
     assert expected in str(err.value)
 
 
+def test_loss_cap_left_null_is_the_weighting_s_default_c() -> None:
+    """ALGORITHMS.md: `acrl` defaults to C = 3 (the ACRL paper's clip value), every other weighting to 2; a cap that is
+    set wins, and the null survives the hand-off to the learner's process (resolved where it is read)."""
+    for weighting, expected in (("acrl", 3.0), ("tis", 2.0), ("mis_token", 2.0)):
+        cfg = load_config("configs/dapo_int8.yaml", [f"loss.weighting={weighting}"])
+        assert cfg.loss.cap is None and cfg.loss.effective_cap == expected, weighting
+        assert from_dict(to_dict(cfg)).loss.effective_cap == expected, weighting
+    assert load_config("configs/dapo_int8.yaml", ["loss.weighting=acrl", "loss.cap=2.5"]).loss.effective_cap == 2.5
+    with pytest.raises(ConfigError, match=r"loss\.cap.*out of range"):
+        load_config("configs/dapo_int8.yaml", ["loss.cap=0.5"])
+
+
+def test_overlong_shaping_is_refused_for_multi_turn_episodes() -> None:
+    """An episode's model tokens span turns, each bounded by `rollout.max_new_tokens`: the shaping's window against
+    that L_max would punish a correct multi-turn answer for its total length (3 points at 24 tokens of L_max 16)."""
+    with pytest.raises(ConfigError, match=r"`algo.overlong.len` shapes one response's length.*env.fn"):
+        load_config("configs/arith_tool.yaml", ["algo.overlong.len=4"])
+    assert load_config("configs/arith_tool.yaml").algo.overlong.len == 0
+
+
 def test_bad_yaml_files(tmp_path):
     typo = tmp_path / "typo.yaml"
     typo.write_text("train:\n  step: 3\n")

@@ -465,3 +465,42 @@ def test_rewards_past_float32_s_range_give_finite_advantages(estimator):
             assert torch.allclose(adv, expected, rtol=1e-5), scale  # to the 1e-6 in the spread at scale 1
         elif scale < 1e38:  # the others keep the rewards' scale: 1e39 is past float32 as an advantage too
             assert torch.isfinite(adv).all() and torch.allclose(adv, expected * scale, rtol=1e-6), scale
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+def test_a_group_of_equal_rewards_has_advantages_exactly_zero(estimator):
+    """ALGORITHMS.md: equal rewards give A = 0. Exactly, not ~1e-10: `learner.skip_zero_adv` runs a row forward-only
+    only when its advantage is 0, and ACRL's alpha takes sign(A). A float group mean is not the reward in general
+    (1.1 * 8 / 8), and a large common offset must not swamp the deviations of a group that has them."""
+    group_index = torch.tensor([0] * 8 + [1] * 8)
+    for reward in (0.1, 1.1, 3.3e12 + 0.1):
+        rewards = torch.tensor([reward] * 8 + [reward, reward + 1.0] * 4, dtype=torch.float64)
+        adv = advantages(rewards, group_index, estimator)
+        assert (adv[:8] == 0).all(), (reward, adv[:8])
+        assert torch.allclose(adv[8:], advantages(rewards[8:] - reward, group_index[8:] - 1, estimator)), reward
+
+
+def test_w_p99_is_torch_s_quantile_and_takes_a_dapo_sized_batch():
+    """mismatch/w_p99 interpolates as torch.quantile does, and a batch of more than 2**24 tokens (torch.quantile
+    refuses those) gives a number instead of failing the step."""
+    from learner.losses import quantile
+
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 100, 1001):
+        values = torch.rand(n, generator=generator)
+        for q in (0.0, 0.5, 0.99, 1.0):
+            assert quantile(values, q) == pytest.approx(float(torch.quantile(values, q)), abs=1e-7), (n, q)
+    log_w = torch.zeros(1, 2**24 + 5)
+    log_w[0, -1] = 1.0
+    metrics = mismatch_metrics(torch.zeros_like(log_w), log_w, torch.ones_like(log_w), cap=2.0)
+    assert metrics["mismatch/w_p99"] == 1.0 and metrics["mismatch/w_max"] == pytest.approx(math.e)
+
+
+def test_overlong_shaping_follows_the_spec_s_window():
+    """ALGORITHMS.md: -(|y| - (L_max - L_c)) / L_c when L_max - L_c < |y| <= L_max, -1 when truncated, else 0."""
+    from learner.batch import overlong_shaping
+
+    lengths = torch.tensor([4, 5, 6, 8, 9, 8])
+    truncated = torch.tensor([False, False, False, False, False, True])
+    penalty = overlong_shaping(lengths, truncated, max_len=8, cache_len=4)
+    assert penalty.tolist() == [0.0, -0.25, -0.5, -1.0, 0.0, -1.0]

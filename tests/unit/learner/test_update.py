@@ -43,6 +43,34 @@ def test_gradients_do_not_depend_on_the_micro_batch_budget(weighting):
     assert small_metrics["loss"] == pytest.approx(whole_metrics["loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize(
+    ("weighting", "agg"),
+    [("tis", "seq_mean_token_mean"), ("mis_token", "seq_mean_token_mean"), ("acr", "seq_mean_token_mean"),
+     ("mis_seq", "token_mean"), ("pg_tis", "token_mean")],
+)  # fmt: skip
+def test_share_metrics_do_not_depend_on_the_micro_batch_budget(weighting, agg):
+    """The clip, truncation and masking shares are shares of tokens (or of responses for the sequence-level ones) of
+    the whole minibatch, whatever `loss.agg` weighs rows by and however the rows were split into micro-batches."""
+    from learner.distributed import SINGLE
+    from learner.update import minibatch_backward, proximal_logp, step_inputs
+
+    metrics = {}
+    for budget in (12, 100_000):
+        torch.manual_seed(0)
+        model = tiny_model()
+        batch = with_behavior(tiny_batch(), model, noise=0.6)
+        cfg = tiny_config(f"loss.weighting={weighting}", f"loss.agg={agg}", "loss.cap=1.3",
+                          f"learner.micro_batch_tokens={budget}", "learner.share_prefix=false",
+                          "learner.skip_zero_adv=false")  # fmt: skip
+        prox, _ = proximal_logp(model, batch, cfg.learner, cfg.precision, cfg.rollout, SINGLE)
+        inputs = step_inputs(batch, prox, cfg.rollout, cfg.algo, cfg.loss, AcrlReference(cfg.loss.acrl))
+        metrics[budget] = minibatch_backward(model, batch, (0, batch.rows), inputs, cfg, LossScaler(enabled=False))[1]
+    shares = [key for key in metrics[12] if key in ("ppo_clip_high", "ppo_clip_low", "tis_trunc", "mis_masked")]
+    assert shares and any(0.0 < metrics[12][key] < 1.0 for key in shares), metrics[12]  # exercised, not 0 or 1
+    for key in shares:
+        assert metrics[12][key] == pytest.approx(metrics[100_000][key], abs=1e-6), key
+
+
 def test_a_nonfinite_second_minibatch_undoes_the_first_ones_update_and_adam_state():
     model = tiny_model()
     batch = with_behavior(tiny_batch(), model)
