@@ -18,6 +18,7 @@ asyncrl study STUDY.yaml [--quick]    cells x seeds of `up` runs compared: resul
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import TYPE_CHECKING
 
@@ -223,7 +224,7 @@ def _up(args: argparse.Namespace) -> int:
 
         latest = checkpoint.latest_whole(resume)  # the driver names any newer one it passes over
         meta = checkpoint.read_meta(latest) if latest is not None else {}
-        live = [f"{k}={v}" for k, v in meta.get("live", {}).items()]
+        live = [f"{k}={json.dumps(v)}" for k, v in meta.get("live", {}).items()]  # YAML: a null stays null
         saved, cfg = _load(str(resume / "config.json"), live), _load(str(resume / "config.json"), live + overrides)
         changed = resume_changes(saved, cfg)
         if changed:

@@ -201,7 +201,7 @@ def run_probe(options: ProbeOptions, log=print) -> dict[str, Any]:  # noqa: ANN0
         top_k=cfg.rollout.top_k, max_batch=cfg.rollout.max_batch, max_seq_len=min(max_seq_len, needed),
         precision=cfg.precision.rollout, device=cfg.rollout.device, seed=cfg.train.seed,
     )  # fmt: skip
-    temperature, budget, cap = cfg.rollout.temperature, cfg.learner.micro_batch_tokens, cfg.loss.cap
+    temperature, budget, cap = cfg.rollout.temperature, cfg.learner.micro_batch_tokens, cfg.loss.effective_cap
     scanned = set(options.schemes) - {"none"} if options.layer_schemes is None else set(options.layer_schemes)
     scanner = pm.LayerScanner(model) if options.layers_top > 0 and scanned else None
     reports: list[pm.SchemeReport] = []

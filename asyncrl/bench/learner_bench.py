@@ -408,7 +408,7 @@ def _smol_step(model, optimizer, batch, sections, scheme: str, publisher, versio
         publisher.publish(version, tensors, scheme)
     with timed(seconds, "metrics"):
         quant_error_by_type(state, tensors, scheme)
-        mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.cap)
+        mismatch_metrics(batch.behav_logp, result.prox_logp, batch.mask, sections.loss.effective_cap)
     seconds["total"] = time.perf_counter() - started
     seconds["busy"] = (time.process_time() - cpu) / torch.get_num_threads()
     seconds["proximal_pass"] = float(result.seconds["proximal"] > 0)
