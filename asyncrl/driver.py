@@ -135,6 +135,8 @@ def check_inputs(cfg: Config, model_dir: str) -> ArchConfig:
     check_model_code(model_dir, cfg.model.trust_remote_code)
     try:
         arch = ArchConfig.from_model_dir(model_dir)
+        if cfg.rollout.backend == "embedded":
+            arch.check_embedded(model_dir)
     except ModelDirError as err:
         raise StartupError(f"model.path: {err}") from None
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -152,7 +154,8 @@ def check_inputs(cfg: Config, model_dir: str) -> ArchConfig:
     from common.tasks.chat import check_prompts_fit
 
     try:  # prompts that cannot fit the model (or that it cannot encode) fail here, not as a silent hang
-        warning = check_prompts_fit(source, cfg, model_dir, arch.max_positions)
+        window = arch.sliding_window if cfg.rollout.backend == "embedded" else 0  # the engine's context stops there
+        warning = check_prompts_fit(source, cfg, model_dir, min(arch.max_positions, window or arch.max_positions))
     except DatasetError as err:
         raise StartupError(f"data: {err}") from None
     if warning:
@@ -317,14 +320,21 @@ def _sweep_weight_files() -> None:
     sweep_stale(SHM_DIR)
 
 
+REPEAT_WINDOW_S = 0.05
+"""A second SIGTERM this soon after the first is the same request: timeout(1), like other supervisors, signals the
+child and then its process group, microseconds apart."""
+
+
 class StopSignals:
-    """Ctrl-C or SIGTERM to `asyncrl up`: the first stops the run as `asyncrl down` does (the step in progress
-    finishes, workers stop, a checkpoint is written); a second one stops it at once (KeyboardInterrupt)."""
+    """Ctrl-C, SIGTERM or SIGHUP (the terminal closed) to `asyncrl up`: the first stops the run as `asyncrl down`
+    does (the step in progress finishes, workers stop, a checkpoint is written); a second one stops it at once
+    (KeyboardInterrupt), except a SIGTERM within REPEAT_WINDOW_S of the first."""
 
     def __init__(self, logger: MetricsLogger) -> None:
         self.logger = logger
         self.requested = ""
-        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._first_at = 0.0
+        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         self.install()
 
     def install(self) -> None:
@@ -337,10 +347,26 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
         if self.requested:
+            if name == self.requested == "SIGTERM" and now - self._first_at < REPEAT_WINDOW_S:
+                return  # the same stop, delivered to the driver and to its process group
             raise KeyboardInterrupt(f"{name} again: stopping now, without a checkpoint")
-        self.requested = name
+        self.requested, self._first_at = name, now
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()  # it is gone: the lines below and the stop's would fail writing to it
         self.logger.info(f"{name}: stopping after this step (workers stop, then a checkpoint); {name} again: now")
+
+
+def _detach_from_terminal() -> None:
+    """Point stdout and stderr that are a terminal at /dev/null (metrics.jsonl keeps every event)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _train(

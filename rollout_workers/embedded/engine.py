@@ -110,8 +110,10 @@ class EmbeddedEngine:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"rollout.device {device!r} is not supported (cpu, cuda, cuda:N)")
         self.arch = ArchConfig.from_model_dir(model_dir)
+        self.arch.check_embedded(model_dir)
         self.max_batch = max_batch
-        self.max_seq_len = min(max_seq_len, self.arch.max_positions)
+        # a sliding window's attention equals full attention up to the window: past it the learner's would differ
+        self.max_seq_len = min(max_seq_len, self.arch.max_positions, self.arch.sliding_window or max_seq_len)
         self.swap_mode = swap_mode
         self._weights: ModelWeights | None = None
         self._version = -1

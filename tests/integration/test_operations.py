@@ -293,6 +293,39 @@ def test_sigterm_stops_the_run_like_down_and_takes_the_buffer_with_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_hangup_and_timeout_s_two_sigterms_stop_the_run_gracefully(tmp_path):
+    """SIGHUP (the terminal closed, an ssh session dropped) stops the run as SIGTERM does, with a checkpoint; it
+    used to kill the driver (exit 129, no checkpoint, a stale control.json). timeout(1) sends SIGTERM to the driver
+    and then to its process group: the second, 10 ms later, is the same stop, not "SIGTERM again: now"."""
+    run_dir = tmp_path / "h"
+    for stop in ("hangup", "timeout"):
+        resume = ("--resume", str(run_dir)) if stop == "timeout" else (str(ROOT / "configs/dapo_int8.yaml"),)
+        proc = start_up(tmp_path, *resume, f"logging.dir={tmp_path}", "logging.name=h", "train.steps=100000",
+                        "logging.console=false", *SMALL)  # fmt: skip
+        try:
+            before = sum("loss" in r for r in records(run_dir))
+            wait_for(lambda: sum("loss" in r for r in records(run_dir)) >= before + 2, 120, "two steps", proc)  # noqa: B023
+            if stop == "hangup":
+                os.kill(proc.pid, signal.SIGHUP)
+            else:
+                os.kill(proc.pid, signal.SIGTERM)
+                time.sleep(0.01)
+                os.killpg(proc.pid, signal.SIGTERM)
+            out, _ = proc.communicate(timeout=180)
+        finally:
+            kill_if_running(proc)
+        assert proc.returncode == 0, (stop, out[-4000:])
+        assert "again" not in out, (stop, out[-4000:])
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["stopped_early"], stop
+        meta = json.loads((run_dir / f"checkpoints/step_{summary['steps']}/meta.json").read_text())
+        assert meta["step"] == summary["steps"], stop
+        reason = "SIGHUP" if stop == "hangup" else "SIGTERM"
+        assert any(r.get("event") == "down" and r.get("reason") == reason for r in records(run_dir)), stop
+        assert not (run_dir / "control.json").exists(), stop
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_whole_process_group_stops_the_run_gracefully(tmp_path):
     """`kill -TERM -PGID` (timeout, Slurm's scancel, systemd's stop) reaches the actors too: they leave it to the
     driver, whose graceful stop needs them; it used to kill the learner, and the run failed without a checkpoint."""

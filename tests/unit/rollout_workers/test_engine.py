@@ -278,6 +278,55 @@ def test_bad_model_dirs_fail_clearly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelDirError, match="missing or invalid field"):
         EmbeddedEngine(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ModelDirError, match="not a JSON object"):
+        EmbeddedEngine(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-16")
+    with pytest.raises(ModelDirError, match="invalid JSON"):
+        EmbeddedEngine(tmp_path)
+    good = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    for change, message in [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer, got -1"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
+        ({"eos_token_id": ["a"]}, r"eos_token_id must be token ids below vocab_size \(97\), got \['a'\]"),
+        ({"eos_token_id": 97}, "eos_token_id must be token ids below vocab_size"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps({**good, **change}))
+        with pytest.raises(ModelDirError, match=message):
+            EmbeddedEngine(tmp_path)
+
+
+def test_config_features_the_engine_lacks_are_refused_and_a_sliding_window_caps_its_context(tmp_path):
+    """The engine would drop biases and run silu regardless (log-probs 0.16-0.58 away from Hugging Face's): refused,
+    naming each; a sliding window is full attention up to the window, so the engine's context stops there."""
+    for overrides, message in [
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ]:
+        model_dir = tmp_path / message.split("=")[0]
+        make_model(model_dir, "llama", **overrides)
+        with pytest.raises(ModelDirError, match=f"{message}.*does not implement"):
+            EmbeddedEngine(model_dir)
+    make_model(tmp_path / "window", "qwen2", use_sliding_window=True, sliding_window=48, max_window_layers=0)
+    assert EmbeddedEngine(tmp_path / "window", max_seq_len=100).max_seq_len == 48
+    make_model(tmp_path / "window_off", "qwen2", use_sliding_window=False, sliding_window=48)
+    assert EmbeddedEngine(tmp_path / "window_off", max_seq_len=100).max_seq_len == 100
+
+
+def test_end_of_sequence_ids_come_from_generation_config_too(tmp_path):
+    """Hugging Face `generate` stops on generation_config.json's eos_token_id: so does the engine, with or without
+    config.json's (a model whose config.json lacks it generated to max_new_tokens every time)."""
+    make_model(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 1]}))
+    assert EmbeddedEngine(tmp_path).arch.eos_token_ids == (5, 1)
 
 
 @pytest.mark.parametrize(
