@@ -35,6 +35,8 @@ prompt left no room). `eval/acc_greedy`, the learner's single-turn decode, is no
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -61,6 +63,8 @@ def sample_metrics(correct: list[list[bool]], rewards: list[list[float]]) -> dic
 class EvalWorker(RolloutWorker):
     """A rollout worker without a rollout loop: it follows the learner's weight versions and answers `evaluate`."""
 
+    _reward_failure_said = False  # the first reward-function failure is printed once (`_say_first_reward_failure`)
+
     def subscribe(self, weights_endpoint: str) -> bool:
         from quant_sync.transport import WeightSubscriber
 
@@ -84,7 +88,10 @@ class EvalWorker(RolloutWorker):
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         fits = [bool(ids) and (limit is None or len(ids) + max_new <= limit) for ids in prompt_ids]
         kept = [i for i, ok in enumerate(fits) if ok]
-        greedy = self._scores([prompt_ids[i] for i in kept], [answers[i] for i in kept], 1, top_k=1) if kept else []
+        rows = self.problem_rows(prompts, answers)
+        failures_before = self.rewards.errors + self.rewards.timeouts
+        greedy = self._scores([prompt_ids[i] for i in kept], [answers[i] for i in kept], [rows[i] for i in kept], 1,
+                              top_k=1) if kept else []  # fmt: skip
         correct_greedy = sum(reward >= 1.0 for (reward,) in greedy)
         metrics = {
             "eval/acc_greedy_rollout": correct_greedy / max(len(prompts), 1),
@@ -92,11 +99,33 @@ class EvalWorker(RolloutWorker):
             "eval/version": float(self.engine.version),
         }
         if samples and kept:
-            draws = self._scores([prompt_ids[i] for i in kept], [answers[i] for i in kept], samples)
+            draws = self._scores([prompt_ids[i] for i in kept], [answers[i] for i in kept], [rows[i] for i in kept],
+                                 samples)  # fmt: skip
             missing = [[0.0] * samples] * (len(prompts) - len(kept))  # a prompt that does not fit scores 0
             rewards = [list(row) for row in draws] + missing
             metrics.update(sample_metrics([[r >= 1.0 for r in row] for row in rewards], rewards))
+        metrics["eval/reward_errors"] = float(self.rewards.errors + self.rewards.timeouts - failures_before)
+        self._say_first_reward_failure()
         return metrics
+
+    def problem_rows(self, prompts: list[str], answers: list[str], episodes: bool = False) -> list[dict[str, Any]]:
+        """The `row` a reward function (or, `episodes`, an environment) gets for each held-out problem, as in
+        training: `index`, `prompt`, `answer` and the dataset's own fields where the source has them (`eval_row`;
+        they win over the first three for a reward function, rollout_workers/worker.py, and lose for an environment,
+        rollout_workers/episodes.py), plus `eval: True`."""
+        eval_row = getattr(self.source, "eval_row", None)
+        rows = []
+        for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+            lease = {"index": i, "prompt": prompt, "answer": answer}
+            fields = json.loads(json.dumps(eval_row(i), default=str)) if eval_row is not None else {}  # a copy
+            rows.append({**fields, **lease, "eval": True} if episodes else {**lease, **fields, "eval": True})
+        return rows
+
+    def _say_first_reward_failure(self) -> None:
+        """The first reward-function failure of an evaluation, once (it scored 0: eval/reward_errors counts them)."""
+        if self.rewards.first_error and not self._reward_failure_said:
+            self._reward_failure_said = True
+            print(f"evaluator: {self.rewards.first_error}", file=sys.stderr, flush=True)
 
     def _evaluate_episodes(self, prompts: list[str], answers: list[str], samples: int) -> dict[str, float]:
         """Multi-turn: one greedy episode and `samples` sampled ones per held-out problem (see the module docstring)."""
@@ -128,8 +157,7 @@ class EvalWorker(RolloutWorker):
         assert runner is not None
         leases = [PromptLease(f"eval/{i}", i, prompt, answer, 0.0) for i, (prompt, answer) in
                   enumerate(zip(prompts, answers, strict=True))]  # fmt: skip
-        rows = [{"index": i, "prompt": prompt, "answer": answer, "eval": True}
-                for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True))]  # fmt: skip
+        rows = self.problem_rows(prompts, answers, episodes=True)
         trained = runner.params  # the evaluator runs no rollout loop: nothing else uses its runner meanwhile
         runner.params = replace(trained, top_k=top_k) if top_k else trained
         try:
@@ -137,19 +165,21 @@ class EvalWorker(RolloutWorker):
         finally:
             runner.params = trained
 
-    def _scores(self, prompt_ids: list[list[int]], answers: list[str], draws: int, top_k: int = 0) -> list[tuple]:
-        """The rewards of `draws` responses per prompt (top_k 1: greedy), one tuple per prompt."""
+    def _scores(
+        self, prompt_ids: list[list[int]], answers: list[str], rows: list[dict[str, Any]], draws: int, top_k: int = 0
+    ) -> list[tuple]:
+        """The rewards of `draws` responses per prompt (top_k 1: greedy), one tuple per prompt (`rows`: its
+        `problem_rows`)."""
         params = replace(self.params, top_k=top_k) if top_k else self.params
         batch = [ids for ids in prompt_ids for _ in range(draws)]
         completions = self.engine.generate(batch, params)
         items = []
-        for g, answer in enumerate(answers):
-            row = {"index": g, "answer": answer, "eval": True}
+        for g, (answer, row) in enumerate(zip(answers, rows, strict=True)):
             for d in range(draws):
                 text = self.tokenizer.decode(completions[g * draws + d].response_ids, skip_special_tokens=True)
                 items.append((text, answer, row))
         rewards = self.rewards.score(items)
-        return [tuple(rewards[g * draws : (g + 1) * draws]) for g in range(len(answers))]
+        return [tuple(rewards[g * draws : (g + 1) * draws]) for g in range(len(rows))]
 
 
 class Evaluator:

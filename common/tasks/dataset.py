@@ -229,6 +229,7 @@ def _cache_settings(data_cfg: DataConfig) -> dict[str, Any]:
     """What decides a `dataset` source's rows besides its files (`common.tasks.rowcache` keys its entry by them)."""
     settings: dict[str, Any] = {
         "task": "dataset",
+        "layout": 2,  # the entry's columns: 2 added data.eval_path's records (`eval_record`)
         "prompt_key": data_cfg.prompt_key,
         "answer_key": data_cfg.answer_key,
         "max_prompt_tokens": data_cfg.max_prompt_tokens,
@@ -266,13 +267,14 @@ class DatasetSource(JsonlSource):
         self._rows = cached.pairs("prompt", "answer")
         self._records = rowcache.JsonColumn(cached.columns["record"])
         self._eval_rows = cached.pairs("eval_prompt", "eval_answer") if "eval_prompt" in cached.columns else None
+        self._eval_records = rowcache.JsonColumn(cached.columns["eval_record"]) if self._eval_rows is not None else None
         self.messages = bool(cached.extra["messages"])
         self.dropped, self.eval_dropped = int(cached.extra["dropped"]), int(cached.extra["eval_dropped"])
 
     def _cache_columns(self) -> dict[str, Iterator[str]] | None:
         """The columns of this source's cache entry; None (no entry) when a record would not come back from JSON
         as it is (a `datasets` column of bytes, dates or decimals)."""
-        if not all(rowcache.json_exact(record) for record in self._records):
+        if not all(rowcache.json_exact(record) for record in [*self._records, *(self._eval_records or [])]):
             return None
         columns = {
             "prompt": (row[0] for row in self._rows),
@@ -282,6 +284,7 @@ class DatasetSource(JsonlSource):
         if self._eval_rows is not None:
             columns["eval_prompt"] = (row[0] for row in self._eval_rows)
             columns["eval_answer"] = (row[1] for row in self._eval_rows)
+            columns["eval_record"] = (json.dumps(record, ensure_ascii=False) for record in self._eval_records or [])
         return columns
 
     def _cache_extra(self) -> dict[str, Any]:
@@ -294,10 +297,14 @@ class DatasetSource(JsonlSource):
         )
         self._records: Sequence[dict] = records  # the dataset's own rows, every field: what user reward functions get
         self._eval_rows: Sequence[tuple[str, str]] | None = None
+        self._eval_records: Sequence[dict] | None = None  # data.eval_path's own rows, as `_records` for data.path
         if data_cfg.eval_path:
+            eval_records: list[dict] = []
             self._eval_rows, eval_messages = load_dataset_rows(
-                data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key, key="data.eval_path"
-            )
+                data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key, key="data.eval_path",
+                records=eval_records,
+            )  # fmt: skip
+            self._eval_records = eval_records
             if eval_messages != self.messages:
                 raise DatasetError(
                     f"{data_cfg.eval_path}: its prompts are {'messages' if eval_messages else 'text'} but those of "
@@ -328,7 +335,10 @@ class DatasetSource(JsonlSource):
             )
         self._rows = kept
         if self._eval_rows is not None:
-            eval_kept = [row for row in self._eval_rows if 0 < len(encode(row[0])) <= limit]
+            eval_keep = [0 < len(encode(row[0])) <= limit for row in self._eval_rows]
+            eval_kept = [row for row, ok in zip(self._eval_rows, eval_keep, strict=True) if ok]
+            records = self._eval_records or []
+            self._eval_records = [record for record, ok in zip(records, eval_keep, strict=True) if ok]
             self.eval_dropped = len(self._eval_rows) - len(eval_kept)
             if not eval_kept:
                 raise DatasetError(
@@ -340,6 +350,13 @@ class DatasetSource(JsonlSource):
         """The dataset row behind training problem `index` (the `row` a user reward function gets: every field)."""
         epoch, position = divmod(index, len(self._rows))
         return self._records[int(_permutation(len(self._rows), self.seed, _TRAIN_STREAM, epoch)[position])]
+
+    def eval_row(self, index: int) -> dict:
+        """The dataset row behind held-out problem `index` of `eval_set` (every field, as `row` gives for training)."""
+        if self._eval_rows is None:
+            return self._records[int(_permutation(len(self._rows), self.seed, _EVAL_STREAM, 0)[index])]
+        assert self._eval_records is not None
+        return self._eval_records[int(_permutation(len(self._eval_rows), self.seed, _EVAL_STREAM, 0)[index])]
 
     def eval_set(self) -> list[Problem]:
         if self._eval_rows is None:

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the built-in vocabulary: digits, + - =
 USER_REWARD = """
 def exact(response, answer, row):
-    assert row["reward_model"]["ground_truth"] == answer  # the dataset row reaches the function
+    assert row["reward_model"]["ground_truth"] == answer  # the dataset row reaches the function, held-out ones too
+    assert isinstance(row["prompt"], list) and isinstance(row["index"], int)
     return {"score": float(response.strip() == answer), "chars": len(response)}
 """
 
@@ -59,3 +60,5 @@ def test_up_with_a_chat_parquet_nested_answer_user_reward_and_kl(tmp_path):
         assert row["loss/kl"] >= 0.0 and row.get("reward/errors", 0) == 0  # the user function's row check held
     assert any(row.get("reward/chars", 0) > 0 for row in steps)  # its extra metric reached metrics.jsonl
     assert steps[1]["loss/kl"] > 0.0  # the policy moved away from the frozen reference after one update
+    evals = [r for r in map(json.loads, lines) if r.get("event") == "eval"]
+    assert evals and evals[-1]["eval/reward_errors"] == 0  # held-out rows carry the dataset's fields as training's

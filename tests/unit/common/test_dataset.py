@@ -141,6 +141,28 @@ def test_a_separate_eval_file_gives_the_eval_set(tmp_path: Path) -> None:
         make_source(DataConfig(task="dataset", path=str(train), eval_path=str(chat)))
 
 
+def test_the_row_of_a_held_out_problem_is_its_dataset_row_parsed_or_cached(tmp_path: Path) -> None:
+    """`eval_row(i)` is the row behind `eval_set()[i]` with every field (what a reward function gets in evaluation,
+    as `row` gives in training): from data.path's held-out rows, or from data.eval_path's; the same from the row
+    cache as from the first parse."""
+    rows = [{**row, "extra": {"id": i}} for i, row in enumerate(ROWS)]
+    train = _write(tmp_path, "rows.jsonl", rows)
+    held_out = _write(tmp_path, "test.parquet", [{"q": f"{i} * 2 =", "a": 2 * i, "id": i} for i in range(6)])
+    for _ in range(2):  # parsed, then from the cache entry the first made
+        source = _source(train, prompt_key="question", answer_key="reward_model.ground_truth")
+        for i, problem in enumerate(source.eval_set()):
+            row = source.eval_row(i)
+            assert row["question"] == problem.prompt and row["reward_model"]["ground_truth"] == problem.answer
+            assert row["extra"]["id"] == [r["question"] for r in rows].index(problem.prompt)
+        separate = make_source(DataConfig(task="dataset", path=str(held_out), eval_path=str(held_out), eval_size=4,
+                                          prompt_key="q", answer_key="a"))  # fmt: skip
+        eval_set = separate.eval_set()
+        assert len(eval_set) == 4
+        for i, problem in enumerate(eval_set):
+            row = separate.eval_row(i)
+            assert row["q"] == problem.prompt and str(row["a"]) == problem.answer and row["id"] == row["a"] // 2
+
+
 def test_config_rules_for_the_dataset_keys() -> None:
     with pytest.raises(ConfigError, match="data.task=dataset needs `data.path`"):
         load_config(None, ["data.task=dataset"])
