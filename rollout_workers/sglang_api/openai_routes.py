@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -68,19 +67,11 @@ async def _submit(service: ModelService, body: dict[str, Any]) -> tuple[Generate
     return request, await run_in_threadpool(service.submit, request)
 
 
-def _prompt_major(request: GenerateRequest) -> Callable[[int], int]:
-    """Position in SGLang's order (the batch repeated n times) -> choice index (prompt by prompt)."""
-    batch, n = len(request.prompts), request.sampling[0].n
-    return lambda position: (position % batch) * n + position // batch
-
-
 async def _generate(service: ModelService, request: GenerateRequest, order: list) -> list[dict[str, Any]]:
-    """The finished answers in prompt-major order (prompt b's samples at b*n .. b*n+n-1)."""
+    """The finished answers in prompt-major order (prompt b's samples at b*n .. b*n+n-1), SGLang's own order."""
     await service.wait(order)
     outs = await run_in_threadpool(service.responses, request, order)
-    outs = [outs] if isinstance(outs, dict) else outs
-    batch, n = len(request.prompts), request.sampling[0].n
-    return [outs[i * batch + b] for b in range(batch) for i in range(n)]
+    return [outs] if isinstance(outs, dict) else outs
 
 
 def _finish(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
@@ -190,7 +181,7 @@ def _completion_stream(service: ModelService, obj: CompletionRequest, request: G
             "metadata": {"weight_version": meta["weight_version"]},
         }
 
-    return delta_stream(service, request, order, chunk, _prompt_major(request))
+    return delta_stream(service, request, order, chunk)
 
 
 def _completion_logprobs(entries: list[list[Any]], tops: list[list[list[Any]] | None]) -> CompletionLogprobs:
@@ -249,7 +240,7 @@ def _chat_stream(service: ModelService, obj: ChatCompletionRequest, request: Gen
             "metadata": {"weight_version": meta["weight_version"]},
         }
 
-    return delta_stream(service, request, order, chunk, _prompt_major(request))
+    return delta_stream(service, request, order, chunk)
 
 
 def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]:

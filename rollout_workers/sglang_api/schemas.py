@@ -153,7 +153,7 @@ class GenerateRequest:
     prompts: list[list[int] | str]
     sampling: list[SamplingParams]
     rids: list[str] | None
-    """Per prompt (n = 1) or per response in response order (the batch repeated n times); None: fresh ids."""
+    """Per prompt (n = 1) or per response in response order (prompt by prompt, its n samples); None: fresh ids."""
     single: bool
     """Answer one object rather than a list (one prompt, n = 1)."""
     return_logprob: bool = False

@@ -96,11 +96,12 @@ def request_groups(
 
 
 def _rid(request: GenerateRequest, b: int, i: int) -> str:
-    """Sample i of prompt b: the id the request gave (per prompt, or per response in SGLang's order), or a new one."""
+    """Sample i of prompt b: the id the request gave (per prompt, or per response in SGLang's order, prompt by
+    prompt), or a new one."""
     if request.rids is None:
         return uuid.uuid4().hex
-    batch = len(request.prompts)
-    return request.rids[b if len(request.rids) == batch else i * batch + b]
+    batch, n = len(request.prompts), len(request.rids) // max(len(request.prompts), 1)
+    return request.rids[b if len(request.rids) == batch else b * n + i]
 
 
 def sample_keys(seed: int | None, n: int, generator: torch.Generator) -> list[int]:

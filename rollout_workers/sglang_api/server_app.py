@@ -175,8 +175,14 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _bad_request(_: Request, exc: Exception) -> JSONResponse:
+async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
+    """400: SGLang's bodies on its native routes (protocol.error_body); on `/v1/...` its OpenAI serving's
+    `create_error_response` ({"object": "error", ..., "type": "BadRequestError", "code": 400}), which the `openai`
+    client reads `code` and `type` from."""
     assert isinstance(exc, BadRequest)
+    if request.url.path.startswith("/v1/") and not exc.validation:
+        body = {"object": "error", "message": str(exc), "type": "BadRequestError", "param": None, "code": 400}
+        return JSONResponse(body, status_code=400)
     return JSONResponse(error_body(str(exc), exc.validation), status_code=400)
 
 
@@ -194,13 +200,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(f"JSON decode error: {reason}", validation=True), status_code=400)
 
 
-async def _queue_full(request: Request, exc: Exception) -> JSONResponse:
-    """A request refused at admission (`--max-queued-requests`): 503 as SGLang answers it, FastAPI's `{"detail"}` on
-    its native routes (an HTTPException from its tokenizer manager) and its OpenAI error body on `/v1/...`."""
-    if request.url.path.startswith("/v1/"):
-        body = {"object": "error", "message": str(exc), "type": "503", "param": None, "code": 503}
-        return JSONResponse(body, status_code=503)
-    return JSONResponse({"detail": str(exc)}, status_code=503)
+async def _queue_full(_: Request, exc: Exception) -> JSONResponse:
+    """A request refused at admission (`--max-queued-requests`): 503 as SGLang answers it on every route (its
+    tokenizer manager raises an HTTPException, which http_server.py's handler turns into an ErrorResponse)."""
+    body = {"object": "error", "message": str(exc), "type": "503", "param": None, "code": 503}
+    return JSONResponse(body, status_code=503)
 
 
 async def _scheduler_died(_: Request, exc: Exception) -> JSONResponse:

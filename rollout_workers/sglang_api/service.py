@@ -163,12 +163,11 @@ class ModelService:
         max_seq_len = self.engine.max_seq_len
         groups = request_groups(request, self.tokenizer, arch.vocab_size, max_seq_len, self._random, self.token_chars)
         order: list[ServeRequest] = []
-        n = request.sampling[0].n
         for group, adapter in zip(groups, resolve_adapters(self.lora, request.lora_path, len(groups))):
             for req in group:
                 req.adapter = adapter  # type: ignore[attr-defined]  # the request's LoRA adapter (lora_serve.py)
-        for i in range(n):  # SGLang's order: the batch repeated n times
-            order.extend(group[i] for group in groups)
+        for group in groups:  # SGLang 0.5.9's order (tokenizer_manager: for each prompt, its n samples)
+            order.extend(group)
         if self.max_queued_requests is None:
             self._call(lambda: self._waiting.extend(groups), wait=False)
         elif not self._call(lambda: self._queue_within_limit(groups)) and not request.stream:
@@ -365,11 +364,15 @@ class ModelService:
         return version
 
     def _response(self, req: ServeRequest, return_logprob: bool, text_in_logprobs: bool) -> dict[str, Any]:
-        completion = req.seq.completion if req.seq is not None else None
+        # Final only once settled: the engine sets `completion` a moment before the scheduler settles the request
+        # (and may set its finish, a matched stop string, in between), so a stream that read it then sent a final
+        # chunk, and another once the request settled.
+        settled = req.done.done()
+        completion = req.seq.completion if req.seq is not None and settled else None
         tokens = list(completion.response_ids) if completion else []
         logps = list(completion.behav_logp) if completion else []
         versions = list(completion.versions) if completion else []
-        finish = req.finish
+        finish = req.finish if settled else None
         if completion is None and req.seq is not None and finish is None:  # still running: what it has (a stream)
             seq = req.seq
             count = len(seq.versions)  # appended last of the three per token (engine._sample)

@@ -113,10 +113,9 @@ async def delta_stream(
     request: GenerateRequest,
     order: list,
     chunk: Callable[[int, dict[str, Any], str, int], dict[str, Any] | None],
-    prompt_major: Callable[[int], int],
 ) -> AsyncIterator[str]:
     """An OpenAI stream: `chunk(index, answer, new_text, new_token_start)` builds each event from the text and
-    tokens a sample added since its last event; `prompt_major` maps a position in `order` to the choice index."""
+    tokens a sample added since its last event; a position in `order` (prompt by prompt) is the choice index."""
     texts = [""] * len(order)
     tokens = [0] * len(order)
     try:
@@ -124,7 +123,7 @@ async def delta_stream(
             async for position, answer in events:
                 text = answer["text"]
                 new_text = text[len(texts[position]) :] if text.startswith(texts[position]) else text
-                payload = chunk(prompt_major(position), answer, new_text, tokens[position])
+                payload = chunk(position, answer, new_text, tokens[position])
                 texts[position], tokens[position] = text, len(answer["output_ids"])
                 if payload is not None:
                     yield sse(payload)

@@ -60,6 +60,18 @@ def post(url: str, body: Any, **kwargs: Any) -> requests.Response:
     return requests.post(url, json=body, timeout=60, **kwargs)
 
 
+def error_message(path: str, response: requests.Response) -> str:
+    """The message of a 400 in SGLang's shape for `path`: native routes `{"error": {"message"}}`, `/v1/...` its
+    OpenAI serving's `create_error_response` body; any other shape fails."""
+    body = response.json()
+    if path.startswith("/v1/"):
+        assert set(body) == {"object", "message", "type", "param", "code"}, body
+        assert (body["object"], body["type"], body["code"]) == ("error", "BadRequestError", 400), body
+        return body["message"]
+    assert set(body) == {"error"} and set(body["error"]) == {"message"}, body
+    return body["error"]["message"]
+
+
 # ---- 1. a text prompt that cannot fit is refused before it is tokenized ----------------------------------------------
 class EncoderSpy:
     """Stands in for a fast tokenizer's Rust tokenizer (`tokenizer._tokenizer`), which every way of tokenizing goes
@@ -156,7 +168,7 @@ def test_a_text_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(watched
         response = post(f"{url}{path}", body)
         assert not tokenized(spy, TOO_LONG), path
         assert response.status_code == 400, (path, response.text)
-        message = response.json()["error"]["message"]
+        message = error_message(path, response)
         assert message.startswith(context) and "characters, no token of the tokenizer stands for more than 5" in message
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
@@ -185,7 +197,7 @@ def test_a_request_over_the_size_limits_is_refused_before_anything_is_tokenized(
     ):
         response = post(f"{url}{path}", body)
         assert response.status_code == 400, (path, response.text[:500])
-        assert expected in response.json()["error"]["message"], (path, response.json())
+        assert expected in error_message(path, response), (path, response.json())
         assert spy.texts == [], path  # refused before the first prompt was tokenized
     batch = post(f"{url}/generate", {"text": ["1+2=", "3+4=", "5+6="], "sampling_params": {**two, "n": 2}})
     assert batch.status_code == 200 and len(batch.json()) == 6, batch.text[:500]
@@ -220,8 +232,7 @@ def test_a_detokenize_over_the_size_limits_is_refused_before_anything_is_decoded
         spy.decoded.clear()
         response = post(f"{url}{path}", body)
         assert response.status_code == 400, (path, response.text[:500])
-        assert response.json() == {"error": {"message": response.json()["error"]["message"]}}, path  # SGLang's shape
-        assert expected in response.json()["error"]["message"], (path, response.json())
+        assert expected in error_message(path, response), (path, response.json())  # in SGLang's shape
         assert spy.decoded == [], path  # refused before the first list was decoded
     spy.decoded.clear()
     at_limit = post(f"{url}/detokenize", {"tokens": [[4]] * MAX_SAMPLES_PER_REQUEST})
@@ -250,8 +261,7 @@ def test_a_chat_over_the_size_limits_is_refused_before_its_messages_are_rendered
         spy.texts.clear()
         response = post(f"{url}/v1/chat/completions", {**chat, "messages": messages})
         assert response.status_code == 400, response.text[:500]
-        assert response.json() == {"error": {"message": response.json()["error"]["message"]}}  # SGLang's shape
-        assert expected in response.json()["error"]["message"], response.json()
+        assert expected in error_message("/v1/chat/completions", response), response.json()  # in SGLang's shape
         assert spy.rendered == [] and spy.texts == []  # refused before the template rendered anything
     assert post(f"{url}/v1/chat/completions", chat).status_code == 200
 
@@ -442,6 +452,29 @@ def test_once_the_scheduler_died_calls_into_the_service_fail_rather_than_hang(mo
         with pytest.raises(SchedulerDied):
             service.submit(GenerateReqInput(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).normalize())
         assert not service.health_generate()
+    finally:
+        service.close()
+
+
+def test_a_sample_the_engine_finished_but_the_scheduler_has_not_settled_is_still_running(model_dir):
+    """The engine sets a sequence's completion a moment before the scheduler settles its request (and may set its
+    finish, a matched stop string, in between): an answer built then must not be a final one, or a stream sends the
+    sample's final chunk twice (3 streams in 30 did). The same request, settled, gives its final answer."""
+    from concurrent.futures import Future
+    from dataclasses import replace
+
+    from rollout_workers.sglang_api.schemas import GenerateReqInput
+
+    service = ModelService(model_dir, "none", max_batch=2, max_seq_len=64)
+    try:
+        request = GenerateReqInput(input_ids=PROMPT, sampling_params={"max_new_tokens": 3}).normalize()
+        (req,) = service.submit(request)
+        assert req.done.result(timeout=60) is None and req.seq.completion is not None
+        final = service.response(request, req)
+        assert final["meta_info"]["finish_reason"] is not None and len(final["output_ids"]) == 3
+        unsettled = replace(req, done=Future())  # the window between the engine's completion and the settle
+        partial = service.response(request, unsettled)
+        assert partial["meta_info"]["finish_reason"] is None and partial["output_ids"] == final["output_ids"]
     finally:
         service.close()
 

@@ -137,6 +137,16 @@ def test_bad_logprob_and_unsupported_sampling_requests_get_400_naming_the_field(
     for key, value in (("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'")):
         reply = generate(base_url, {"input_ids": PROMPT, "sampling_params": {key: value}})
         assert reply.status_code == 400 and key in reply.json()["error"]["message"]
+    # on /v1, SGLang's OpenAI serving answers create_error_response's flat body, whose code and type the client reads
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    with pytest.raises(BadRequestError) as caught:
+        client.completions.create(model=model, prompt=[PROMPT], max_tokens=2, extra_body={"regex": "a+"})
+    assert (
+        str(caught.value.code) == "400" and caught.value.type == "BadRequestError" and "regex" in caught.value.message
+    )
 
 
 def test_openai_client_models_and_completions(base_url, model_dir):

@@ -83,9 +83,12 @@ def test_generate_response_matches_sglang_shapes(server):
         }
     )
     assert stop["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop["output_ids"][-1]}
-    # batches and n: lists, SGLang's order (the batch repeated n times)
-    batch = server.generate({"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"max_new_tokens": 1, "n": 2}})
-    assert [b["meta_info"]["prompt_tokens"] for b in batch] == [5, 2, 5, 2]
+    # batches and n: lists in SGLang 0.5.9's order (tokenizer_manager: each prompt's n samples, prompt by prompt)
+    batch = server.generate(
+        {"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"max_new_tokens": 1, "n": 2}, "rid": "r"}
+    )
+    assert [b["meta_info"]["prompt_tokens"] for b in batch] == [5, 5, 2, 2]
+    assert [b["meta_info"]["id"] for b in batch] == ["r_0", "r_1", "r_2", "r_3"]
     text = server.generate({"text": ["1+2=", "3-1="], "sampling_params": {"max_new_tokens": 1}})
     assert isinstance(text, list) and len(text) == 2
     info = server.model_info()

@@ -85,6 +85,9 @@ def test_requests_past_max_queued_requests_are_refused_as_sglang_refuses_them():
     room."""
     from rollout_workers.sglang_api.protocol import QUEUE_FULL
 
+    # SGLang's http_server.py turns its tokenizer manager's HTTPException into an ErrorResponse on every route
+    QUEUE_FULL_BODY = {"object": "error", "message": QUEUE_FULL, "type": "503", "param": None, "code": 503}  # noqa: N806
+
     model_dir = str(resolve_model_path("builtin:micro", log=lambda *a: None))
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
     with serve(model_dir, "--quant", "int8", "--max-queued-requests", "3") as url:
@@ -104,12 +107,12 @@ def test_requests_past_max_queued_requests_are_refused_as_sglang_refuses_them():
             assert time.monotonic() < deadline and not statuses, statuses  # queued, not answered
             time.sleep(0.05)
         refused = requests.post(f"{url}/generate", json=body, timeout=10)
-        assert refused.status_code == 503 and refused.json() == {"detail": QUEUE_FULL}
+        assert refused.status_code == 503 and refused.json() == QUEUE_FULL_BODY
         model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         completion = {"model": model, "prompt": "1+1=", "max_tokens": 2}
         refused = requests.post(f"{url}/v1/completions", json=completion, timeout=10)
         assert refused.status_code == 503
-        assert refused.json() == {"object": "error", "message": QUEUE_FULL, "type": "503", "param": None, "code": 503}
+        assert refused.json() == QUEUE_FULL_BODY
         stream = requests.post(f"{url}/generate", json={**body, "stream": True}, timeout=10)
         events = [line[len("data: ") :] for line in stream.text.splitlines() if line.startswith("data: ")]
         assert stream.status_code == 200 and events[-1] == "[DONE]"
@@ -130,5 +133,5 @@ def test_requests_past_max_queued_requests_are_refused_as_sglang_refuses_them():
         requests.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
         four = {"input_ids": [PROMPT] * 4, "sampling_params": {"max_new_tokens": 2}}
         refused = requests.post(f"{url}/generate", json=four, timeout=10)  # 4 > 3 even into an empty queue
-        assert refused.status_code == 503 and refused.json() == {"detail": QUEUE_FULL}
+        assert refused.status_code == 503 and refused.json() == QUEUE_FULL_BODY
         assert requests.get(f"{url}/get_load", timeout=10).json()[0]["num_reqs"] == 0
