@@ -120,9 +120,12 @@ def find_run(run: str | None, runs_root: str = "runs") -> Path:
             raise ControlError(f"no run directory {run!r}")
         return path
     root = Path(runs_root)
-    candidates = [p for p in root.glob("*") if (p / CONTROL_FILE).is_file()] if root.is_dir() else []
+    served = [p for p in root.glob("*") if (p / CONTROL_FILE).is_file()] if root.is_dir() else []
+    candidates = [p for p in served if run_lock.holder(p) is not None]  # a killed driver's control.json stays
     if not candidates:
-        raise ControlError(f"no running job under {root}/ (no */{CONTROL_FILE}); name the run directory: RUN")
+        stale = f" ({len(served)} with a stale {CONTROL_FILE}: their driver was killed)" if served else ""
+        raise ControlError(f"no running job under {root}/ (no */{CONTROL_FILE} of a live driver){stale}; name the "
+                           "run directory: RUN")  # fmt: skip
     return max(candidates, key=lambda p: (p / CONTROL_FILE).stat().st_mtime)
 
 
@@ -138,6 +141,11 @@ def driver_record(run_dir: Path) -> dict[str, Any]:
                 "(the socket opens once its actors are up) or ending; try again"
             )
         raise ControlError(f"{run_dir} is not running: no {CONTROL_FILE} (the run ended, or never started)")
+    if run_lock.holder(run_dir) is None:  # no driver holds the run: asking would only wait out the timeout
+        raise ControlError(
+            f"{run_dir} is not running: its {CONTROL_FILE} is stale (its driver was killed); `asyncrl up --resume "
+            f"{run_dir}` continues the run"
+        )
     try:
         record = json.loads(control.read_text())
     except PermissionError:

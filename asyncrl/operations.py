@@ -218,11 +218,17 @@ class Operations:
         if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
             raise ControlError("set needs one or more key=value items")
         try:
-            changes = self.check_live(items)
+            changes = self.check_live(items)  # against the applied values: only keys that would change come back
         except ConfigError as err:
             raise ControlError(str(err)) from None
+        # A key named again replaces what is pending for it: set back to its applied value, the pending one is
+        # dropped (it used to stay, so "oops, back to 0.2" within one step still applied the mistaken value).
+        named = {item.split("=", 1)[0].strip() for item in items}
+        cancelled = {key: get_key(self.sections, key) for key in named if key in self.pending and key not in changes}
+        for key in cancelled:
+            del self.pending[key]
         self.pending.update(changes)
-        return {"changes": changes, "applies_at_step": self.step + 1}
+        return {"changes": {**cancelled, **changes}, "applies_at_step": self.step + 1}
 
     # -- step boundary ------------------------------------------------------------------------------------------
 

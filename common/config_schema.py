@@ -345,9 +345,10 @@ ACRL_DEFAULT_CAP = 3.0
 class LossConfig:
     weighting: str = one_of(WEIGHTINGS, default="tis")
     """Mismatch weighting (ALGORITHMS.md): none, decoupled, tis, mis_token, mis_seq, acr, acrl, tbpo, gspo, pg_*."""
-    cap: float | None = in_range(1.0, default=None)
-    """C: truncation / masking threshold of the mismatch weight; null (default): the weighting's own, 3 for `acrl`
-    (ALGORITHMS.md, the ACRL paper's clip value) and 2 for every other weighting."""
+    cap: float | None = in_range(1.0, 1e30, default=None)
+    """C: truncation / masking threshold of the mismatch weight, in [1, 1e30] (the weights are float32: a larger
+    one could not be compared with them); null (default): the weighting's own, 3 for `acrl` (ALGORITHMS.md, the ACRL
+    paper's clip value) and 2 for every other weighting."""
     eps_low: float = in_range(0.0, 1.0, default=0.2)
     """PPO lower clip."""
     eps_high: float = in_range(0.0, default=0.28)

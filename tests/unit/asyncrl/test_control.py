@@ -15,6 +15,16 @@ from asyncrl.control import ControlError, ControlServer, find_run, request
 from common.config import LIVE_KEYS, ConfigError, live_update, load_config
 
 
+@pytest.fixture
+def live_run(tmp_path: Path):
+    """`tmp_path` held as a live driver holds its run (asyncrl/run_lock.py): control.json is asked only then."""
+    from asyncrl import run_lock
+
+    lock = run_lock.acquire(tmp_path)
+    yield tmp_path
+    lock.release()
+
+
 def test_live_update_validates_like_the_config():
     cfg = load_config(None, ["model.path=builtin:micro"])
     assert live_update(cfg, ["staleness.max_lag=0", "loss.acrl.gamma=0.5", "optim.lr=3e-4"]) == {
@@ -34,7 +44,7 @@ def test_live_update_validates_like_the_config():
         assert expected in str(err.value), (item, str(err.value))
 
 
-def test_control_server_answers_and_survives_bad_requests(tmp_path: Path):
+def test_control_server_answers_and_survives_bad_requests(live_run: Path, tmp_path: Path):
     server = ControlServer(tmp_path)
     endpoint = json.loads((tmp_path / "control.json").read_text())["endpoint"]
     assert endpoint.startswith("tcp://127.0.0.1:")
@@ -86,12 +96,24 @@ def test_control_errors_name_the_problem(tmp_path: Path):
     port = socket.bind_to_random_port("tcp://127.0.0.1")
     socket.close(0)
     (run_dir / "control.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}", "secret": "s"}))
-    assert find_run(None, runs_root=str(runs)) == run_dir
-    with pytest.raises(ControlError, match="no answer from the driver"):
-        request(run_dir, "status", timeout_s=0.5)
+    started = time.monotonic()  # nobody holds the run: said at once, not after the reply timeout (10 s)
+    with pytest.raises(ControlError, match=r"no running job under .* \(1 with a stale control.json"):
+        find_run(None, runs_root=str(runs))
+    with pytest.raises(ControlError, match=r"not running: its control.json is stale .* `asyncrl up --resume"):
+        request(run_dir, "status", timeout_s=30)
+    assert time.monotonic() - started < 30
+    from asyncrl import run_lock
+
+    lock = run_lock.acquire(run_dir)  # a live driver that does not answer
+    try:
+        assert find_run(None, runs_root=str(runs)) == run_dir
+        with pytest.raises(ControlError, match="no answer from the driver .* it is busy"):
+            request(run_dir, "status", timeout_s=0.5)
+    finally:
+        lock.release()
 
 
-def test_a_request_without_the_runs_secret_is_refused(tmp_path: Path):
+def test_a_request_without_the_runs_secret_is_refused(live_run: Path, tmp_path: Path):
     """control.json is private to the run's user (0600) and holds a secret; a local process that only knows the
     port (any user can connect to loopback) is refused whatever it asks, and the handler never sees it."""
     import os
@@ -165,14 +187,14 @@ def test_a_model_directory_with_its_own_code_is_refused_unless_trusted(tmp_path:
         (["tcp://127.0.0.1:9"], "not a JSON object"),
     ],
 )
-def test_a_corrupt_control_file_is_named_with_what_is_wrong(tmp_path: Path, record, expected: str):
+def test_a_corrupt_control_file_is_named_with_what_is_wrong(live_run: Path, tmp_path: Path, record, expected: str):
     (tmp_path / "control.json").write_text(json.dumps(record))
     with pytest.raises(ControlError, match="control.json is unreadable") as err:
         request(tmp_path, "status")
     assert expected in str(err.value)
 
 
-def test_an_endpoint_zmq_refuses_is_a_control_error(tmp_path: Path):
+def test_an_endpoint_zmq_refuses_is_a_control_error(live_run: Path, tmp_path: Path):
     (tmp_path / "control.json").write_text(json.dumps({"endpoint": "tcp://no such host", "secret": "s"}))
     with pytest.raises(ControlError, match="cannot reach the driver of .* at 'tcp://no such host'"):
         request(tmp_path, "status")
@@ -189,8 +211,9 @@ def test_an_endpoint_zmq_refuses_is_a_control_error(tmp_path: Path):
         ("down", msgpack.packb({"ok": False}), "refused"),
     ],
 )
-def test_a_reply_that_is_not_the_protocols_is_a_control_error(tmp_path: Path, cmd: str, raw_reply: bytes,
-                                                              expected: str):  # fmt: skip
+def test_a_reply_that_is_not_the_protocols_is_a_control_error(
+    live_run: Path, tmp_path: Path, cmd: str, raw_reply: bytes, expected: str
+):
     """Something else on the endpoint, or a driver of another version: the CLI names it instead of failing on a
     missing field."""
     socket = zmq.Context.instance().socket(zmq.REP)
@@ -213,7 +236,7 @@ def test_a_reply_that_is_not_the_protocols_is_a_control_error(tmp_path: Path, cm
         socket.close(0)
 
 
-def test_a_request_the_driver_would_drop_is_refused_before_it_is_sent(tmp_path: Path):
+def test_a_request_the_driver_would_drop_is_refused_before_it_is_sent(live_run: Path, tmp_path: Path):
     """The driver's socket drops a message over MAX_REQUEST_BYTES unanswered, which looked like a dead driver."""
     from asyncrl.control import MAX_REQUEST_BYTES, MAX_SET_ITEMS
 
@@ -245,7 +268,9 @@ def test_a_stopping_run_refuses_scale_and_set(tmp_path: Path, cmd: str):
 FAKE_DRIVER = """
 import os, sys, time
 from pathlib import Path
+from asyncrl import run_lock
 from asyncrl.control import ControlServer
+run_lock.acquire(Path(sys.argv[1]))  # as `asyncrl up` holds its run
 server = ControlServer(Path(sys.argv[1]))
 server.poll(lambda req: {"message": "stopping after step 3"}, 30_000)
 print("answered", flush=True)

@@ -95,8 +95,9 @@ def test_loss_cap_left_null_is_the_weighting_s_default_c() -> None:
         assert cfg.loss.cap is None and cfg.loss.effective_cap == expected, weighting
         assert from_dict(to_dict(cfg)).loss.effective_cap == expected, weighting
     assert load_config("configs/dapo_int8.yaml", ["loss.weighting=acrl", "loss.cap=2.5"]).loss.effective_cap == 2.5
-    with pytest.raises(ConfigError, match=r"loss\.cap.*out of range"):
-        load_config("configs/dapo_int8.yaml", ["loss.cap=0.5"])
+    for bad in ("0.5", "1e300"):  # 1e300 passed and then failed the step: no float32 clamp takes it
+        with pytest.raises(ConfigError, match=r"loss\.cap.*out of range"):
+            load_config("configs/dapo_int8.yaml", [f"loss.cap={bad}"])
 
 
 def test_overlong_shaping_is_refused_for_multi_turn_episodes() -> None:
