@@ -30,6 +30,7 @@ import math
 import numbers
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -258,6 +259,8 @@ def _exit_with_parent(interval_s: float = 1.0) -> None:
         while True:
             time.sleep(interval_s)
             if os.getppid() != parent:
+                if os.getpgrp() == os.getpid():  # its own group (reward_pool.py): what its functions started too
+                    os.killpg(0, signal.SIGKILL)
                 os._exit(0)
 
     threading.Thread(target=watch, name="asyncrl-reward-watchdog", daemon=True).start()
@@ -277,9 +280,16 @@ def warm_up(fns: Sequence[RewardFn]) -> None:
 
 
 def serve_fd(fd: int, specs: list[str], key: str = "reward.fns") -> None:
-    """The entry point of a reward process (`python -c`): serve on the socket `fd` inherited from the worker."""
+    """The entry point of a reward process (`python -c`): serve on the socket `fd` inherited from the worker.
+
+    Signals first: an actor process blocks SIGTERM and ignores SIGINT (common/actor_host.py), and a process inherits
+    both through exec, so a program the user's function starts could not be terminated (`Popen.terminate` did
+    nothing). The reward process runs in a session of its own (the worker kills its group on a timeout)."""
     from multiprocessing.connection import Connection
 
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     serve(Connection(fd), specs, key)
 
 
@@ -297,6 +307,7 @@ def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
         conn.send(("load_error", str(err)))
         return
     conn.send(("ready", ""))
+    server_pid = os.getpid()
     while True:
         try:
             calls = conn.recv()
@@ -311,4 +322,6 @@ def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
                     reply = (call_id, "error", reply[1])
             except BaseException:  # noqa: BLE001 - a process boundary: the user's function must not end the loop
                 reply = (call_id, "error", traceback.format_exc(limit=-8))
+            if os.getpid() != server_pid:  # a fork the function made returned here: it must not answer too
+                os._exit(0)
             conn.send(reply)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -97,9 +98,10 @@ class RewardPool:
         child_fd = child_sock.fileno()
         code = f"from common.reward_fns import serve_fd; serve_fd({child_fd}, {self.specs!r}, {self.key!r})"
         try:
+            # its own process group (start_new_session): `_kill` ends what the user's functions started with it
             proc = subprocess.Popen(
                 [sys.executable, "-c", code], pass_fds=(child_fd,), env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         finally:
             child_sock.close()  # the process holds its own copy: its death reads as EOF here
@@ -119,9 +121,13 @@ class RewardPool:
             raise RewardFnError(message)
 
     def _kill(self) -> None:
+        """End the reward process and every process of its group (programs a function started and left running,
+        which a timeout used to orphan)."""
         if self._conn is not None:
             self._conn.close()
         if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)  # the group outlives its leader's exit: kill it first
             self._proc.kill()
             self._proc.wait(timeout=10)
         self._proc = self._conn = None

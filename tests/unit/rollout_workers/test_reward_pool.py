@@ -59,6 +59,29 @@ def reward_warm_up():
 
 def was_warmed(response, answer, row):
     return warmed
+
+def terminates_a_child(response, answer, row):
+    import subprocess
+    child = subprocess.Popen(["sleep", "30"])
+    child.terminate()
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return 0.0
+    return 1.0
+
+def leaves_a_child_and_hangs(response, answer, row):
+    import subprocess
+    child = subprocess.Popen(["sleep", "300"])
+    with open(response, "w") as f:
+        f.write(str(child.pid))
+    while True:
+        time.sleep(1)
+
+def forks(response, answer, row):
+    os.fork()  # both return 1.0: only the reward process may answer
+    return 1.0
 """
 
 
@@ -268,3 +291,48 @@ def test_a_reward_function_that_prints_on_every_call_cannot_flood_the_output(tmp
     err = capfd.readouterr().err.splitlines()
     assert err[:5] == [f"line {i}" for i in range(5)]
     assert err[5:] == ["reward process: 19995 more lines of its output not shown (at most 5 every 60 s)"]
+
+
+def test_a_program_a_function_starts_can_be_terminated_even_from_an_actor_that_blocks_sigterm(user_file, make_pool):
+    """An actor process blocks SIGTERM (common/actor_host.py) and a process inherits the mask through exec: the
+    reward process unblocks it, so `terminate()` of a program the function started works (it did nothing)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as in a worker actor, before the pool starts
+    try:
+        pool = make_pool([f"{user_file}:terminates_a_child"], timeout_s=10.0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    assert pool.score([(0, "x", "a", {})])[0].score == 1.0
+
+
+def test_a_timed_out_function_s_programs_end_with_its_process(user_file, make_pool, tmp_path: Path):
+    """The reward process runs in its own process group: a timeout kills the group, not only the process, so the
+    `sleep 300` the function started is not left behind (one orphan per timeout before)."""
+    import time
+
+    pool = make_pool([f"{user_file}:leaves_a_child_and_hangs"], timeout_s=1.0)
+    pid_file = tmp_path / "child.pid"
+    assert pool.score([(0, str(pid_file), "a", {})])[0].timed_out
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, f"the function's child {child} outlived its timed-out reward process"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_a_function_that_forks_still_gets_one_answer_per_call(user_file, make_pool):
+    """The fork returned into the reward process's loop and answered too: the next calls read its duplicates."""
+    pool = make_pool([f"{user_file}:forks"], timeout_s=5.0)
+    for _ in range(3):
+        outcomes = pool.score([(0, "x", "a", {}), (0, "y", "a", {})])
+        assert [(o.score, o.error) for o in outcomes] == [(1.0, ""), (1.0, "")]
+    assert pool.restarts == 0
