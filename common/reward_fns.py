@@ -110,8 +110,8 @@ def _top_level_names(tree: ast.Module) -> set[str]:
                 names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-        elif isinstance(node, (ast.If, ast.Try, ast.With)):  # conditional definitions count: checked at load
-            names.update(_top_level_names(ast.Module(body=list(ast.iter_child_nodes(node)), type_ignores=[])))
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ExceptHandler)):  # conditional ones count: checked at
+            names.update(_top_level_names(ast.Module(body=list(ast.iter_child_nodes(node)), type_ignores=[])))  # load
     return names
 
 
@@ -127,11 +127,40 @@ def check_spec(spec: str, key: str = "reward.fn") -> RewardSpec:
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         except (SyntaxError, UnicodeDecodeError) as err:
             raise RewardFnError(f"`{key}` {spec!r}: reward file {str(path)!r} does not parse: {err}") from err
-        if parsed.name not in _top_level_names(tree):
+        names = _top_level_names(tree)
+        if parsed.name not in names and "*" not in names:  # a star import may bind it: the load check decides
             raise RewardFnError(f"`{key}` {spec!r}: reward file {str(path)!r} defines no function {parsed.name!r}")
         return parsed
-    load_fn(parsed, key)
+    _import_within(parsed, key, MODULE_CHECK_TIMEOUT_S)
     return parsed
+
+
+MODULE_CHECK_TIMEOUT_S = 120.0
+"""How long the start-up check waits for a module spec to import (in this process: it is the user's code)."""
+
+
+def _import_within(parsed: RewardSpec, key: str, timeout_s: float) -> None:
+    """`load_fn` of a module spec in a daemon thread: whatever its import raises (SystemExit included) becomes a
+    RewardFnError naming `key` and the module, and an import that hangs fails after `timeout_s`."""
+    outcome: dict[str, BaseException] = {}
+
+    def load() -> None:
+        try:
+            load_fn(parsed, key)
+        except BaseException as err:  # noqa: BLE001 - the user's module: reported, never raised through
+            outcome["error"] = err
+
+    thread = threading.Thread(target=load, name="asyncrl-module-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    where = f"`{key}` {parsed.spec!r}: importing module {parsed.location!r}"
+    if thread.is_alive():
+        raise RewardFnError(f"{where} did not finish within {timeout_s:g} s (does it wait for something at import?)")
+    err = outcome.get("error")
+    if isinstance(err, RewardFnError):
+        raise err
+    if err is not None:
+        raise RewardFnError(f"{where} failed: {err!r}") from err
 
 
 def load_fn(parsed: RewardSpec, key: str = "reward.fn") -> RewardFn:

@@ -97,6 +97,44 @@ def test_a_file_is_checked_without_running_it(user_file, tmp_path):
         check_spec(f"{broken}:fn")
 
 
+def test_a_file_check_sees_names_bound_in_except_handlers_and_defers_star_imports(tmp_path):
+    fallback = tmp_path / "fallback.py"
+    fallback.write_text("try:\n    import not_installed\nexcept ImportError:\n    def reward2(r, a, row):\n"
+                        "        return 1.0\n")  # fmt: skip
+    check_spec(f"{fallback}:reward2")  # was "defines no function 'reward2'"
+    star = tmp_path / "star.py"
+    star.write_text("from helpers import *\n")
+    check_spec(f"{star}:reward")  # a star import may bind it: the load in a reward process decides
+    with pytest.raises(RewardFnError, match="defines no function 'missing'"):
+        check_spec(f"{fallback}:missing")
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "raise RuntimeError('no GPU found')\n",
+            r"importing module 'usermod_\w+' failed: RuntimeError\('no GPU found'\)",
+        ),
+        ("import sys\nsys.exit(2)\n", r"importing module 'usermod_\w+' failed: SystemExit\(2\)"),
+        ("import time\ntime.sleep(30)\n", r"importing module 'usermod_\w+' did not finish within 0.5 s"),
+    ],
+)
+def test_a_module_spec_whose_import_fails_exits_or_hangs_is_a_clear_error(source, message, tmp_path, monkeypatch):
+    """A module spec is imported by the start-up check, in the driver: anything its import does (an exception, a
+    sys.exit, a hang) becomes one error naming the key and the module, not a traceback, a silent exit 2 or a hang."""
+    import uuid
+
+    from common import reward_fns
+
+    name = f"usermod_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(reward_fns, "MODULE_CHECK_TIMEOUT_S", 0.5)
+    with pytest.raises(RewardFnError, match=r"`reward.fn` 'usermod_\w+:f': " + message):
+        check_spec(f"{name}:f")
+
+
 def test_loading_a_file_finds_its_functions_and_says_what_is_missing(user_file):
     assert load_fn(parse_spec(f"{user_file}:exact"))("7", "7", {}) == 1.0
     with pytest.raises(RewardFnError, match="is not callable"):
