@@ -31,6 +31,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.model_files import ModelFilesError
 from common.tasks import DatasetError
 
 if TYPE_CHECKING:
@@ -75,7 +76,12 @@ class FastTokenizer:
         jinja, legacy = Path(model_dir) / "chat_template.jinja", Path(model_dir) / "chat_template.json"
         self.chat_template = config.get("chat_template") or (jinja.read_text() if jinja.is_file() else None)
         if not self.chat_template and legacy.is_file():
-            self.chat_template = json.loads(legacy.read_text()).get("chat_template")
+            try:
+                self.chat_template = json.loads(legacy.read_text(encoding="utf-8")).get("chat_template")
+            except (ValueError, AttributeError) as err:  # not JSON, not UTF-8, or not an object
+                raise ModelFilesError(
+                    f"model.path={model_dir}: chat_template.json: not a JSON object with a chat_template ({err})"
+                ) from None
         added = self.backend.get_added_tokens_decoder()
         self.all_special_ids = [token_id for token_id, token in added.items() if token.special]
         unk = _token_text(config.get("unk_token"))

@@ -175,6 +175,9 @@ def _messages_problem(value: list, field: str) -> tuple[list[dict[str, str]], st
         messages.append({"role": message["role"], "content": content})
     if not any(m["content"].strip() for m in messages):
         return [], f"field {field}: every message is empty"
+    if messages[-1]["role"] == "assistant":  # the template would append a new assistant turn after this answer
+        return [], (f"field {field}: its last message is the assistant's: a prompt ends where the model answers "
+                    "(a conversation with its answer in it is SFT data)")  # fmt: skip
     return messages, None
 
 
@@ -321,7 +324,14 @@ class DatasetSource(JsonlSource):
 
         if not data_cfg.tokenizer:
             raise DatasetError("data.max_prompt_tokens needs a tokenizer to count tokens: set data.tokenizer")
-        encode = prompt_encoder(data_cfg.tokenizer, data_cfg, messages=self.messages, trust_remote_code=False)
+        try:  # its own code is not run to count tokens (the data section does not carry model.trust_remote_code)
+            encode = prompt_encoder(data_cfg.tokenizer, data_cfg, messages=self.messages, trust_remote_code=False)
+        except (OSError, ValueError) as err:
+            raise DatasetError(
+                f"data.max_prompt_tokens: cannot load the tokenizer {data_cfg.tokenizer!r} to count prompt tokens "
+                f"({str(err).splitlines()[0][:300]}); a tokenizer that needs trust_remote_code cannot count them: "
+                "set data.max_prompt_tokens=0"
+            ) from None
         limit = data_cfg.max_prompt_tokens
         keep = [0 < len(encode(row[0])) <= limit for row in self._rows]
         kept = [row for row, ok in zip(self._rows, keep, strict=True) if ok]

@@ -93,7 +93,7 @@ class ArchConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                eos_token_ids=_eos_ids(path, raw, vocab),
+                eos_token_ids=_eos_ids(path, raw),
                 max_positions=_positive(raw, "max_position_embeddings", 4096),
                 rope_scaling=(("rope_type", rope_type), *sorted(rope.items())) if rope_type != "default" else (),
                 sliding_window=_sliding_window(raw),
@@ -124,7 +124,7 @@ def _positive(raw: dict, key: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _eos_ids(path: Path, raw: dict, vocab_size: int) -> tuple[int, ...]:
+def _eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
     """The end-of-sequence ids: config.json's `eos_token_id` and generation_config.json's (what Hugging Face
     `generate` stops on, so the learner's greedy evaluation and the engine stop alike), in that order."""
     found: list[int] = []
@@ -137,9 +137,8 @@ def _eos_ids(path: Path, raw: dict, vocab_size: int) -> tuple[int, ...]:
     for source, values in sources:
         eos = values.get("eos_token_id")
         for token in eos if isinstance(eos, list) else [] if eos is None else [eos]:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-                raise ModelDirError(f"{source}: eos_token_id must be token ids below vocab_size ({vocab_size}), "
-                                    f"got {eos!r}")  # fmt: skip
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:  # one past the vocabulary is
+                raise ModelDirError(f"{source}: eos_token_id must be token ids, got {eos!r}")  # never sampled: kept
             if token not in found:
                 found.append(token)
     return tuple(found)

@@ -109,6 +109,10 @@ def test_bad_messages_and_mixed_prompt_kinds_are_refused(tmp_path: Path) -> None
         _source(_write(tmp_path, "bad_chat.jsonl", chat), answer_key="reward_model.ground_truth")
     assert "line 2: field 'prompt' (data.prompt_key): message 0 has role 'narrator'" in str(err.value)
     assert "line 3: field 'prompt' (data.prompt_key): message 0 has no string `content`" in str(err.value)
+    sft = _chat_rows()
+    sft[0]["prompt"] = [*sft[0]["prompt"], {"role": "assistant", "content": "5"}]  # the answer inside the prompt
+    with pytest.raises(DatasetError, match="line 1: field 'prompt' .*: its last message is the assistant's"):
+        _source(_write(tmp_path, "sft.jsonl", sft), answer_key="reward_model.ground_truth")
     mixed = [{"p": "text", "a": "1"}, {"p": [{"role": "user", "content": "hi"}], "a": "2"}]
     with pytest.raises(DatasetError, match="line 2: field 'p' .* holds messages but earlier rows hold text"):
         _source(_write(tmp_path, "mixed.jsonl", mixed), prompt_key="p", answer_key="a")
@@ -276,3 +280,20 @@ def test_a_pipe_as_data_path_is_named_as_such_not_as_missing(tmp_path: Path) -> 
     os.mkfifo(tmp_path / "rows.jsonl")
     with pytest.raises(DatasetError, match=r"is not a regular file \(a pipe or a device"):
         load_rows(tmp_path / "rows.jsonl", "prompt", "answer")
+
+
+def test_counting_prompt_tokens_with_a_tokenizer_that_ships_code_is_a_clear_error(tmp_path: Path) -> None:
+    """data.max_prompt_tokens loads the tokenizer without running its code: one that needs it is named, with the
+    way out, instead of transformers' traceback."""
+    import shutil
+
+    from common.builtin_model import resolve_model_path
+
+    tokenizer_dir = tmp_path / "tok"
+    shutil.copytree(resolve_model_path("builtin:micro", log=lambda *a: None), tokenizer_dir)
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config |= {"tokenizer_class": "MyTokenizer", "auto_map": {"AutoTokenizer": [None, "my_tokenizer.MyTokenizer"]}}
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = _write(tmp_path, "rows.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 4)
+    with pytest.raises(DatasetError, match="data.max_prompt_tokens: cannot load the tokenizer .* set data.max_prompt"):
+        make_source(DataConfig(task="dataset", path=str(rows), max_prompt_tokens=8, tokenizer=str(tokenizer_dir)))

@@ -233,3 +233,10 @@ def test_a_config_without_vocab_size_is_refused(micro: Path) -> None:
     del config["vocab_size"]
     (micro / "config.json").write_text(json.dumps(config))
     assert _refusal(micro).endswith("config.json has no positive integer vocab_size")
+
+
+def test_a_broken_chat_template_json_is_refused_naming_it(micro: Path) -> None:
+    """A legacy chat_template.json that is not JSON: one line naming the file (it was a JSONDecodeError traceback
+    from the tokenizer's constructor at start-up)."""
+    (micro / "chat_template.json").write_text('{"chat_template": ')
+    assert "chat_template.json: not a JSON object with a chat_template" in _refusal(micro)
