@@ -115,6 +115,8 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
     prompt = obj.prompt
     if isinstance(prompt, list) and not prompt:
         raise BadRequest("prompt cannot be empty", validation=True)
+    if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):  # serving_completions._validate_request
+        raise BadRequest("Prompt cannot be empty")
     key = "text" if isinstance(prompt, str) or isinstance(prompt[0], str) else "input_ids"
     want_logprobs = obj.logprobs is not None
     body = {
@@ -141,7 +143,8 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
         tops = list(meta.get("output_top_logprobs", [None] * len(entries)))
         if obj.echo:
             source = prompts[index // n]
-            text = (source if isinstance(source, str) else service.tokenizer.decode(source)) + text
+            echoed = source if isinstance(source, str) else service.tokenizer.decode(source, skip_special_tokens=True)
+            text = echoed + text  # SGLang's _get_echo_text decodes token ids without the special ones
             if want_logprobs:
                 entries = list(meta["input_token_logprobs"]) + entries
                 tops = list(meta.get("input_top_logprobs", [None] * len(meta["input_token_logprobs"]))) + tops

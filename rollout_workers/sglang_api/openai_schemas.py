@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Sampling(BaseModel):
@@ -82,6 +82,14 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_positive(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:  # SGLang's CompletionRequest.validate_max_tokens_positive
+            raise ValueError("max_tokens must be positive")
+        return value
+
     logprobs: int | None = None
     """The most likely tokens per position besides the chosen one (0: the chosen one's log-prob only)."""
     suffix: str | None = None

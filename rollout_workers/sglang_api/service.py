@@ -269,8 +269,9 @@ class ModelService:
         return (200 if ok else 400), {"success": ok, "message": message}
 
     def abort(self, rid: str, abort_all: bool) -> None:
-        """Abort the requests whose id starts with `rid` (none when it is empty), or all of them."""
-        self._call(lambda: self._abort(lambda req: abort_all or (bool(rid) and req.rid.startswith(rid)), "Aborted"))
+        """Abort the request whose id is `rid` (none when it is empty), or all of them: SGLang 0.5.9's tokenizer
+        manager passes an abort on only for a rid it has (`abort_request`), so a prefix aborts nothing over HTTP."""
+        self._call(lambda: self._abort(lambda req: abort_all or (bool(rid) and req.rid == rid), "Aborted"))
 
     def release_memory(self, tags: list[str] | None) -> None:
         """SGLang's `/release_memory_occupation` (server_state.MemoryOccupation): refused unless idle; releasing

@@ -137,6 +137,10 @@ def test_bad_logprob_and_unsupported_sampling_requests_get_400_naming_the_field(
     for key, value in (("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'")):
         reply = generate(base_url, {"input_ids": PROMPT, "sampling_params": {key: value}})
         assert reply.status_code == 400 and key in reply.json()["error"]["message"]
+    for bad, message in (({"max_tokens": 0}, "max_tokens must be positive"), ({"prompt": ""}, "Prompt cannot be empty"),
+                         ({"prompt": ["", ""]}, "Prompt cannot be empty")):  # fmt: skip
+        reply = requests.post(f"{base_url}/v1/completions", json={"prompt": "1+", "max_tokens": 2, **bad}, timeout=30)
+        assert reply.status_code == 400 and message in reply.json()["message"], (bad, reply.text)
     # on /v1, SGLang's OpenAI serving answers create_error_response's flat body, whose code and type the client reads
     from openai import BadRequestError, OpenAI
 
@@ -182,6 +186,12 @@ def test_openai_client_models_and_completions(base_url, model_dir):
         ]
     bare_echo = client.completions.create(model=card.id, prompt="1+2=", max_tokens=2, echo=True, temperature=0)
     assert bare_echo.choices[0].text.startswith("1+2=") and bare_echo.choices[0].logprobs is None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tokenizer.bos_token_id, *PROMPT[:2]]  # echoed as SGLang's _get_echo_text: without special tokens
+    special_echo = client.completions.create(model=card.id, prompt=ids, max_tokens=1, echo=True, temperature=0)
+    assert special_echo.choices[0].text.startswith(tokenizer.decode(PROMPT[:2]))
     batch = client.completions.create(model=card.id, prompt=[PROMPT, PROMPT[:3]], max_tokens=2, n=2)
     assert len(batch.choices) == 4 and batch.usage.prompt_tokens == len(PROMPT) + 3
 
