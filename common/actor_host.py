@@ -15,6 +15,7 @@ ends are this package's code, started by the same driver; a message without the 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import importlib
 import json
@@ -25,16 +26,33 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 PARENT_POLL_S = 0.5
+ORPHAN_HOOKS_S = 5.0
+"""The most an orphaned actor spends on its `at_orphaned` hooks before it exits regardless."""
+_orphan_hooks: list[Callable[[], object]] = []
+
+
+def at_orphaned(hook: Callable[[], object]) -> None:
+    """Run `hook` before this process exits because its driver is gone (a killed driver never stops its actors):
+    what only the process itself can undo, such as a weight publisher's /dev/shm files. A hook must be quick and
+    safe to run from another thread; its errors are ignored."""
+    _orphan_hooks.append(hook)
 
 
 def _watch_parent(parent_pid: int) -> None:
     """Exit at once when the driver is gone (its pid is no longer our parent): no actor outlives its run."""
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
+    deadline = threading.Timer(ORPHAN_HOOKS_S, os._exit, args=(1,))
+    deadline.daemon = True
+    deadline.start()
+    for hook in list(_orphan_hooks):
+        with contextlib.suppress(Exception):
+            hook()
     os._exit(1)
 
 

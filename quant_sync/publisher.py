@@ -19,6 +19,7 @@ import msgpack
 import torch
 import zmq
 
+from common.actor_host import at_orphaned
 from common.netaddr import bind
 from quant_sync.manifest import (
     ALIGN_BYTES,
@@ -95,6 +96,7 @@ class WeightPublisher:
             try:  # the files of publishers that died without closing go first (quant_sync.shm_owner)
                 self._owner = ShmOwner(shm_dir, self._prefix)
                 sweep_stale(shm_dir, keep_prefix=self._prefix)
+                at_orphaned(self._owner.remove_files)  # a local actor whose driver was killed: its files go too
             except OSError:  # /dev/shm not writable after all: ZMQ alone
                 shm_dir = None
         self.shm_dir = shm_dir

@@ -48,6 +48,20 @@ class ShmOwner:
                 os.unlink(claiming)
             raise
 
+    def remove_files(self) -> None:
+        """Unlink every file of this prefix, then release: what a sweep would do once this process has ended, done
+        by the process itself as it ends without closing (`common.actor_host.at_orphaned`)."""
+        if self._fd is None:
+            return
+        shm_dir, name = os.path.split(self.lock_path)
+        prefix = name[: -len(LOCK_SUFFIX)] + "-"
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(shm_dir):
+                if entry.startswith(prefix):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(shm_dir, entry))
+        self.release()
+
     def release(self) -> None:
         """Drop the lock file and the lock (after the owner unlinked its files)."""
         if self._fd is None:

@@ -3,6 +3,7 @@ a live publisher's files, other users' and files without a lock stay."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -87,3 +88,48 @@ def test_an_owner_cannot_claim_a_prefix_twice_and_release_is_idempotent(tmp_path
     owner.release()
     owner.release()
     assert os.listdir(tmp_path) == []
+
+
+ORPHAN = textwrap.dedent("""
+    import os, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1], str(os.getpid())])
+    print(child.pid, flush=True)
+    child.wait()
+""")
+ORPHANED_PUBLISHER = textwrap.dedent("""
+    import sys, threading, time, torch
+    from common.actor_host import _watch_parent
+    from quant_sync.export import export_rollout_tensors
+    from quant_sync.transport import WeightPublisher
+    threading.Thread(target=_watch_parent, args=(int(sys.argv[2]),), daemon=True).start()  # as a local actor does
+    publisher = WeightPublisher(shm_dir=sys.argv[1])
+    publisher.publish(0, export_rollout_tensors({"model.norm.weight": torch.ones(64)}, "int8"), "int8")
+    print(publisher._prefix, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_local_actor_whose_driver_was_killed_removes_its_publisher_s_files(tmp_path):
+    """A local actor exits when its driver is gone (common/actor_host.py `_watch_parent`); its weight files stayed
+    in /dev/shm until another publisher started (none may, on a machine that runs no other job)."""
+    import time
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    driver = subprocess.Popen([sys.executable, "-c", ORPHAN, str(tmp_path), ORPHANED_PUBLISHER], cwd=root, env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    actor_pid = int(driver.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while not any(name.endswith("-v0") for name in os.listdir(tmp_path)):
+            assert time.monotonic() < deadline and driver.poll() is None, "the publisher did not publish"
+            time.sleep(0.05)
+        driver.kill()  # SIGKILL: the driver stops nothing
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while os.listdir(tmp_path):
+            assert time.monotonic() < deadline, f"left behind: {os.listdir(tmp_path)}"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(actor_pid, signal.SIGKILL)
