@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -121,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return _up(args)
     if args.command in ("status", "scale", "set", "down"):
-        return _control(args)
+        try:
+            return _control(args)
+        except BrokenPipeError:  # `asyncrl status | head -3`: the reader left; no traceback about it
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     if args.command == "plot":
         from asyncrl.plot import plot_runs
 
@@ -226,6 +231,12 @@ def _up(args: argparse.Namespace) -> int:
         meta = checkpoint.read_meta(latest) if latest is not None else {}
         live = [f"{k}={json.dumps(v)}" for k, v in meta.get("live", {}).items()]  # YAML: a null stays null
         saved, cfg = _load(str(resume / "config.json"), live), _load(str(resume / "config.json"), live + overrides)
+        trained = meta.get("step") if isinstance(meta.get("step"), int) else None
+        if trained is not None and cfg.train.steps <= trained:  # it trained nothing, rewrote config.json and re-saved
+            print(f"asyncrl: cannot resume {resume} with train.steps={cfg.train.steps}: its checkpoint "
+                  f"{latest.name if latest else ''} has {trained} steps trained already; give train.steps above "
+                  f"{trained} to train more", file=sys.stderr)  # fmt: skip
+            return 2
         changed = resume_changes(saved, cfg)
         if changed:
             listed = ", ".join(f"`{key}` ({get_key(saved, key)!r} -> {get_key(cfg, key)!r})" for key in changed[:3])
@@ -321,11 +332,12 @@ def _down(run_dir: Path, no_wait: bool) -> int:
     """`asyncrl down`: ask the driver to stop, then (unless `no_wait`) wait until it has, or until it is gone."""
     import time
 
-    from asyncrl.control import CONTROL_FILE, driver_record, request
+    from asyncrl.control import CONTROL_FILE, driver_record, request, stopping_note
     from common.processes import pid_alive
 
     pid = driver_record(run_dir).get("pid")
-    print(request(run_dir, "down")["message"])
+    note = stopping_note(run_dir)  # a second `down`: the driver may answer nothing until it has stopped
+    print(f"already stopping ({note})" if note else request(run_dir, "down")["message"])
     if no_wait:
         return 0
     try:

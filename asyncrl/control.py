@@ -68,13 +68,23 @@ class ControlServer:
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.secret = secrets.token_hex(32)
+        self.record = {"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time(), "secret": self.secret}
+        self._write()
+
+    def _write(self) -> None:
         tmp = self.path.with_name(CONTROL_FILE + ".tmp")
         tmp.unlink(missing_ok=True)
-        record = {"endpoint": self.endpoint, "pid": os.getpid(), "started": time.time(), "secret": self.secret}
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # private from the first byte
         with os.fdopen(fd, "w") as handle:
-            json.dump(record, handle)
+            json.dump(self.record, handle)
         tmp.rename(self.path)
+
+    def mark_stopping(self, after_step: int, reason: str) -> None:
+        """Say in control.json that the run is stopping: between its last step and its exit (workers, checkpoint,
+        final save) the driver answers no request, and `down` or `status` read this instead of waiting it out."""
+        self.record["stopping"] = {"after_step": after_step, "reason": reason}
+        with contextlib.suppress(OSError):
+            self._write()
 
     def poll(self, handler: Callable[[dict[str, Any]], dict[str, Any]], timeout_ms: int = 0) -> int:
         """Answer every pending request (waiting up to `timeout_ms` for the first); returns how many."""
@@ -163,6 +173,17 @@ def driver_record(run_dir: Path) -> dict[str, Any]:
     return record
 
 
+def stopping_note(run_dir: Path) -> str:
+    """What control.json says of a stop in progress (`ControlServer.mark_stopping`), or ""."""
+    try:
+        stopping = json.loads((run_dir / CONTROL_FILE).read_text()).get("stopping")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(stopping, dict):
+        return ""
+    return f"after step {stopping.get('after_step')}, on {stopping.get('reason')}"
+
+
 def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> dict[str, Any]:
     """Send one request to the driver of `run_dir`; the reply map, or ControlError naming what went wrong."""
     if len(fields.get("items", ())) > MAX_SET_ITEMS:
@@ -180,6 +201,10 @@ def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> 
         socket.send(message)
         if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             driver = run_lock.holder(run_dir)
+            stopping = stopping_note(run_dir)
+            if driver is not None and stopping:
+                raise ControlError(f"the run {run_dir} is stopping ({stopping}; pid {driver or '?'}): it answers "
+                                   "no request until it has stopped")  # fmt: skip
             if driver is not None:  # alive, and between two answers: stopping its workers, a checkpoint, an eval
                 raise ControlError(f"no answer from the driver of {run_dir} (pid {driver or '?'}) within "
                                    f"{timeout_s:.0f}s, though it runs: it is busy (stopping, writing a checkpoint, "

@@ -100,6 +100,7 @@ class Operations:
         if reason and not self.stopping:
             self.stopping = True
             self.logger.event("down", step=self.step, reason=reason)
+            self.control.mark_stopping(self.step, reason)
         return self.stopping
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:

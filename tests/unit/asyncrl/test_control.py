@@ -352,3 +352,24 @@ def test_a_driver_that_holds_the_run_but_does_not_answer_is_called_busy_not_dead
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def test_a_second_down_while_the_driver_stops_says_so_and_waits_for_the_end(live_run: Path):
+    """Between its last step and its exit the driver answers nothing (workers stop, a checkpoint): a second `down`
+    waited 10 s and said the run was busy (exit 2); it reads the stop from control.json and waits like the first."""
+    import subprocess
+    import sys
+
+    server = ControlServer(live_run)  # never polled from here on, as a driver in its shutdown
+    server.mark_stopping(after_step=3, reason="down")
+    down = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "down", str(live_run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        time.sleep(1.0)
+        assert down.poll() is None  # waiting for the stop to finish
+        server.close()  # the driver exits: control.json goes
+        out, err = down.communicate(timeout=30)
+    finally:
+        down.kill()
+    assert down.returncode == 0, err
+    assert out.splitlines() == ["already stopping (after step 3, on down)", f"{live_run}: stopped"]
