@@ -71,8 +71,7 @@ class _Sampling(BaseModel):
             "ebnf": "ebnf",
         }
         params = {ours: getattr(self, theirs) for theirs, ours in names.items() if getattr(self, theirs) is not None}
-        if max_new_tokens is not None:
-            params["max_new_tokens"] = max_new_tokens
+        params["max_new_tokens"] = max_new_tokens  # null: up to the context, as SGLang's to_sampling_params sends it
         return params
 
 

@@ -60,9 +60,16 @@ decoding, tens of MB of text answered); at most MAX_SAMPLES_PER_REQUEST lists, a
 class SamplingParams(BaseModel):
     """SGLang's SamplingParams: the fields and defaults; `verify()` holds its value checks."""
 
+    @property
+    def max_new_tokens_given(self) -> bool:
+        """Whether the request set a number (SGLang checks prompt + it against the context only then)."""
+        return "max_new_tokens" in self.model_fields_set and self.max_new_tokens is not None
+
     model_config = ConfigDict(extra="allow")  # unknown keys reach verify(), which names them
 
-    max_new_tokens: Int64 = 128
+    max_new_tokens: Int64 | None = 128
+    """As SGLang: given, prompt + it must fit the context; absent (128) or null (no limit), it is cut to what the
+    context leaves (`max_new_tokens_given`, serve_requests.request_groups)."""
     temperature: Number = 1.0
     """Below 1e-6 means greedy (top_k = 1 at temperature 1), as in SGLang."""
     top_p: Number = 1.0
@@ -134,14 +141,15 @@ class SamplingParams(BaseModel):
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 1 and self.top_k != TOP_K_ALL:
             raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:  # before min_new_tokens, as SGLang says it
+            raise BadRequest(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        most = self.max_new_tokens if self.max_new_tokens is not None else math.inf
+        if self.min_new_tokens < 0 or self.min_new_tokens > most:
             raise BadRequest(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}."
             )
         if isinstance(self.stop, list) and any(not stop for stop in self.stop) or self.stop == "":
             raise BadRequest("stop strings must not be empty.")
-        if self.max_new_tokens < 0:
-            raise BadRequest(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if self.n < 1:
             raise BadRequest(f"n must be at least 1, got {self.n}.")
 

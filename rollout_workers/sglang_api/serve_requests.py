@@ -78,9 +78,11 @@ def request_groups(
     n = request.sampling[0].n
     for prompt, sampling in zip(request.prompts, request.sampling):  # every text before any is tokenized
         if isinstance(prompt, str):
-            check_text_fits(prompt, sampling.max_new_tokens, token_chars, max_seq_len)
+            asked = sampling.max_new_tokens if sampling.max_new_tokens_given else 0
+            check_text_fits(prompt, asked or 0, token_chars, max_seq_len)
     for b, (prompt, sampling) in enumerate(zip(request.prompts, request.sampling)):
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        sampling = fit_to_context(ids, sampling, max_seq_len)
         check_prompt(ids, sampling, vocab_size, max_seq_len)
         start = request.logprob_start_len[b] if request.logprob_start_len else -1
         if request.return_logprob and start >= len(ids):
@@ -113,6 +115,21 @@ def sample_keys(seed: int | None, n: int, generator: torch.Generator) -> list[in
     source = torch.Generator().manual_seed(seed) if seed is not None else generator
     base = int(torch.randint(0, 1 << 62, (1,), generator=source))
     return [sample_key(base, i) for i in range(n)]
+
+
+def fit_to_context(ids: list[int], sampling: SamplingParams, max_seq_len: int) -> SamplingParams:
+    """SGLang's scheduler (`init_req_max_new_tokens`): a max_new_tokens the request did not give (the default 128,
+    or null: no limit) is cut to what the context leaves after the prompt; a given one is checked (`check_prompt`).
+    A prompt that fills the context is refused with SGLang's words."""
+    if sampling.max_new_tokens_given:
+        return sampling
+    if ids and len(ids) >= max_seq_len:
+        raise BadRequest(
+            f"The input ({len(ids)} tokens) is longer than the model's context length ({max_seq_len} tokens)."
+        )
+    left = max_seq_len - len(ids)
+    wanted = sampling.max_new_tokens if sampling.max_new_tokens is not None else left
+    return sampling.model_copy(update={"max_new_tokens": min(wanted, left)})
 
 
 def check_prompt(ids: list[int], sampling: SamplingParams, vocab_size: int, max_seq_len: int) -> None:

@@ -589,3 +589,25 @@ def test_a_body_that_is_not_sent_as_json_is_told_to_send_json(base_url):
             assert "send the body as JSON with Content-Type: application/json" in error["message"]
     answer = requests.post(f"{base_url}/generate", data=body, headers={"Content-Type": "application/json"}, timeout=30)
     assert answer.status_code == 200, answer.text
+
+
+def test_a_max_new_tokens_not_given_is_cut_to_the_context_and_a_given_one_is_checked(base_url):
+    """SGLang checks prompt + max_new_tokens against the context only for a number the request gave; the default
+    (128) or null (no limit) is cut to what the context leaves (scheduler `init_req_max_new_tokens`), and a chat
+    without max_tokens sends null. builtin:micro's context is 64: these were refused for 128 + the prompt."""
+    prompt = [3, 4, 10, 5, 12] * 12  # 60 tokens: 4 left
+    for sampling in ({"ignore_eos": True}, {"ignore_eos": True, "max_new_tokens": None}):
+        answer = post(f"{base_url}/generate", {"input_ids": prompt, "sampling_params": sampling})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    given = post(f"{base_url}/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 10}})
+    assert given.status_code == 400 and "maximum context length of 64" in given.json()["error"]["message"]
+    full = post(f"{base_url}/generate", {"input_ids": prompt + prompt[:4], "sampling_params": {}})
+    assert full.status_code == 400, full.text
+    assert "The input (64 tokens) is longer than the model's context length (64 tokens)" in full.text
+    model = requests.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "1+2=" * 10}], "ignore_eos": True}
+    reply = post(f"{base_url}/v1/chat/completions", chat)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+    assert reply.json()["usage"]["prompt_tokens"] + reply.json()["usage"]["completion_tokens"] == 64
