@@ -255,12 +255,25 @@ def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]
         raise BadRequest(f"the tokenizer of {service.tokenizer_path} has no chat template", validation=True)
     messages = [{"role": message.role, "content": message.text()} for message in obj.messages]
     check_chat_size(messages)  # rendering costs per message and per character
+    if obj.response_format is not None and obj.response_format.get("type", "text") != "text":
+        raise BadRequest(f"response_format {obj.response_format.get('type')!r} is not supported by asyncrl serve "
+                         "(constrained decoding is not implemented)")  # fmt: skip
+    extra = dict(obj.chat_template_kwargs or {})
+    taken = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise BadRequest(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields do)")
     final = obj.continue_final_message
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=not final, continue_final_message=final
-    )
+        messages, tokenize=False, add_generation_prompt=not final, continue_final_message=final, tools=obj.tools,
+        **extra,
+    )  # fmt: skip
     check_text_fits(text, 0, service.token_chars, service.engine.max_seq_len)  # the rest is checked once tokenized
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+                       "continue_final_message", "return_dict", "documents", "chat_template"}  # fmt: skip
+"""apply_chat_template's own arguments: `chat_template_kwargs` passes template variables, not these."""
 
 
 @openai_routes.post("/v1/chat/completions")

@@ -118,6 +118,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    """Given to the chat template (`tools=`), as SGLang's serving_chat does; no tool-call parser runs on the answer
+    (SGLang's default without `--tool-call-parser`): the model's text comes back as the content."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template (e.g. `enable_thinking`), as SGLang passes them."""
+    response_format: dict[str, Any] | None = None
+    """Only `{"type": "text"}`: constrained decoding (json_object, json_schema) is not implemented (400)."""
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------

@@ -611,3 +611,36 @@ def test_a_max_new_tokens_not_given_is_cut_to_the_context_and_a_given_one_is_che
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     assert reply.json()["usage"]["prompt_tokens"] + reply.json()["usage"]["completion_tokens"] == 64
+
+
+TOOLS_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}{% if tools %}{{ tools | length }}{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}9{% endif %}"
+)
+
+
+def test_chat_passes_tools_and_template_variables_and_refuses_constrained_formats(tmp_path):
+    """SGLang's serving_chat renders `tools` and `chat_template_kwargs` with the template; they were dropped
+    silently, and response_format json_object was answered with free text."""
+    target = tmp_path / "model"
+    shutil.copytree(resolve_model_path("builtin:micro", log=lambda *a: None), target)
+    config_path = target / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": TOOLS_TEMPLATE}))
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    with serve(str(target), "--quant", "none") as url:
+        model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        chat = {"model": model, "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 1}
+
+        def prompt_tokens(**extra: Any) -> int:
+            reply = post(f"{url}/v1/chat/completions", {**chat, **extra})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["usage"]["prompt_tokens"]
+
+        assert prompt_tokens() == 4
+        assert prompt_tokens(tools=[tool, tool]) == 5  # "1+1=2"
+        assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == 5  # "1+1=9"
+        assert prompt_tokens(response_format={"type": "text"}) == 4
+        refused = post(f"{url}/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})
+        assert refused.status_code == 400 and "response_format 'json_object' is not supported" in refused.text
+        refused = post(f"{url}/v1/chat/completions", {**chat, "chat_template_kwargs": {"tokenize": True}})
+        assert refused.status_code == 400 and "chat_template_kwargs may not set tokenize" in refused.text
