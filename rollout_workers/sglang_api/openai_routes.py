@@ -284,7 +284,11 @@ async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
         raise BadRequest("top_logprobs requires logprobs=true", validation=True)
     body = {
         "input_ids": prompt,
-        "sampling_params": obj.sampling_params(obj.max_completion_tokens or obj.max_tokens),
+        # user value > the model's generation_config > the defaults, as SGLang's to_sampling_params
+        "sampling_params": {
+            **service.chat_sampling_defaults,
+            **obj.sampling_params(obj.max_completion_tokens or obj.max_tokens),
+        },
         "return_logprob": obj.logprobs,
         "top_logprobs_num": top,
         "return_text_in_logprobs": True,

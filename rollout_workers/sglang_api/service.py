@@ -111,6 +111,9 @@ class ModelService:
         """The weights' directory: the last one `/update_weights_from_disk` loaded (SGLang's `model_path`)."""
         self.served_model_name = self.tokenizer_path = str(model_dir)
         self.architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures")
+        self.chat_sampling_defaults = chat_sampling_defaults(model_dir)
+        """generation_config.json's sampling values a chat request falls back on (SGLang's `--sampling-defaults
+        model`, its default)."""
         self.precision, self.seed = precision, seed
         self.launch: dict[str, Any] = {}
         """How the server was started (`host`, `port`: set by server.py), for `/server_info`."""
@@ -561,3 +564,23 @@ class ModelService:
             for req in in_flight:
                 req.retractions += 1
         return True, "Succeeded to update model weights.", len(in_flight)
+
+
+CHAT_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+"""What SGLang's chat takes from generation_config.json when a request omits it (`model_config.py`
+`get_default_sampling_params`), min_p aside: not implemented here, its default would refuse every chat."""
+
+
+def chat_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The model's generation_config.json values of CHAT_DEFAULT_KEYS ({} without the file or with a bad one)."""
+    try:
+        config = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {
+        key: config[key]
+        for key in CHAT_DEFAULT_KEYS
+        if isinstance(config.get(key), int | float) and not isinstance(config.get(key), bool)
+    }

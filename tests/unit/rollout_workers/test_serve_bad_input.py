@@ -626,6 +626,8 @@ def test_chat_passes_tools_and_template_variables_and_refuses_constrained_format
     shutil.copytree(resolve_model_path("builtin:micro", log=lambda *a: None), target)
     config_path = target / "tokenizer_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": TOOLS_TEMPLATE}))
+    generation = target / "generation_config.json"  # SGLang's chat falls back on the model's sampling values
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "temperature": 1e-7, "top_k": 1}))
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
     with serve(str(target), "--quant", "none") as url:
         model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -644,3 +646,8 @@ def test_chat_passes_tools_and_template_variables_and_refuses_constrained_format
         assert refused.status_code == 400 and "response_format 'json_object' is not supported" in refused.text
         refused = post(f"{url}/v1/chat/completions", {**chat, "chat_template_kwargs": {"tokenize": True}})
         assert refused.status_code == 400 and "chat_template_kwargs may not set tokenize" in refused.text
+        long = {**chat, "max_tokens": 6, "ignore_eos": True}
+        answers = {
+            post(f"{url}/v1/chat/completions", long).json()["choices"][0]["message"]["content"] for _ in range(5)
+        }
+        assert len(answers) == 1  # greedy by the model's generation_config, not sampled at the default 1.0
