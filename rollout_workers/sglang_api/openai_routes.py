@@ -142,9 +142,7 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
         entries = list(meta.get("output_token_logprobs", []))
         tops = list(meta.get("output_top_logprobs", [None] * len(entries)))
         if obj.echo:
-            source = prompts[index // n]
-            echoed = source if isinstance(source, str) else service.tokenizer.decode(source, skip_special_tokens=True)
-            text = echoed + text  # SGLang's _get_echo_text decodes token ids without the special ones
+            text = _echo_text(service, prompts[index // n]) + text
             if want_logprobs:
                 entries = list(meta["input_token_logprobs"]) + entries
                 tops = list(meta.get("input_top_logprobs", [None] * len(meta["input_token_logprobs"]))) + tops
@@ -161,20 +159,51 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
     )
 
 
+def _echo_text(service: ModelService, source: str | list[int]) -> str:
+    """The prompt as `echo` gives it back: a text as it is, token ids decoded without the special tokens (SGLang's
+    `_get_echo_text`)."""
+    return source if isinstance(source, str) else service.tokenizer.decode(source, skip_special_tokens=True)
+
+
+def _usage_chunk(stream_id: str, kind: str, created: int, model: str, n: int) -> Any:
+    """`final` for delta_stream: the `choices: []` chunk with the usage (`stream_options.include_usage`)."""
+
+    def final(last: list[dict[str, Any]]) -> dict[str, Any]:
+        usage = _usage(last, n)  # every sample has finished: each one's final answer
+        return {"id": stream_id, "object": kind, "created": created, "model": model, "choices": [],
+                "usage": usage.model_dump()}  # fmt: skip
+
+    return final
+
+
 def _completion_stream(service: ModelService, obj: CompletionRequest, request: GenerateRequest, order: list):
-    """OpenAI's completion chunks: each the text (and log-probs) a choice added; `finish_reason` on its last."""
+    """OpenAI's completion chunks: each the text (and log-probs) a choice added; `finish_reason` (and `matched_stop`)
+    on its last; with `echo` the first chunk of each choice opens with the prompt (and its log-probs), and with
+    `stream_options.include_usage` a last chunk carries the usage, as SGLang's serving_completions streams them."""
     model_name, created = obj.model or service.served_model_name, int(time.time())
     stream_id = uuid.uuid4().hex
+    prompt = obj.prompt
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+    opened: set[int] = set()
 
     def chunk(index: int, answer: dict[str, Any], new_text: str, first_token: int) -> dict[str, Any]:
         meta = answer["meta_info"]
+        first = index not in opened
+        opened.add(index)
         logprobs = None
         if obj.logprobs is not None:
             entries = meta["output_token_logprobs"][first_token:]
             tops = (meta.get("output_top_logprobs") or [None] * len(meta["output_token_logprobs"]))[first_token:]
+            if first and obj.echo:
+                inputs = list(meta.get("input_token_logprobs", []))
+                entries = inputs + list(entries)
+                tops = list(meta.get("input_top_logprobs", [None] * len(inputs))) + list(tops)
             logprobs = _completion_logprobs(entries, tops)
-        reason = (meta["finish_reason"] or {}).get("type")
-        choice = CompletionChoice(index=index, text=new_text, logprobs=logprobs, finish_reason=reason)
+        if first and obj.echo:
+            new_text = _echo_text(service, prompts[index // obj.n]) + new_text
+        reason, matched = _finish(answer)
+        choice = CompletionChoice(index=index, text=new_text, logprobs=logprobs, finish_reason=reason,
+                                  matched_stop=matched)  # fmt: skip
         return {
             "id": stream_id,
             "object": "text_completion",
@@ -184,7 +213,8 @@ def _completion_stream(service: ModelService, obj: CompletionRequest, request: G
             "metadata": {"weight_version": meta["weight_version"]},
         }
 
-    return delta_stream(service, request, order, chunk)
+    final = _usage_chunk(stream_id, "text_completion", created, model_name, obj.n) if obj.include_usage else None
+    return delta_stream(service, request, order, chunk, final)
 
 
 def _completion_logprobs(entries: list[list[Any]], tops: list[list[list[Any]] | None]) -> CompletionLogprobs:
@@ -233,17 +263,25 @@ def _chat_stream(service: ModelService, obj: ChatCompletionRequest, request: Gen
             started.add(index)
             delta["role"] = "assistant"
         logprobs = _chat_logprobs(meta, first_token).model_dump() if obj.logprobs else None
-        reason = (meta["finish_reason"] or {}).get("type")
+        reason, matched = _finish(answer)
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "matched_stop": matched,
+        }
         return {
             "id": stream_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model_name,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
+            "choices": [choice],
             "metadata": {"weight_version": meta["weight_version"]},
         }
 
-    return delta_stream(service, request, order, chunk)
+    final = _usage_chunk(stream_id, "chat.completion.chunk", created, model_name, obj.n) if obj.include_usage else None
+    return delta_stream(service, request, order, chunk, final)
 
 
 def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]:

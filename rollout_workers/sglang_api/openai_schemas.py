@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 class _Sampling(BaseModel):
     """The sampling fields both request kinds share (OpenAI's, then SGLang's extensions)."""
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -29,6 +33,8 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    """`{"include_usage": true}`: a last chunk with no choices and the usage, as OpenAI and SGLang send it."""
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

@@ -113,20 +113,26 @@ async def delta_stream(
     request: GenerateRequest,
     order: list,
     chunk: Callable[[int, dict[str, Any], str, int], dict[str, Any] | None],
+    final: Callable[[list[dict[str, Any]]], dict[str, Any] | None] | None = None,
 ) -> AsyncIterator[str]:
     """An OpenAI stream: `chunk(index, answer, new_text, new_token_start)` builds each event from the text and
-    tokens a sample added since its last event; a position in `order` (prompt by prompt) is the choice index."""
+    tokens a sample added since its last event; a position in `order` (prompt by prompt) is the choice index.
+    `final(last answers)`, when given and not None, is the event sent once every sample finished (the usage)."""
     texts = [""] * len(order)
     tokens = [0] * len(order)
+    last: list[dict[str, Any]] = [{} for _ in order]
     try:
         async with aclosing(progress_events(service, request, order)) as events:  # closed (aborts) on any error
             async for position, answer in events:
                 text = answer["text"]
                 new_text = text[len(texts[position]) :] if text.startswith(texts[position]) else text
                 payload = chunk(position, answer, new_text, tokens[position])
-                texts[position], tokens[position] = text, len(answer["output_ids"])
+                texts[position], tokens[position], last[position] = text, len(answer["output_ids"]), answer
                 if payload is not None:
                     yield sse(payload)
+        closing = final(last) if final is not None else None
+        if closing is not None:
+            yield sse(closing)
     except Exception as err:  # the headers went out: the stream says why it ends (module docstring)
         yield sse(openai_error(err))
     yield DONE

@@ -372,3 +372,31 @@ def test_prompt_scoring_agrees_with_the_prefill_that_samples(model_dir, scheme):
             engine.step()
         assert seq.completion.response_ids == [] and len(seq.prompt_logp) == 1
         assert seq.prompt_logp[0] == pytest.approx(out.behav_logp[0], abs=1e-5)
+
+
+def test_streams_carry_matched_stop_the_echo_and_a_usage_chunk(base_url):
+    """As SGLang's serving_completions / serving_chat stream them: `matched_stop` on a choice's last chunk, the
+    prompt at the head of each completion choice under `echo`, and a last `choices: []` chunk with the usage under
+    `stream_options.include_usage` (matched_stop was null, the echo and the usage chunk missing)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    stops = list(range(16))  # every token of builtin:micro stops: the first one does
+    chunks = list(client.completions.create(
+        model=model, prompt="1+2=", max_tokens=3, echo=True, n=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"stop_token_ids": stops},
+    ))  # fmt: skip
+    *choice_chunks, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 2  # one token each, its stop
+    assert usage_chunk.usage.prompt_tokens > 0
+    for index in (0, 1):
+        mine = [c.choices[0] for c in choice_chunks if c.choices[0].index == index]
+        assert mine[0].text.startswith("1+2=")
+        assert mine[-1].finish_reason == "stop" and mine[-1].model_extra["matched_stop"] in stops
+    chat = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "1+2="}], max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stop_token_ids": stops},
+    ))  # fmt: skip
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 1
+    assert chat[-2].choices[0].model_extra["matched_stop"] in stops
