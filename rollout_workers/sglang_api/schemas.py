@@ -165,7 +165,10 @@ class GenerateRequest:
     single: bool
     """Answer one object rather than a list (one prompt, n = 1)."""
     return_logprob: bool = False
+    """Whether any prompt asked for log-probs (`logprob_of` says which)."""
     return_text_in_logprobs: bool = False
+    logprob_of: list[bool] | None = None
+    """Per prompt, from a list `return_logprob` (SGLang applies it prompt by prompt); None: `return_logprob` for all."""
     logprob_start_len: list[int] | None = None
     """Per prompt: the first prompt position whose token gets an input log-prob (-1: the last one only)."""
     top_logprobs_num: list[int] | None = None
@@ -225,6 +228,7 @@ class GenerateReqInput(BaseModel):
             rids=self._rids(single, len(prompts), n),
             single=single and n == 1,
             return_logprob=any(logprob) if isinstance(logprob, list) else bool(logprob),
+            logprob_of=_logprob_of(logprob, len(prompts)),
             return_text_in_logprobs=self.return_text_in_logprobs,
             logprob_start_len=_per_prompt("logprob_start_len", self.logprob_start_len, len(prompts), -1, -1),
             top_logprobs_num=_per_prompt("top_logprobs_num", self.top_logprobs_num, len(prompts), 0, 0),
@@ -294,6 +298,15 @@ def check_detokenize_size(token_lists: list[list[int]]) -> None:
             f"The token lists of a detokenize request may hold at most {MAX_TOKENS_PER_REQUEST} tokens together; "
             f"this one's {_holding(len(token_lists), 'list')} {tokens}. Send them in several requests."
         )
+
+
+def _logprob_of(value: bool | list[bool] | None, batch: int) -> list[bool] | None:
+    """A list `return_logprob`, one flag per prompt (SGLang's length check); None for one flag for all."""
+    if not isinstance(value, list):
+        return None
+    if len(value) != batch:
+        raise BadRequest("The length of return_logprob should be equal to the batch size.")
+    return [bool(flag) for flag in value]
 
 
 def _per_prompt(name: str, value: int | list[int] | None, batch: int, default: int, least: int) -> list[int]:

@@ -85,14 +85,15 @@ def request_groups(
         sampling = fit_to_context(ids, sampling, max_seq_len)
         check_prompt(ids, sampling, vocab_size, max_seq_len)
         start = request.logprob_start_len[b] if request.logprob_start_len else -1
-        if request.return_logprob and start >= len(ids):
+        wants_logprob = request.logprob_of[b] if request.logprob_of is not None else request.return_logprob
+        if wants_logprob and start >= len(ids):
             raise BadRequest(
                 f"logprob_start_len ({start}) is larger than the number of input tokens ({len(ids)}). "
                 "Request with a lower logprob_start_len."
             )
         keys = sample_keys(sampling.sampling_seed, n, generator)
         top = request.top_logprobs_num[b] if request.top_logprobs_num else 0
-        extra = {"return_logprob": request.return_logprob, "logprob_start_len": start, "top_logprobs_num": top}
+        extra = {"return_logprob": wants_logprob, "logprob_start_len": start, "top_logprobs_num": top}
         groups.append([ServeRequest(_rid(request, b, i), ids, sampling, key, **extra) for i, key in enumerate(keys)])
     return groups
 

@@ -210,7 +210,7 @@ class ModelService:
 
     def responses(self, request: GenerateRequest, order: list[ServeRequest]) -> Any:
         """The `/generate` answer for finished requests: one object, or a list in `order`."""
-        outs = [self._response(req, request.return_logprob, request.return_text_in_logprobs) for req in order]
+        outs = [self._response(req, req.return_logprob, request.return_text_in_logprobs) for req in order]
         return outs[0] if request.single else outs
 
     def progress(self, req: ServeRequest) -> int:
@@ -221,7 +221,7 @@ class ModelService:
     def response(self, request: GenerateRequest, req: ServeRequest) -> dict[str, Any]:
         """One request's `/generate` answer as it stands: the final one once it finished, else a partial one
         (finish_reason None) for a stream."""
-        return self._response(req, request.return_logprob, request.return_text_in_logprobs)
+        return self._response(req, req.return_logprob, request.return_text_in_logprobs)
 
     def abort_requests(self, order: list[ServeRequest]) -> None:
         """Abort these requests (a stream whose client went away): their slots are freed between two steps. Returns
@@ -390,7 +390,8 @@ class ModelService:
             "finish_reason": finish,
             "prompt_tokens": len(req.prompt),
             "weight_version": self.weight_version,
-            "num_retractions": req.retractions,
+            "total_retractions": req.retractions,  # SGLang 0.5.9's key (tokenizer_manager.py), the version served
+            "num_retractions": req.retractions,  # the same count under the name later releases give it
             "completion_tokens": len(tokens),
             "cached_tokens": req.seq.cached_tokens if req.seq is not None else 0,  # prefix-cache hits
             "e2e_latency": time.time() - req.started,

@@ -127,6 +127,11 @@ def test_logprob_start_len_and_output_top_logprobs_in_sglangs_shapes(base_url):
         },
     ).json()
     assert [len(out["meta_info"]["input_token_logprobs"]) for out in batch] == [len(PROMPT), 3]
+    mixed = generate(  # a list return_logprob applies prompt by prompt, as SGLang's (it was any() for all)
+        base_url,
+        {"input_ids": [PROMPT, PROMPT[:4]], "return_logprob": [True, False], "sampling_params": {"max_new_tokens": 2}},
+    ).json()
+    assert "output_token_logprobs" in mixed[0]["meta_info"] and "output_token_logprobs" not in mixed[1]["meta_info"]
 
 
 def test_bad_logprob_and_unsupported_sampling_requests_get_400_naming_the_field(base_url):

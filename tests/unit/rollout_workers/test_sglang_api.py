@@ -183,7 +183,7 @@ def test_weight_update_mid_generation_in_each_pause_mode(server, model_dir, tmp_
         else:  # kept in flight: old tokens then new ones, in one response
             assert meta["finish_reason"] == {"type": "length", "length": 50}
             assert [v for v, _ in spans] == [str(before), str(version)] and all(c > 0 for _, c in spans)
-            assert meta["num_retractions"] == (1 if mode == "retract" else 0)
+            assert meta["total_retractions"] == (1 if mode == "retract" else 0)
     after = server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     assert after["meta_info"]["weight_versions"] == [[str(version), len(after["output_ids"])]]
 
