@@ -163,6 +163,33 @@ def _import_within(parsed: RewardSpec, key: str, timeout_s: float) -> None:
         raise RewardFnError(f"{where} failed: {err!r}") from err
 
 
+def _check_siblings(path: Path, key: str, spec: str) -> None:
+    """RewardFnError when a module the file at `path` imports is named like a file beside it but was imported from
+    another directory: two reward files that each import their own `utils.py` would both get the first one's (one
+    module per name per process)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}  # fmt: skip
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level}  # fmt: skip
+    for sibling in path.parent.glob("*.py"):
+        if sibling.stem not in imported:
+            continue
+        module = sys.modules.get(sibling.stem)
+        where = getattr(module, "__file__", None)
+        if module is None or where is None or sibling == path:
+            continue
+        if Path(where).resolve().parent != path.parent:
+            raise RewardFnError(
+                f"`{key}` {spec!r}: {str(path)!r} has a module {sibling.name} beside it, but {sibling.stem!r} is "
+                f"already imported from {where!r} (another reward file's, or an installed one): Python keeps one "
+                f"module per name, so this file would use that one; rename one of them"
+            )
+
+
 def load_fn(parsed: RewardSpec, key: str = "reward.fn") -> RewardFn:
     """Import the spec's file or module and return its callable; raises RewardFnError naming what is missing.
 
@@ -187,6 +214,7 @@ def load_fn(parsed: RewardSpec, key: str = "reward.fn") -> RewardFn:
             except BaseException as err:
                 del sys.modules[module_name]
                 raise RewardFnError(f"`{key}` {parsed.spec!r}: loading {str(path)!r} failed: {err!r}") from err
+            _check_siblings(path, key, parsed.spec)
         where = f"reward file {str(path)!r}"
     else:
         try:

@@ -189,3 +189,25 @@ def test_weights_combine_scores_and_a_failed_call_scores_zero():
     assert metrics == {"length": 4.0, "a": 1.0, "b": 0.5, "c": 0.0}
     assert combine([CallOutcome(score=1.0)], [1.0], ["a"]) == (1.0, {})  # one function: no per-function metric
     assert spec_names(["x.py:fn", "y.py:fn", "asyncrl:math"]) == ["fn", "fn_2", "math_reward"]
+
+
+def test_two_reward_files_importing_their_own_sibling_module_are_refused(tmp_path, monkeypatch):
+    """Each file's directory goes on sys.path, but Python keeps one `utils` per process: the second file ran with
+    the first one's helpers and scored silently wrong (1.0 instead of 0.25)."""
+    import sys
+
+    from common.reward_fns import load_fn
+
+    for name, value in (("a", 1.0), ("b", 0.25)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "utils.py").write_text(f"VALUE = {value}\n")
+        (folder / "reward.py").write_text("import utils\ndef fn(r, a, row):\n    return utils.VALUE\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "utils", raising=False)
+    try:
+        assert load_fn(parse_spec(f"{tmp_path / 'a' / 'reward.py'}:fn"))("", "", {}) == 1.0
+        with pytest.raises(RewardFnError, match=r"has a module utils.py beside it, but 'utils' is already imported"):
+            load_fn(parse_spec(f"{tmp_path / 'b' / 'reward.py'}:fn"))
+    finally:
+        sys.modules.pop("utils", None)
