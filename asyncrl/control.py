@@ -245,10 +245,13 @@ def format_status(status: dict[str, Any]) -> str:
         f"{stale.get('mean', float('nan'))} max {stale.get('max', float('nan'))} (max_lag {stale.get('max_lag')})"
     )
     buf = status.get("buffer", {})
-    lines.append(
-        f"buffer: {buf.get('queued_groups', '?')} groups queued, {buf.get('leased_groups', '?')} leased, "
-        f"{buf.get('consumed_groups', '?')} consumed, {buf.get('dropped_stale', '?')} dropped stale"
-    )
+    if "unavailable" in buf:
+        lines.append(f"buffer: unavailable ({buf['unavailable']})")
+    else:
+        lines.append(
+            f"buffer: {buf.get('queued_groups', '?')} groups queued, {buf.get('leased_groups', '?')} leased, "
+            f"{buf.get('consumed_groups', '?')} consumed, {buf.get('dropped_stale', '?')} dropped stale"
+        )
     lines.append(f"workers ({len(status.get('workers', []))}):")
     for row in status.get("workers", []):
         lines.append(

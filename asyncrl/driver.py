@@ -467,6 +467,7 @@ def _train(
         if not abandoned:
             learner.close()
     ops.buffer.close()
+    ops.status_buffer.close()
     from asyncrl.bench import strict_json_value
 
     text = json.dumps(strict_json_value(summary), indent=2, default=str, allow_nan=False)  # a nan eval figure: null

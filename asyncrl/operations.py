@@ -41,6 +41,8 @@ from common.config import (
 )
 
 BUFFER_KEYS = ("cursor", "cursor_epoch", "cursor_position", "consumed_groups", "admitted_groups", "current_step")
+STATUS_BUFFER_S = 2.0
+"""How long `status` waits for the buffer's counters before it answers without them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +88,10 @@ class Operations:
         self.run_dir, self.pool, self.learner, self.logger = run_dir, pool, learner, logger
         curve = client_keys(sections.buffer.curve_keys_dir)
         self.buffer = BufferClient(buffer_endpoint, identity="driver", timeout_s=10, curve=curve)
+        # `status` asks with a short wait of its own: a stalled buffer must not hold the driver's loop (and the
+        # CLI's 10 s) on an answer that is only for display
+        self.status_buffer = BufferClient(buffer_endpoint, identity="driver-status", timeout_s=STATUS_BUFFER_S,
+                                          curve=curve)  # fmt: skip
         self.control = ControlServer(run_dir)
         self.step = start_step  # train steps completed
         self.pending: dict[str, Any] = {}  # validated live changes waiting for the step boundary
@@ -130,7 +136,7 @@ class Operations:
             "version": metrics.get("version", self.step),
             "stopping": self.stopping,
             "workers": self.describe_workers(),
-            "buffer": self.buffer.stats(),
+            "buffer": self._buffer_stats(),
             "staleness": {
                 "mean": metrics.get("staleness/mean"),
                 "max": metrics.get("staleness/max"),
@@ -144,6 +150,15 @@ class Operations:
             "pending": self.pending,
             "errors": self.recent_errors(),
         }
+
+    def _buffer_stats(self) -> dict[str, Any]:
+        """The buffer's counters, or {"unavailable": why} when it does not answer within STATUS_BUFFER_S."""
+        from buffer.client import BufferRequestError, BufferUnavailable
+
+        try:
+            return dict(self.status_buffer.stats())
+        except (BufferUnavailable, BufferRequestError) as err:
+            return {"unavailable": f"no answer within {STATUS_BUFFER_S:g} s ({type(err).__name__})"}
 
     def describe_workers(self) -> list[dict[str, Any]]:
         """`WorkerPool.describe`, with state `pending` for a starting worker that Ray has not placed yet (no node has

@@ -1,5 +1,6 @@
-"""`asyncrl set` between two step boundaries: a key named again replaces its pending value, and setting it back to
-the applied value cancels the pending change (Operations.set with the driver's real validation, `live_update`)."""
+"""The driver's Operations with real validation (`live_update`) and a real buffer socket: `asyncrl set` between two
+step boundaries (a key named again replaces its pending value; set back to the applied value, it cancels it), and
+`status` when the buffer does not answer."""
 
 from __future__ import annotations
 
@@ -34,3 +35,31 @@ def test_setting_a_key_back_before_the_boundary_cancels_the_pending_change() -> 
     with pytest.raises(ControlError, match="out of range"):
         ops.set(["loss.eps_low=2"])
     assert ops.pending == {"optim.lr": 5e-5}
+
+
+def test_status_answers_without_the_buffer_s_counters_when_the_buffer_does_not_answer() -> None:
+    """A stopped buffer (`kill -STOP`) held `status` for the buffer client's 10 s, the driver's loop with it, and the
+    CLI gave up first calling the driver busy; it waits STATUS_BUFFER_S and says the buffer is unavailable."""
+    import time
+
+    import zmq
+
+    from asyncrl.control import format_status
+    from asyncrl.operations import STATUS_BUFFER_S
+    from buffer.client import BufferClient
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes requests, answers none
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    ops = _operations()
+    ops.status_buffer = BufferClient(f"tcp://127.0.0.1:{port}", identity="driver-status", timeout_s=STATUS_BUFFER_S)
+    try:
+        started = time.monotonic()
+        stats = ops._buffer_stats()
+        assert time.monotonic() - started < 3 * STATUS_BUFFER_S
+        assert stats == {"unavailable": f"no answer within {STATUS_BUFFER_S:g} s (BufferUnavailable)"}
+        assert "buffer: unavailable (no answer within" in format_status(
+            {"run": "r", "step": 1, "steps": 2, "version": 1, "workers": [], "buffer": stats}
+        )
+    finally:
+        ops.status_buffer.close()
+        silent.close(0)
