@@ -104,6 +104,14 @@ def _load(config: str, overrides: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command set up its own handling (imports take a second): one line
+        print("asyncrl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # its own parser (rollout_workers/sglang_api/server.py)
         from rollout_workers.sglang_api.server import main as serve

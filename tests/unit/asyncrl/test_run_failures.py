@@ -270,3 +270,15 @@ def test_steps_generated_while_every_environment_or_reward_call_fails_fail_the_r
     assert f"for the {FAILING_STEPS} train steps since step {FAILING_STEPS}" in str(err.value)
     assert f"fix `{key}` (last error: TypeError: step returned None)" in str(err.value)
     assert events[-1] == ("calls_failing", {"key": key, "first_step": FAILING_STEPS, "steps": FAILING_STEPS})
+
+
+def test_ctrl_c_before_a_command_handles_it_is_one_line_and_exit_130(monkeypatch, capsys) -> None:
+    """Ctrl-C while `asyncrl` still imports what a command needs printed a KeyboardInterrupt traceback."""
+    from asyncrl import cli
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load", interrupted)  # the first thing `asyncrl config` does
+    assert cli.main(["config", "configs/dapo_int8.yaml"]) == 130
+    assert capsys.readouterr().err == "asyncrl: interrupted\n"
