@@ -208,6 +208,10 @@ def _main(argv: list[str] | None = None) -> int:
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if args.resume is not None and not args.resume.strip():  # `--resume ""`: it read the next word as the config
+        print("asyncrl: --resume needs a run directory (or `auto`), got an empty one", file=sys.stderr)
+        return 2
+
     if args.config is not None or args.resume:
         from asyncrl.startup import start_fork_server_early
 

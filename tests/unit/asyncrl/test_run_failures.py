@@ -282,3 +282,11 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line_and_exit_130(monkeypatch
     monkeypatch.setattr(cli, "_load", interrupted)  # the first thing `asyncrl config` does
     assert cli.main(["config", "configs/dapo_int8.yaml"]) == 130
     assert capsys.readouterr().err == "asyncrl: interrupted\n"
+
+
+def test_an_empty_resume_is_named(capsys) -> None:
+    """`--resume ""` read the next word as the config (`config file 'train.steps=10' does not exist`)."""
+    from asyncrl import cli
+
+    assert cli.main(["up", "--resume", "", "train.steps=10"]) == 2
+    assert capsys.readouterr().err == "asyncrl: --resume needs a run directory (or `auto`), got an empty one\n"
