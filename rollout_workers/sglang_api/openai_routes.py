@@ -301,6 +301,8 @@ def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]
     if taken:
         raise BadRequest(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields do)")
     final = obj.continue_final_message
+    if messages[-1]["role"] == "assistant" and not final:  # serving_chat._handle_last_assistant_message
+        messages[-1] = {"role": "user", "content": messages[-1]["content"]}
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=not final, continue_final_message=final, tools=obj.tools,
         **extra,

@@ -282,6 +282,23 @@ def test_max_token_chars_is_the_longest_token_special_ones_included_times_4_unde
         assert max_token_chars(tokenizer) == len("<|a_long_special|>") * factor
 
 
+def test_a_chat_ending_with_the_assistant_s_message_renders_it_as_the_user_s(watched):
+    """SGLang's serving_chat turns a last assistant message into a user one unless continue_final_message (the
+    template would otherwise close the answer and open another)."""
+    url, spy = watched
+    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    messages = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    spy.rendered.clear()
+    assert (
+        post(f"{url}/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1}).status_code == 200
+    )
+    assert spy.rendered == [[messages[0], {"role": "user", "content": "3"}]]
+    spy.rendered.clear()
+    kept = {"model": model, "messages": messages, "max_tokens": 1, "continue_final_message": True}
+    assert post(f"{url}/v1/chat/completions", kept).status_code == 200
+    assert spy.rendered == [messages]
+
+
 def test_a_chat_within_the_bound_is_tokenized_as_the_chat_template_does(watched, model_dir):
     from transformers import AutoTokenizer
 
