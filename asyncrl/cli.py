@@ -74,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="benchmark name (`asyncrl bench list` lists them)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
     bench.add_argument("--quick", action="store_true", help="a short run (smoke test), same metrics")
-    bench.add_argument("--seeds", type=int, default=None, help="seeds of the accuracy comparisons (bench e2e only)")
+    bench.add_argument(
+        "--seeds", type=int, default=None, help="seeds of the accuracy comparisons (bench e2e and chaos)"
+    )
     bench.add_argument("--workloads", default=None, help="bench e2e only: comma-separated, of builtin,decode,smol "
                        "(default builtin,decode; smol: SmolLM2-135M-Instruct against TRL, issue 26)")  # fmt: skip
     bench.add_argument("--steps", type=int, default=None, help="bench e2e only: steps of every workload")
@@ -183,9 +185,15 @@ def _main(argv: list[str] | None = None) -> int:
                        "contenders": args.contenders, "learner_device": args.learner_device,
                        "asyncrl_set": args.asyncrl_set}  # fmt: skip
         options = {key: value for key, value in e2e_options.items() if value is not None}
-        if options and args.name != "e2e":
-            flags = " ".join("--set" if key == "asyncrl_set" else "--" + key.replace("_", "-") for key in options)
-            print(f"asyncrl: {flags}: bench e2e only", file=sys.stderr)
+        allowed = set(e2e_options) if args.name == "e2e" else {"seeds"} if args.name == "chaos" else set()
+        if set(options) - allowed:
+            flags = " ".join("--set" if key == "asyncrl_set" else "--" + key.replace("_", "-")
+                             for key in options if key not in allowed)  # fmt: skip
+            print(f"asyncrl: {flags}: bench e2e only" + (" (chaos takes --seeds)" if "seeds" in options else ""),
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if args.seeds is not None and args.seeds < 1:
+            print(f"asyncrl: --seeds must be at least 1, got {args.seeds}", file=sys.stderr)
             return 2
         from common.fsutil import output_file_problem, write_failure
 
@@ -193,6 +201,10 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"asyncrl bench: --json {args.json_path}: {problem}", file=sys.stderr)
             return 2
         result = bench(args.quick, **options)
+        from asyncrl.bench.engine_bench import platform_details
+
+        for key, value in {**platform_details(), "quick": args.quick}.items():  # every bench's JSON says where
+            result.details.setdefault(key, value)  # it ran (ISA, kernels) and whether it was a --quick one
         print_table(result)
         if args.json_path and (failed := write_failure(lambda: write_json(result, args.json_path))):
             print(f"asyncrl bench: --json {args.json_path}: {failed} (the table is above)", file=sys.stderr)

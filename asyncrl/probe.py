@@ -157,11 +157,14 @@ def _prompt_ids(cfg, tokenizer, count: int, max_seq_len: int) -> tuple[list[list
         encode = PromptEncoder.for_source(tokenizer, cfg.data, source)
     except (DatasetError, OSError) as err:
         raise ProbeError(f"data: {err}") from None
+    if cfg.rollout.max_new_tokens >= max_seq_len:  # no prompt can fit: an endless task would be scanned for ever
+        raise ProbeError(f"data: no prompt fits the engine's {max_seq_len} positions with rollout.max_new_tokens "
+                         f"{cfg.rollout.max_new_tokens}")  # fmt: skip
     size = source.epoch_size()
     ids: list[list[int]] = []
     skipped = 0
     index = 0
-    while len(ids) < count and (size is None or index < size):
+    while len(ids) < count and (size is None or index < size) and skipped < count + MAX_SKIPPED_PROMPTS:
         tokens = encode(source.train(index).prompt)
         index += 1
         if tokens and len(tokens) + cfg.rollout.max_new_tokens <= max_seq_len:
@@ -172,6 +175,10 @@ def _prompt_ids(cfg, tokenizer, count: int, max_seq_len: int) -> tuple[list[list
         raise ProbeError(f"data: no prompt fits the engine's {max_seq_len} positions with rollout.max_new_tokens "
                          f"{cfg.rollout.max_new_tokens} ({skipped} skipped)")  # fmt: skip
     return ids, skipped
+
+
+MAX_SKIPPED_PROMPTS = 10_000
+"""Prompts that do not fit the probe passes over (besides `--prompts` more) before it says none fits."""
 
 
 def run_probe(options: ProbeOptions, log=print) -> dict[str, Any]:  # noqa: ANN001 - log: print-like

@@ -60,9 +60,10 @@ def study_main(path: str, *, quick: bool = False, parallel: int = 1, root: str =
         except StudyBusyError as err:
             print(f"asyncrl: {err}", file=sys.stderr)
             return 2
-        unfinished = counts["failed"] + counts["interrupted"]
+        unfinished = counts["failed"] + counts["interrupted"] + counts["left"]
         print(f"study {study.name}: {counts['done']} runs done, {counts['skipped']} skipped (done before), "
-              f"{counts['failed']} failed, {counts['interrupted']} interrupted")  # fmt: skip
+              f"{counts['failed']} failed, {counts['interrupted']} interrupted, {counts['left']} left alone (said "
+              "above)")  # fmt: skip
         if counts["interrupted"]:
             print(f"study {study.name}: stopped; run the same command again to continue")
     results = write_report(study)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl import checkpoint
+from asyncrl import checkpoint, run_lock
 from asyncrl.study_spec import RunSpec, Study
 
 LOCK_FILE = "study.lock"
@@ -46,16 +46,25 @@ _PR_SET_PDEATHSIG = 1
 
 
 def run_state(run: RunSpec) -> str:
-    """`done`, `stopped` (resumable), `partial` (start over) or `new`, read from the run's directory."""
+    """`done`, `stopped` (resumable), `partial` (start over) or `new`, read from the run's directory; `running` when
+    a driver holds it (another `asyncrl up` or study: never touched), `stale` when the study made it with other
+    overrides than the cell has now (its figures are not the cell's: never reported or resumed as it)."""
     if not run.run_dir.exists():
         return "new"
+    if run_lock.holder(run.run_dir) is not None:
+        return "running"
+    made_with = read_status(run).get("overrides")
+    if isinstance(made_with, list) and tuple(made_with) != run.overrides:
+        return "stale"
     summary_path = run.run_dir / "summary.json"
     if summary_path.is_file():
         try:
             summary = json.loads(summary_path.read_text())
         except ValueError:
             summary = {}
-        if not summary.get("stopped_early", True) and int(summary.get("steps", -1)) >= run.steps:
+        steps = summary.get("steps") if isinstance(summary, dict) else None
+        finished = isinstance(summary, dict) and summary.get("stopped_early", True) is False
+        if finished and isinstance(steps, int) and steps >= run.steps:
             return "done"
     if run.journal and (run.run_dir / "config.json").is_file() and checkpoint.latest(run.run_dir) is not None:
         return "stopped"
@@ -65,8 +74,8 @@ def run_state(run: RunSpec) -> str:
 def up_command(run: RunSpec, base: Path, state: str) -> list[str]:
     """The `asyncrl up` command of a run in `state` (`stopped`: resume it; otherwise a fresh run)."""
     cli = [sys.executable, "-m", "asyncrl.cli", "up"]
-    if state == "stopped":
-        return [*cli, "--resume", str(run.run_dir), "logging.console=false"]
+    if state == "stopped":  # train.steps: the cell's now (the run's config.json may hold fewer)
+        return [*cli, "--resume", str(run.run_dir), "logging.console=false", f"train.steps={run.steps}"]
     return [*cli, str(base), *run.overrides]
 
 
@@ -210,9 +219,10 @@ def read_status(run: RunSpec) -> dict[str, Any]:
     """The study's record of a run's last attempt: {"returncode", "wall_s", "log"} ({} before any)."""
     path = _status_path(run)
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
+        status = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
         return {}
+    return status if isinstance(status, dict) else {}
 
 
 class StudyBusyError(RuntimeError):
@@ -246,14 +256,18 @@ def run_study(study: Study, parallel: int = 1, stream: Any = None) -> dict[str, 
 
 def _run_all(study: Study, parallel: int, stream: Any) -> dict[str, int]:
     states = {run: run_state(run) for run in study.runs}
-    pending = [run for run in study.runs if states[run] != "done"]
+    left_alone = [run for run in study.runs if states[run] in ("running", "stale")]
+    pending = [run for run in study.runs if states[run] != "done" and run not in left_alone]
     progress = Progress(total=len(study.runs), parallel=parallel, done_before=len(study.runs) - len(pending),
                         remaining_steps=sum(run.steps for run in pending), stream=stream)  # fmt: skip
     for run in study.runs:  # the time-left estimate starts from the runs an earlier invocation finished
         earlier = read_status(run)
         if states[run] == "done" and earlier.get("returncode") == 0 and earlier.get("fresh"):
             progress.seconds_per_step.append(float(earlier["wall_s"]) / max(1, run.steps))
-    counts = {"skipped": progress.done_before, "done": 0, "failed": 0, "interrupted": 0}
+    progress.done_before -= len(left_alone)
+    counts = {"skipped": progress.done_before, "done": 0, "failed": 0, "interrupted": 0, "left": len(left_alone)}
+    for run in left_alone:
+        progress.say(f"study: {run.label}: {_left_alone_reason(run, states[run])}")
     if progress.done_before:
         progress.say(f"study {study.name}: {progress.done_before} of {len(study.runs)} runs already done (skipped)")
     running: list[_Running] = []
@@ -280,6 +294,17 @@ def _run_all(study: Study, parallel: int, stream: Any) -> dict[str, int]:
     return counts
 
 
+def _left_alone_reason(run: RunSpec, state: str) -> str:
+    if state == "running":
+        return (f"{run.run_dir} is held by another driver (pid {run_lock.holder(run.run_dir) or '?'}: an `asyncrl up` "
+                "or a study still stopping): left alone; run the study again once it has ended")  # fmt: skip
+    made_with = " ".join(read_status(run).get("overrides", []))
+    return (
+        f"{run.run_dir} was made with other overrides ({made_with}) than the cell has now: its figures are not "
+        "this cell's; move it aside (or delete it) and run the study again to run the cell as it is"
+    )
+
+
 def _started_up(running: list[_Running]) -> bool:
     """True once every running run has logged a step: `--parallel` starts the next run only then, so two local Ray
     clusters never start at the same moment (on a loaded 2-core machine, two at once have failed to reach their GCS
@@ -291,7 +316,10 @@ def _finish(item: _Running, progress: Progress, interrupted: bool) -> str:
     item.log.close()
     wall_s = time.monotonic() - item.started
     code = item.process.returncode
-    status = {"returncode": code, "wall_s": wall_s, "log": str(item.run.log_path), "fresh": not item.resumed}
+    before = read_status(item.run).get("wall_s") if item.resumed else None  # the attempts before it count too
+    total_s = wall_s + (float(before) if isinstance(before, int | float) else 0.0)
+    status = {"returncode": code, "wall_s": total_s, "log": str(item.run.log_path), "fresh": not item.resumed,
+              "overrides": list(item.run.overrides)}  # fmt: skip
     _status_path(item.run).write_text(json.dumps(status))
     state = run_state(item.run)
     if state == "done":

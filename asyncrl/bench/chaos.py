@@ -134,7 +134,8 @@ def heldout(run: ChaosRun, shape: Shape) -> float:
 
 
 def _spread(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
+    """The sample standard deviation; NaN (JSON null) for fewer than two values: one seed has no spread."""
+    return statistics.stdev(values) if len(values) > 1 else math.nan
 
 
 def _p50(values: list[float]) -> float:

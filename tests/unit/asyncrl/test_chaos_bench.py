@@ -52,3 +52,12 @@ def test_quick_chaos_bench_heals_every_fault_and_trains_every_group_once(tmp_pat
     assert chaos["audit"]["staleness_ok"] and chaos["returncode"] == 0
     assert all(result["metrics"][f"{kind}_faults_injected"] == 1 for kind in KINDS)
     assert "asyncrl bench chaos: faults" in done.stderr
+
+
+def test_one_seed_has_no_spread() -> None:
+    """`--quick` runs one seed: its held-out spread was written as 0.0, a claim of no spread; it is null now."""
+    import math
+
+    from asyncrl.bench.chaos import _spread
+
+    assert math.isnan(_spread([0.7])) and abs(_spread([0.5, 0.7]) - 0.1414) < 1e-4

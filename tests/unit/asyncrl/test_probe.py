@@ -119,6 +119,10 @@ def test_probe_bad_input_names_what_is_wrong(tmp_path, micro_dir, capsys):
         run_probe(ProbeOptions(model="builtin:micro", overrides=["model.path=builtin:tiny"]), log=_quiet)
     with pytest.raises(ProbeError, match="rollout.max_new_token"):
         run_probe(ProbeOptions(model="builtin:micro", overrides=["rollout.max_new_token=4"]), log=_quiet)
+    for new_tokens in (60, 64):  # builtin:micro: 64 positions; the arithmetic task never ends: scanned forever
+        with pytest.raises(ProbeError, match="no prompt fits the engine's 64 positions"):
+            run_probe(ProbeOptions(model="builtin:micro", overrides=[f"rollout.max_new_tokens={new_tokens}"],
+                                   prompts=1), log=_quiet)  # fmt: skip
     with pytest.raises(ProbeError, match=r"unknown scheme 'int4'.*none, int8"):
         parse_schemes("none,int4")
     with pytest.raises(ProbeError, match="twice"):

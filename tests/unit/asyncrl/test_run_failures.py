@@ -290,3 +290,25 @@ def test_an_empty_resume_is_named(capsys) -> None:
 
     assert cli.main(["up", "--resume", "", "train.steps=10"]) == 2
     assert capsys.readouterr().err == "asyncrl: --resume needs a run directory (or `auto`), got an empty one\n"
+
+
+def test_every_bench_json_says_its_isa_kernels_and_quick_and_chaos_takes_seeds(tmp_path, capsys) -> None:
+    """wire, buffer and learner wrote only name, metrics and ratios: a --quick figure looked like a full one and no
+    ISA came with it. `bench chaos --seeds 3` (README's command) was refused as e2e-only."""
+    import json
+
+    from asyncrl import cli
+    from asyncrl.bench.engine_bench import platform_details
+
+    path = tmp_path / "wire.json"
+    assert cli.main(["bench", "wire", "--quick", "--json", str(path)]) == 0
+    details = json.loads(path.read_text())["details"]
+    assert details["quick"] is True and details["cpu_isa"] == platform_details()["cpu_isa"]
+    assert details["kernel_by_scheme"] == platform_details()["kernel_by_scheme"]
+    capsys.readouterr()
+    assert cli.main(["bench", "chaos", "--seeds", "0"]) == 2
+    assert capsys.readouterr().err == "asyncrl: --seeds must be at least 1, got 0\n"
+    assert cli.main(["bench", "chaos", "--workloads", "builtin"]) == 2
+    assert capsys.readouterr().err == "asyncrl: --workloads: bench e2e only\n"
+    assert cli.main(["bench", "wire", "--seeds", "2"]) == 2
+    assert "--seeds: bench e2e only (chaos takes --seeds)" in capsys.readouterr().err

@@ -179,11 +179,39 @@ def test_run_states_and_commands(tmp_path):
     _fake_run(done.run_dir, [{"step": s} for s in range(4)], {"steps": 4, "stopped_early": False})
     assert [run_state(r) for r in study.runs] == ["new", "stopped", "partial", "done"]
     assert up_command(stopped, study.base, "stopped")[3:] == ["up", "--resume", str(stopped.run_dir),
-                                                              "logging.console=false"]  # fmt: skip
+                                                              "logging.console=false", "train.steps=4"]  # fmt: skip
     assert up_command(new, study.base, "new")[3:5] == ["up", str(study.base)]
     # A run that stopped early without a checkpoint, or that did fewer steps than asked, is not done.
     (partial.run_dir / "summary.json").write_text(json.dumps({"steps": 3, "stopped_early": False}))
     assert run_state(partial) == "partial"
+    for damaged in ({"steps": None, "stopped_early": False}, [1]):  # read as not done (was a TypeError)
+        (partial.run_dir / "summary.json").write_text(json.dumps(damaged))
+        assert run_state(partial) == "partial"
+
+
+def test_a_run_held_by_a_driver_or_made_with_other_overrides_is_left_alone(tmp_path, capsys):
+    """A study deleted the directory of a run another `asyncrl up` was still training (no checkpoint yet: `partial`),
+    and reported runs an older spec made under the cell's new overrides."""
+    from asyncrl import run_lock
+    from asyncrl.study_run import _status_path, run_study
+
+    path = _study_file(tmp_path, "overrides: [train.steps=4]\ncells: {a: [], b: []}\n")
+    study = load_study(path, root=tmp_path / "out")
+    held, stale = study.runs[0], study.runs[2]
+    _fake_run(held.run_dir, [{"step": 0}])
+    _fake_run(stale.run_dir, [{"step": s} for s in range(4)], {"steps": 4, "stopped_early": False})
+    _status_path(stale).write_text(json.dumps({"returncode": 0, "wall_s": 1.0, "overrides": ["quant.scheme=fp8"]}))
+    lock = run_lock.acquire(held.run_dir)
+    try:
+        assert run_state(held) == "running" and run_state(stale) == "stale"
+        study.runs[:] = [held, stale]  # the two under test only: nothing else is started
+        counts = run_study(study)
+    finally:
+        lock.release()
+    assert counts["left"] == 2 and counts["done"] == 0
+    assert (held.run_dir / "metrics.jsonl").is_file()  # not deleted
+    out = capsys.readouterr().out
+    assert "is held by another driver" in out and "was made with other overrides (quant.scheme=fp8)" in out
 
 
 def _step(step: int, kl: float, w: float, acc: float, tok_s: float = 100.0, skipped: float = 0.0) -> dict:
