@@ -42,7 +42,11 @@ MISMATCH_KEYS = ("mismatch/kl_k3", "mismatch/w_max", "mismatch/acrl_d", "mismatc
 COLUMNS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("train acc", ("acc/mean",), "{:.3f}"),
     ("held-out acc", ("eval/acc_greedy",), "{:.3f}"),
-    *((f"{key.split('/')[1]} {stat}", (key, stat), "{:.3g}") for key in MISMATCH_KEYS for stat in ("mean", "max")),
+    *(
+        (f"{key.split('/')[1]} {stat}", (key, stat), "{:.5g}" if key == "mismatch/w_max" else "{:.3g}")
+        for key in MISMATCH_KEYS
+        for stat in ("mean", "max")
+    ),  # w_max 1.0017 is not 1
     ("skipped", ("skipped_steps",), "{:.0f}"),
     ("rollout tok/s", ("perf/rollout_tok_s",), "{:.0f}"),
 )
@@ -73,8 +77,13 @@ def run_row(run: RunSpec, metrics: tuple[str, ...] = ()) -> dict[str, Any]:
                            "steps": run.steps, "wall_s": status.get("wall_s"), "log": str(run.log_path)}  # fmt: skip
     if state != "done":
         return row
-    steps = read_steps(run.run_dir)
-    summary = json.loads((run.run_dir / "summary.json").read_text())
+    try:
+        steps = read_steps(run.run_dir)
+        summary = json.loads((run.run_dir / "summary.json").read_text())
+        if not isinstance(summary, dict):
+            raise ValueError("summary.json is not a JSON object")
+    except (OSError, ValueError) as err:  # a file damaged since the run: the row says so, the report goes on
+        return {**row, "status": "damaged", "error": f"{type(err).__name__}: {err}"[:300]}
     row["acc/mean"] = _mean([s.get("acc/mean") for s in steps[-FINAL_STEPS:]])
     row["eval/key"] = next((key for key in HELD_OUT_KEYS if summary.get(key) is not None), HELD_OUT_KEYS[0])
     row["eval/acc_greedy"] = summary.get(row["eval/key"])
@@ -123,10 +132,14 @@ def table_markdown(study: Study, rows: list[dict[str, Any]]) -> str:
         done = [row for row in cell_rows if row["status"] == "done"]
         cells = [cell]
         for _, key, fmt in columns:
-            cells.append(_spread(_finite([_lookup(row, key) for row in done]), fmt))
+            values = _finite([_lookup(row, key) for row in done])
+            fewer = f" (n={len(values)})" if values and len(values) < len(done) else ""  # not every seed has it
+            cells.append(_spread(values, fmt) + fewer)
         missing = len(cell_rows) - len(done)
         failed = sum(row["status"] == "failed" for row in cell_rows)
+        damaged = sum(row["status"] == "damaged" for row in cell_rows)
         note = f" ({failed} failed)" if failed else (f" ({missing} unfinished)" if missing else "")
+        note += f" ({damaged} damaged)" if damaged else ""
         cells.append(f"{len(done)}{note}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -145,12 +158,16 @@ def cell_curves(study: Study, out_dir: Path) -> list[Path]:
     written = []
     for cell in study.cells:
         runs = [run for run in study.runs if run.cell == cell and run_state(run) == "done"]
-        if not runs:
-            continue
         by_step: dict[int, list[dict[str, Any]]] = {}
         for run in runs:
-            for record in read_steps(run.run_dir):
+            try:
+                records = read_steps(run.run_dir)
+            except (OSError, ValueError):  # damaged: its row says so (run_row)
+                continue
+            for record in records:
                 by_step.setdefault(int(record["step"]), []).append(record)
+        if not by_step:
+            continue
         target = out_dir / cell
         target.mkdir(parents=True, exist_ok=True)
         with (target / "metrics.jsonl").open("w") as handle:
@@ -183,9 +200,19 @@ def write_report(study: Study) -> dict[str, Any]:
                f"seeds {list(study.seeds)}; mean ± std over seeds; mismatch columns: mean / max over a run's "
                f"steps, then over seeds; train acc: `acc/mean` of the last {FINAL_STEPS} steps.\n\n")  # fmt: skip
     (out / "table.md").write_text(heading + table)
+    _remove_previous_figures(out)
     curve_dirs = cell_curves(study, out / "curves")
     results["pngs"] = [str(p) for p in plot_runs([str(d) for d in curve_dirs], str(out))] if curve_dirs else []
     return results
+
+
+def _remove_previous_figures(out: Path) -> None:
+    """The curves and PNGs an earlier report wrote: a cell without finished runs now must not keep its old ones."""
+    import shutil
+
+    shutil.rmtree(out / "curves", ignore_errors=True)
+    for png in out.glob("*.png"):
+        png.unlink(missing_ok=True)
 
 
 def _cpus() -> int:

@@ -118,8 +118,9 @@ def load_study(path: str | Path, root: str | Path = "runs/studies", quick: bool 
     metrics = tuple(_strings(raw.get("metrics", []), f"{source}: `metrics`"))
     for spec in metrics:
         parse_metric(spec, f"{source}: `metrics`")
+    quick_spec = _quick(raw.get("quick", {}), source, name, cells, seeds, overrides)  # checked with or without --quick
     if quick:
-        name, cells, seeds, overrides = _quick(raw.get("quick", {}), source, name, cells, seeds, overrides)
+        name, cells, seeds, overrides = quick_spec
     study = Study(name=name, base=_base(raw["base"], source), cells=cells, seeds=seeds, overrides=overrides,
                   metrics=metrics, root=Path(root))  # fmt: skip
     study.runs = [run for cell in cells for run in _cell_runs(study, cell)]
@@ -195,6 +196,10 @@ def _base(value: Any, source: Path) -> Path:
     raise StudyError(f"{source}: `base` {value!r} is not a file (looked at {', '.join(map(str, candidates))})")
 
 
+RESERVED_NAMES = ("table.md", "results.json", "curves", "study.lock")
+"""What the study writes in its directory beside the cells' (study_report.py, study_run.py): no cell is named so."""
+
+
 def _cells(value: Any, source: Path) -> dict[str, tuple[str, ...]]:
     if not isinstance(value, dict) or not value:
         raise StudyError(f"{source}: `cells` must be a non-empty mapping of cell name -> list of key=value")
@@ -202,6 +207,9 @@ def _cells(value: Any, source: Path) -> dict[str, tuple[str, ...]]:
     for cell, dotlist in value.items():
         if not isinstance(cell, str) or not _NAME.fullmatch(cell):
             raise StudyError(f"{source}: cell name {cell!r} must be a word of letters, digits, `_`, `.`, `-`")
+        if cell in RESERVED_NAMES or cell.endswith(".png"):
+            raise StudyError(f"{source}: cell name {cell!r} is a file the study's report writes beside the cells "
+                             f"({', '.join(RESERVED_NAMES)}, *.png): choose another")  # fmt: skip
         cells[cell] = _dotlist(dotlist if dotlist is not None else [], f"{source}: cell `{cell}`")
     return cells
 

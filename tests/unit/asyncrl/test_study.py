@@ -92,12 +92,16 @@ def test_base_is_found_relative_to_the_study_file(tmp_path):
         ("cells: {a: []}\nmetrics: [lr:median]\n", "'lr:median' must be KEY"),
         ("cells: {a: []}\nquick: {cells: [z]}\n", "`quick.cells` names `z`"),
         ("cells: {a: []}\nquick: {steps: 3}\n", "unknown key `steps`"),
+        ("cells: {table.md: []}\n", "cell name 'table.md' is a file the study's report writes"),
+        ("cells: {curves: []}\n", "cell name 'curves' is a file the study's report writes"),
+        ("cells: {a.png: []}\n", "cell name 'a.png' is a file the study's report writes"),
     ],
 )
 def test_bad_study_files_fail_naming_the_fault(tmp_path, body, message):
-    with pytest.raises(StudyError, match=None) as err:
-        load_study(_study_file(tmp_path, body), root=tmp_path / "out", quick="quick" in body)
-    assert message in str(err.value)
+    for quick in (False, True) if "quick" in body else (False,):  # a bad `quick` block fails without --quick too
+        with pytest.raises(StudyError, match=None) as err:
+            load_study(_study_file(tmp_path, body), root=tmp_path / "out", quick=quick)
+        assert message in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -380,3 +384,29 @@ def test_a_second_study_process_on_the_same_study_is_refused(tmp_path, capsys):
         assert study_main(str(path), root=str(tmp_path / "out")) == 2
     assert "another `asyncrl study` is running this study" in capsys.readouterr().err
     assert not study.runs[0].run_dir.exists()
+
+
+def test_a_report_over_a_damaged_run_a_partial_column_and_old_figures(tmp_path):
+    """A garbled metrics.jsonl made `--report` a traceback; a column only one of two seeds has showed its one value
+    as the cell's with n = 2; a cell whose runs are gone kept its old curves and PNGs."""
+    study = load_study(_study_file(tmp_path, "overrides: [train.steps=3]\ncells: {a: [], b: []}\n"),
+                       root=tmp_path / "out")  # fmt: skip
+    for run in study.runs:
+        summary = {"steps": 3, "stopped_early": False, **({"eval/acc_greedy": 0.5} if run.seed == 0 else {})}
+        _fake_run(run.run_dir, [_step(s, kl=0.01, w=1.0017, acc=0.5) for s in range(3)], summary)
+    write_report(study)
+    out = study.out_dir
+    assert (out / "curves" / "b").is_dir() and any(out.glob("*.png"))
+    a_line = next(line for line in (out / "table.md").read_text().splitlines() if line.startswith("| a |"))
+    assert "| 0.500 (n=1) |" in a_line and "1.0017" in a_line  # held-out of one seed of two; w_max not "1"
+    for run in study.runs:
+        if run.cell == "b":
+            (run.run_dir / "summary.json").unlink()  # no finished run left in b
+    bad = study.runs[1].run_dir / "metrics.jsonl"
+    bad.write_text(bad.read_text() + "{not json\n" + json.dumps({"step": 3}) + "\n")
+    write_report(study)  # no traceback
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows[1]["status"] == "damaged" and rows[1]["error"].startswith("ValueError")
+    assert not (out / "curves" / "b").exists()
+    a_line = next(line for line in (out / "table.md").read_text().splitlines() if line.startswith("| a |"))
+    assert a_line.endswith("| 1 (1 unfinished) (1 damaged) |")
