@@ -44,6 +44,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from common.envs import (
@@ -127,12 +128,40 @@ class EpisodeRunner:
 
     # -- environment calls, off the decode thread, under the timeout ----------------------------------------
 
+    def _submit(self, call: Callable[[], Any]) -> tuple[cf.Future, list[float]]:
+        """`call` on the pool, and a box that gets its start time (time.monotonic()) once a thread runs it: the
+        timeout counts from there, not from the queue (128 resets of 0.7 s on 8 threads timed out at 10 s)."""
+        started: list[float] = []
+
+        def run() -> Any:
+            started.append(time.monotonic())
+            return call()
+
+        return self.pool.submit(run), started
+
+    def _overdue(self, started: list[float], now: float) -> bool:
+        return bool(started) and now - started[0] >= self.cfg.timeout_s
+
+    def _stuck(self, jobs: list[tuple[cf.Future, list[float]]], now: float) -> bool:
+        """Every pool thread is held by a call past its timeout (threads cannot be stopped): what waits in the
+        queue would never start."""
+        held = sum(1 for future, started in jobs if not future.done() and self._overdue(started, now))
+        return held >= self.cfg.threads
+
     def _call_all(self, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
-        """Run `calls` concurrently on the pool; (ok, result) each, (False, None) on an error or a timeout."""
-        futures = [self.pool.submit(call) for call in calls]
-        cf.wait(futures, timeout=self.cfg.timeout_s)
+        """Run `calls` concurrently on the pool; (ok, result) each, (False, None) on an error or on running past
+        `env.timeout_s` from its own start (or never starting, every thread held by calls past theirs)."""
+        jobs = [self._submit(call) for call in calls]
+        while True:
+            now = time.monotonic()
+            waiting = [(f, s) for f, s in jobs if not f.done() and not self._overdue(s, now)]
+            if not waiting or (self._stuck(jobs, now) and all(not s for _, s in waiting)):
+                break
+            starts = [s[0] + self.cfg.timeout_s - now for _, s in waiting if s]
+            cf.wait([f for f, _ in waiting], timeout=max(0.001, min(starts, default=0.05)),
+                    return_when=cf.FIRST_COMPLETED)  # fmt: skip
         out: list[tuple[bool, Any]] = []
-        for future in futures:
+        for future, _ in jobs:
             if not future.done():
                 future.cancel()
                 self.counters["env_timeouts"] += 1
@@ -325,15 +354,17 @@ class EpisodeRunner:
                 for seq in engine.step():
                     i, _, stops = running.pop(id(seq))
                     text = self._record_turn(episodes[i], seq.completion, stops)
-                    future = self.pool.submit(episodes[i].env.step, text)
-                    pending[future] = (i, time.monotonic() + self.cfg.timeout_s)
+                    future, started = self._submit(partial(episodes[i].env.step, text))
+                    pending[future] = (i, started)
             if not pending:
                 continue
             if not running:  # nothing to decode: wait for the first environment answer (or deadline)
-                wait_s = max(0.0, min(deadline for _, deadline in pending.values()) - time.monotonic())
-                cf.wait(list(pending), timeout=wait_s, return_when=cf.FIRST_COMPLETED)
+                now = time.monotonic()
+                left = [s[0] + self.cfg.timeout_s - now for _, s in pending.values() if s]
+                cf.wait(list(pending), timeout=max(0.0, min(left, default=0.05)), return_when=cf.FIRST_COMPLETED)
             now = time.monotonic()
-            for future, (i, deadline) in list(pending.items()):
+            stuck = self._stuck([(f, s) for f, (_, s) in pending.items()], now)
+            for future, (i, started) in list(pending.items()):
                 if future.done():
                     del pending[future]
                     err = future.exception()
@@ -341,7 +372,7 @@ class EpisodeRunner:
                         self.counters["env_errors"] += 1
                         self._note("".join(traceback.format_exception(err, limit=6)))
                     self._apply_step(episodes[i], err is None, None if err is not None else future.result())
-                elif now >= deadline:
+                elif self._overdue(started, now) or (stuck and not started):
                     del pending[future]
                     future.cancel()
                     self.counters["env_timeouts"] += 1

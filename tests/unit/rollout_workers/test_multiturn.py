@@ -267,3 +267,43 @@ def test_an_observation_is_cut_to_what_its_tokens_can_reach_before_it_is_tokeniz
         assert runner._encode_observation(cut)[:room] == runner._encode_observation(text)[:room]
     messages = [{"role": "tool", "content": text}]
     assert runner._cut_observation(messages, 7) == [{"role": "tool", "content": runner._cut_observation(text, 7)}]
+
+
+SLOW_ENV = textwrap.dedent(
+    """
+    import time
+
+    from common.envs import StepResult
+
+
+    class SlowEnv:
+        '''Each reset and step takes 0.3 s: well within env.timeout_s=1.0, but 8 of them on one thread take 2.4 s.'''
+
+        stop_strings = ("=",)
+
+        def reset(self, problem):
+            time.sleep(0.3)
+            return "1+1="
+
+        def step(self, model_text):
+            time.sleep(0.3)
+            return StepResult(None, 1.0, True, {})
+    """
+)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "rounds"])
+def test_env_timeout_counts_from_a_call_s_start_not_from_the_queue(tmp_path: Path, continuous: bool) -> None:
+    """docs/multiturn.md: `env.timeout_s` is what one reset or step may run. It counted from when a call was queued,
+    so calls waiting for one of `env.threads` timed out and their episodes were trained with reward 0."""
+    (tmp_path / "slow_env.py").write_text(SLOW_ENV)
+    worker = make_worker(tmp_path, f"env.fn={tmp_path / 'slow_env.py'}:SlowEnv", "env.threads=1",
+                         "train.group_size=4")  # fmt: skip
+    try:
+        assert worker.episodes is not None
+        worker.episodes.continuous = continuous
+        groups = worker.rollout([PromptLease(f"g{i}", i, "unused", "", 1e12) for i in range(2)])
+        assert [traj.reward for _, trajs in groups for traj in trajs] == [1.0] * 8
+        assert worker.episodes.counters["env_timeouts"] == 0 and worker.episodes.counters["env_groups_dropped"] == 0
+    finally:
+        close(worker)
