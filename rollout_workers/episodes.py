@@ -39,6 +39,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import json
+import math
+import numbers
 import random
 import time
 import traceback
@@ -106,8 +108,11 @@ class EpisodeRunner:
         params: SamplingParams,
         counters: dict[str, Any],
         seed: int = 0,
+        model_dir: str = "",
     ) -> None:
         self.cfg = env_cfg
+        self.model_dir = model_dir  # its Hugging Face tokenizer renders chat messages when `tokenizer` cannot
+        self._hf_tokenizer: Any = None
         self.engine, self.tokenizer, self.encode_prompt, self.params = engine, tokenizer, encode_prompt, params
         self.make_env = load_env_factory(env_cfg.fn, env_cfg.args)
         self.pool = cf.ThreadPoolExecutor(max_workers=env_cfg.threads, thread_name_prefix="env")
@@ -185,12 +190,26 @@ class EpisodeRunner:
 
     def _encode_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
+            if getattr(self.encode_prompt, "messages", False):  # a message-list dataset's encoder reads JSON: the
+                prompt = json.dumps([{"role": "user", "content": prompt}])  # text is the user's message
             return list(self.encode_prompt(prompt))
         return self._encode_messages(prompt, first=True)
 
+    def _templating_tokenizer(self) -> Any:
+        """A tokenizer with `apply_chat_template`: the worker's, or (a `FastTokenizer`, which has none) the Hugging
+        Face one of the same directory, loaded the first time chat messages need it."""
+        if hasattr(self.tokenizer, "apply_chat_template"):
+            return self.tokenizer
+        if self._hf_tokenizer is None:
+            from common.tasks.chat import load_tokenizer
+
+            self._hf_tokenizer = load_tokenizer(self.model_dir)
+        return self._hf_tokenizer
+
     def _encode_messages(self, messages: list[dict[str, str]], first: bool) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            tokenizer = self._templating_tokenizer()
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         text = "\n\n".join(str(m.get("content", "")) for m in messages)
         return list(self.tokenizer(text, add_special_tokens=first)["input_ids"])
@@ -219,15 +238,35 @@ class EpisodeRunner:
         return self._encode_messages(observation, first=False)
 
     def _stop_ids(self, env: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The env's stop strings as single stop tokens where they are one token, and the others as text."""
+        """The env's stop strings as single stop tokens where they are one token, and the others as text. EnvError
+        when `reset` (or `step`) left them malformed: checked at construction only, None failed the batch, "" cut
+        every turn to one token and a plain string stopped on each of its characters."""
+        stops = getattr(env, "stop_strings", ())
+        if (
+            isinstance(stops, str)
+            or not isinstance(stops, tuple | list)
+            or not all(isinstance(stop, str) and stop for stop in stops)
+        ):
+            raise EnvError(f"stop_strings must be a tuple of non-empty str, got {stops!r}"[:300])
         ids, texts = list(self.params.stop_token_ids), []
-        for stop in env.stop_strings:
+        for stop in stops:
             encoded = list(self.tokenizer(stop, add_special_tokens=False)["input_ids"])
             if len(encoded) == 1:
                 ids.append(encoded[0])
             else:
                 texts.append(stop)
         return tuple(dict.fromkeys(ids)), tuple(texts)
+
+    def _stops_or_fail(self, e: Episode) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        """`_stop_ids` of the episode's environment, or None after ending that episode alone as an environment
+        error (its stop strings are malformed)."""
+        try:
+            return self._stop_ids(e.env)
+        except EnvError as err:
+            self.counters["env_errors"] += 1
+            self._note(str(err))
+            e.failed, e.done, e.reward = True, True, 0.0
+            return None
 
     def _cut_at_stop(self, tokens: list[int], stops: tuple[str, ...]) -> int:
         """How many tokens of a turn to keep: up to and including the first multi-token stop string."""
@@ -310,14 +349,18 @@ class EpisodeRunner:
             live = self._ready(episodes, list(range(len(episodes))))
             if not live:
                 return
-            by_stops: dict[tuple[tuple[int, ...], tuple[str, ...]], list[int]] = {}
+            by_stops: dict[tuple[tuple[int, ...], tuple[str, ...], int], list[int]] = {}
             stop_texts: dict[int, tuple[str, ...]] = {}
-            for i in live:
-                ids, stop_texts[i] = self._stop_ids(episodes[i].env)
-                by_stops.setdefault((ids, stop_texts[i]), []).append(i)
+            for i in list(live):
+                found = self._stops_or_fail(episodes[i])
+                if found is None:
+                    live.remove(i)
+                    continue
+                ids, stop_texts[i] = found  # each episode its own room: the shortest one capped the others' turns
+                by_stops.setdefault((ids, stop_texts[i], self._room(episodes[i])), []).append(i)
             texts_of_turn: dict[int, str] = {}
-            for (stop_ids, stops), members in by_stops.items():  # stops: multi-token stop strings, which the SGLang
-                room = min(self._room(episodes[i]) for i in members)  # backend sends as `stop` (ends server-side)
+            for (stop_ids, stops, room), members in by_stops.items():  # stops: multi-token stop strings, which the
+                # SGLang backend sends as `stop` (ends server-side)
                 params = replace(self.params, max_new_tokens=room, stop_token_ids=stop_ids, stop=stops)
                 completions = self.engine.generate([episodes[i].context for i in members], params)
                 for i, completion in zip(members, completions, strict=True):
@@ -341,7 +384,10 @@ class EpisodeRunner:
             together: dict[tuple, list[int]] = {}  # the same context and limits: one submission, one shared prefill
             for i in ready:
                 e = episodes[i]
-                stop_ids, stops = self._stop_ids(e.env)
+                found = self._stops_or_fail(e)
+                if found is None:
+                    continue
+                stop_ids, stops = found
                 together.setdefault((tuple(e.context), stop_ids, stops, self._room(e)), []).append(i)
             for (context, stop_ids, stops, room), members in together.items():
                 params = replace(self.params, max_new_tokens=room, stop_token_ids=stop_ids)
@@ -401,8 +447,8 @@ class EpisodeRunner:
         assert isinstance(result, StepResult)
         e.reward = combine_turn_reward(self.cfg.turn_rewards, e.reward, result.reward, first_turn=e.turns <= 1)
         calls = result.info.get("tool_calls", 0)
-        if isinstance(calls, (int, float)) and not isinstance(calls, bool):
-            e.tool_calls += calls
+        if isinstance(calls, numbers.Real) and not isinstance(calls, bool) and math.isfinite(calls):  # np.int64 too,
+            e.tool_calls += float(calls)  # not a NaN that would make env/tool_calls NaN
         if e.finish == "abort" or result.done:
             e.done = True
             return

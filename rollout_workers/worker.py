@@ -124,8 +124,9 @@ class RolloutWorker:
             from rollout_workers.episodes import EpisodeRunner
 
             self.episodes = EpisodeRunner(
-                self.sections.env, self.engine, self.tokenizer, self.encode_prompt, self.params, self.counters, seed
-            )
+                self.sections.env, self.engine, self.tokenizer, self.encode_prompt, self.params, self.counters, seed,
+                model_dir=model_dir,
+            )  # fmt: skip
         self.screen = self._answer_screen()  # predictive selective rollout (rollout_workers/screening.py), or None
         self._kept_share = 1.0  # share of screened prompts kept for generation, lately (sizes the loop's refills)
 

@@ -307,3 +307,91 @@ def test_env_timeout_counts_from_a_call_s_start_not_from_the_queue(tmp_path: Pat
         assert worker.episodes.counters["env_timeouts"] == 0 and worker.episodes.counters["env_groups_dropped"] == 0
     finally:
         close(worker)
+
+
+STOPS_ENV = textwrap.dedent(
+    """
+    import numpy as np
+
+    from common.envs import StepResult
+
+
+    class StopsEnv:
+        '''Problem 1 sets malformed stop strings in reset; problem 0 counts a tool call as numpy's int64.'''
+
+        stop_strings = ("=",)
+
+        def reset(self, problem):
+            self.index, self.turn = problem["index"], 0
+            if self.index == 1:
+                self.stop_strings = None
+            if self.index == 2:
+                self.stop_strings = ("",)
+            return "1+1="
+
+        def step(self, model_text):
+            self.turn += 1
+            return StepResult("2+3=", 1.0, self.turn >= 2, {"tool_calls": np.int64(1)})
+    """
+)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "rounds"])
+def test_stop_strings_set_in_reset_are_checked_per_episode(tmp_path: Path, continuous: bool) -> None:
+    """Checked at construction only: None set in `reset` failed the whole batch (TypeError), and ("",) cut every
+    turn to one token. Now such an episode alone ends as an environment error; a numpy tool-call count counts."""
+    (tmp_path / "stops_env.py").write_text(STOPS_ENV)
+    worker = make_worker(tmp_path, f"env.fn={tmp_path / 'stops_env.py'}:StopsEnv", "rollout.max_new_tokens=8")
+    try:
+        assert worker.episodes is not None
+        worker.episodes.continuous = continuous
+        groups = worker.rollout([PromptLease(f"g{i}", i, "unused", "", 1e12) for i in range(3)])
+        assert [lease.group for lease, _ in groups] == ["g0"]  # the other two failed before their first token
+        assert all(traj.reward == 2.0 and traj.finish == "stop" for traj in groups[0][1])  # two turns, summed
+        counters = worker.episodes.counters
+        assert counters["env_errors"] == 4 and counters["env_groups_dropped"] == 2
+        assert counters["env_tool_calls"] == 4.0  # two episodes of problem 0, two steps each
+        assert "stop_strings must be a tuple of non-empty str" in worker.episodes.first_error
+    finally:
+        close(worker)
+
+
+MESSAGES_ENV = textwrap.dedent(
+    """
+    from common.envs import StepResult
+
+
+    class MessagesEnv:
+        stop_strings = ("=",)
+
+        def reset(self, problem):
+            return [{"role": "user", "content": "1+1"}]
+
+        def step(self, model_text):
+            return StepResult(None, 1.0, True, {})
+    """
+)
+
+
+def test_chat_message_prompts_render_with_a_fast_tokenizer_worker(tmp_path: Path) -> None:
+    """A worker whose prompts are not templated encodes with `FastTokenizer` (no `apply_chat_template`): an
+    environment's chat-message prompt failed the whole batch with an AttributeError."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "tiny-chat"
+    shutil.copytree(resolve_model_path("builtin:tiny", log=lambda *a: None), model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (tmp_path / "messages_env.py").write_text(MESSAGES_ENV)
+    worker = make_worker(tmp_path, f"env.fn={tmp_path / 'messages_env.py'}:MessagesEnv", f"model.path={model_dir}")
+    try:
+        assert not hasattr(worker.tokenizer, "apply_chat_template")  # the case under test
+        groups = worker.rollout([PromptLease("g0", 0, "unused", "", 1e12)])
+        expected = AutoTokenizer.from_pretrained(model_dir)("1+1=", add_special_tokens=False)["input_ids"]
+        assert [traj.prompt_ids.tolist() for traj in groups[0][1]] == [expected, expected]
+    finally:
+        close(worker)
