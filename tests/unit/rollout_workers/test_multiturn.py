@@ -395,3 +395,21 @@ def test_chat_message_prompts_render_with_a_fast_tokenizer_worker(tmp_path: Path
         assert [traj.prompt_ids.tolist() for traj in groups[0][1]] == [expected, expected]
     finally:
         close(worker)
+
+
+def test_a_text_reset_on_a_message_list_dataset_is_the_user_s_message(tmp_path: Path) -> None:
+    """The worker's prompt encoder reads a message-list dataset's prompts as JSON: a text `reset` prompt failed the
+    batch with a JSONDecodeError. It is encoded as that dataset's single-turn prompt of one user message."""
+    import json
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)})
+                            + "\n" for i in range(8)))  # fmt: skip
+    worker = make_worker(tmp_path, "data.task=dataset", f"data.path={rows}", "data.prompt_key=messages",
+                         "data.chat_template='false'")  # fmt: skip
+    try:
+        groups = worker.rollout([PromptLease("g0", 0, "unused", "", 1e12)])  # CountingEnv resets with "1+1="
+        expected = worker.encode_prompt(json.dumps([{"role": "user", "content": "1+1="}]))
+        assert [traj.prompt_ids.tolist() for traj in groups[0][1]] == [list(expected)] * 2
+    finally:
+        close(worker)
