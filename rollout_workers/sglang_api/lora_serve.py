@@ -334,6 +334,10 @@ def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
         raise ValueError(f"{config_path}: only plain LoRA adapters are served (peft_type LORA, no rslora, no DoRA)")
     if rank < 1:
         raise ValueError(f"{config_path}: r must be at least 1, got {rank}")
+    patterned = [key for key in ("rank_pattern", "alpha_pattern") if config.get(key)]
+    if patterned:  # per-module ranks or alphas: one alpha / r for every module would serve another model
+        raise ValueError(f"{config_path}: {' and '.join(patterned)} (per-module ranks or scales) are not served by "
+                         "asyncrl serve: save the adapter with one r and lora_alpha")  # fmt: skip
     weights_path = directory / ADAPTER_FILE
     if not weights_path.is_file():
         raise ValueError(f"{path}: no {ADAPTER_FILE}")
@@ -344,6 +348,9 @@ def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
         for part, suffix in ((".lora_A.weight", LORA_A), (".lora_B.weight", LORA_B)):
             if stem.endswith(part):
                 module = stem[: -len(part)]
+                found = value.shape[0] if suffix == LORA_A else value.shape[-1]
+                if value.dim() != 2 or found != rank:  # the rank --max-lora-rank checks is r: the tensors must agree
+                    raise ValueError(f"{weights_path}: {key} has shape {tuple(value.shape)}, not rank r={rank}")
                 tensors[module + suffix] = value.to(torch.float32).contiguous()
                 tensors[module + LORA_SCALING] = scaling
                 break

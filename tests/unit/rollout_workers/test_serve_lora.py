@@ -5,6 +5,8 @@ get their own; bad loads, unknown adapters and unloads are answered in SGLang's 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 import torch
@@ -108,8 +110,12 @@ def test_adapters_load_run_with_peft_log_probs_and_unload(server, model_dir, tmp
 def test_bad_loads_unknown_adapters_and_unknown_unloads_are_refused_in_sglang_words(server, model_dir, tmp_path):
     peft_adapter(model_dir, tmp_path / "wide", rank=16, seed=2)
     peft_adapter(model_dir, tmp_path / "c", rank=2, seed=3)
+    peft_adapter(model_dir, tmp_path / "patterned", rank=4, seed=4)  # per-module alpha: was served with alpha / r
+    config_path = tmp_path / "patterned" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "alpha_pattern": {"v_proj": 32}}))
     cases = [
         ({"lora_name": "x", "lora_path": str(tmp_path / "none-such")}, "not a LoRA adapter directory"),
+        ({"lora_name": "p", "lora_path": str(tmp_path / "patterned")}, "alpha_pattern (per-module ranks or scales)"),
         ({"lora_name": "wide", "lora_path": str(tmp_path / "wide")}, "with rank 16 is incompatible"),
         ({"lora_name": "c", "lora_path": str(tmp_path / "c")}, None),
         ({"lora_name": "c", "lora_path": str(tmp_path / "c")}, "Failed to load LoRA adapter c because it is already"),
