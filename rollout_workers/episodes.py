@@ -210,9 +210,25 @@ class EpisodeRunner:
         if getattr(self.tokenizer, "chat_template", None):
             tokenizer = self._templating_tokenizer()
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if not first:
+                text = self._observation_text(tokenizer, messages, text)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         text = "\n\n".join(str(m.get("content", "")) for m in messages)
         return list(self.tokenizer(text, add_special_tokens=first)["input_ids"])
+
+    @staticmethod
+    def _observation_text(tokenizer: Any, messages: list[dict[str, str]], alone: str) -> str:
+        """An observation's messages as the template renders them after a turn of the conversation, not as a new
+        conversation: what a rendered exchange gains when they follow it. Rendered alone they began with the
+        template's preamble (BOS, a default system block) in the middle of the episode. `alone` when the template
+        does not render the longer conversation as an extension of the shorter one."""
+        exchange = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            before = tokenizer.apply_chat_template(exchange, tokenize=False)
+            after = tokenizer.apply_chat_template([*exchange, *messages], tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that refuses this exchange (roles it does not take): as before
+            return alone
+        return after[len(before) :] if after.startswith(before) else alone
 
     def _cut_observation(self, observation: Any, room: int) -> Any:
         """`observation` without the text its first `room` tokens cannot reach, before it is tokenized (on the decode

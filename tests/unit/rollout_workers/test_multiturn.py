@@ -413,3 +413,46 @@ def test_a_text_reset_on_a_message_list_dataset_is_the_user_s_message(tmp_path: 
         assert [traj.prompt_ids.tolist() for traj in groups[0][1]] == [list(expected)] * 2
     finally:
         close(worker)
+
+
+OBSERVING_ENV = textwrap.dedent(
+    """
+    from common.envs import StepResult
+
+
+    class ObservingEnv:
+        stop_strings = ("=",)
+
+        def reset(self, problem):
+            self.turn = 0
+            return [{"role": "user", "content": "1+1"}]
+
+        def step(self, model_text):
+            self.turn += 1
+            if self.turn == 1:
+                return StepResult([{"role": "user", "content": "2+3"}], 0.0, False, {})
+            return StepResult(None, 1.0, True, {})
+    """
+)
+
+
+def test_a_chat_observation_continues_the_conversation_without_the_template_s_preamble(tmp_path: Path) -> None:
+    """Rendered as a conversation of its own, an observation began with the template's BOS (and, with Llama or Qwen
+    templates, a system block) in the middle of the episode; it is what the conversation gains by it."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "tiny-chat"
+    shutil.copytree(resolve_model_path("builtin:tiny", log=lambda *a: None), model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (tmp_path / "observing_env.py").write_text(OBSERVING_ENV)
+    worker = make_worker(tmp_path, f"env.fn={tmp_path / 'observing_env.py'}:ObservingEnv", f"model.path={model_dir}")
+    try:
+        groups = worker.rollout([PromptLease("g0", 0, "unused", "", 1e12)])
+        expected = list(worker.tokenizer("2+3=", add_special_tokens=False)["input_ids"])  # no BOS before it
+        for traj in groups[0][1]:
+            assert traj.response_ids[traj.loss_mask == 0].tolist() == expected
+    finally:
+        close(worker)
