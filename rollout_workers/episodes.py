@@ -472,13 +472,16 @@ class EpisodeRunner:
             e.done, e.finish = True, "length"
             return
         room = self.cfg.max_total_tokens - len(e.response_ids)
-        observation = self._encode_observation(self._cut_observation(result.observation, room))[:room]
+        limit = self.engine.max_seq_len  # and the engine's context: tokens past it no turn could read
+        if limit is not None:
+            room = min(room, limit - len(e.context))
+        observation = self._encode_observation(self._cut_observation(result.observation, room))[: max(room, 0)]
         version = max(self.engine.version, max(e.versions, default=0))
         e.response_ids += observation
         e.behav_logp += [0.0] * len(observation)
         e.versions += [version] * len(observation)
         e.loss_mask += [0] * len(observation)
-        if len(e.response_ids) >= self.cfg.max_total_tokens:
+        if len(e.response_ids) >= self.cfg.max_total_tokens or len(observation) >= room:
             e.done, e.finish = True, "length"
 
 

@@ -456,3 +456,34 @@ def test_a_chat_observation_continues_the_conversation_without_the_template_s_pr
             assert traj.response_ids[traj.loss_mask == 0].tolist() == expected
     finally:
         close(worker)
+
+
+LONG_ENV = textwrap.dedent(
+    """
+    from common.envs import StepResult
+
+
+    class LongEnv:
+        stop_strings = ("=",)
+
+        def reset(self, problem):
+            return "1+1="
+
+        def step(self, model_text):
+            return StepResult("1+" * 200, 0.0, False, {})
+    """
+)
+
+
+def test_an_observation_stops_at_the_engine_s_context(tmp_path: Path) -> None:
+    """Observations were cut to env.max_total_tokens only: on a 64-position model a trajectory of 5 + 203 tokens
+    went to the learner, none of them past the 64th readable by any turn."""
+    (tmp_path / "long_env.py").write_text(LONG_ENV)
+    worker = make_worker(tmp_path, f"env.fn={tmp_path / 'long_env.py'}:LongEnv", "model.path=builtin:micro",
+                         "env.max_total_tokens=512")  # fmt: skip
+    try:
+        groups = worker.rollout([PromptLease("g0", 0, "unused", "", 1e12)])
+        for traj in groups[0][1]:
+            assert len(traj.prompt_ids) + len(traj.response_ids) == 64 and traj.finish == "length"
+    finally:
+        close(worker)
