@@ -196,9 +196,22 @@ class GenerateReqInput(BaseModel):
     stream: bool = False
     lora_path: str | list[str | None] | None = None
     """The LoRA adapter (its `lora_name`) of every prompt, or one per prompt (null: the base); lora_serve.py."""
+    return_hidden_states: bool = False
+    custom_logit_processor: str | None = None
+    token_ids_logprob: list[Any] | None = None
+    """These three are refused (`normalize`), as SGLang refuses the first two without their server flags: they were
+    dropped silently."""
 
     def normalize(self) -> GenerateRequest:
         """SGLang's `GenerateReqInput.normalize_batch_and_arguments` for what `asyncrl serve` runs."""
+        if self.return_hidden_states:  # SGLang's words without --enable-return-hidden-states (tokenizer_manager.py)
+            raise BadRequest("The server is not configured to return the hidden states. Please set "
+                             "`--enable-return-hidden-states` to enable this feature.")  # fmt: skip
+        if self.custom_logit_processor:
+            raise BadRequest("The server is not configured to enable custom logit processor. Please set "
+                             "`--enable-custom-logit-processor` to enable this feature.")  # fmt: skip
+        if self.token_ids_logprob:
+            raise BadRequest("token_ids_logprob is not supported by asyncrl serve (top_logprobs_num is)")
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("Either text, input_ids or input_embeds should be provided.")
         prompts: list[list[int] | str]

@@ -142,6 +142,11 @@ def test_bad_logprob_and_unsupported_sampling_requests_get_400_naming_the_field(
     for key, value in (("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'")):
         reply = generate(base_url, {"input_ids": PROMPT, "sampling_params": {key: value}})
         assert reply.status_code == 400 and key in reply.json()["error"]["message"]
+    for key, value, words in (("return_hidden_states", True, "--enable-return-hidden-states"),
+                              ("custom_logit_processor", "{}", "--enable-custom-logit-processor"),
+                              ("token_ids_logprob", [1, 2], "token_ids_logprob is not supported")):  # fmt: skip
+        reply = generate(base_url, {"input_ids": PROMPT, key: value})  # they were dropped silently
+        assert reply.status_code == 400 and words in reply.json()["error"]["message"], key
     for bad, message in (({"max_tokens": 0}, "max_tokens must be positive"), ({"prompt": ""}, "Prompt cannot be empty"),
                          ({"prompt": ["", ""]}, "Prompt cannot be empty")):  # fmt: skip
         reply = requests.post(f"{base_url}/v1/completions", json={"prompt": "1+", "max_tokens": 2, **bad}, timeout=30)
