@@ -151,11 +151,6 @@ def driver_record(run_dir: Path) -> dict[str, Any]:
                 "(the socket opens once its actors are up) or ending; try again"
             )
         raise ControlError(f"{run_dir} is not running: no {CONTROL_FILE} (the run ended, or never started)")
-    if run_lock.holder(run_dir) is None:  # no driver holds the run: asking would only wait out the timeout
-        raise ControlError(
-            f"{run_dir} is not running: its {CONTROL_FILE} is stale (its driver was killed); `asyncrl up --resume "
-            f"{run_dir}` continues the run"
-        )
     try:
         record = json.loads(control.read_text())
     except PermissionError:
@@ -170,6 +165,11 @@ def driver_record(run_dir: Path) -> dict[str, Any]:
             raise ControlError(f"{control} is unreadable: it has no {key!r}")
         if not check(record[key]):
             raise ControlError(f"{control} is unreadable: {key!r} is {record[key]!r}")
+    if run_lock.holder(run_dir) is None:  # no driver holds the run: asking would only wait out the timeout
+        raise ControlError(
+            f"{run_dir} is not running: its {CONTROL_FILE} is stale (its driver was killed); `asyncrl up --resume "
+            f"{run_dir}` continues the run"
+        )
     return record
 
 
