@@ -256,10 +256,11 @@ def _up(args: argparse.Namespace) -> int:
         live = [f"{k}={json.dumps(v)}" for k, v in meta.get("live", {}).items()]  # YAML: a null stays null
         saved, cfg = _load(str(resume / "config.json"), live), _load(str(resume / "config.json"), live + overrides)
         trained = meta.get("step") if isinstance(meta.get("step"), int) else None
-        if trained is not None and cfg.train.steps <= trained:  # it trained nothing, rewrote config.json and re-saved
+        # Fewer steps than trained: it trained nothing and rewrote config.json with them (as many only finishes it)
+        if trained is not None and cfg.train.steps < trained:
             print(f"asyncrl: cannot resume {resume} with train.steps={cfg.train.steps}: its checkpoint "
-                  f"{latest.name if latest else ''} has {trained} steps trained already; give train.steps above "
-                  f"{trained} to train more", file=sys.stderr)  # fmt: skip
+                  f"{latest.name if latest else ''} has {trained} steps trained already; give train.steps of "
+                  f"{trained} or more", file=sys.stderr)  # fmt: skip
             return 2
         changed = resume_changes(saved, cfg)
         if changed:

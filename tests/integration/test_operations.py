@@ -325,7 +325,7 @@ def test_a_hangup_and_timeout_s_two_sigterms_stop_the_run_gracefully(tmp_path):
         assert not (run_dir / "control.json").exists(), stop
     trained = json.loads((run_dir / "summary.json").read_text())["steps"]
     config_before = (run_dir / "config.json").read_text()
-    refused = cli(tmp_path, "up", "--resume", str(run_dir), f"train.steps={trained}")  # nothing left to train
+    refused = cli(tmp_path, "up", "--resume", str(run_dir), f"train.steps={trained - 1}")  # fewer than trained
     assert refused.returncode == 2 and f"has {trained} steps trained already" in refused.stderr, refused.stderr
     assert (run_dir / "config.json").read_text() == config_before  # it used to rewrite it and save again
 
