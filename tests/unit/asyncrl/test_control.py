@@ -96,12 +96,11 @@ def test_control_errors_name_the_problem(tmp_path: Path):
     port = socket.bind_to_random_port("tcp://127.0.0.1")
     socket.close(0)
     (run_dir / "control.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{port}", "secret": "s"}))
-    started = time.monotonic()  # nobody holds the run: said at once, not after the reply timeout (10 s)
+    # nobody holds the run: said at once (the message), not after the reply timeout as "no answer"
     with pytest.raises(ControlError, match=r"no running job under .* \(1 with a stale control.json"):
         find_run(None, runs_root=str(runs))
     with pytest.raises(ControlError, match=r"not running: its control.json is stale .* `asyncrl up --resume"):
         request(run_dir, "status", timeout_s=30)
-    assert time.monotonic() - started < 30
     from asyncrl import run_lock
 
     lock = run_lock.acquire(run_dir)  # a live driver that does not answer
