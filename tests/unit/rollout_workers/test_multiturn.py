@@ -356,6 +356,18 @@ def test_stop_strings_set_in_reset_are_checked_per_episode(tmp_path: Path, conti
         close(worker)
 
 
+def tiny_with_template(tmp_path: Path, template: str) -> Path:
+    """A copy of builtin:tiny whose tokenizer has `template` as its chat template."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "tiny-chat"
+    shutil.copytree(resolve_model_path("builtin:tiny", log=lambda *a: None), model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return model_dir
+
+
 MESSAGES_ENV = textwrap.dedent(
     """
     from common.envs import StepResult
@@ -376,16 +388,10 @@ MESSAGES_ENV = textwrap.dedent(
 def test_chat_message_prompts_render_with_a_fast_tokenizer_worker(tmp_path: Path) -> None:
     """A worker whose prompts are not templated encodes with `FastTokenizer` (no `apply_chat_template`): an
     environment's chat-message prompt failed the whole batch with an AttributeError."""
-    import json
-    import shutil
 
     from transformers import AutoTokenizer
 
-    model_dir = tmp_path / "tiny-chat"
-    shutil.copytree(resolve_model_path("builtin:tiny", log=lambda *a: None), model_dir)
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    model_dir = tiny_with_template(tmp_path, "{% for m in messages %}{{ m['content'] }}={% endfor %}")
     (tmp_path / "messages_env.py").write_text(MESSAGES_ENV)
     worker = make_worker(tmp_path, f"env.fn={tmp_path / 'messages_env.py'}:MessagesEnv", f"model.path={model_dir}")
     try:
@@ -439,14 +445,8 @@ OBSERVING_ENV = textwrap.dedent(
 def test_a_chat_observation_continues_the_conversation_without_the_template_s_preamble(tmp_path: Path) -> None:
     """Rendered as a conversation of its own, an observation began with the template's BOS (and, with Llama or Qwen
     templates, a system block) in the middle of the episode; it is what the conversation gains by it."""
-    import json
-    import shutil
 
-    model_dir = tmp_path / "tiny-chat"
-    shutil.copytree(resolve_model_path("builtin:tiny", log=lambda *a: None), model_dir)
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}={% endfor %}"
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    model_dir = tiny_with_template(tmp_path, "{{ bos_token }}{% for m in messages %}{{ m['content'] }}={% endfor %}")
     (tmp_path / "observing_env.py").write_text(OBSERVING_ENV)
     worker = make_worker(tmp_path, f"env.fn={tmp_path / 'observing_env.py'}:ObservingEnv", f"model.path={model_dir}")
     try:
