@@ -35,11 +35,11 @@ prompt left no room). `eval/acc_greedy`, the learner's single-turn decode, is no
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
 from typing import Any
 
+from common.tasks import problem_row
 from rollout_workers.worker import RolloutWorker
 
 EVAL_WORKER_ID = "evaluator"
@@ -114,12 +114,13 @@ class EvalWorker(RolloutWorker):
         they win over the first three for a reward function, rollout_workers/worker.py, and lose for an environment,
         rollout_workers/episodes.py), plus `eval: True`."""
         eval_row = getattr(self.source, "eval_row", None)
-        rows = []
-        for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-            lease = {"index": i, "prompt": prompt, "answer": answer}
-            fields = json.loads(json.dumps(eval_row(i), default=str)) if eval_row is not None else {}  # a copy
-            rows.append({**fields, **lease, "eval": True} if episodes else {**lease, **fields, "eval": True})
-        return rows
+        return [
+            {
+                **problem_row(i, prompt, answer, eval_row(i) if eval_row else None, record_wins=not episodes),
+                "eval": True,
+            }
+            for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True))
+        ]
 
     def _say_first_reward_failure(self) -> None:
         """The first reward-function failure of an evaluation, once (it scored 0: eval/reward_errors counts them)."""

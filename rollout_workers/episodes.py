@@ -57,6 +57,7 @@ from common.envs import (
     combine_turn_reward,
     load_env_factory,
 )
+from common.tasks import problem_row
 from common.wire import PromptLease
 from rollout_workers.token_chars import max_token_chars
 
@@ -490,7 +491,7 @@ def problem_rows(source: Any, leases: list[PromptLease]) -> list[dict[str, Any]]
     source_row = getattr(source, "row", None)
     rows = []
     for lease in leases:
-        row = {**(source_row(lease.index) if source_row else {}), "index": lease.index, "prompt": lease.prompt,
-               "answer": lease.answer}  # fmt: skip
+        record = source_row(lease.index) if source_row else None
+        row = problem_row(lease.index, lease.prompt, lease.answer, record, record_wins=False)
         rows.append(json.loads(json.dumps(row, default=str)))  # a plain copy the environment may keep or change
     return rows

@@ -30,6 +30,7 @@ import numpy as np
 
 from buffer.client import BufferClient, BufferRequestError, BufferUnavailable, Heartbeat
 from common.curve import client_keys
+from common.tasks import problem_row
 from common.train_gate import TrainGate
 from common.wire import PromptLease, Trajectory
 from rollout_workers.cpu_priority import lower_to_idle
@@ -449,9 +450,8 @@ class RolloutWorker:
         source_row = getattr(self.source, "row", None)
         items = []
         for g, lease in enumerate(leases):
-            row = {"index": lease.index, "prompt": lease.prompt, "answer": lease.answer}
-            if source_row is not None:
-                row = {**row, **source_row(lease.index)}  # the dataset's fields win: it is the user's row
+            record = source_row(lease.index) if source_row is not None else None
+            row = problem_row(lease.index, lease.prompt, lease.answer, record, record_wins=True)
             for i in range(group_size):
                 response_ids = completions[g * group_size + i].response_ids
                 items.append((self.tokenizer.decode(response_ids, skip_special_tokens=True), lease.answer, row))

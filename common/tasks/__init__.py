@@ -36,6 +36,15 @@ class Problem:
     """Reference answer text."""
 
 
+def problem_row(index: int, prompt: str, answer: str, record: dict | None = None, *, record_wins: bool) -> dict:
+    """The `row` user code gets for a problem: its index, prompt and reference answer, and the dataset's own record
+    (every field) where the source has one. A reward function's row lets the record win (it is the user's row); an
+    environment's lets index, prompt and answer win (docs/multiturn.md)."""
+    lease = {"index": index, "prompt": prompt, "answer": answer}
+    fields = record or {}
+    return {**lease, **fields} if record_wins else {**fields, **lease}
+
+
 class DatasetError(ValueError):
     """Bad dataset rows (or a missing/empty file); the message names the file, 1-based line numbers and problems."""
 
