@@ -439,7 +439,8 @@ class LearnerConfig:
     """RMSNorm and SwiGLU (`silu(gate) * up`) of Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM3) as one
     C++ pass each, forward and backward, on CPU in fp32 (`learner/fused_ops.py`), and, on AVX-512 CPUs, unmasked
     causal SDPA attention (`learner/fused_attention.py`): the same values to rounding, fewer passes over the
-    activations; false: HF's torch ops. Other dtypes, FSDP2 shards and autocast take HF's ops."""
+    activations; false: HF's torch ops. Other dtypes and FSDP2 shards take HF's ops; under `precision.train` bf16
+    or fp16 autocast they run in fp32 on the upcast inputs."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
     threads: int = in_range(1, default=1)

@@ -153,13 +153,26 @@ def pick_kernel(choice: str, in_features: int, out_features: int) -> KernelPick:
     return KernelPick(choice)
 
 
+def _plain_cpu(tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.dtype in dtypes and tensor.device.type == "cpu"
+
+
 def plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
-    """Whether our fp32 CPU kernels apply: every tensor a plain tensor or parameter (not a DTensor or another
-    subclass) of fp32 on the CPU, and no CPU autocast (`learner.fp32_gemm`, `learner.fused_ops`)."""
-    return not torch.is_autocast_enabled("cpu") and all(
-        type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
-        for t in tensors
-    )
+    """Whether our fp32 GEMM applies: every tensor a plain tensor or parameter (not a DTensor or another subclass) of
+    fp32 on the CPU, and no CPU autocast (under which a linear computes in autocast's dtype: `learner.fp32_gemm`)."""
+    return not torch.is_autocast_enabled("cpu") and all(_plain_cpu(t, (torch.float32,)) for t in tensors)
+
+
+def fp32_kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The inputs of one of our fp32 CPU kernels that stands in for ops autocast leaves alone or runs in its lower
+    dtype (RMSNorm, SwiGLU, attention: `learner.fused_ops`): plain CPU tensors of fp32 as they are, and under CPU
+    autocast (`precision.train` bf16 or fp16) those of its dtype upcast to fp32, so those ops compute in fp32 (at
+    least autocast's precision) instead of falling back to HF's torch ops; None where any tensor is of another
+    dtype, device or tensor type. The kernels' outputs are fp32, and the next linear casts them as autocast does."""
+    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else (torch.float32,)
+    if not all(_plain_cpu(t, dtypes) for t in tensors):
+        return None
+    return tuple(t.float() for t in tensors)
 
 
 def pack_allowed(model: torch.nn.Module, available_bytes: int | None) -> bool:

@@ -26,8 +26,10 @@ prompt's key and value gradients over the group's rows. Rows the kernels do not 
 
 At a call, anything else goes to HF's SDPA function (and transformers' own rotary embedding), with the mask HF
 built: a mask (padding, packed rows), dropout, a key length other than the query's (a cache), a non-causal module,
-another dtype or device, autocast, head sizes other than 32, 64 and 128, rows longer than `MAX_LEN`, or calls past
-`MAX_SAVED_BYTES`.
+another dtype or device, head sizes other than 32, 64 and 128, rows longer than `MAX_LEN`, or calls past
+`MAX_SAVED_BYTES`. Under CPU autocast (`precision.train` bf16 or fp16) the kernels take the projections upcast to
+fp32 (`learner.fp32_gemm.fp32_kernel_inputs`): SDPA's CPU flash kernel in bf16 took 2.0 s of a 8.7 s one-thread
+bf16 step of the e2e decode shape, its backward most of it; the fused fp32 kernels 0.74 s (docs/kernels.md).
 
 Numerics: fp32, one fixed order of fused multiply-adds per element and sums in 8 fixed lanes, so any thread count
 gives the same bits; against float64 within 3e-5 like SDPA's (tests/unit/learner/test_fused_attention.py).
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 from common.native_build import NativeLibrary, isa_cap
-from learner.fp32_gemm import plain_fp32_cpu
+from learner.fp32_gemm import fp32_kernel_inputs
 
 SOURCE = Path(__file__).with_name("csrc") / "train_attention.cpp"
 ABI_VERSION = 2
@@ -202,7 +204,7 @@ def rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: 
     dim = module.head_dim
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (length, dim):
         return False
-    if not (cos.is_contiguous() and sin.is_contiguous() and plain_fp32_cpu(hidden, cos, sin)):
+    if not (cos.is_contiguous() and sin.is_contiguous() and fp32_kernel_inputs(hidden, cos, sin) is not None):
         return False
     if layout is not None:
         batch, length = layout.rows, layout.width
@@ -217,8 +219,9 @@ def _rows_rope_attention(module: torch.nn.Module, hidden: torch.Tensor, position
     shape = (hidden.shape[1], -1, module.head_dim)
     q, k, v = (layout.to_rows(proj(hidden).view(shape)) for proj in (module.q_proj, module.k_proj, module.v_proj))
     cos, sin = (layout.to_rows(table[0]) for table in position_embeddings)  # (B, S, D)
-    if plain_fp32_cpu(q, k, v):
-        out = _RopeAttentionFn.apply(q, k, v, cos, sin, module.scaling)
+    inputs = fp32_kernel_inputs(q, k, v, cos, sin)
+    if inputs is not None:
+        out = _RopeAttentionFn.apply(*inputs, module.scaling)
     else:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -242,8 +245,9 @@ def _fused_rope_class() -> type:
                 return self.o_proj(_rows_rope_attention(self, hidden_states, position_embeddings, layout)), None
             shape = (*hidden_states.shape[:-1], -1, self.head_dim)
             q, k, v = (proj(hidden_states).view(shape).contiguous() for proj in (self.q_proj, self.k_proj, self.v_proj))
-            if plain_fp32_cpu(q, k, v):
-                out = _RopeAttentionFn.apply(q, k, v, *position_embeddings, self.scaling)
+            inputs = fp32_kernel_inputs(q, k, v, *position_embeddings)
+            if inputs is not None:
+                out = _RopeAttentionFn.apply(*inputs, self.scaling)
             else:  # a projection wrapped to give another dtype or tensor type: transformers' rotation, then SDPA's
                 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -263,7 +267,7 @@ def applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     batch, heads, length, dim = query.shape
     if key.shape != value.shape or key.shape[0] != batch or key.shape[2] != length or key.shape[3] != dim:
         return False
-    return plain_fp32_cpu(query, key, value) and _fits(batch, heads, key.shape[1], length, dim)
+    return fp32_kernel_inputs(query, key, value) is not None and _fits(batch, heads, key.shape[1], length, dim)
 
 
 def _fits(batch: int, heads: int, kv_heads: int, length: int, dim: int) -> bool:
@@ -296,7 +300,7 @@ def attention_forward(
         return layout.from_rows(out)[None], None
     if is_causal is not False and applies(module, query, key, value, attention_mask, dropout):
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        return _AttentionFn.apply(query, key, value, scale), None
+        return _AttentionFn.apply(*fp32_kernel_inputs(query, key, value), scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

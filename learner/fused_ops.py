@@ -13,7 +13,8 @@ Mistral, Qwen2, Qwen3, SmolLM3) onto a subclass that runs the fused op (a class 
 parameters, state-dict keys and hooks unchanged), after checking, module by module, that the fused forward gives
 the module's own values on a probe input (a module whose forward differs, another activation say, keeps its own).
 At a call, anything else takes the module's own forward: another dtype or device, a DTensor or another tensor
-subclass, autocast.
+subclass. Under CPU autocast (`precision.train` bf16 or fp16) the ops run in fp32 on the inputs upcast
+(`learner.fp32_gemm.fp32_kernel_inputs`): HF's ops would run the MLP product in bf16, several passes each.
 
 Numerics: fp32 throughout, each element's arithmetic in a fixed order (the same bits on every ISA and thread
 count); they differ from torch's ops in rounding only (the norm's sums run in 8 lanes; the sigmoid's exp is Cephes'
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from learner.fp32_gemm import plain_fp32_cpu
+from learner.fp32_gemm import fp32_kernel_inputs
 from learner.fused_attention import use_fused_attention
 from learner.native_ops import ISAS, LIBRARY, best_isa, kernel_isa, lib
 
@@ -112,8 +113,9 @@ class FusedRMSNorm(torch.nn.Module):
     """Mixin of a swapped RMSNorm class (`use_fused_ops`): HF's formula in one pass where it applies."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() and plain_fp32_cpu(x, self.weight):
-            return rms_norm(x, self.weight, float(self.variance_epsilon))
+        inputs = fp32_kernel_inputs(x, self.weight) if x.numel() else None
+        if inputs is not None:
+            return rms_norm(*inputs, float(self.variance_epsilon))
         return super().forward(x)
 
 
@@ -123,8 +125,9 @@ class FusedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if gate.numel() and gate.shape == up.shape and plain_fp32_cpu(gate, up):
-            return self.down_proj(swiglu(gate, up))
+        inputs = fp32_kernel_inputs(gate, up) if gate.numel() and gate.shape == up.shape else None
+        if inputs is not None:
+            return self.down_proj(swiglu(*inputs))
         return self.down_proj(self.act_fn(gate) * up)
 
 
