@@ -140,6 +140,7 @@ def load_env_factory(spec: str, args: dict[str, Any] | None = None, key: str = "
     except RewardFnError as err:
         raise _env_error(err) from err
     kwargs = dict(args or {})
+    _check_args(cls, kwargs, spec, key)
 
     def make() -> Any:
         env = cls(**kwargs)
@@ -149,6 +150,22 @@ def load_env_factory(spec: str, args: dict[str, Any] | None = None, key: str = "
         return env
 
     return make
+
+
+def _check_args(cls: Callable[..., Any], kwargs: dict[str, Any], spec: str, key: str) -> None:
+    """`env.args` bound to the class's (or factory's) signature when the factory loads, so that a misspelled or
+    missing argument is one error when the worker starts, not a failure of every episode's construction."""
+    import inspect
+
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a class without a readable signature (written in C): its first call says
+        return
+    signature = signature.replace(return_annotation=inspect.Signature.empty)  # the message shows the parameters
+    try:
+        signature.bind(**kwargs)
+    except TypeError as err:
+        raise EnvError(f"`env.args` {sorted(kwargs)} do not fit `{key}` {spec!r}{signature}: {err}"[:400]) from None
 
 
 def check_step_result(result: Any) -> StepResult:

@@ -45,6 +45,17 @@ def test_an_environment_is_loaded_from_a_file_with_its_args(tmp_path: Path) -> N
         load_env_factory(f"{tmp_path / 'envs_file.py'}:BadStops")()
 
 
+@pytest.mark.parametrize("args", [{"bonsu": 0.5}, {"bonus": 0.5, "extra": 1}])
+def test_env_args_that_do_not_fit_the_class_fail_when_it_loads(tmp_path: Path, args: dict) -> None:
+    """Not at each episode's construction (every episode failed, and the run stalled until its watchdog)."""
+    (tmp_path / "envs_file.py").write_text(ENV + "\n\ndef needs(level):\n    return Echo(level)\n")
+    with pytest.raises(EnvError, match=r"`env.args` .* do not fit `env.fn` .*Echo.*\(bonus=0.0\).*unexpected keyword"):
+        load_env_factory(f"{tmp_path / 'envs_file.py'}:Echo", args)
+    with pytest.raises(EnvError, match=r"do not fit .*needs.*\(level\).*missing a required argument: 'level'"):
+        load_env_factory(f"{tmp_path / 'envs_file.py'}:needs", {})
+    assert load_env_factory(f"{tmp_path / 'envs_file.py'}:needs", {"level": 2})().bonus == 2
+
+
 def test_a_bad_env_spec_fails_at_start_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"`env.fn`.*does not exist"):
         load_config(None, [f"env.fn={tmp_path / 'missing.py'}:Env"])
