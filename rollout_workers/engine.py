@@ -21,6 +21,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    """SGLang's min-p sampling: tokens less likely than min_p times the most likely one are not drawn; 0 is none."""
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: the SGLang backend ends a response at one, server-side (kept in it);
     # the embedded engine ignores them (rollout_workers/episodes.py cuts a turn after its stop string)
@@ -41,6 +43,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 @dataclass(slots=True)

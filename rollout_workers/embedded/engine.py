@@ -470,7 +470,7 @@ class EmbeddedEngine:
             part = self._mask_early_stops(part, [active[row] for row in rows])
             part = apply_penalties(part, params, [active[row] for row in rows])
             logp = torch.log_softmax(part / params.temperature if params.temperature != 1.0 else part, dim=-1)
-            filtered = filter_logits(logp, params.top_k, params.top_p)
+            filtered = filter_logits(logp, params.top_k, params.top_p, params.min_p)
             cdf = filtered.exp().cumsum(-1)
             draws = uniforms([active[row].key for row in rows], [len(active[row].logp) for row in rows])
             picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None]).clamp_max(cdf.shape[-1] - 1)

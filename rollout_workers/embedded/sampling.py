@@ -1,4 +1,4 @@
-"""Sampling helpers of the embedded engine: top-k / top-p filtering and counter-based uniforms.
+"""Sampling helpers of the embedded engine: top-k / top-p / min-p filtering and counter-based uniforms.
 
 Each sequence draws one uniform per step from a counter-based hash (splitmix64) of its key and the step, so that a
 sequence's samples do not depend on what else is in the batch (`engine.EmbeddedEngine._sample`).
@@ -6,6 +6,7 @@ sequence's samples do not depend on what else is in the batch (`engine.EmbeddedE
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,8 +18,10 @@ if TYPE_CHECKING:
 _MASK64 = (1 << 64) - 1
 
 
-def filter_logits(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside top-k and the top-p nucleus of each row of log-probs (B, V)."""
+def filter_logits(logp: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside top-k, the top-p nucleus and, with `min_p` > 0, those less likely than
+    `min_p` times the row's most likely token (SGLang's order and rule, `sampler.py`), in each row of log-probs
+    (B, V)."""
     if top_k > 0 and top_k < logp.shape[-1]:
         kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
         logp = logp.masked_fill(logp < kth, float("-inf"))
@@ -28,6 +31,9 @@ def filter_logits(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop_sorted = cumulative - sorted_logp.softmax(-1) >= top_p  # keep the token that crosses top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logp = logp.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:  # p < min_p * p_max, in log space (the most likely token survives top-k and top-p)
+        floor = logp.max(dim=-1, keepdim=True).values + math.log(min_p)
+        logp = logp.masked_fill(logp < floor, float("-inf"))
     return logp
 
 

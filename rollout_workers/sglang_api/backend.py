@@ -304,6 +304,7 @@ class SGLangEngine:
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
+            "min_p": params.min_p,
             "stop_token_ids": list(params.stop_token_ids),
             "ignore_eos": bool(params.stop_token_ids),  # the Engine protocol: stop_token_ids when given, else EOS
             "skip_special_tokens": False,

@@ -37,8 +37,6 @@ Int64 = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]
 Number = Annotated[float, Strict()]
 """A JSON number (integer or float), never a boolean or a string."""
 
-UNSUPPORTED_NEUTRAL = {"min_p": 0.0}
-"""Sampling keys `asyncrl serve` accepts only at their neutral value (min-p sampling is not implemented)."""
 UNSUPPORTED_FEATURES = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag")
 """Sampling keys `asyncrl serve` accepts only empty (constrained decoding)."""
 MAX_SAMPLES_PER_REQUEST = 1 << 15
@@ -118,9 +116,6 @@ class SamplingParams(BaseModel):
         """SGLang's `SamplingParams.verify` for what `asyncrl serve` runs; what it does not run is refused by name."""
         if self.model_extra:
             raise BadRequest(f"unknown sampling_params: {', '.join(sorted(self.model_extra))}")
-        for key, neutral in UNSUPPORTED_NEUTRAL.items():
-            if getattr(self, key) != neutral:
-                raise BadRequest(f"sampling_params.{key}={getattr(self, key)!r} is not supported by asyncrl serve")
         for key in UNSUPPORTED_FEATURES:
             if getattr(self, key):
                 raise BadRequest(f"sampling_params.{key} is not supported by asyncrl serve (use stop_token_ids)")
@@ -139,6 +134,8 @@ class SamplingParams(BaseModel):
             raise BadRequest(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.top_k < 1 and self.top_k != TOP_K_ALL:
             raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
         if self.max_new_tokens is not None and self.max_new_tokens < 0:  # before min_new_tokens, as SGLang says it

@@ -175,6 +175,7 @@ def engine_params(sampling: SamplingParams, eos_token_ids: tuple[int, ...]) -> E
         temperature=1.0 if greedy else sampling.temperature,
         top_p=sampling.top_p,
         top_k=1 if greedy else max(sampling.top_k, 0),
+        min_p=0.0 if greedy else sampling.min_p,
         stop_token_ids=tuple(sorted(stops)) or (-1,),  # (-1,): stop on nothing (the engine reads () as EOS)
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,

@@ -567,9 +567,9 @@ class ModelService:
         return True, "Succeeded to update model weights.", len(in_flight)
 
 
-CHAT_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+CHAT_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 """What SGLang's chat takes from generation_config.json when a request omits it (`model_config.py`
-`get_default_sampling_params`), min_p aside: not implemented here, its default would refuse every chat."""
+`get_default_sampling_params`)."""
 
 
 def chat_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:

@@ -142,6 +142,12 @@ def test_bad_logprob_and_unsupported_sampling_requests_get_400_naming_the_field(
     for key, value in (("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'")):
         reply = generate(base_url, {"input_ids": PROMPT, "sampling_params": {key: value}})
         assert reply.status_code == 400 and key in reply.json()["error"]["message"]
+    reply = generate(base_url, {"input_ids": PROMPT, "sampling_params": {"min_p": 1.5}})
+    assert reply.status_code == 400 and "min_p must be in [0, 1], got 1.5." in reply.json()["error"]["message"]
+    for route, body in (("generate", {"input_ids": PROMPT, "sampling_params": {"min_p": 0.5, "max_new_tokens": 4}}),
+                        ("v1/completions", {"prompt": [PROMPT], "max_tokens": 4, "min_p": 0.5})):  # fmt: skip
+        reply = requests.post(f"{base_url}/{route}", json=body, timeout=60)  # min-p sampling runs (it was refused)
+        assert reply.status_code == 200, (route, reply.text)
     for key, value, words in (("return_hidden_states", True, "--enable-return-hidden-states"),
                               ("custom_logit_processor", "{}", "--enable-custom-logit-processor"),
                               ("token_ids_logprob", [1, 2], "token_ids_logprob is not supported")):  # fmt: skip
