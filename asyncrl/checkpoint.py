@@ -65,8 +65,10 @@ def latest_whole(run_dir: Path, say: Callable[[str], Any] | None = None) -> Path
 
 
 def damage(checkpoint_dir: Path) -> str:
-    """What makes `checkpoint_dir` unfit to resume from, naming the file, or "" when its meta.json, model files and
-    training state are whole. Reads headers and zip directories, never tensor data."""
+    """What makes `checkpoint_dir` unfit to resume from, naming the file, or "" when its meta.json, model config and
+    files and training state are whole: headers and zip directories, and every member of the training state
+    against its CRC-32 (torch.load checks none: flipped bytes in AdamW's moments loaded silently and
+    the next update wrote NaNs into the weights). Safetensors files carry no checksum: their headers and sizes only."""
     from common.model_files import ModelFilesError, check_safetensors_file, check_weight_files
 
     try:
@@ -74,24 +76,54 @@ def damage(checkpoint_dir: Path) -> str:
     except CheckpointError as err:
         return str(err)
     model = checkpoint_dir / "model"
+    lora = (model / "adapter_config.json").is_file()  # LoRA: the adapters (learner/lora.py)
+    if not model.is_dir():
+        return f"{model} is missing"
+    config = model / ("adapter_config.json" if lora else "config.json")
     try:
-        if (model / "adapter_config.json").is_file():  # LoRA: the adapters (learner/lora.py)
+        if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+            return f"{config} is not a JSON object"
+    except FileNotFoundError:
+        return f"{config} is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{config} cannot be read as JSON ({err})"
+    try:
+        if lora:
             check_safetensors_file(str(model), "adapter_model.safetensors")
-        elif model.is_dir():
-            check_weight_files(str(model))
         else:
-            return f"{model} is missing"
+            check_weight_files(str(model))
     except ModelFilesError as err:
         return str(err).removeprefix("model.path=")
-    state = checkpoint_dir / TRAINING_STATE
+    return _state_damage(checkpoint_dir / TRAINING_STATE)
+
+
+_STATE_CHECKED: dict[tuple[str, int, int], str] = {}
+"""`_state_damage` of a training state file by (path, mtime, size): a resume asks twice (the CLI, then the driver),
+and a CRC pass reads the whole file (AdamW's moments: 8 bytes a parameter)."""
+
+
+def _state_damage(state: Path) -> str:
     try:
-        with zipfile.ZipFile(state) as archive:  # torch.save's format: the directory sits at the end
-            whole = any(name.endswith("data.pkl") for name in archive.namelist())
+        stat = state.stat()
     except FileNotFoundError:
         return f"{state} is missing"
-    except (zipfile.BadZipFile, OSError) as err:
-        return f"{state} is not a whole torch.save archive ({err}: truncated?)"
-    return "" if whole else f"{state} is not a torch.save archive (no data.pkl)"
+    except OSError as err:
+        return f"{state} is not readable ({err})"
+    key = (str(state), stat.st_mtime_ns, stat.st_size)
+    if key not in _STATE_CHECKED:
+        try:
+            with zipfile.ZipFile(state) as archive:  # torch.save's format: the directory sits at the end
+                if not any(name.endswith("data.pkl") for name in archive.namelist()):
+                    problem = f"{state} is not a torch.save archive (no data.pkl)"
+                else:
+                    bad = archive.testzip()
+                    problem = f"{state} is damaged: its member {bad} fails its CRC-32 check" if bad else ""
+        except FileNotFoundError:
+            problem = f"{state} is missing"
+        except (zipfile.BadZipFile, OSError) as err:
+            problem = f"{state} is not a whole torch.save archive ({err}: truncated?)"
+        _STATE_CHECKED[key] = problem
+    return _STATE_CHECKED[key]
 
 
 def newest_run(base: Path) -> Path | None:
@@ -149,11 +181,20 @@ def save(run_dir: Path, step: int, write: Callable[[str], Any], meta: dict[str, 
     staging.rename(target)
     fsync_dir(root)
     shutil.rmtree(replaced, ignore_errors=True)
-    kept = checkpoint_dirs(run_dir)[-keep_last:]
+    # this one and the newest `keep_last - 1` before it: a newer step_<k>, which only a resume that passed it over
+    # (damaged: `latest_whole`) leaves behind, is never deleted and never counts among them (it did, and with
+    # keep_last=1 every whole checkpoint was deleted as soon as it was written, the damaged one kept)
+    earlier = [path for path in checkpoint_dirs(run_dir) if _step(path) < step]
+    kept = {target, *earlier[max(len(earlier) - (keep_last - 1), 0) :]}
     for old in root.iterdir():  # older checkpoints, and a step_<k> a kill left half deleted (no meta.json)
-        if STEP_DIR.fullmatch(old.name) and old not in kept:
+        if STEP_DIR.fullmatch(old.name) and old not in kept and _step(old) < step:
             _delete(old)
     return target
+
+
+def _step(checkpoint_dir: Path) -> int:
+    match = STEP_DIR.fullmatch(checkpoint_dir.name)
+    return int(match.group(1)) if match else -1
 
 
 def _delete(directory: Path) -> None:

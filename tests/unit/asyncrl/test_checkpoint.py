@@ -91,7 +91,7 @@ def _real_writer(out_dir: str) -> None:
     from common.builtin_model import resolve_model_path
 
     shutil.copytree(resolve_model_path("builtin:micro"), Path(out_dir) / "model")
-    torch.save({"optimizer": {"step": torch.zeros(3)}}, Path(out_dir) / checkpoint.TRAINING_STATE)
+    torch.save({"optimizer": {"step": torch.arange(3.0) + 0.5}}, Path(out_dir) / checkpoint.TRAINING_STATE)
 
 
 def _truncate(path: Path, keep: int) -> None:
@@ -110,7 +110,22 @@ DAMAGE = {
     "training state truncated": (lambda d: _truncate(d / "training_state.pt", 300),
                                  "training_state.pt is not a whole torch.save archive"),
     "no training state": (lambda d: (d / "training_state.pt").unlink(), "training_state.pt is missing"),
+    "training state bytes flipped": (lambda d: _flip(d / "training_state.pt"), "fails its CRC-32 check"),
+    "config.json cut short": (lambda d: _truncate(d / "model" / "config.json", 100), "config.json cannot be read"),
+    "no config.json": (lambda d: (d / "model" / "config.json").unlink(), "config.json is missing"),
 }  # fmt: skip
+
+
+def _flip(path: Path) -> None:
+    """Bytes flipped inside the tensor data, the zip directory whole (torch.load took it, and the next update wrote
+    NaNs into the weights from the damaged AdamW moments)."""
+    import torch
+
+    data = bytearray(path.read_bytes())
+    stored = torch.load(path)["optimizer"]["step"].numpy().tobytes()
+    at = data.index(stored)
+    data[at : at + 8] = bytes(byte ^ 0xFF for byte in data[at : at + 8])
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("fault", DAMAGE)
@@ -141,3 +156,18 @@ def test_lora_checkpoints_are_checked_by_their_adapter_file(tmp_path: Path) -> N
     assert checkpoint.damage(step) == ""
     _truncate(step / "model" / "adapter_model.safetensors", 5000)
     assert "adapter_model.safetensors is truncated" in checkpoint.damage(step)
+
+
+def test_a_damaged_newer_checkpoint_never_counts_among_the_kept_ones(tmp_path: Path) -> None:
+    """A resume passed over a damaged step_62 for step_60; with keep_last=1, saving step_61 deleted both step_60 and
+    step_61 (the damaged step_62 ranked newest), so the next resume fell back to the initial model."""
+    root = tmp_path / "checkpoints"
+    for step in (60, 62):
+        checkpoint.save(tmp_path, step, _real_writer, {}, keep_last=2)
+    _truncate(root / "step_62" / "model" / "model.safetensors", 5000)
+    assert checkpoint.latest_whole(tmp_path) == root / "step_60"  # the resume's choice
+    checkpoint.save(tmp_path, 61, _real_writer, {}, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_61", "step_62"]  # step_60 pruned; the damaged one left
+    assert checkpoint.latest_whole(tmp_path) == root / "step_61"
+    checkpoint.save(tmp_path, 62, _real_writer, {}, keep_last=1)  # the run reaches the damaged step: replaced
+    assert sorted(p.name for p in root.iterdir()) == ["step_62"] and checkpoint.damage(root / "step_62") == ""

@@ -20,6 +20,7 @@ def _run(path: Path, checkpoint_step: int | None = None) -> Path:
         step_dir = path / "checkpoints" / f"step_{checkpoint_step}"
         (step_dir / "model").mkdir(parents=True)
         (step_dir / "meta.json").write_text(json.dumps({"step": checkpoint_step}))
+        (step_dir / "model" / "config.json").write_text("{}")
         import numpy as np
         import torch
         from safetensors.numpy import save_file
