@@ -611,6 +611,12 @@ def train_on_batch(
             olds = before if before is not None else [p.detach() for p in model.parameters()]
             update_sums = _update_sums(model, olds, quantized)
         delta, base, delta_quantized, base_quantized = all_reduce_(update_sums, ranks).tolist()
+    if not math.isfinite(delta):  # finite loss and gradients, yet the step wrote inf or NaN into the weights
+        raise FloatingPointError(
+            "the weights are not finite after the optimizer step, though the loss and gradient norm were: the "
+            "optimizer's state is damaged (a training_state.pt whose data changed on disk?); resume from an earlier "
+            "checkpoint"
+        )
     metrics["norm_update"] = delta / max(base, 1e-30)
     if quantized:  # the same ratio over the quantized weights (QuRL eq. 13's theta); absent with quant.scheme=none
         metrics["norm_update/quantized"] = delta_quantized / max(base_quantized, 1e-30)

@@ -135,3 +135,18 @@ def test_the_heap_is_trimmed_only_when_memory_is_short_the_first_update_too(monk
         batch = with_behavior(tiny_batch(seed=seed), model)
         train_on_batch(model, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl))
     assert asked == [memory.TRIM_BELOW_AVAILABLE] * 2
+
+
+def test_an_update_that_leaves_non_finite_weights_fails_the_step_naming_the_optimizer_state():
+    """Damaged AdamW moments (flipped bytes in a checkpoint's training state) with a finite loss and gradient: the
+    step wrote NaNs into the weights, and the run trained on and saved them (held-out accuracy 0, the run "done")."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = tiny_config("learner.prox=behav")
+    train_on_batch(model, optimizer, LossScaler(enabled=False), with_behavior(tiny_batch(seed=3), model), cfg,
+                   AcrlReference(cfg.loss.acrl))  # fmt: skip
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    next(iter(optimizer.state.values()))["exp_avg_sq"].fill_(-1.0)  # sqrt of a negative moment: NaN
+    with pytest.raises(FloatingPointError, match="weights are not finite after the optimizer step.*damaged"):
+        train_on_batch(model, optimizer, LossScaler(enabled=False), with_behavior(tiny_batch(seed=4), model), cfg,
+                       AcrlReference(cfg.loss.acrl))  # fmt: skip
