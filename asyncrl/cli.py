@@ -41,15 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--resume", metavar="RUN", default=None,
                     help="run directory to continue (latest checkpoint); `auto` with CONFIG: the newest run of "
                          "CONFIG if it holds a checkpoint, else a fresh run (re-run the same command)")  # fmt: skip
-    status = sub.add_parser("status", help="state of a running job (RUN: default the newest runs/* being served)")
+    status = sub.add_parser("status", help="state of a running job (RUN: default the one running under runs/)")
     status.add_argument("run", nargs="?", default=None)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     scale = sub.add_parser("scale", help="change the number of rollout workers of a running job: rollout=N")
     scale.add_argument("target", help="rollout=N")
-    scale.add_argument("--run", default=None, help="run directory (default: the newest running one)")
+    scale.add_argument("--run", default=None, help="run directory (default: the one running under runs/)")
     live = sub.add_parser("set", help="change live-tunable keys of a running job at its next step boundary")
     live.add_argument("items", nargs="+", help="key=value, e.g. staleness.max_lag=0 loss.cap=3")
-    live.add_argument("--run", default=None, help="run directory (default: the newest running one)")
+    live.add_argument("--run", default=None, help="run directory (default: the one running under runs/)")
     down = sub.add_parser("down", help="stop a running job gracefully (workers, checkpoint, journal)")
     down.add_argument("run", nargs="?", default=None)
     down.add_argument("--no-wait", action="store_true", help="return once the driver accepted the request")
@@ -338,13 +338,19 @@ def _auto_resume(cfg: Config) -> str | None:
 def _control(args: argparse.Namespace) -> int:
     import json
 
-    from asyncrl.control import ControlError, find_run, format_status, request
+    from asyncrl.control import ControlError, RunStopping, find_run, format_status, request, stopping_note
 
     run_dir = None
     try:
         run_dir = find_run(getattr(args, "run", None))
         if args.command == "status":
-            reply = request(run_dir, "status")
+            try:
+                reply = request(run_dir, "status")
+            except RunStopping:  # what control.json says, at once (it waited 10 s, then said "killed?")
+                note = stopping_note(run_dir)
+                text = f"run {run_dir}: stopping ({note}): it answers no request until it has stopped"
+                print(json.dumps({"run": str(run_dir), "stopping": note}) if args.json else text)
+                return 0
             print(json.dumps(reply, indent=2, default=str) if args.json else format_status(reply))
         elif args.command == "scale":
             key, _, value = args.target.partition("=")
@@ -352,11 +358,12 @@ def _control(args: argparse.Namespace) -> int:
             if key != "rollout" or not (count.isascii() and count.isdigit()) or int(count) > MAX_SCALE:
                 raise ControlError(f"scale takes rollout=N (a whole number up to {MAX_SCALE}), got {args.target!r}")
             reply = request(run_dir, "scale", rollout=int(value))
-            print(f"rollout workers: added {reply['added'] or 'none'}, removing {reply['removed'] or 'none'}")
+            added, removed = reply["added"] or "none", reply["removed"] or "none"
+            print(f"{run_dir}: rollout workers: added {added}, removing {removed}")
         elif args.command == "set":
             reply = request(run_dir, "set", items=list(args.items))
             changes = ", ".join(f"{k}={v}" for k, v in reply["changes"].items()) or "nothing (values unchanged)"
-            print(f"set {changes}: applies from step {reply['applies_at_step']}")
+            print(f"{run_dir}: set {changes}: applies from step {reply['applies_at_step']}")
         else:
             return _down(run_dir, args.no_wait)
     except ControlError as err:

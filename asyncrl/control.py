@@ -56,6 +56,10 @@ class ControlError(RuntimeError):
     """A control request failed: no such run, nobody answers, or the driver refused it (the message says why)."""
 
 
+class RunStopping(ControlError):
+    """The run is stopping (control.json says so): its driver answers no request until it has stopped."""
+
+
 class ControlServer:
     """The driver's end: `poll(handler, timeout_ms)` answers the requests that arrived (each with handler(req))."""
 
@@ -123,7 +127,8 @@ class ControlServer:
 
 
 def find_run(run: str | None, runs_root: str = "runs") -> Path:
-    """The run directory `run`, or the newest directory under `runs_root` whose driver serves control.json."""
+    """The run directory `run`, or the one directory under `runs_root` whose driver runs; with several running,
+    ControlError listing them (it took the newest: a `set` without RUN changed another person's run)."""
     if run:
         path = Path(run)
         if not path.is_dir():
@@ -136,7 +141,10 @@ def find_run(run: str | None, runs_root: str = "runs") -> Path:
         stale = f" ({len(served)} with a stale {CONTROL_FILE}: their driver was killed)" if served else ""
         raise ControlError(f"no running job under {root}/ (no */{CONTROL_FILE} of a live driver){stale}; name the "
                            "run directory: RUN")  # fmt: skip
-    return max(candidates, key=lambda p: (p / CONTROL_FILE).stat().st_mtime)
+    if len(candidates) > 1:
+        listed = ", ".join(str(path) for path in sorted(candidates)[:8]) + (", ..." if len(candidates) > 8 else "")
+        raise ControlError(f"{len(candidates)} runs are running under {root}/ ({listed}); name the one: RUN")
+    return candidates[0]
 
 
 def driver_record(run_dir: Path) -> dict[str, Any]:
@@ -189,6 +197,9 @@ def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> 
     if len(fields.get("items", ())) > MAX_SET_ITEMS:
         raise ControlError(f"set takes at most {MAX_SET_ITEMS} key=value items, got {len(fields['items'])}")
     record = driver_record(run_dir)
+    if isinstance(record.get("stopping"), dict):  # between its last step and its exit it answers nothing: said now
+        raise RunStopping(f"the run {run_dir} is stopping ({stopping_note(run_dir)}; pid {record.get('pid', '?')}): "
+                          "it answers no request until it has stopped")  # fmt: skip
     endpoint, secret = record["endpoint"], record["secret"]
     message = msgpack.packb({"v": PROTOCOL_VERSION, "cmd": cmd, "secret": secret, **fields}, use_bin_type=True)
     if len(message) > MAX_REQUEST_BYTES:  # the driver's socket drops it unanswered (MAXMSGSIZE)
@@ -205,6 +216,8 @@ def request(run_dir: Path, cmd: str, timeout_s: float = 10.0, **fields: Any) -> 
             if driver is not None and stopping:
                 raise ControlError(f"the run {run_dir} is stopping ({stopping}; pid {driver or '?'}): it answers "
                                    "no request until it has stopped")  # fmt: skip
+            if driver is None and not (run_dir / CONTROL_FILE).exists():  # it stopped while we asked: its file is gone
+                raise ControlError(f"the run {run_dir} has stopped (its driver exited while this request waited)")
             if driver is not None:  # alive, and between two answers: stopping its workers, a checkpoint, an eval
                 raise ControlError(f"no answer from the driver of {run_dir} (pid {driver or '?'}) within "
                                    f"{timeout_s:.0f}s, though it runs: it is busy (stopping, writing a checkpoint, "

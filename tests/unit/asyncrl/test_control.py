@@ -372,3 +372,48 @@ def test_a_second_down_while_the_driver_stops_says_so_and_waits_for_the_end(live
         down.kill()
     assert down.returncode == 0, err
     assert out.splitlines() == ["already stopping (after step 3, on down)", f"{live_run}: stopped"]
+
+
+def test_without_run_several_running_runs_are_listed_not_guessed(tmp_path: Path):
+    """With two runs live under runs/, `asyncrl set` without RUN changed the newest, another person's run, and said
+    nothing of which; now it asks for RUN, and what `set` and `scale` print names the run."""
+    from asyncrl import run_lock
+
+    runs = tmp_path / "runs"
+    locks = []
+    try:
+        for name in ("a", "b"):
+            (runs / name).mkdir(parents=True)
+            ControlServer(runs / name).socket.close(0)  # its control.json
+            locks.append(run_lock.acquire(runs / name))
+        with pytest.raises(
+            ControlError, match=r"2 runs are running under .*runs/ \(.*runs/a, .*runs/b\); name the one"
+        ):
+            find_run(None, runs_root=str(runs))
+        locks.pop().release()  # b's driver gone: its control.json is stale, a is the one running
+        assert find_run(None, runs_root=str(runs)) == runs / "a"
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def test_a_stopping_run_is_said_at_once_not_after_the_reply_timeout(live_run: Path, tmp_path: Path, capsys):
+    """`status` on a run that is stopping waited 10 s for an answer the driver never gives while it stops, then said
+    it was not running ("killed?")."""
+    from asyncrl.cli import main
+    from asyncrl.control import RunStopping
+
+    server = ControlServer(live_run)  # nobody polls it: a driver between its last step and its exit
+    try:
+        server.mark_stopping(after_step=7, reason="down")
+        started = time.monotonic()
+        with pytest.raises(RunStopping, match=r"is stopping \(after step 7, on down; pid \d+\)"):
+            request(live_run, "scale", rollout=3, timeout_s=60)
+        assert time.monotonic() - started < 30  # at once: well under the 60 s it would have waited
+        assert main(["status", str(live_run)]) == 0
+        assert capsys.readouterr().out.strip() == f"run {live_run}: stopping (after step 7, on down): it answers no " \
+                                                  "request until it has stopped"  # fmt: skip
+        assert main(["set", "--run", str(live_run), "loss.cap=3"]) == 2
+        assert "is stopping (after step 7, on down" in capsys.readouterr().err
+    finally:
+        server.close()
