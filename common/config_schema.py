@@ -284,6 +284,11 @@ class BufferConfig:
     the run fails (asyncrl/supervise.py `BufferSupervisor`)."""
 
     def __post_init__(self) -> None:
+        if ":" in self.host:  # the ZMQ sockets bind IPv4 (no zmq.IPV6): an IPv6 literal failed with a traceback
+            raise ConfigError(
+                f"`buffer.host={self.host}`: IPv6 addresses are not supported; use an IPv4 address or a host name "
+                "(127.0.0.1, the default, keeps the buffer on this machine)"
+            )
         if not self.curve_keys_dir and not is_loopback(self.host):
             raise ConfigError(
                 f"`buffer.host={self.host}` binds beyond loopback, so the buffer needs CurveZMQ keys: set "

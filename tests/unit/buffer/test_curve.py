@@ -66,6 +66,10 @@ def test_keys_admit_and_everything_else_is_refused(tmp_path: Path, host: str) ->
 def test_wide_bind_without_keys_never_starts(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="buffer.curve_keys_dir"):
         load_config(None, ["buffer.host=0.0.0.0"])
+    # IPv6 literals (quoted for YAML): the config took them, and the buffer died with a ZMQ traceback
+    for host in ("::1", "'[::1]'", "'::'"):
+        with pytest.raises(ConfigError, match=r"`buffer.host=.*`: IPv6 addresses are not supported"):
+            load_config(None, [f"buffer.host={host}"])
     empty = tmp_path / "empty"
     empty.mkdir()
     for buffer_section, expected in (
