@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -270,6 +271,7 @@ def _run_in(cfg: Config, run_dir: Path, resume: bool, model_dir: str, arch: Arch
             if ray.is_initialized():
                 ray.shutdown()
         ray_start.close()
+        ray_start.remove_files(keep_logs=sys.exc_info()[0] is not None)  # a failed run keeps Ray's logs
         buffers.stop()
         _sweep_weight_files()
         if run_keys is not None:

@@ -96,7 +96,7 @@ def connect(ray_cfg: RayConfig, warn: Callable[[str], object] = print) -> None:
     if ray_cfg.address:
         _join(ray_cfg, warn)
     else:
-        _init_local(ray_cfg.local_cpus(), _prepare_local())
+        _init_local(ray_cfg.local_cpus(), _prepare_local()[0])
 
 
 class RayStart:
@@ -106,7 +106,9 @@ class RayStart:
     the kernel signals them when that thread exits), so it must outlive the run; call `close` after `ray.shutdown`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, private_dir: Path | None = None) -> None:
+        self.private_dir = private_dir
+        """A local cluster's private directory: its token file and Ray's temp directory (sockets, logs)."""
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._release = threading.Event()
@@ -147,6 +149,18 @@ class RayStart:
             self._thread.join()
             self._thread = None
 
+    def remove_files(self, keep_logs: bool) -> None:
+        """After `close`: remove a local cluster's private directory, or with `keep_logs` (a failed run: Ray's logs
+        are in it) its token only. They stayed in /tmp after every run (139 of them on one machine)."""
+        import shutil
+
+        if self.private_dir is None:
+            return
+        if keep_logs:
+            (self.private_dir / TOKEN_FILE).unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
 
 def connect_in_background(ray_cfg: RayConfig, warn: Callable[[str], object] = print) -> RayStart:
     """`connect`, with a local cluster's `import ray` and `ray.init` (2-3 s on 2 cores) on a thread, so that the caller
@@ -157,14 +171,15 @@ def connect_in_background(ray_cfg: RayConfig, warn: Callable[[str], object] = pr
     if ray_cfg.address:
         _join(ray_cfg, warn)
         return RayStart()
-    temp_dir = _prepare_local()
-    start = RayStart()
+    temp_dir, private_dir = _prepare_local()
+    start = RayStart(private_dir)
     start._start(lambda: _init_local(ray_cfg.local_cpus(), temp_dir))
     return start
 
 
-def _prepare_local() -> Path:
-    """The environment of a private local cluster, set before the first `import ray` (module docstring)."""
+def _prepare_local() -> tuple[Path, Path]:
+    """The environment of a private local cluster, set before the first `import ray` (module docstring); returns
+    Ray's temp directory and the private (0700) directory that holds it and the token file."""
     if "ray" in sys.modules:
         from ray._private import ray_constants
 
@@ -176,11 +191,14 @@ def _prepare_local() -> Path:
     # Ray runs its workers at nice 15 by default: on a machine shared with other work at nice 0 the learner and the
     # rollout workers would get a fraction of the CPU that a single-process trainer gets; the user's value wins.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # mode 0700
+    # Ray makes its temp directory 0777 (for other users' sessions), and again as its processes start: it goes inside
+    # a private (0700) one, which also holds the token (in Ray's, another local user could have replaced the token
+    # file, or its sockets)
+    private = Path(tempfile.mkdtemp(prefix="asyncrl-ray-", dir="/tmp"))
     os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = str(local_token_file(temp_dir))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(local_token_file(private))
     os.environ.pop("RAY_AUTH_TOKEN", None)  # the file is the one token of this cluster
-    return temp_dir
+    return private / "ray", private
 
 
 LEAN_HEAD_SKIPS = ("start_monitor", "start_api_server")

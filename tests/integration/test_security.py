@@ -75,6 +75,11 @@ def test_a_default_run_listens_on_loopback_only_and_its_ray_wants_a_token(tmp_pa
         token_path = Path(gcs_server.environ()["RAY_AUTH_TOKEN_PATH"])
         assert gcs_server.environ()["RAY_AUTH_MODE"] == "token"
         assert stat.S_IMODE(token_path.stat().st_mode) == 0o600 and len(token_path.read_text()) >= 32
+        # Ray's temp directory (which Ray opens to 0777) and the token inside a private directory: the token was in
+        # Ray's, where another local user could replace it
+        private = token_path.parent
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700 and private.name.startswith("asyncrl-ray-")
+        assert any(str(private / "ray") in arg for arg in gcs_server.cmdline()), gcs_server.cmdline()
         gcs_ports = [c.laddr.port for c in gcs_server.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
         from asyncrl.raycluster import probe_open
 
@@ -91,6 +96,7 @@ def test_a_default_run_listens_on_loopback_only_and_its_ray_wants_a_token(tmp_pa
             proc.wait()
     assert proc.returncode == 0, (tmp_path / "up.err").read_text()[-3000:]
     assert not keys_dir.exists(), "the run's keys outlived it"
+    assert not private.exists(), "Ray's token and temp directory outlived the run"
 
 
 def check_the_sockets_admit_only_the_runs_keys(run_dir: Path, tree: list[psutil.Process]) -> Path:
