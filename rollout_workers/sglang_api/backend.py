@@ -26,7 +26,9 @@ checkpoint for `/update_weights_from_disk`, or over NCCL with `/update_weights_f
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -63,8 +65,10 @@ def free_port(host: str) -> int:
 class ServerProcess:
     """One server subprocess in its own process group, its log in `log_path`."""
 
-    def __init__(self, command: list[str], host: str, log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, command: list[str], host: str, log_path: Path, env: dict[str, str] | None = None,
+                 api_key: str = "") -> None:  # fmt: skip
         self.command = command
+        self.api_key = api_key
         self.env = env
         self.connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.log_path = log_path
@@ -86,7 +90,7 @@ class ServerProcess:
                 start_new_session=True,
                 env=self.env,
             )
-        client = SGLangClient(f"http://{self.connect_host}:{port}", request_timeout_s)
+        client = SGLangClient(f"http://{self.connect_host}:{port}", request_timeout_s, self.api_key)
         deadline = time.monotonic() + timeout_s
         while not client.healthy(timeout_s=5.0):
             if not self.alive:
@@ -135,6 +139,11 @@ class SGLangEngine:
         parent = Path(self.sg.ckpt_dir) if self.sg.ckpt_dir else _default_ckpt_parent()
         self.root = parent / f"asyncrl-sglang-{worker_id}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
         self.root.mkdir(parents=True)
+        # the server's API key (every route but /health and /metrics): any local process could otherwise pause
+        # generation, relabel its weight version or load other weights; passed by 0600 files, never on a command line
+        self._api_key = secrets.token_hex(32)
+        self._api_key_file = _private_file(self.root / "api_key", self._api_key)
+        _private_file(self.root / "api_key.yaml", json.dumps({"api-key": self._api_key}))  # SGLang's --config (YAML)
         lora = sections.model.lora  # LoRA: the base loaded once, adapters through SGLang's LoRA API (lora_sync.py)
         self._lora = AdapterVersions(self.root, self.model_dir, sections.staleness.max_lag) if lora.rank else None
         self.metrics: dict[str, float] = {
@@ -346,13 +355,13 @@ class SGLangEngine:
             self._server.stop()
         model_dir, label = self._launch_dir, self._launch_label
         port = self.sg.base_port + self.worker_index if self.sg.base_port else free_port(self.sg.host)
-        command = server_command(self.sections, model_dir, port, label, self.seed)
+        command = server_command(self.sections, model_dir, port, label, self.seed, self._api_key_file)
         env = None
         if self.sg.gpus_per_server:  # disjoint GPUs per worker on a node (Ray does not place the servers)
             first = self.worker_index * self.sg.gpus_per_server
             gpus = ",".join(str(first + i) for i in range(self.sg.gpus_per_server))
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
-        self._server = ServerProcess(command, self.sg.host, self.root / "server.log", env)
+        self._server = ServerProcess(command, self.sg.host, self.root / "server.log", env, self._api_key)
         self._client = self._server.start(self.sg.startup_timeout_s, self.sg.request_timeout_s, port)
         self._session = None
         self._nccl_ready = False
@@ -494,8 +503,11 @@ class SGLangEngine:
         answer.result()
 
 
-def server_command(sections: EngineSections, model_dir: Path | str, port: int, label: str, seed: int) -> list[str]:
-    """The server's command line for `rollout.sglang.launcher`: SGLang's `launch_server` flags, or `asyncrl serve`."""
+def server_command(sections: EngineSections, model_dir: Path | str, port: int, label: str, seed: int,
+                   api_key_file: Path | None = None) -> list[str]:  # fmt: skip
+    """The server's command line for `rollout.sglang.launcher`: SGLang's `launch_server` flags, or `asyncrl serve`.
+    `api_key_file`: the server's API key, passed by file so that `ps` does not show it (SGLang reads its flags from a
+    `--config` YAML, `asyncrl serve` from `--api-key-file`); not with a `--config` of the user's in `extra_args`."""
     sg, rollout, scheme = sections.rollout.sglang, sections.rollout, sections.quant.scheme
     python = sg.python or sys.executable
     if sg.launcher == "sglang":
@@ -505,14 +517,26 @@ def server_command(sections: EngineSections, model_dir: Path | str, port: int, l
                                  "--random-seed": seed}  # fmt: skip
         if scheme in SGLANG_QUANTIZATION:  # must match the checkpoint's quantization_config
             flags["--quantization"] = SGLANG_QUANTIZATION[scheme]
+        if api_key_file is not None and "--config" not in sg.extra_args:
+            flags["--config"] = api_key_file.with_suffix(".yaml")
     else:
         head = [python, "-m", "asyncrl.cli", "serve", str(model_dir)]
         flags = {"--host": sg.host, "--port": port, "--quant": scheme, "--weight-version": label, "--seed": seed,
                  "--max-batch": rollout.max_batch, "--max-seq-len": rollout.max_seq_len,
                  "--precision": sections.precision.rollout, "--device": rollout.device, "--threads": rollout.threads,
                  "--parent-pid": os.getpid()}  # fmt: skip
+        if api_key_file is not None:
+            flags["--api-key-file"] = api_key_file
     lora = lora_server_flags(sections.model.lora) if sections.model.lora.rank else []  # lora_sync.py
     return head + [str(item) for pair in flags.items() for item in pair] + lora + list(sg.extra_args)
+
+
+def _private_file(path: Path, text: str) -> Path:
+    """`text` in a new file readable by this user only (0600 from its creation)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    return path
 
 
 def _default_ckpt_parent() -> Path:

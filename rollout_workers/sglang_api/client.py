@@ -32,15 +32,19 @@ class ServerError(RuntimeError):
 
 
 class SGLangClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str = ""):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.api_key = api_key
+        """The server's `--api-key`: sent as `Authorization: Bearer` with every request ("" sends none)."""
         self._local = threading.local()
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
+            if self.api_key:
+                session.headers["Authorization"] = f"Bearer {self.api_key}"
         return session
 
     def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:

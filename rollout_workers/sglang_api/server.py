@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.config import PRECISIONS
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--cache-dir", default="", help="cache of built-in models (builtin:NAME)")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (0: never)")
+    parser.add_argument("--api-key", default="", help="SGLang's: requests but /health and /metrics need "
+                        "`Authorization: Bearer KEY` (visible in `ps`: prefer --api-key-file)")  # fmt: skip
+    parser.add_argument("--api-key-file", default="", help="the --api-key read from this file (keep it 0600)")
     lora = parser.add_argument_group("LoRA (SGLang's flags; rollout_workers/sglang_api/lora_serve.py)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
     lora.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
@@ -99,6 +103,15 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--parent-pid must be a process id (0: none), got {args.parent_pid}")
     if args.parent_pid and not pid_alive(args.parent_pid):
         raise ValueError(f"--parent-pid {args.parent_pid}: no such process")
+    if args.api_key and args.api_key_file:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            args.api_key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({err})") from None
+        if not args.api_key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid:
         threading.Thread(target=_exit_with, args=(args.parent_pid,), name="parent-watch", daemon=True).start()
     try:
-        serve(service, sock)
+        serve(service, sock, args.api_key)
     except KeyboardInterrupt:
         pass
     finally:

@@ -33,6 +33,7 @@ A body a route does not read (an unknown path's, say) is still framed by h11, so
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import sys
 import threading
@@ -76,13 +77,16 @@ SHUTDOWN_GRACE_S = 1.0
 """On SIGTERM, how long running requests may finish before they are cancelled (launchers wait 10 s, then kill)."""
 
 
-def make_app(service: ModelService) -> FastAPI:
-    """The app serving `service`: SGLang's native routes, error shapes and body limit."""
+def make_app(service: ModelService, api_key: str = "") -> FastAPI:
+    """The app serving `service`: SGLang's native routes, error shapes and body limit; with `api_key`, SGLang's
+    `--api-key` check (`ApiKey`)."""
     # strict_content_type=False: a JSON body without a Content-Type is read as JSON, as before (recent FastAPI
     # refuses it by default; older releases read it anyway and keep the unknown keyword in `app.extra`).
     app = FastAPI(title="asyncrl serve", docs_url=None, redoc_url=None, strict_content_type=False)
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if api_key:
+        app.add_middleware(ApiKey, api_key=api_key)  # added last: it runs first
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(SchedulerDied, _scheduler_died)
@@ -130,12 +134,12 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(service: ModelService, sock: socket.socket) -> None:
+def serve(service: ModelService, sock: socket.socket, api_key: str = "") -> None:
     """Answer on `sock` until SIGTERM / SIGINT (uvicorn's handlers; the signal is re-raised once stopped), or until
     the scheduler thread died (`service.died`: the pending requests were failed; their answers go out within
     SHUTDOWN_GRACE_S)."""
     config = uvicorn.Config(
-        make_app(service),
+        make_app(service, api_key),
         http=SGLangH11Protocol,
         lifespan="off",
         access_log=False,
@@ -215,6 +219,26 @@ async def _scheduler_died(_: Request, exc: Exception) -> JSONResponse:
 async def _server_error(_: Request, exc: Exception) -> JSONResponse:
     """At the process boundary: answer 500 and keep serving (Starlette re-raises it, uvicorn logs the traceback)."""
     return JSONResponse({"error": {"message": f"{type(exc).__name__}: {exc}"}}, status_code=500)
+
+
+class ApiKey:
+    """SGLang's `--api-key` (`utils/auth.py`, 0.5.9): every request but OPTIONS and the `/health*` and `/metrics*`
+    paths needs `Authorization: Bearer <key>` (compared in constant time), else 401 `{"error": "Unauthorized"}`."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or path.startswith(("/health", "/metrics")):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(token, self.expected):
+            await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

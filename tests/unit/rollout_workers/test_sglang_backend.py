@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,8 +135,31 @@ def test_in_flight_modes_tag_every_token_with_its_version(model_dir, tmp_path, m
         aborter.join()
         assert [c.finish for c in retried] == ["length", "length"] and all(len(c.versions) == 30 for c in retried)
         assert engine.stats()["sglang_resubmitted"] == 2
+        check_the_server_wants_the_worker_s_key(engine)
     finally:
         engine.close()
+
+
+def check_the_server_wants_the_worker_s_key(engine: SGLangEngine) -> None:
+    """Any local process could pause the server's generation, relabel its weight version or load other weights:
+    the worker's server now wants its key (SGLang's --api-key), handed over in a 0600 file, not on its command line."""
+    import os
+    import stat
+
+    import requests
+
+    url = engine._client.base_url
+    for path, body in (("/pause_generation", {"mode": "in_place"}), ("/update_weight_version", {"new_version": "9"})):
+        refused = requests.post(url + path, json=body, timeout=30)
+        assert (refused.status_code, refused.json()) == (401, {"error": "Unauthorized"}), path
+        wrong = requests.post(url + path, json=body, timeout=30, headers={"Authorization": "Bearer not-the-key"})
+        assert wrong.status_code == 401, path
+    assert requests.get(url + "/health", timeout=30).status_code == 200  # as SGLang: health needs no key
+    assert engine._client.weight_version() != "9"
+    key_file = engine._api_key_file
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and key_file.read_text() == engine._api_key
+    cmdline = Path(f"/proc/{engine._server.proc.pid}/cmdline").read_bytes().decode()  # what `ps` shows others
+    assert engine._api_key not in cmdline and str(key_file) in cmdline and os.path.isfile(key_file)
 
 
 def test_real_sglang_command_and_the_int8_reload_refusal():
@@ -170,6 +194,8 @@ def test_real_sglang_command_and_the_int8_reload_refusal():
         "--quantization": "fp8",
     }
     assert command[-2:] == ["--log-level", "error"]
+    keyed = server_command(EngineSections.pick(cfg), "/ckpt/v3", 30001, "3", seed=7, api_key_file=Path("/r/api_key"))
+    assert dict(zip(keyed[3:-2:2], keyed[4:-2:2]))["--config"] == "/r/api_key.yaml"  # SGLang reads --api-key there
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "none"])
