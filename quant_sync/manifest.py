@@ -103,6 +103,8 @@ def parse_header(frame: bytes) -> Manifest | int:
     """
     try:
         header = msgpack.unpackb(frame, max_bin_len=0, max_array_len=MAX_CHUNKS)
+        if isinstance(header, dict) and "error" in header:  # the publisher refused the request, saying why
+            raise ValueError(f"the publisher refused the request: {str(header['error'])[:300]}")
         version = _int(header["version"])
         if header.get("v") != PROTOCOL_VERSION:
             raise ValueError(f"protocol {header.get('v')!r}, expected {PROTOCOL_VERSION}")

@@ -278,11 +278,19 @@ class WeightPublisher:
             self._answer_parked()
             if self._socket not in events:
                 continue
+            frames = self._socket.recv_multipart(copy=True)
             try:
-                identity, payload = self._socket.recv_multipart(copy=True)[:2]
-                request = msgpack.unpackb(payload, max_bin_len=0, max_str_len=64, max_map_len=8)
-                if request.get("v") != PROTOCOL_VERSION or request.get("type") not in ("get", "chunk"):
-                    raise ValueError("bad request")
+                if len(frames) < 2:
+                    raise ValueError("an empty request")
+                request = msgpack.unpackb(frames[1], max_bin_len=0, max_str_len=64, max_map_len=8)
+                if not isinstance(request, dict):
+                    raise ValueError(f"a request is a map, got {type(request).__name__}")
+                if request.get("v") != PROTOCOL_VERSION:
+                    raise ValueError(f"protocol {request.get('v')!r}: this publisher speaks {PROTOCOL_VERSION} "
+                                     "(another asyncrl version?)")  # fmt: skip
+                if request.get("type") not in ("get", "chunk"):
+                    raise ValueError(f"unknown request type {request.get('type')!r}")
+                identity = frames[0]
                 if request["type"] == "get" and "version" in request:  # one held version (a pinned base)
                     self._answer_held(identity, int(request["version"]))
                 elif request["type"] == "get":
@@ -290,8 +298,11 @@ class WeightPublisher:
                     self._answer_get(identity, int(request["have"]), wait_ms)
                 else:
                     self._answer_chunk(identity, int(request["version"]), int(request["index"]))
-            except Exception:  # a malformed request must not kill the publisher: count it and go on
+            except Exception as err:  # a malformed request must not kill the publisher: answered, counted, and on
                 self.bad_requests += 1
+                reply = {"v": PROTOCOL_VERSION, "version": -1, "error": f"{type(err).__name__}: {err}"[:300]}
+                with contextlib.suppress(zmq.ZMQError):  # the asker said why it gets nothing (it timed out, unsaid)
+                    self._socket.send_multipart([frames[0], msgpack.packb(reply)])
 
     def _answer_get(self, identity: bytes, have: int, wait_ms: int = 0) -> None:
         with self._lock:

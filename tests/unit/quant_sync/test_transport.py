@@ -267,8 +267,14 @@ def test_publisher_survives_malformed_requests():
     try:
         junk = [b"", b"\xff\xfe", msgpack.packb({"type": "get"}), msgpack.packb([1, 2, 3]),
                 msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": "x", "index": 0})]  # fmt: skip
-        for frame in junk:
+        errors = []
+        for frame in junk:  # each answered with why (a worker of another asyncrl version only timed out, unsaid)
             dealer.send(frame)
+            assert dealer.poll(5000), frame
+            errors.append(msgpack.unpackb(dealer.recv_multipart()[0])["error"])
+        assert "protocol None: this publisher speaks" in errors[2] and "a request is a map" in errors[3], errors
+        with pytest.raises(PayloadError, match="the publisher refused the request: .*protocol"):
+            parse_header(msgpack.packb({"v": PROTOCOL_VERSION, "version": -1, "error": errors[2]}))
         dealer.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "chunk", "version": 0, "index": 10**6}))
         assert dealer.poll(5000) and msgpack.unpackb(dealer.recv_multipart()[0]).get("gone") is True
         flood = zmq.Context.instance().socket(zmq.DEALER)
