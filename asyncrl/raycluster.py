@@ -91,12 +91,18 @@ def _gcs_address(address: str) -> str:
 
 def connect(ray_cfg: RayConfig, warn: Callable[[str], object] = print) -> None:
     """`ray.init` for a run (see the module docstring) on this thread; call it before anything else of this process
-    imports ray."""
+    imports ray. A local cluster's private directory is removed when the process exits (after Ray's own exit hook,
+    registered later, has shut the cluster down)."""
+    import atexit
+    import shutil
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray_cfg.address:
         _join(ray_cfg, warn)
     else:
-        _init_local(ray_cfg.local_cpus(), _prepare_local()[0])
+        temp_dir, private = _prepare_local()
+        atexit.register(shutil.rmtree, private, True)
+        _init_local(ray_cfg.local_cpus(), temp_dir)
 
 
 class RayStart:
