@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +39,9 @@ def step_line(metrics: dict[str, Any]) -> str:
     return "  ".join(
         f"{label} {fmt.format(metrics[key])}"
         for key, label, fmt in CONSOLE_FIELDS
-        if isinstance(metrics.get(key), int | float) and not isinstance(metrics.get(key), bool)
+        if isinstance(metrics.get(key), int | float)
+        and not isinstance(metrics.get(key), bool)
+        and math.isfinite(metrics[key])  # a step whose interval saw no sample has no reward: not "nan"
     )
 
 
@@ -52,6 +55,44 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(item) for item in value]
     return value
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """A metrics.jsonl whose last record a killed run left half written: cut back to its last whole line, so that the
+    resumed run's records start on a line of their own (they were glued to the fragment, and the file was no longer
+    readable past it)."""
+    try:
+        with path.open("rb+") as handle:
+            size = handle.seek(0, 2)
+            if size == 0:
+                return
+            handle.seek(size - 1)
+            if handle.read(1) == b"\n":
+                return
+            tail = min(size, 1 << 20)
+            handle.seek(size - tail)
+            end = handle.read(tail).rfind(b"\n")
+            handle.truncate(size - tail + end + 1 if end >= 0 else (0 if tail == size else size))
+    except FileNotFoundError:
+        return
+
+
+WANDB_INIT_TIMEOUT_S = 30.0
+"""How long `wandb.init` may try to reach the server in `online` mode before the run goes on offline."""
+
+
+def _wandb_init(wandb: Any, cfg: LoggingConfig, run_dir: Path) -> Any:
+    """`wandb.init`; in `online` mode without a reachable server (it retried about 90 s, then a CommError ended the
+    run with a traceback) the run goes on with wandb offline, saying so (`wandb sync` uploads it later)."""
+    kwargs = {"project": cfg.wandb_project, "name": cfg.name, "dir": str(run_dir)}
+    if cfg.wandb_mode != "online":
+        return wandb.init(mode=cfg.wandb_mode, **kwargs)
+    try:
+        return wandb.init(mode="online", settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S), **kwargs)
+    except Exception as err:  # wandb.errors.CommError, UsageError (no key), a timeout: the run must not die of it
+        print(f"asyncrl: wandb could not start online ({type(err).__name__}: {str(err)[:200]}); logging offline "
+              f"instead under {run_dir / 'wandb'} (`wandb sync` uploads it)", file=sys.stderr)  # fmt: skip
+        return wandb.init(mode="offline", **kwargs)
 
 
 WANDB_MISSING = "logging.wandb=true needs the wandb package: pip install 'asyncrl[wandb]' (or set logging.wandb=false)"
@@ -111,10 +152,11 @@ class MetricsLogger:
             wandb = _import_wandb()
         self.cfg = cfg
         self.path = run_dir / "metrics.jsonl"
+        _cut_torn_tail(self.path)
         self._file = self.path.open("a", buffering=1)
         self._wandb = None
         if wandb is not None:
-            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.name, dir=str(run_dir), mode=cfg.wandb_mode)
+            self._wandb = _wandb_init(wandb, cfg, run_dir)
         from rich.console import Console
 
         self.console = Console(highlight=False, soft_wrap=True)
@@ -140,9 +182,13 @@ class MetricsLogger:
 
     def event(self, kind: str, **fields: Any) -> None:
         """A non-step record (config change, restart, ...) in metrics.jsonl, and a line of the live dashboard's recent
-        events (its scalar fields)."""
+        events (its scalar fields); an evaluation's `eval/*` figures go to wandb too, at the step record of the last
+        step it followed (`after_steps - 1`: a step record's `step` counts from 0)."""
         record = {"event": kind, "time": time.time(), **_jsonable(fields)}
         self._file.write(json.dumps(record, default=str) + "\n")
+        if self._wandb is not None and kind == "eval" and isinstance(fields.get("after_steps"), int):
+            figures = {k: v for k, v in fields.items() if k.startswith("eval/") and isinstance(v, int | float)}
+            self._wandb.log(figures, step=max(fields["after_steps"] - 1, 0))
         if self._view is not None:
             line = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and not isinstance(v, dict))
             self._view.record_event(f"{kind} {line}"[:160], record["time"])

@@ -4,8 +4,8 @@ Reads each run's metrics.jsonl (step records only; events are skipped; after `as
 twice, once by the killed run and once after the resume, is drawn from its last record) and draws every run on the
 same axes:
 reward and accuracy, response length, every `mismatch/*` metric, staleness, learning rate, throughput, losses
-and norms, and the held-out evaluations (`eval` events, asyncrl/evaluate.py: every `eval/*` metric against the steps
-done when it ran). A metric a run never logged is simply absent from its figure.
+and norms, and the held-out evaluations (`eval` events, asyncrl/evaluate.py: every `eval/*` metric at the step record of the
+last step before it ran). A metric a run never logged is simply absent from its figure.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 
 
 def read_evals(run_dir: Path) -> list[dict[str, float]]:
-    """The `eval` events of a run as rows {step: steps done when it ran, eval/*: value}; the last one per step."""
-    by_step = {int(r["after_steps"]): {"step": r["after_steps"], **r} for r in _records(run_dir)
+    """The `eval` events of a run as rows {step: the step record it followed, eval/*: value}; the last one per step.
+    A step record's `step` counts from 0 and an eval's `after_steps` counts steps done: the eval after 10 steps sits
+    at step 9, beside the training figures of the weights it scored (it was drawn one step to the right)."""
+    by_step = {int(r["after_steps"]): {"step": r["after_steps"] - 1, **r} for r in _records(run_dir)
                if r.get("event") == "eval" and isinstance(r.get("after_steps"), int)}  # fmt: skip
     return [by_step[step] for step in sorted(by_step)]
 
@@ -111,8 +113,8 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[Path]:
         for ax, key in zip(axes[:, 0], keys):
             for name, rows in family_runs.items():
                 points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
-                if points:
-                    ax.plot(*zip(*points), label=name)
+                if points:  # markers where the points are few: one point as a bare line is not drawn at all
+                    ax.plot(*zip(*points), label=name, marker="o" if len(points) <= 30 else None, markersize=4)
             ax.set_title(key)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

@@ -545,7 +545,9 @@ class LoggingConfig:
     wandb: bool = False
     """Also log to Weights & Biases."""
     wandb_mode: str = one_of(("offline", "online", "disabled"), default="offline")
-    """wandb mode (offline by default: wandb hangs without a network)."""
+    """wandb mode (offline by default: wandb hangs without a network). `online` falls back to offline, saying so, when
+    the server cannot be reached within 30 s (`wandb sync` uploads the run later). Evaluations (`eval/*`) are logged
+    at the step record of the last step before them."""
     wandb_project: str = "asyncrl"
     """wandb project name."""
 

@@ -45,3 +45,30 @@ def test_wandb_off_logs_steps_without_the_package(tmp_path: Path, monkeypatch: p
     logger.close()
     (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert (record["step"], record["reward/mean"], record["acc/mean"]) == (0, 0.5, None)
+
+
+def test_a_torn_last_record_is_cut_before_a_resumed_run_appends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A run killed while writing a record left half a line; the resumed run's records were glued to it, and the file
+    was no longer readable past it (`asyncrl plot`: "line 28: not a JSON record")."""
+    from asyncrl.plot import read_steps
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    whole = '{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n'
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 2, "lo')
+    logger = MetricsLogger(LoggingConfig(name="run", console=False), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == whole
+    logger.event("resume", from_step=2)
+    logger.log_step({"step": 2, "loss": 3.0})
+    logger.close()
+    assert [(r["step"], r["loss"]) for r in read_steps(tmp_path)] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "lo')  # one torn line and nothing else
+    MetricsLogger(LoggingConfig(name="run", console=False), tmp_path).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_the_console_line_leaves_out_what_was_not_measured():
+    """A step whose interval saw no new sample printed `reward nan  acc nan`."""
+    from asyncrl.metrics import step_line
+
+    line = step_line({"step": 9, "reward/mean": float("nan"), "acc/mean": float("nan"), "perf/step_s": 0.5})
+    assert line == "step 9  step_s 0.50"
