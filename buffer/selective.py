@@ -137,9 +137,10 @@ def rollout_metrics(stats: dict[str, Any], last: dict[str, float]) -> dict[str, 
     filtered or dropped as stale) over the interval (NaN when none completed); `rollout/skipped_prompts`: problems
     skipped at lease time over the interval; `rollout/screened_prompts`: leases that workers resolved ungenerated
     over the interval (`algo.skip_predicted`, rollout_workers/screening.py); `rollout/skip_tracked_prompts`: prompts
-    with a streak now.
+    with a streak now; `staleness/dropped`: groups dropped as too stale over the interval, both those refused when
+    pushed and those dropped from the queue when the learner fetched (the learner's own figure counts only the latter).
     """
-    keys = ("filtered_groups", "completed_groups", "skipped_prompts", "screened_groups")
+    keys = ("filtered_groups", "completed_groups", "skipped_prompts", "screened_groups", "dropped_stale")
     totals = {key: float(stats.get(key, 0)) for key in keys}
     delta = {key: totals[key] - last.get(key, 0.0) for key in keys}
     last.update(totals)
@@ -149,4 +150,5 @@ def rollout_metrics(stats: dict[str, Any], last: dict[str, float]) -> dict[str, 
         "rollout/skipped_prompts": delta["skipped_prompts"],
         "rollout/screened_prompts": delta["screened_groups"],
         "rollout/skip_tracked_prompts": float(stats.get("skip_tracked_prompts", 0)),
+        "staleness/dropped": delta["dropped_stale"],
     }

@@ -319,6 +319,10 @@ def test_stale_groups_are_dropped_and_counted(tmp_path: Path) -> None:
         assert (late.accepted, late.reason) == (True, "stale")
         stats = buffer.stats()
         assert stats["dropped_stale"] == 2 and stats["queued_groups"] == 0 and stats["consumed_groups"] == 1
+        # the per-step metric counts both, the one refused at its push too (the learner's figure saw only the fetch's)
+        from buffer.selective import rollout_metrics
+
+        assert rollout_metrics(stats, {})["staleness/dropped"] == 2
 
 
 def test_throttle_and_resume(tmp_path: Path) -> None:
