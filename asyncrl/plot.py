@@ -4,8 +4,8 @@ Reads each run's metrics.jsonl (step records only; events are skipped; after `as
 twice, once by the killed run and once after the resume, is drawn from its last record) and draws every run on the
 same axes:
 reward and accuracy, response length, every `mismatch/*` metric, staleness, learning rate, throughput, losses
-and norms, and the held-out evaluations (`eval` events, asyncrl/evaluate.py: every `eval/*` metric at the step record of the
-last step before it ran). A metric a run never logged is simply absent from its figure.
+and norms, and the held-out evaluations (`eval` events, asyncrl/evaluate.py: every `eval/*` metric at the step
+record of the last step before it ran). A metric a run never logged is simply absent from its figure.
 """
 
 from __future__ import annotations
