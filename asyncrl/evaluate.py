@@ -211,7 +211,8 @@ class Evaluator:
         from common import actors
         from common.tasks import make_source
 
-        held_out = make_source(self.cfg.data).eval_set()
+        source = make_source(self.cfg.data)
+        held_out, trained_on = source.eval_set(), bool(getattr(source, "eval_in_training", False))
         prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
         metrics: dict[str, float] = {}
         if not self.cfg.env.fn:  # the learner's single-turn greedy decode; an episode's tool calls need the evaluator
@@ -219,10 +220,14 @@ class Evaluator:
         if self.actor is None:
             self._start()
         metrics.update(actors.get(self.actor.evaluate.remote(step, prompts, answers, self.cfg.eval.samples)))
-        logger.event("eval", after_steps=step, problems=len(prompts), **metrics)
+        distinct = len(set(prompts))  # the built-in tasks draw from their held-out slice with replacement
+        logger.event("eval", after_steps=step, problems=len(prompts), distinct=distinct, trained_on=trained_on,
+                     **metrics)  # fmt: skip
         shown_keys = [key for key in metrics if any(part in key for part in ("@", "acc", "tool"))]
         shown = ", ".join(f"{key[5:]} {metrics[key]:.3f}" for key in shown_keys)
-        logger.info(f"held-out eval after {step} steps on {len(prompts)} prompts: {shown}")
+        what = (f"eval (rows also in the training stream: set data.eval_path for a held-out set) after {step} steps"
+                if trained_on else f"held-out eval after {step} steps")  # fmt: skip
+        logger.info(f"{what} on {len(prompts)} prompts ({distinct} distinct): {shown}")
         return metrics
 
     def close(self) -> None:

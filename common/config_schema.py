@@ -137,7 +137,10 @@ class DataConfig:
     seed: int = in_range(0, MAX_SEED, default=1234)
     """Seed of the prompt stream (generation for built-in tasks, shuffling for datasets)."""
     eval_size: int = in_range(0, default=256)
-    """Number of held-out prompts used for evaluation."""
+    """Number of evaluation prompts. Built-in tasks: draws from their held-out slice of the problem space, with
+    replacement (a problem drawn twice counts twice, as the task's own distribution weighs it: 168 distinct of 256
+    for the default arithmetic task; the eval event logs `distinct`). Tasks `jsonl` and `dataset` without
+    `data.eval_path`: rows of the training data, also trained on (the eval line says so): not held out."""
 
 
 @dataclass(kw_only=True, slots=True)

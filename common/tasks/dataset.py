@@ -368,6 +368,11 @@ class DatasetSource(JsonlSource):
         assert self._eval_records is not None
         return self._eval_records[int(_permutation(len(self._eval_rows), self.seed, _EVAL_STREAM, 0)[index])]
 
+    @property
+    def eval_in_training(self) -> bool:  # type: ignore[override]
+        """Whether the eval rows are rows of `data.path` (also trained on), not of a `data.eval_path` of their own."""
+        return self._eval_rows is None
+
     def eval_set(self) -> list[Problem]:
         if self._eval_rows is None:
             return super().eval_set()

@@ -174,6 +174,9 @@ def _permutation(size: int, seed: int, stream: int, epoch: int) -> np.ndarray:
 class JsonlSource:
     """The `jsonl` prompt source: a shuffled-per-epoch dataset, a fixed eval subset, the math reward."""
 
+    eval_in_training = True
+    """Its eval rows are rows of the training stream too (the module docstring): the evaluator says so."""
+
     def __init__(self, *, path: str, prompt_key: str, answer_key: str, seed: int, eval_size: int) -> None:
         self.path, self.seed, self.eval_size = path, seed, eval_size
         sources = [rowcache.path_identity(path)]

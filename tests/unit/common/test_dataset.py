@@ -140,6 +140,11 @@ def test_a_separate_eval_file_gives_the_eval_set(tmp_path: Path) -> None:
     assert len(eval_set) == 4 and all("*" in p.prompt for p in eval_set)
     assert [p.index for p in eval_set] == [0, 1, 2, 3] and eval_set == source.eval_set()
     assert source.epoch_size() == 20 and all("+" in source.train(i).prompt for i in range(40))
+    assert source.eval_in_training is False  # held out: the evaluator calls it so
+    shared = make_source(DataConfig(task="dataset", path=str(train), eval_size=4))
+    trained = {shared.train(i).prompt for i in range(20)}  # one epoch: every row
+    assert all(p.prompt in trained for p in shared.eval_set()) and shared.eval_in_training is True  # said, not hidden
+    assert getattr(make_source(DataConfig()), "eval_in_training", False) is False  # the arithmetic task's slice
     chat = _write(tmp_path, "chat.jsonl", [{"prompt": [{"role": "user", "content": "1+1"}], "answer": 2}])
     with pytest.raises(DatasetError, match="its prompts are messages but those of .* are text"):
         make_source(DataConfig(task="dataset", path=str(train), eval_path=str(chat)))
