@@ -406,10 +406,9 @@ def test_a_stopping_run_is_said_at_once_not_after_the_reply_timeout(live_run: Pa
     server = ControlServer(live_run)  # nobody polls it: a driver between its last step and its exit
     try:
         server.mark_stopping(after_step=7, reason="down")
-        started = time.monotonic()
+        # RunStopping comes from control.json before anything is sent (what a wait for the reply raises is not it)
         with pytest.raises(RunStopping, match=r"is stopping \(after step 7, on down; pid \d+\)"):
-            request(live_run, "scale", rollout=3, timeout_s=60)
-        assert time.monotonic() - started < 30  # at once: well under the 60 s it would have waited
+            request(live_run, "scale", rollout=3, timeout_s=3600)
         assert main(["status", str(live_run)]) == 0
         assert capsys.readouterr().out.strip() == f"run {live_run}: stopping (after step 7, on down): it answers no " \
                                                   "request until it has stopped"  # fmt: skip
