@@ -138,6 +138,19 @@ def newest_run(base: Path) -> Path | None:
     return max(runs)[1] if runs else None
 
 
+def finished_steps(run_dir: Path) -> int | None:
+    """The steps a run trained if its summary.json says it finished them (`stopped_early` false), else None (no or
+    a damaged summary: killed or running; a stop, which saves a checkpoint or was abandoned)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("stopped_early") is not False:
+        return None
+    steps = summary.get("steps")
+    return steps if type(steps) is int else None
+
+
 def read_meta(checkpoint_dir: Path) -> dict[str, Any]:
     """`checkpoint_dir`'s meta.json; CheckpointError naming it if it is missing, unreadable, or its step is not the
     directory's."""

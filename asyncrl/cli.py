@@ -217,16 +217,6 @@ def _main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _finished(run_dir: Path) -> bool:
-    """Whether the run's summary.json says it trained all its steps (not stopped early: a stop saves a checkpoint,
-    and one abandoned without it resumes from the initial model, as its message says)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and summary.get("stopped_early") is False and bool(summary.get("steps"))
-
-
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -265,7 +255,7 @@ def _up(args: argparse.Namespace) -> int:
         meta = checkpoint.read_meta(latest) if latest is not None else {}
         live = [f"{k}={json.dumps(v)}" for k, v in meta.get("live", {}).items()]  # YAML: a null stays null
         saved, cfg = _load(str(resume / "config.json"), live), _load(str(resume / "config.json"), live + overrides)
-        if latest is None and _finished(resume):  # with checkpoint.every=0
+        if latest is None and checkpoint.finished_steps(resume):  # with checkpoint.every=0
             print(f"asyncrl: cannot resume {resume}: it finished and holds no checkpoint (checkpoint.every=0 keeps "
                   "none), so a resume would train again from step 0 and replace its final/ model; start a new run "
                   f"from it instead (asyncrl up CONFIG model.path={resume / 'final'}), and set checkpoint.every on a "

@@ -56,16 +56,9 @@ def run_state(run: RunSpec) -> str:
     made_with = read_status(run).get("overrides")
     if isinstance(made_with, list) and tuple(made_with) != run.overrides:
         return "stale"
-    summary_path = run.run_dir / "summary.json"
-    if summary_path.is_file():
-        try:
-            summary = json.loads(summary_path.read_text())
-        except ValueError:
-            summary = {}
-        steps = summary.get("steps") if isinstance(summary, dict) else None
-        finished = isinstance(summary, dict) and summary.get("stopped_early", True) is False
-        if finished and isinstance(steps, int) and steps >= run.steps:
-            return "done"
+    steps = checkpoint.finished_steps(run.run_dir)
+    if steps is not None and steps >= run.steps:
+        return "done"
     if run.journal and (run.run_dir / "config.json").is_file() and checkpoint.latest(run.run_dir) is not None:
         return "stopped"
     return "partial"

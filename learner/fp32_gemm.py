@@ -163,16 +163,19 @@ def plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
     return not torch.is_autocast_enabled("cpu") and all(_plain_cpu(t, (torch.float32,)) for t in tensors)
 
 
+def fp32_kernel_takes(*tensors: torch.Tensor) -> bool:
+    """Whether `fp32_kernel_inputs` gives these tensors (without upcasting them: the checks ahead of a kernel)."""
+    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else (torch.float32,)
+    return all(_plain_cpu(t, dtypes) for t in tensors)
+
+
 def fp32_kernel_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """The inputs of one of our fp32 CPU kernels that stands in for ops autocast leaves alone or runs in its lower
     dtype (RMSNorm, SwiGLU, attention: `learner.fused_ops`): plain CPU tensors of fp32 as they are, and under CPU
     autocast (`precision.train` bf16 or fp16) those of its dtype upcast to fp32, so those ops compute in fp32 (at
     least autocast's precision) instead of falling back to HF's torch ops; None where any tensor is of another
     dtype, device or tensor type. The kernels' outputs are fp32, and the next linear casts them as autocast does."""
-    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else (torch.float32,)
-    if not all(_plain_cpu(t, dtypes) for t in tensors):
-        return None
-    return tuple(t.float() for t in tensors)
+    return tuple(t.float() for t in tensors) if fp32_kernel_takes(*tensors) else None
 
 
 def pack_allowed(model: torch.nn.Module, available_bytes: int | None) -> bool:

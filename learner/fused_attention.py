@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from common.native_build import NativeLibrary, isa_cap
-from learner.fp32_gemm import fp32_kernel_inputs
+from learner.fp32_gemm import fp32_kernel_inputs, fp32_kernel_takes
 
 SOURCE = Path(__file__).with_name("csrc") / "train_attention.cpp"
 ABI_VERSION = 2
@@ -204,7 +204,7 @@ def rope_applies(module: torch.nn.Module, hidden: torch.Tensor, attention_mask: 
     dim = module.head_dim
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (length, dim):
         return False
-    if not (cos.is_contiguous() and sin.is_contiguous() and fp32_kernel_inputs(hidden, cos, sin) is not None):
+    if not (cos.is_contiguous() and sin.is_contiguous() and fp32_kernel_takes(hidden, cos, sin)):
         return False
     if layout is not None:
         batch, length = layout.rows, layout.width
@@ -267,7 +267,7 @@ def applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     batch, heads, length, dim = query.shape
     if key.shape != value.shape or key.shape[0] != batch or key.shape[2] != length or key.shape[3] != dim:
         return False
-    return fp32_kernel_inputs(query, key, value) is not None and _fits(batch, heads, key.shape[1], length, dim)
+    return fp32_kernel_takes(query, key, value) and _fits(batch, heads, key.shape[1], length, dim)
 
 
 def _fits(batch: int, heads: int, kv_heads: int, length: int, dim: int) -> bool:

@@ -34,9 +34,9 @@ def test_a_finished_run_without_a_checkpoint_is_not_resumed(tmp_path: Path, caps
 def test_a_run_stopped_without_a_checkpoint_still_resumes_from_the_initial_model(tmp_path: Path) -> None:
     """A run abandoned on a second SIGTERM (summary.json written, stopped early, no checkpoint) says "resume ...
     (from the initial model)": that stays allowed (the check reads `stopped_early`)."""
-    from asyncrl.cli import _finished
+    from asyncrl.checkpoint import finished_steps
 
-    assert not _finished(_run_dir(tmp_path, {"steps": 3, "stopped_early": True}))
-    assert not _finished(tmp_path)  # no summary.json: killed
+    assert finished_steps(_run_dir(tmp_path, {"steps": 3, "stopped_early": True})) is None
+    assert finished_steps(tmp_path) is None  # no summary.json: killed
     (tmp_path / "summary.json").write_text("{damaged")
-    assert not _finished(tmp_path)
+    assert finished_steps(tmp_path) is None
