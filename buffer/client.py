@@ -47,6 +47,7 @@ from common.wire import (
     StatsReply,
     StatsRequest,
     Trajectory,
+    WorkerLeaving,
 )
 
 HWM = 1000
@@ -93,6 +94,11 @@ class BufferClient:
     def heartbeat(self) -> None:
         """Tell the buffer this worker is alive (a LeaseRequest of 0 groups), so its leases are not returned."""
         self._request(LeaseRequest(worker=self.identity, max_groups=0), LeaseReply)
+
+    def leave(self) -> None:
+        """Tell the buffer this worker stops (WorkerLeaving): its unfinished leases return to the pool now, and it is
+        not declared dead after `buffer.worker_timeout_s`."""
+        self._request(WorkerLeaving(worker=self.identity), LeaseReply)
 
     def push_group(self, group: str, trajectories: list[Trajectory]) -> PushReply:
         """Push the finished group of a lease (see PushReply for the outcomes).

@@ -73,11 +73,13 @@ from common.tasks import make_source
 from common.wire import (
     ErrorReply,
     FetchBatch,
+    LeaseReply,
     LeaseRequest,
     PushReply,
     SetMaxLag,
     StatsReply,
     StatsRequest,
+    WorkerLeaving,
 )
 
 HWM = 10000
@@ -298,6 +300,9 @@ class BufferService:
             return reply
         if isinstance(msg, LeaseRequest):
             return state.lease(msg.worker, msg.max_groups)
+        if isinstance(msg, WorkerLeaving):
+            state.leave(msg.worker)
+            return LeaseReply(leases=[], retry_after_s=0.0)
         if isinstance(msg, FetchBatch):
             if not 1 <= msg.num_groups <= wire.MAX_GROUP:  # a BatchReply holds at most MAX_GROUP groups
                 raise wire.WireError("bad_field", f"FetchBatch.num_groups must be in [1, {wire.MAX_GROUP}]")

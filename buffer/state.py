@@ -27,7 +27,8 @@ not to the run.
 
 Workers: every LeaseRequest or PushGroup is a heartbeat of the worker it names (`LeaseRequest(max_groups=0)` is a
 pure heartbeat). A worker silent for `worker_timeout_s` (0: never) is declared dead and its leases return at once,
-without waiting for their deadlines.
+without waiting for their deadlines. A worker that stops says so (`WorkerLeaving`, `leave`): its leases return then,
+and it is counted as `left_workers`, never as dead.
 
 Queued groups are kept as the validated PushGroup bytes of `CheckedPush` (the received frame itself, not
 copied; no decoded objects are kept): they are journaled as they are and the learner's BatchReply copies in their
@@ -318,6 +319,18 @@ class BufferState:
                 return
             self.last_seen[worker] = now
 
+    def leave(self, worker: str) -> int:
+        """`worker` stops: return its leases to the pool now (reissued before new problems) and stop tracking it, so
+        it is not declared dead after `worker_timeout_s`; returns how many leases came back."""
+        self.last_seen.pop(worker, None)
+        mine = [lease for lease in self.leased.values() if lease.worker == worker]
+        for lease in mine:
+            del self.leased[lease.group]
+            self.returned[lease.group] = lease
+        self.counters["left_workers"] += 1
+        self.counters["left_worker_leases"] += len(mine)
+        return len(mine)
+
     def expire_leases(self, now: float | None = None) -> int:
         """Return leases past their deadline, and every lease of a worker silent for `worker_timeout_s`, to the pool
         (reissued before new problems)."""
@@ -367,6 +380,8 @@ class BufferState:
             "expired_leases",
             "dead_workers",
             "dead_worker_leases",
+            "left_workers",
+            "left_worker_leases",
         ):
             out.setdefault(key, 0)
         cursor = self.cursor_state()

@@ -42,11 +42,14 @@ Encoding never uses pickle; neither does anything else in asyncrl.
 |---|---|---|---|
 | `LeaseRequest` | rollout worker | buffer | `LeaseReply` |
 | `PushGroup` | rollout worker | buffer | `PushReply` |
+| `WorkerLeaving` | rollout worker (stopping) | buffer | `LeaseReply` (empty) |
 | `FetchBatch` | learner | buffer | `BatchReply` |
 | `StatsRequest`, `SetMaxLag` | driver / CLI | buffer | `StatsReply` |
 | any malformed or unexpected request | anyone | buffer | `ErrorReply` |
 
-Bump `SCHEMA_VERSION` on any change to a field; peers with another version are rejected (`schema_version`).
+Bump `SCHEMA_VERSION` on any change to a field; peers with another version are rejected (`schema_version`). A new
+message type leaves the version as it is: a peer without it answers `unknown_type` (a stopping worker whose
+`WorkerLeaving` is refused so leaves its leases to `buffer.worker_timeout_s`, as before the type existed).
 
 Layout: this module holds the message types, their schemas and `encode` / `decode`; the bounds, reject reasons and
 field kinds are in `common.wire_kinds`, the group column codec in `common.wire_columns`. Every public name of those
@@ -141,6 +144,7 @@ __all__ = [
     "StatsRequest",
     "Trajectory",
     "WireError",
+    "WorkerLeaving",
     "check_group",
     "decode",
     "decode_fields",
@@ -206,6 +210,15 @@ class LeaseReply:
 
     leases: list[PromptLease]
     retry_after_s: float  # >= 0, seconds to wait before asking again
+
+
+@dataclass(slots=True)
+class WorkerLeaving:
+    """A worker stops (scaled away, or the run ends): the buffer returns its unfinished leases to the pool now and
+    stops tracking its heartbeats, so it is not declared dead later; answered with an empty LeaseReply.
+    Producer: rollout worker. Consumer: buffer."""
+
+    worker: str
 
 
 @dataclass(slots=True)
@@ -287,6 +300,7 @@ Message: TypeAlias = (
     | PromptLease
     | LeaseRequest
     | LeaseReply
+    | WorkerLeaving
     | PushGroup
     | PushReply
     | FetchBatch
@@ -372,6 +386,7 @@ _SCHEMAS: dict[type, tuple[tuple[str, Kind], ...]] = {
     PromptLease: _LEASE_FIELDS,
     LeaseRequest: (("worker", ID), ("max_groups", NAT)),
     LeaseReply: (("leases", list_kind(LEASE, "PromptLease")), ("retry_after_s", NONNEG)),
+    WorkerLeaving: (("worker", ID),),
     PushGroup: (("worker", ID), ("group", ID), ("trajectories", TRAJECTORIES)),
     PushReply: (("accepted", BOOL), ("reason", STR)),
     FetchBatch: (("step", STEP), ("num_groups", NAT), ("wait_s", WAIT)),

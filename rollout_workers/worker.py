@@ -8,7 +8,8 @@ One `RolloutWorker` per process (a Ray actor in `asyncrl up`); `start()` runs th
 `stats()` and `stop()` stay callable. A group the buffer refuses for backpressure is retried, never dropped.
 While the loop runs, a heartbeat thread (its own socket) tells the buffer every `buffer.worker_timeout_s / 6`
 seconds that the worker is alive, even in the middle of a long batch; if the process or its loop dies, the beats
-stop and the buffer returns the worker's leases after `buffer.worker_timeout_s`.
+stop and the buffer returns the worker's leases after `buffer.worker_timeout_s`; a worker that stops (`stop()`: scaled
+away, or the run ends) tells the buffer so, and what it leased and did not push returns at once.
 
 With `env.fn` set, each sample is a multi-turn episode with an environment (rollout_workers/episodes.py): the
 environment makes the prompt and the reward, and the trajectories carry a loss mask (0 on observation tokens).
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from rollout_workers.screening import AnswerScreen
 
 
+LEAVE_TIMEOUT_S = 2.0
+"""How long a stopping worker waits for the buffer to take its WorkerLeaving."""
 MAX_REFILLS = 4
 """Most extra lease requests the loop makes to refill a batch that predictive selective rollout screened."""
 MAX_REFILL_FACTOR = 8
@@ -197,6 +200,7 @@ class RolloutWorker:
             self._thread.join(timeout=60)
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        self._leave()
         if self.subscriber is not None:
             self.subscriber.close()
         stats = self.stats()
@@ -205,6 +209,18 @@ class RolloutWorker:
         if self.episodes is not None:
             self.episodes.close()
         return stats
+
+    def _leave(self) -> None:
+        """Tell the buffer this worker stops, so that a lease it did not finish returns now, not after
+        `buffer.worker_timeout_s`; a buffer that does not answer within LEAVE_TIMEOUT_S (gone, or of a version without
+        WorkerLeaving) is left to do that as before."""
+        if self._thread is None:
+            return
+        try:
+            with BufferClient(self.buffer_endpoint, self.worker_id, timeout_s=LEAVE_TIMEOUT_S, curve=self.curve) as c:
+                c.leave()
+        except (BufferUnavailable, BufferRequestError) as err:
+            self.last_error = f"leaving: {err}"
 
     def stats(self) -> dict[str, Any]:
         subscriber = self.subscriber

@@ -205,6 +205,7 @@ def test_live_control_scale_set_status_and_down(tmp_path):
     assert events.count("worker_stopped") == 2 and "down" in events and "checkpoint" in events
     retired = [w["worker"] for w in summary["workers"] if w.get("retired")]  # the two scaled away are counted too
     assert sorted(retired) == ["worker-1", "worker-2"] and len(summary["workers"]) == 3, summary["workers"]
+    assert summary["buffer"]["left_workers"] == 3 and summary["buffer"]["dead_workers"] == 0, summary["buffer"]
     gone = cli(tmp_path, "status", str(run_dir))
     assert gone.returncode == 2 and "not running" in gone.stderr
 

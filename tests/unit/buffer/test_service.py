@@ -619,6 +619,27 @@ def test_dead_worker_leases_return_before_their_deadline(tmp_path: Path) -> None
         assert alive.push_group(kept[0].group, make_group(kept[0])).reason == ""
 
 
+def test_a_leaving_worker_returns_its_leases_at_once_and_is_not_declared_dead(tmp_path: Path) -> None:
+    with (
+        running_buffer(tmp_path, buffer={"lease_timeout_s": 60.0, "worker_timeout_s": 1.0}) as buffer,
+        BufferClient(buffer.endpoint, "scaled-away") as leaving,
+        BufferClient(buffer.endpoint, "alive") as alive,
+    ):
+        unfinished, _ = leaving.lease(3)
+        leaving.push_group(unfinished[0].group, make_group(unfinished[0]))
+        leaving.leave()
+        stats = buffer.stats()  # the two it did not push are back in the pool at once, reissued first
+        assert stats["left_workers"] == 1 and stats["left_worker_leases"] == 2 and stats["leased_groups"] == 0
+        again, _ = alive.lease(3)
+        assert [x.group for x in again] == [x.group for x in unfinished[1:]] + ["g3"]
+        end = time.monotonic() + 1.5  # past worker_timeout_s (`alive` beating): one that left is never declared dead
+        while time.monotonic() < end:
+            assert alive.lease(0)[0] == []
+            time.sleep(0.1)
+        assert buffer.stats()["dead_workers"] == 0
+        assert alive.push_group(again[0].group, make_group(again[0])).reason == ""
+
+
 def test_max_lag_set_live_survives_a_restart(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with running_buffer(tmp_path, run_dir=run_dir) as buffer:

@@ -28,6 +28,7 @@ from common.wire import (
     StatsRequest,
     Trajectory,
     WireError,
+    WorkerLeaving,
     decode,
     encode,
 )
@@ -68,6 +69,7 @@ ALL_MESSAGES: list[Any] = [
     StatsRequest(),
     StatsReply(stats={"admitted_groups": 3, "mean": 0.5, "rejected_bad_msgpack": 0}),
     SetMaxLag(max_lag=0),
+    WorkerLeaving(worker="worker-1.2"),
     ErrorReply(reason="bad_msgpack", detail="truncated"),
 ]
 
