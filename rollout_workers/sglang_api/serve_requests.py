@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,8 @@ class ServeRequest:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     adapter: Any = None
     """The request's LoRA adapter (lora_serve.py), None for the base model."""
+    checked: int = 0
+    """Output tokens whose text `stop_string_hits` has looked at (with stop strings, a stream shows no more)."""
 
     def settle(self) -> None:
         if not self.done.done():
@@ -192,9 +194,22 @@ def stop_string_hits(requests: Iterable[ServeRequest], tokenizer: Any) -> list[S
         stops = req.sampling.stop_strings
         if not stops or req.seq is None or req.seq.completion is not None:
             continue
-        text = tokenizer.decode(req.seq.response, skip_special_tokens=req.sampling.skip_special_tokens)
+        count = len(req.seq.versions)  # appended last of a token's three lists (engine._sample)
+        text = tokenizer.decode(req.seq.response[:count], skip_special_tokens=req.sampling.skip_special_tokens)
         hits = [(text.find(stop), stop) for stop in stops if stop in text]
         if hits:
             req.finish = protocol.finish_stop(min(hits)[1])
             ended.append(req)
+        else:
+            req.checked = count
     return ended
+
+
+def shown_while_running(text: str, stop_strings: Sequence[str]) -> str:
+    """What a running request's stream shows of its output `text`: without a trailing incomplete character (a
+    byte-level token that ends mid-character decodes to U+FFFD; SGLang's detokenizer holds such text back) nor a
+    trailing start of a stop string (the next token may complete it, and the final text is trimmed before it), so
+    that every later text, the final one included, extends what was shown."""
+    text = text.rstrip("\ufffd")
+    cut = max((k for stop in stop_strings for k in range(len(stop) - 1, 0, -1) if text.endswith(stop[:k])), default=0)
+    return text[: len(text) - cut]

@@ -55,6 +55,7 @@ from rollout_workers.sglang_api.serve_requests import (
     ServeRequest,
     engine_params,
     request_groups,
+    shown_while_running,
     stop_string_hits,
 )
 from rollout_workers.sglang_api.server_state import MemoryOccupation, Throughput, load_report
@@ -214,9 +215,11 @@ class ModelService:
         return outs[0] if request.single else outs
 
     def progress(self, req: ServeRequest) -> int:
-        """Output tokens `req` has so far (read from the HTTP side while the scheduler appends)."""
+        """Output tokens of `req` a stream may show so far (read from the HTTP side while the scheduler appends):
+        with stop strings, those already checked against them."""
         seq = req.seq
-        return len(seq.versions) if seq is not None else 0
+        count = len(seq.versions) if seq is not None else 0
+        return min(count, req.checked) if req.sampling.stop_strings else count
 
     def response(self, request: GenerateRequest, req: ServeRequest) -> dict[str, Any]:
         """One request's `/generate` answer as it stands: the final one once it finished, else a partial one
@@ -377,9 +380,9 @@ class ModelService:
         logps = list(completion.behav_logp) if completion else []
         versions = list(completion.versions) if completion else []
         finish = req.finish if settled else None
-        if completion is None and req.seq is not None and finish is None:  # still running: what it has (a stream)
-            seq = req.seq
-            count = len(seq.versions)  # appended last of the three per token (engine._sample)
+        running = completion is None and req.seq is not None and finish is None
+        if running:  # what a stream may show (`progress`; the text is cut in `shown_while_running` below)
+            seq, count = req.seq, self.progress(req)
             tokens, logps, versions = seq.response[:count], seq.logp[:count], seq.versions[:count]
         elif finish is None and completion is not None:
             finish = (
@@ -404,6 +407,8 @@ class ModelService:
         matched = finish.get("matched") if finish else None
         if isinstance(matched, str) and not req.sampling.no_stop_trim and matched in text:
             text = text[: text.find(matched)]  # SGLang trims the stop string and what follows it
+        elif running:
+            text = shown_while_running(text, req.sampling.stop_strings)
         return {"text": text, "output_ids": tokens, "meta_info": meta}
 
     # ---- the scheduler thread -------------------------------------------------------------------------------------

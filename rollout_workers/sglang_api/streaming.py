@@ -124,8 +124,8 @@ async def delta_stream(
     try:
         async with aclosing(progress_events(service, request, order)) as events:  # closed (aborts) on any error
             async for position, answer in events:
-                text = answer["text"]
-                new_text = text[len(texts[position]) :] if text.startswith(texts[position]) else text
+                text = answer["text"]  # extends the text sent before (`shown_while_running`); were it ever to differ,
+                new_text = text[len(texts[position]) :]  # what was sent stays sent: a client appends the deltas
                 payload = chunk(position, answer, new_text, tokens[position])
                 texts[position], tokens[position], last[position] = text, len(answer["output_ids"]), answer
                 if payload is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import pytest
@@ -416,3 +417,57 @@ def test_streams_carry_matched_stop_the_echo_and_a_usage_chunk(base_url):
     ))  # fmt: skip
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 1
     assert chat[-2].choices[0].model_extra["matched_stop"] in stops
+
+
+def test_streams_with_stop_strings_never_send_text_the_final_answer_takes_back(base_url):
+    """A stream shows a running sample's text only as far as it was checked against the stop strings, and without a
+    trailing start of one: its deltas join to the plain answer (the first character of a two-character stop string
+    went out before the second arrived, then the trimmed final text was sent again whole: "xa" + "x")."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none")
+    free = {"max_new_tokens": 24, "ignore_eos": True}
+    cases = []
+    for seed in range(8):
+        text = generate(base_url, {"input_ids": PROMPT, "sampling_params": {**free, "sampling_seed": seed}}).json()
+        args = {"model": "m", "prompt": PROMPT, "max_tokens": 24, "seed": seed, "stop": [text["text"][6:8]]}
+        plain = client.completions.create(extra_body={"ignore_eos": True}, **args).choices[0].text
+        cases.append((args, plain))  # a two-character stop string this seed produces, and the answer it gives
+
+    def streamed(args: dict) -> str:
+        chunks = list(client.completions.create(stream=True, extra_body={"ignore_eos": True}, **args))
+        assert all(args["stop"][0] not in chunk.choices[0].text for chunk in chunks)
+        return "".join(chunk.choices[0].text for chunk in chunks)
+
+    results: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i, args=args: results.update({i: streamed(args)}))
+        for i, (args, _) in enumerate(cases)
+    ]
+    assert requests.post(f"{base_url}/slow_down", json={"forward_sleep_time": 0.03}, timeout=10).status_code == 200
+    try:  # a step every 30 ms: the streams (polling every 10 ms) see each token as it comes
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        requests.post(f"{base_url}/slow_down", json={"forward_sleep_time": None}, timeout=10)
+    assert [results.get(i) for i in range(len(cases))] == [plain for _, plain in cases]
+
+
+def test_what_a_running_stream_shows_is_extended_by_every_later_text():
+    """Byte-level tokens that end mid-character decode to U+FFFD: a stream must not show that (SGLang's
+    detokenizer holds it back), or the next text, where the character is whole, no longer extends what was sent."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.bench.e2e_smol import smol_model_dir
+    from rollout_workers.sglang_api.serve_requests import shown_while_running
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_model_dir(log=lambda *_: None))
+    ids = tokenizer.encode("1. 🌟 The first 日本語 line")
+    texts = [tokenizer.decode(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert any(not later.startswith(text) for text, later in zip(texts, texts[1:]))  # the raw decodes do not
+    shown = [shown_while_running(text, []) for text in texts[:-1]] + [texts[-1]]
+    assert all(later.startswith(text) for text, later in zip(shown, shown[1:])), shown
+    assert shown_while_running("12 a", ["ab", "zz"]) == "12 " and shown_while_running("xab", ["abc"]) == "x"
+    assert shown_while_running("xa", ["b"]) == "xa" and shown_while_running("", ["ab"]) == ""
