@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Annotated, Any
 
+import jinja2
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -117,6 +118,7 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
         raise BadRequest("prompt cannot be empty", validation=True)
     if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):  # serving_completions._validate_request
         raise BadRequest("Prompt cannot be empty")
+    obj.check_supported()
     key = "text" if isinstance(prompt, str) or isinstance(prompt[0], str) else "input_ids"
     want_logprobs = obj.logprobs is not None
     body = {
@@ -128,6 +130,7 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
         "return_text_in_logprobs": True,
         "lora_path": openai_lora_path(obj.model, obj.lora_path),
         "stream": obj.stream,  # a stream refused at admission answers 200 and ends on the abort, as SGLang's
+        **obj.native_fields(),
     }
     request, order = await _submit(service, body)
     if obj.stream:
@@ -291,11 +294,9 @@ def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]
     tokenizer = service.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(f"the tokenizer of {service.tokenizer_path} has no chat template", validation=True)
-    messages = [{"role": message.role, "content": message.text()} for message in obj.messages]
+    messages = obj.template_messages()
     check_chat_size(messages)  # rendering costs per message and per character
-    if obj.response_format is not None and obj.response_format.get("type", "text") != "text":
-        raise BadRequest(f"response_format {obj.response_format.get('type')!r} is not supported by asyncrl serve "
-                         "(constrained decoding is not implemented)")  # fmt: skip
+    tools = obj.template_tools()
     extra = dict(obj.chat_template_kwargs or {})
     taken = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
     if taken:
@@ -303,10 +304,13 @@ def _chat_prompt(service: ModelService, obj: ChatCompletionRequest) -> list[int]
     final = obj.continue_final_message
     if messages[-1]["role"] == "assistant" and not final:  # serving_chat._handle_last_assistant_message
         messages[-1] = {"role": "user", "content": messages[-1]["content"]}
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=not final, continue_final_message=final, tools=obj.tools,
-        **extra,
-    )  # fmt: skip
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not final, continue_final_message=final, tools=tools,
+            **extra,
+        )  # fmt: skip
+    except jinja2.TemplateError as err:  # the template refused the conversation (raise_exception): the client's
+        raise BadRequest(f"the chat template refused the messages: {err}") from None  # (serving_chat.py: 400)
     check_text_fits(text, 0, service.token_chars, service.engine.max_seq_len)  # the rest is checked once tokenized
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -318,6 +322,7 @@ _TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "tokenize", "add_gen
 
 @openai_routes.post("/v1/chat/completions")
 async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
+    obj.check_supported()
     prompt = await run_in_threadpool(_chat_prompt, service, obj)
     top = obj.top_logprobs or 0
     if top and not obj.logprobs:
@@ -334,7 +339,10 @@ async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
         "return_text_in_logprobs": True,
         "lora_path": openai_lora_path(obj.model, obj.lora_path),
         "stream": obj.stream,
+        **obj.native_fields(),
     }
+    if obj.template_tools():  # serving_chat.py: a tool call may be written in special tokens, so they are kept
+        body["sampling_params"]["skip_special_tokens"] = False
     request, order = await _submit(service, body)
     if obj.stream:
         return event_stream(_chat_stream(service, obj, request, order))

@@ -4,17 +4,21 @@ follows OpenAI's API reference): requests are validated by FastAPI, responses ar
 than from dicts.
 
 SGLang's extensions kept here: `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `no_stop_trim`, `stop_token_ids`,
-`skip_special_tokens` and `regex` / `json_schema` / `ebnf` (refused with SGLang's error shape by the sampling
-checks) on requests; `metadata.weight_version` on every response.
+`skip_special_tokens` and `regex` / `json_schema` / `ebnf` / `stop_regex`, `return_hidden_states`,
+`custom_logit_processor` (refused with SGLang's error shape by the native checks) on requests; `metadata.weight_version`
+on every response.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout_workers.sglang_api.protocol import BadRequest
 
 
 class _Sampling(BaseModel):
@@ -52,6 +56,29 @@ class _Sampling(BaseModel):
     ebnf: str | None = None
     lora_path: str | list[str | None] | None = None
     """SGLang's: the LoRA adapter(s) to run; `model: "base:adapter"` takes precedence (lora_serve.py)."""
+    stop_regex: str | list[str] | None = None
+    return_hidden_states: bool = False
+    custom_logit_processor: str | list[str | None] | None = None
+    """These three go to the native request, which refuses them by name (`schemas.py`): SGLang's routes take them,
+    and a route that dropped them answered as if they had run."""
+    response_format: dict[str, Any] | None = None
+    """Only `{"type": "text"}`: constrained decoding (json_object, json_schema, structural_tag) is not implemented."""
+
+    def check_supported(self) -> None:
+        """Refuse, naming it, a field SGLang's route runs and `asyncrl serve` does not (BadRequest, 400)."""
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise BadRequest(f"response_format {self.response_format.get('type')!r} is not supported by asyncrl "
+                             "serve (constrained decoding is not implemented)")  # fmt: skip
+        if self.stream_options and self.stream_options.get("continuous_usage_stats"):
+            raise BadRequest("stream_options.continuous_usage_stats is not supported by asyncrl serve (include_usage "
+                             "is: the usage in a last chunk)")  # fmt: skip
+
+    def native_fields(self) -> dict[str, Any]:
+        """The request-level fields passed on to the native `/generate` request as they are."""
+        return {
+            "return_hidden_states": self.return_hidden_states,
+            "custom_logit_processor": self.custom_logit_processor,
+        }
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang's `sampling_params` for this request: the fields given, under SGLang's names."""
@@ -75,6 +102,7 @@ class _Sampling(BaseModel):
             "regex": "regex",
             "json_schema": "json_schema",
             "ebnf": "ebnf",
+            "stop_regex": "stop_regex",
         }
         params = {ours: getattr(self, theirs) for theirs, ours in names.items() if getattr(self, theirs) is not None}
         params["max_new_tokens"] = max_new_tokens  # null: up to the context, as SGLang's to_sampling_params sends it
@@ -127,10 +155,52 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     """Given to the chat template (`tools=`), as SGLang's serving_chat does; no tool-call parser runs on the answer
     (SGLang's default without `--tool-call-parser`): the model's text comes back as the content."""
+    tool_choice: Literal["auto", "required", "none"] | dict[str, Any] = "auto"
+    """`none`: the tools are not given to the template; `required` or a named tool would constrain decoding to a
+    tool call (SGLang's json_schema): refused (400) after SGLang's own checks (`template_tools`)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """More variables for the chat template (e.g. `enable_thinking`), as SGLang passes them."""
-    response_format: dict[str, Any] | None = None
-    """Only `{"type": "text"}`: constrained decoding (json_object, json_schema) is not implemented (400)."""
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template gets under `tool_choice` (serving_chat.py's `_validate_request` and
+        `_process_messages`); BadRequest for what SGLang refuses and for a choice that needs constrained decoding."""
+        choice = self.tool_choice
+        if choice == "required" and not self.tools:
+            raise BadRequest("Tools cannot be empty if tool choice is set to required.")
+        if isinstance(choice, dict):
+            if not self.tools:
+                raise BadRequest("Tools cannot be empty if tool choice is set to a specific tool.")
+            name = (choice.get("function") or {}).get("name")
+            if not any((tool.get("function") or {}).get("name") == name for tool in self.tools):
+                raise BadRequest(f"Tool '{name}' not found in tools list.")
+        if choice == "required" or isinstance(choice, dict):
+            raise BadRequest("tool_choice 'required' or a named tool is not supported by asyncrl serve: SGLang "
+                             "constrains decoding to a tool call there, and constrained decoding is not implemented "
+                             "(use 'auto')")  # fmt: skip
+        return None if choice == "none" else self.tools
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template gets them (serving_chat.py `_process_messages`): every field of each
+        message, its content as text, and the JSON-string `arguments` of an assistant's `tool_calls` as objects."""
+        messages = []
+        for message in self.messages:
+            rendered = {**message.model_dump(), "content": message.text()}
+            calls = rendered.get("tool_calls")
+            if rendered["role"] == "assistant" and isinstance(calls, list):
+                rendered["tool_calls"] = [_parsed_arguments(call, i) for i, call in enumerate(calls)]
+            messages.append(rendered)
+        return messages
+
+
+def _parsed_arguments(call: Any, index: int) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError as err:
+        raise BadRequest(f"tool_calls[{index}].function.arguments is not JSON: {err}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
