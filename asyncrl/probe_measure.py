@@ -43,9 +43,9 @@ QUANTILES = (0.0, 0.001, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 0.999, 1.0)
 FLOOR_ROWS = 32
 """Responses the learner scores a second time, one row per forward, to measure its own fp32 rounding floor."""
 TIS_MAX_KL_K1 = 1e-3
-"""Recommend `tis` below this KL(behav || prox) (`kl_k1`), `acr` from it on. QuRL (sec. 4.2) finds TIS sufficient
-while that KL stays near its early 0.002 and sees it grow 12x over long runs, which its Adaptive Clipping Range
-fixes; we switch a little earlier, at 1e-3, since the probe measures version 0 only."""
+"""Recommend `tis` below this KL(behav || prox) (the larger of `kl_k1` and `kl_k3`), `acr` from it on. QuRL
+(sec. 4.2) finds TIS sufficient while that KL stays near its early 0.002 and sees it grow 12x over long runs, which
+its Adaptive Clipping Range fixes; we switch a little earlier, at 1e-3, since the probe measures version 0 only."""
 FP32_FLOOR_LOG_RATIO = 1e-4
 """A scheme whose largest |lp - lb| is below this (or below FLOOR_MARGIN times the learner's own floor, if that is
 larger) has no mismatch beyond fp32 rounding: no quantization correction is needed. Measured: fp32 rollout against
@@ -201,22 +201,28 @@ def _quantiles(values: torch.Tensor) -> dict[str, float]:
 
 
 def recommend(
-    weights: torch.Tensor, kl_k1: float, max_abs_log_ratio: float, clip_share: float, floor_log_ratio: float = 0.0
+    weights: torch.Tensor,
+    kl: float,
+    max_abs_log_ratio: float,
+    clip_share: float,
+    floor_log_ratio: float = 0.0,
 ) -> dict[str, Any]:
     """The weighting and `loss.cap` for this weight distribution: cap = the (1 - clip_share) quantile of w (at least
-    1.0, the lowest `loss.cap`), so that `clip_share` of the tokens are clipped; `tis` or `acr` by kl_k1
-    (TIS_MAX_KL_K1); `decoupled` (no quantization correction) at fp32 rounding level (FP32_FLOOR_LOG_RATIO, or
-    FLOOR_MARGIN x `floor_log_ratio`, the learner's own largest |dlogp| from `learner_floor`)."""
+    1.0, the lowest `loss.cap`), so that `clip_share` of the tokens are clipped; `tis` or `acr` by `kl`, the larger of
+    the sample's two estimates of KL(behav || prox), kl_k1 and kl_k3 (TIS_MAX_KL_K1: kl_k1 alone can come out
+    negative where kl_k3 reads well above the threshold); `decoupled` (no quantization correction) at fp32 rounding
+    level (FP32_FLOOR_LOG_RATIO, or FLOOR_MARGIN x `floor_log_ratio`, the learner's own largest |dlogp| from
+    `learner_floor`)."""
     # "higher": an observed w at or above the interpolated quantile, so at most clip_share of the tokens lie above it
     cap = max(1.0, float(torch.quantile(weights.double(), 1.0 - clip_share, interpolation="higher")))
     cap = math.ceil(cap * 1000) / 1000  # rounded up: never clips more than the share asked for
     clipped = float((weights > cap).float().mean())
     if max_abs_log_ratio < max(FP32_FLOOR_LOG_RATIO, FLOOR_MARGIN * floor_log_ratio):
         weighting, reason = "decoupled", "no mismatch beyond fp32 rounding: only staleness needs correcting"
-    elif kl_k1 < TIS_MAX_KL_K1:
-        weighting, reason = "tis", f"kl_k1 {kl_k1:.2g} < {TIS_MAX_KL_K1:g}: truncation alone bounds it (QuRL eq. 5)"
+    elif kl < TIS_MAX_KL_K1:
+        weighting, reason = "tis", f"KL {kl:.2g} < {TIS_MAX_KL_K1:g}: truncation alone bounds it (QuRL eq. 5)"
     else:
-        weighting, reason = "acr", f"kl_k1 {kl_k1:.2g} >= {TIS_MAX_KL_K1:g}: QuRL's adaptive clipping range (eq. 9)"
+        weighting, reason = "acr", f"KL {kl:.2g} >= {TIS_MAX_KL_K1:g}: QuRL's adaptive clipping range (eq. 9)"
     return {"weighting": weighting, "cap": cap, "clip_share": clip_share, "clipped_at_cap": clipped, "reason": reason}
 
 
@@ -243,7 +249,9 @@ def scheme_report(
         weight_quantiles=_quantiles(weights),
         max_abs_log_ratio=max_abs,
         exact_tokens=float((log_w == 0).float().mean()),
-        recommend=recommend(weights, metrics["mismatch/kl_k1"], max_abs, clip_share, floor_log_ratio),
+        recommend=recommend(
+            weights, max(metrics["mismatch/kl_k1"], metrics["mismatch/kl_k3"]), max_abs, clip_share, floor_log_ratio
+        ),
         tokens=int(mask.sum()),
         responses=batch.rows,
         sample_s=sampled.seconds,

@@ -220,7 +220,7 @@ def mismatch_metrics(
         "mismatch/acrl_d": float((lp.exp() - lb.exp()).abs().mean()),
         "mismatch/log_ppl_abs_diff": float(seq_diff.abs().mean()),
         "mismatch/kl_k1": float((lb - lp).mean()),
-        "mismatch/kl_k3": float((w - 1 - log_w).mean()),
+        "mismatch/kl_k3": float((torch.expm1(log_w.double()) - log_w.double()).mean()),  # w - 1 - log w cancels
         "mismatch/w_max": float(w.max()),
         "mismatch/w_p99": quantile(w, 0.99),
         "mismatch/w_over_cap": float((w > cap).float().mean()),

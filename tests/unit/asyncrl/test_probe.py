@@ -164,3 +164,22 @@ def test_layer_scan_replay_equals_whole_forwards(micro_dir):
     scanner.only(-1)
     assert engine == mismatch_metrics(batch.behav_logp, before, batch.mask, 2.0)["mismatch/kl_k3"]
     assert aligned_all > 0 and max(row["kl_k3"] for row in layers) > 0
+
+
+def test_the_weighting_follows_the_larger_kl_estimate():
+    """kl_k1 (mean lb - lp) can come out negative on a mismatch that kl_k3 reads well above TIS_MAX_KL_K1: the
+    recommendation was `tis` there (fp8 on builtin:tiny, --prompts 8: kl_k1 -0.0066, kl_k3 0.0016)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from asyncrl.probe_measure import TIS_MAX_KL_K1, Sampled, scheme_report
+
+    lb = torch.log(torch.full((1, 3), 0.5))
+    log_w = torch.tensor([[0.3, 0.3, -0.5]])  # mean +0.033: kl_k1 = -0.033, kl_k3 = 0.069
+    batch = SimpleNamespace(behav_logp=lb, mask=torch.ones_like(lb), rows=1)
+    report = scheme_report("fp8", Sampled(batch, 0.0, 3, 0), lb + log_w, cap=2.0, clip_share=0.01, score_s=0.0)
+    assert report.metrics["kl_k1"] < 0 < TIS_MAX_KL_K1 < report.metrics["kl_k3"]
+    assert report.recommend["weighting"] == "acr" and "KL 0.069" in report.recommend["reason"]
+    small = scheme_report("w8a16", Sampled(batch, 0.0, 3, 0), lb + log_w / 100, 2.0, 0.01, 0.0)
+    assert small.recommend["weighting"] == "tis"
