@@ -200,7 +200,13 @@ def _main(argv: list[str] | None = None) -> int:
         if args.json_path is not None and (problem := output_file_problem(args.json_path)):
             print(f"asyncrl bench: --json {args.json_path}: {problem}", file=sys.stderr)
             return 2
-        result = bench(args.quick, **options)
+        from asyncrl.bench import BenchInputError
+
+        try:
+            result = bench(args.quick, **options)
+        except BenchInputError as err:
+            print(err, file=sys.stderr)
+            return 2
         from asyncrl.bench.engine_bench import platform_details
 
         for key, value in {**platform_details(), "quick": args.quick}.items():  # every bench's JSON says where
@@ -296,8 +302,8 @@ def _up(args: argparse.Namespace) -> int:
             print(err.detail.rstrip(), file=sys.stderr)
         print(f"asyncrl: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:  # during start-up (later, the driver's RunFailed says where the run stopped)
-        print("asyncrl: interrupted during start-up", file=sys.stderr)
+    except KeyboardInterrupt as err:  # in start-up, or a second signal once training ended (the driver's own, which
+        print(f"asyncrl: {err or 'interrupted during start-up'}", file=sys.stderr)  # says so: StopSignals)
         return 130
     return 0
 

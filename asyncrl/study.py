@@ -68,6 +68,8 @@ def study_main(path: str, *, quick: bool = False, parallel: int = 1, root: str =
             print(f"study {study.name}: stopped; run the same command again to continue")
     results = write_report(study)
     out = study.out_dir
+    for line in results["warnings"]:
+        print(f"study {study.name}: {line}", file=sys.stderr)
     print((out / "table.md").read_text(), end="")
     print(f"wrote {out / 'results.json'}, {out / 'table.md'} and {len(results['pngs'])} PNGs in {out}")
     return 1 if unfinished else 0

@@ -71,8 +71,8 @@ def run_row(run: RunSpec, metrics: tuple[str, ...] = ()) -> dict[str, Any]:
     """The results row of one run (status `done`, `failed`, `stopped`, `partial` or `new`; metrics only when done)."""
     state = run_state(run)
     status = read_status(run)
-    if state != "done" and status.get("returncode") not in (None, 0):
-        state = "failed"
+    if state != "done" and status.get("returncode") not in (None, 0) and not status.get("interrupted"):
+        state = "failed"  # an attempt the study's Ctrl-C stopped (exit code 130 on a second one) stays `stopped`
     row: dict[str, Any] = {"cell": run.cell, "seed": run.seed, "run_dir": str(run.run_dir), "status": state,
                            "steps": run.steps, "wall_s": status.get("wall_s"), "log": str(run.log_path)}  # fmt: skip
     if state != "done":
@@ -194,6 +194,7 @@ def write_report(study: Study) -> dict[str, Any]:
         "machine": f"{platform.node()} ({platform.machine()}, {_cpus()} CPUs)",
         "rows": rows,
     }
+    results["warnings"] = unlogged_metrics(study, rows)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table = table_markdown(study, rows)
     heading = (f"# study `{study.name}`\n\n{results['written']}, {results['machine']}; base `{study.base.name}`, "
@@ -204,6 +205,25 @@ def write_report(study: Study) -> dict[str, Any]:
     curve_dirs = cell_curves(study, out / "curves")
     results["pngs"] = [str(p) for p in plot_runs([str(d) for d in curve_dirs], str(out))] if curve_dirs else []
     return results
+
+
+def unlogged_metrics(study: Study, rows: list[dict[str, Any]]) -> list[str]:
+    """A line for each `metrics` entry of the study file that no finished run logged (a misspelled key gave a column
+    of `-` and no word), with the logged keys closest to it."""
+    import difflib
+
+    done = [row for row in rows if row["status"] == "done"]
+    missing = [spec for spec in study.metrics if done and all(row.get(spec) is None for row in done)]
+    if not missing:
+        return []
+    logged = sorted({key for step in read_steps(Path(done[0]["run_dir"])) for key in step})
+    lines = []
+    for spec in missing:
+        parts, _ = parse_metric(spec)
+        close = [match for part in parts for match in difflib.get_close_matches(part, logged, n=3)]
+        hint = f" (logged keys close to it: {', '.join(close)})" if close else ""
+        lines.append(f"metric {spec!r}: no finished run logged a value for it{hint}")
+    return lines
 
 
 def _remove_previous_figures(out: Path) -> None:

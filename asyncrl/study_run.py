@@ -194,6 +194,10 @@ def _start(run: RunSpec, base: Path, progress: Progress, number: int) -> _Runnin
         progress.say(f"study: {run.label}: resuming {run.run_dir} from its latest checkpoint")
     run.run_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = up_command(run, base, state)
+    # the overrides are recorded before the run starts, so that one the study cannot finish (killed with it) is
+    # `stale`, not resumed as another cell's, when the study file changes before the next attempt
+    status = {**read_status(run), "returncode": None, "log": str(run.log_path), "overrides": list(run.overrides)}
+    _status_path(run).write_text(json.dumps(status))
     log = run.log_path.open("a")
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()
@@ -209,7 +213,8 @@ def _status_path(run: RunSpec) -> Path:
 
 
 def read_status(run: RunSpec) -> dict[str, Any]:
-    """The study's record of a run's last attempt: {"returncode", "wall_s", "log"} ({} before any)."""
+    """The study's record of a run's last attempt: {"returncode" (null while it runs), "wall_s", "log", "overrides",
+    "interrupted" (stopped by the study's Ctrl-C / SIGTERM)} ({} before any)."""
     path = _status_path(run)
     try:
         status = json.loads(path.read_text()) if path.is_file() else {}
@@ -312,7 +317,7 @@ def _finish(item: _Running, progress: Progress, interrupted: bool) -> str:
     before = read_status(item.run).get("wall_s") if item.resumed else None  # the attempts before it count too
     total_s = wall_s + (float(before) if isinstance(before, int | float) else 0.0)
     status = {"returncode": code, "wall_s": total_s, "log": str(item.run.log_path), "fresh": not item.resumed,
-              "overrides": list(item.run.overrides)}  # fmt: skip
+              "overrides": list(item.run.overrides), "interrupted": interrupted}  # fmt: skip
     _status_path(item.run).write_text(json.dumps(status))
     state = run_state(item.run)
     if state == "done":

@@ -89,6 +89,22 @@ class Study:
         return self.root / self.name
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, except that a key given twice in one mapping (a cell defined twice, two `overrides:`) is an
+    error naming it and its line, as the config loader's (OmegaConf's) is: safe_load kept the last one silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_study(path: str | Path, root: str | Path = "runs/studies", quick: bool = False) -> Study:
     """Read and validate the study file at `path`; every run's config is built and validated here (a ConfigError of
     any cell is a StudyError naming the cell), so a bad cell fails before the first run starts."""
@@ -98,7 +114,7 @@ def load_study(path: str | Path, root: str | Path = "runs/studies", quick: bool 
     if not source.is_file():
         raise StudyError(f"study file {str(source)!r} does not exist")
     try:
-        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
+        raw = yaml.load(source.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as err:
         raise StudyError(f"{source}: cannot parse YAML: {err}") from None
     except UnicodeDecodeError as err:

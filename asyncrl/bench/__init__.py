@@ -26,6 +26,11 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+class BenchInputError(ValueError):
+    """Options a benchmark refuses before it runs anything; `asyncrl bench` prints it and exits 2 (1 is a run that
+    failed)."""
+
+
 @dataclass(slots=True)
 class BenchResult:
     name: str

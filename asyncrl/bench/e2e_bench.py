@@ -53,7 +53,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.bench import BenchResult
+from asyncrl.bench import BenchInputError, BenchResult
 from asyncrl.bench import e2e_metrics as figures_of
 from asyncrl.bench.e2e_floor import ceilings as floor_ceilings
 from asyncrl.bench.e2e_floor import decode_floor, generation_core_s, int8_free_ceiling
@@ -280,7 +280,7 @@ def _names(given: str | Sequence[str] | None, valid: Sequence[str], default: Seq
     names = [name.strip() for name in (given.split(",") if isinstance(given, str) else given) if name.strip()]
     unknown = [name for name in names if name not in valid]
     if unknown or not names:
-        raise SystemExit(f"asyncrl bench e2e: unknown {what} {', '.join(unknown) or '(none given)'}; "
+        raise BenchInputError(f"asyncrl bench e2e: unknown {what} {', '.join(unknown) or '(none given)'}; "
                          f"valid: {', '.join(valid)}")  # fmt: skip
     return list(dict.fromkeys(names))
 
@@ -299,14 +299,16 @@ def run(quick: bool, seeds: int | None = None, work_dir: str | None = None,
     names = _names(workloads, WORKLOADS, DEFAULT_WORKLOADS, "workload")
     only = None if contenders is None else _names(contenders, CONTENDERS, CONTENDERS, "contender")
     if steps is not None and steps < 2:
-        raise SystemExit(f"asyncrl bench e2e: --steps must be at least 2 (a warm-up and a steady step), got {steps}")
+        raise BenchInputError(
+            f"asyncrl bench e2e: --steps must be at least 2 (a warm-up and a steady step), got {steps}"
+        )
     empty = [name for name in names if not _contenders(name, quick, only)]
     if empty:
-        raise SystemExit(f"asyncrl bench e2e: no contender of --contenders runs on workload {', '.join(empty)} "
+        raise BenchInputError(f"asyncrl bench e2e: no contender of --contenders runs on workload {', '.join(empty)} "
                          f"(its contenders: {', '.join(_contenders(empty[0], quick, None))})")  # fmt: skip
     missing = missing_packages(gguf="smol" in names and not quick)
     if missing:
-        raise SystemExit(f"asyncrl bench e2e needs {' and '.join(missing)}: {INSTALL_HINT}")
+        raise BenchInputError(f"asyncrl bench e2e needs {' and '.join(missing)}: {INSTALL_HINT}")
     per_workload = {"builtin": seeds or (1 if quick else 3), "smol": seeds or 1, "decode": 1}
     Path("runs").mkdir(exist_ok=True)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="bench-e2e-", dir="runs")).resolve()
@@ -347,13 +349,13 @@ def _check_learner_device(device: str) -> None:
     from common.config_rules import is_device_name
 
     if not is_device_name(device):
-        raise SystemExit(f"asyncrl bench e2e: --learner-device must be cpu, cuda or cuda:N, got {device!r}")
+        raise BenchInputError(f"asyncrl bench e2e: --learner-device must be cpu, cuda or cuda:N, got {device!r}")
     if device == "cpu":
         return
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit(f"asyncrl bench e2e --learner-device {device}: this machine sees no GPU "
+        raise BenchInputError(f"asyncrl bench e2e --learner-device {device}: this machine sees no GPU "
                          f"(torch {torch.__version__}, torch.cuda.is_available() is False)")  # fmt: skip
 
 
@@ -363,11 +365,11 @@ def _check_set(asyncrl_set: Sequence[str]) -> None:
 
     malformed = [item for item in asyncrl_set if "=" not in item]
     if malformed:
-        raise SystemExit(f"asyncrl bench e2e: --set takes KEY=VALUE config overrides, got {', '.join(malformed)}")
+        raise BenchInputError(f"asyncrl bench e2e: --set takes KEY=VALUE config overrides, got {', '.join(malformed)}")
     try:
         load_asyncrl_config(str(CONFIG_PATH), list(asyncrl_set))
     except ConfigError as err:
-        raise SystemExit(f"asyncrl bench e2e --set: config error: {err}") from None
+        raise BenchInputError(f"asyncrl bench e2e --set: config error: {err}") from None
 
 
 def _lora_vs_full(figures: dict[str, dict[str, float]]) -> dict[str, float]:

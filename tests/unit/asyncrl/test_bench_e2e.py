@@ -213,7 +213,7 @@ def test_a_step_without_an_accuracy_is_left_out_of_the_rolling_mean() -> None:
 def test_bench_refuses_without_trl_and_names_the_extra() -> None:
     code = "import sys; sys.modules['trl'] = None; from asyncrl.cli import main; sys.exit(main(['bench', 'e2e']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
+    assert done.returncode == 2  # refused input (it was 1, a failed run's code)
     assert "needs trl" in done.stderr and "pip install 'asyncrl[bench]'" in done.stderr
 
 
@@ -225,11 +225,11 @@ def test_a_gpu_learner_device_is_refused_here_before_anything_runs_and_moves_trl
     code = ("import sys, torch; torch.cuda.is_available = lambda: False; from asyncrl.cli import main; "
             "sys.exit(main(['bench', 'e2e', '--quick', '--learner-device', 'cuda']))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 1 and "--learner-device cuda: this machine sees no GPU" in done.stderr
+    assert done.returncode == 2 and "--learner-device cuda: this machine sees no GPU" in done.stderr
     assert not (tmp_path / "runs").exists()  # refused before the bench made its work directory
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "bench", "e2e", "--learner-device", "tpu"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 1 and "--learner-device must be cpu, cuda or cuda:N, got 'tpu'" in done.stderr
+    assert done.returncode == 2 and "--learner-device must be cpu, cuda or cuda:N, got 'tpu'" in done.stderr
     workload = Workload(name="builtin", model_dir="m", steps=2, groups_per_step=2, group_size=2, max_new_tokens=4,
                         learns=True)  # fmt: skip
     for device, use_cpu in (("cpu", True), ("cuda", False)):  # TRL generates and trains where our learner trains
@@ -244,7 +244,7 @@ def test_a_bad_set_is_refused_before_anything_runs(tmp_path: Path) -> None:
     ):
         done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "bench", "e2e", "--quick", *args],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
-        assert done.returncode == 1 and message in done.stderr, done.stderr
+        assert done.returncode == 2 and message in done.stderr, done.stderr
         assert not (tmp_path / "runs").exists()  # refused before the bench made its work directory
 
 

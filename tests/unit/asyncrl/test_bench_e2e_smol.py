@@ -162,16 +162,17 @@ def test_the_model_fetch_names_what_is_wrong(tmp_path: Path, monkeypatch: pytest
 
 
 def test_the_workloads_and_contenders_are_checked_and_smol_is_opt_in() -> None:
+    from asyncrl.bench import BenchInputError
     from asyncrl.bench.e2e_bench import CONTENDERS, DEFAULT_WORKLOADS, WORKLOADS, _names
 
     assert "smol" in WORKLOADS and "smol" not in DEFAULT_WORKLOADS
     assert _names(None, WORKLOADS, DEFAULT_WORKLOADS, "workload") == ["builtin", "decode"]
     assert _names("smol, builtin", WORKLOADS, DEFAULT_WORKLOADS, "workload") == ["smol", "builtin"]
-    with pytest.raises(SystemExit, match="unknown workload smoll; valid: builtin, decode, smol"):
+    with pytest.raises(BenchInputError, match="unknown workload smoll; valid: builtin, decode, smol"):
         _names("smoll", WORKLOADS, DEFAULT_WORKLOADS, "workload")
-    with pytest.raises(SystemExit, match="unknown contender vllm"):
+    with pytest.raises(BenchInputError, match="unknown contender vllm"):
         _names(["trl", "vllm"], CONTENDERS, CONTENDERS, "contender")
     from asyncrl.bench.e2e_bench import run
 
-    with pytest.raises(SystemExit, match="no contender of --contenders runs on workload smol"):
+    with pytest.raises(BenchInputError, match="no contender of --contenders runs on workload smol"):
         run(False, workloads="smol", contenders="best")  # refused before any download or run

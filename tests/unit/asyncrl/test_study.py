@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,8 @@ def test_base_is_found_relative_to_the_study_file(tmp_path):
         ("cells: {table.md: []}\n", "cell name 'table.md' is a file the study's report writes"),
         ("cells: {curves: []}\n", "cell name 'curves' is a file the study's report writes"),
         ("cells: {a.png: []}\n", "cell name 'a.png' is a file the study's report writes"),
+        ("cells:\n  a: []\n  a: [train.steps=4]\n", "'a' is given twice in one mapping"),  # the last one was kept
+        ("overrides: [train.steps=3]\ncells: {a: []}\noverrides: []\n", "'overrides' is given twice"),
     ],
 )
 def test_bad_study_files_fail_naming_the_fault(tmp_path, body, message):
@@ -216,6 +219,48 @@ def test_a_run_held_by_a_driver_or_made_with_other_overrides_is_left_alone(tmp_p
     assert (held.run_dir / "metrics.jsonl").is_file()  # not deleted
     out = capsys.readouterr().out
     assert "is held by another driver" in out and "was made with other overrides (quant.scheme=fp8)" in out
+
+
+def test_a_run_the_study_could_not_finish_is_stale_once_its_cell_changes(tmp_path):
+    """The study records a run's overrides as it starts it: killed with the study (kill -9) before it could write its
+    status, a run was later resumed under the edited cell and reported as that cell (int8 figures in a none row)."""
+    from asyncrl.study_run import Progress, _start, read_status
+
+    root = tmp_path / "out"
+    run = load_study(_study_file(tmp_path, "overrides: [train.steps=4]\ncells: {a: [quant.scheme=int8]}\n"), root).runs[
+        0
+    ]
+    item = _start(run, BASE, Progress(total=1, parallel=1), 1)
+    item.process.kill()
+    item.process.wait()
+    item.log.close()
+    assert read_status(run)["overrides"] == list(run.overrides) and "quant.scheme=int8" in run.overrides
+    assert read_status(run)["returncode"] is None
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    _fake_run(run.run_dir, [{"step": 0}], {"steps": 2, "stopped_early": True}, checkpoint_step=2)  # what it left
+    assert run_state(run) == "stopped"
+    edited = load_study(_study_file(tmp_path, "overrides: [train.steps=4]\ncells: {a: [quant.scheme=none]}\n"), root)
+    assert run_state(edited.runs[0]) == "stale"
+
+
+def test_runs_the_studys_ctrl_c_stopped_are_reported_stopped_and_unlogged_metrics_named(tmp_path):
+    """Two Ctrl-C to a study exit its runs with 130: they were reported `failed` though resumable; a misspelled
+    `metrics` key gave a column of `-` and no word."""
+    body = "overrides: [train.steps=2]\ncells: {a: []}\nmetrics: [norm_updat, lr:last]\n"
+    study = load_study(_study_file(tmp_path, body), root=tmp_path / "out")
+    stopped, done = study.runs
+    _fake_run(stopped.run_dir, [{"step": 0}], {"steps": 1, "stopped_early": True}, checkpoint_step=1)
+    stopped.run_dir.with_name("seed0.status.json").write_text(
+        json.dumps({"returncode": 130, "wall_s": 1.0, "overrides": list(stopped.overrides), "interrupted": True})
+    )
+    rows = [{**_step(s, kl=0.0, w=1.0, acc=0.5), "lr": 1e-4} for s in range(2)]
+    _fake_run(done.run_dir, rows, {"steps": 2, "stopped_early": False})
+    results = write_report(study)
+    assert [r["status"] for r in results["rows"]] == ["stopped", "done"]
+    assert results["warnings"] == [
+        "metric 'norm_updat': no finished run logged a value for it (logged keys close to it: norm_update, "
+        "norm_quant_err)"
+    ]
 
 
 def _step(step: int, kl: float, w: float, acc: float, tok_s: float = 100.0, skipped: float = 0.0) -> dict:
