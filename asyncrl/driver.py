@@ -255,7 +255,7 @@ def _run_in(cfg: Config, run_dir: Path, resume: bool, model_dir: str, arch: Arch
                 first_start_raised = restarts == 0 and actors.init_failed(err)
                 last = restarts == cfg.learner.max_restarts or signals.requested or first_start_raised
                 if not _learner_died(err) or last:
-                    raise failure(err, watchdog.step, run_dir) from err
+                    raise failure(err, watchdog.step, run_dir, resumable=not first_start_raised) from err
                 checkpoint_dir, watchdog = _restart_learner(cfg, run_dir, buffers, logger, watchdog, parts, err)
         raise AssertionError("unreachable: the last attempt returns or raises")
     finally:

@@ -84,13 +84,16 @@ def resume_hint(run_dir: Path) -> str:
     return f"resume with `asyncrl up --resume {run_dir}` (from {source})"
 
 
-def failure(err: BaseException, step: int, run_dir: Path) -> RunFailed:
-    """The one-line reason a run ended at train step `step` because of `err` (see the module docstring)."""
+def failure(err: BaseException, step: int, run_dir: Path, resumable: bool = True) -> RunFailed:
+    """The one-line reason a run ended at train step `step` because of `err` (see the module docstring); not
+    `resumable`: a constructor that raised at the first start (a config or model fault: it raises again), so the line
+    says to fix it rather than to resume."""
     import traceback
 
     from asyncrl.supervise import SupervisionError
 
-    where = f"at step {step}; {_disk_full(run_dir)}{resume_hint(run_dir)}"
+    again = resume_hint(run_dir) if resumable else "fix what it names, then run the command again"
+    where = f"at step {step}; {_disk_full(run_dir)}{again}"
     if isinstance(err, RunFailed):
         return RunFailed(f"{err} {where}", err.detail, err.exit_code)
     if isinstance(err, SupervisionError):

@@ -51,11 +51,9 @@ def initial_reference(
     if policy is not None:
         reference = copy.deepcopy(policy)
     else:
-        from transformers import AutoModelForCausalLM
+        from learner.pretrained import load_causal_lm
 
-        reference = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
+        reference = load_causal_lm(model_dir, trust_remote_code)
         apply_uaq(reference, uaq_scale)
     if device is not None:  # the policy's device (`learner.device`): a copy of it is there already
         reference.to(device)

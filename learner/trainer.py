@@ -40,6 +40,7 @@ from learner.fused_ops import use_fused_ops
 from learner.losses import mismatch_metrics
 from learner.optimizer import adamw
 from learner.precision import LossScaler
+from learner.pretrained import load_causal_lm
 from learner.schedules import LrSchedule
 from learner.sections import LearnerSections
 from learner.threads import BOUND_WAIT_SHARE, ThreadsPolicy, available_cores
@@ -63,7 +64,7 @@ class Learner:
     ):
         """`section_values`: `common.config.to_dict` of a `LearnerSections`. `resume_dir`: a checkpoint of
         `save_checkpoint` to continue from; it was saved at `start_version`."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         sections = self.sections = LearnerSections.load(section_values)
         torch.set_num_threads(sections.learner.threads)
@@ -75,9 +76,7 @@ class Learner:
         self.trust_remote_code = sections.model.trust_remote_code
         resume_model = "" if sections.model.lora.rank else resume_dir  # a LoRA checkpoint holds only the adapters
         source = str(Path(resume_model) / "model") if resume_model else model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch.float32, trust_remote_code=self.trust_remote_code
-        ).to(self.device)  # fp32 master weights
+        self.model = load_causal_lm(source, self.trust_remote_code).to(self.device)  # fp32 master weights
         if not resume_model:  # a checkpoint holds the reparametrized weights already
             apply_uaq(self.model, sections.quant.uaq.scale)  # before the optimizer sees the parameters
         self.reference = reference.initial_reference(  # KL's frozen initial model (None: loss.kl.coef = 0); a resumed
@@ -284,14 +283,10 @@ class Learner:
         """Rank 0: an unsharded fp32 model with the current weights (a collective with FSDP2); None elsewhere."""
         if self.ranks.world == 1:
             return self.model
-        from transformers import AutoModelForCausalLM
-
         state = distributed.full_state_dict(self.model, self.ranks)
         if not self.ranks.is_main:
             return None
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=torch.float32, trust_remote_code=self.trust_remote_code
-        )
+        model = load_causal_lm(self.model_dir, self.trust_remote_code)
         if self.lora is not None:  # the same peft structure (frozen base, adapters), to load the peft names into
             from learner import lora
 

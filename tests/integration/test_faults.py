@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,20 +203,45 @@ def test_a_killed_learner_is_restarted_from_the_latest_checkpoint_every_group_tr
     assert_trained_once(run_dir, after[-1]["step"] + 1)
 
 
-def test_a_learner_whose_first_start_raises_in_its_constructor_fails_the_run_at_once(tmp_path):
-    """A constructor error on the first start (here a GPU device on a process that sees none) raises again on every
-    restart, so the run ends with it at once instead of restarting the learner `learner.max_restarts` times."""
+def _model_missing_a_tensor(tmp_path: Path) -> str:
+    from safetensors.torch import load_file, save_file
+
+    from common.builtin_model import resolve_model_path
+
+    target = tmp_path / "missing"
+    shutil.copytree(resolve_model_path("builtin:tiny", log=lambda *a: None), target)
+    tensors = load_file(target / "model.safetensors")
+    del tensors["model.layers.3.mlp.down_proj.weight"]
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return str(target)
+
+
+@pytest.mark.parametrize("fault", ["gpu", "weights"])
+def test_a_learner_whose_first_start_raises_in_its_constructor_fails_the_run_at_once(tmp_path, fault):
+    """A constructor error on the first start (a GPU device on a process that sees none; weight files without a
+    tensor config.json's model has, which transformers filled with random values: the run trained them) raises again
+    on every restart, so the run ends with it at once instead of restarting the learner `learner.max_restarts` times,
+    and its last line says to fix it, not to resume."""
     env = {**ENV, "CUDA_VISIBLE_DEVICES": ""}  # no GPU for the learner on any machine
+    setting = "learner.device=cuda" if fault == "gpu" else f"model.path={_model_missing_a_tensor(tmp_path)}"
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs/dapo_int8.yaml"),
-                           f"logging.dir={tmp_path}", "logging.name=g", "learner.device=cuda", "learner.max_restarts=2",
-                           "logging.console=false", *SMALL], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=300)  # fmt: skip
+                           f"logging.dir={tmp_path}", "logging.name=g", "learner.max_restarts=2",
+                           "logging.console=false", *SMALL, setting],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-4000:]
     line = last_line(out)
-    assert line.startswith("asyncrl: the learner (pid ") and "died (its constructor raised RuntimeError: " in line
-    assert "`learner.device=cuda` but this learner process sees no GPU" in line and "Traceback" not in out
-    assert "restarting the learner" not in out, out[-4000:]
+    assert line.startswith("asyncrl: the learner (pid ") and "died (its constructor raised " in line
+    if fault == "gpu":
+        assert "RuntimeError: `learner.device=cuda` but this learner process sees no GPU" in line
+    else:
+        assert (
+            "WeightsMismatch: model.path=" in line
+            and "the weights do not fit config.json: 1 tensor(s) missing " in line
+            and "model.layers.3.mlp.down_proj.weight" in line
+        )
+    assert line.endswith("fix what it names, then run the command again") and "--resume" not in line
+    assert "Traceback" not in out and "restarting the learner" not in out, out[-4000:]
     assert not [r for r in records(tmp_path / "g") if r.get("event") == "learner_restarted"]
     assert not (tmp_path / "g" / "control.json").exists()  # `asyncrl status` waited 10 s on it before calling it stale
 
