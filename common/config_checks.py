@@ -57,12 +57,24 @@ def _leaves(section: Any, prefix: str) -> Iterator[tuple[str, Any, Mapping[str, 
             yield f"{prefix}{f.name}", value, f.metadata
 
 
+def _spell_booleans(section: Any) -> None:
+    """A choice among strings that include "true" and "false" (`data.chat_template`), given as YAML's or a dotlist's
+    boolean, reaches the string field as 'True' / 'False': spelled as the choice it means."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            _spell_booleans(value)
+        elif value in ("True", "False") and {"true", "false"} <= set(f.metadata.get(CHOICES_META) or ()):
+            setattr(section, f.name, value.lower())
+
+
 def check_section(section: Any, prefix: str = "") -> None:
     """Check every leaf of the config section `section` (a dataclass instance) against its declared choices and
     range; `prefix` is where the section sits in the root config (`"loss."`; `""` for the root), for the messages.
 
     Raises ConfigError naming the first bad key.
     """
+    _spell_booleans(section)
     leaves = list(_leaves(section, prefix))
     for key, value, meta in leaves:  # a NaN passes every comparison below (and would train on NaN weights): none
         if isinstance(value, float) and (math.isnan(value) or (RANGE_META in meta and math.isinf(value))):

@@ -270,3 +270,14 @@ def test_a_map_given_whole_on_the_command_line_replaces_the_files_and_a_dotted_k
     assert load_config(path, ["env.args={mode: x, size: 3}"]).env.args == {"mode": "x", "size": 3}
     assert load_config(path, ["env.args={}"]).env.args == {}
     assert load_config(path, ["env.args.size=3"]).env.args == {"syntax": "brackets", "size": 3}
+
+
+def test_chat_template_true_and_false_as_yaml_booleans(tmp_path):
+    """`data.chat_template=false` (documented, and advised by the refusal of a tokenizer without a template) arrived as
+    the string 'False' and was refused: valid values auto, true, false."""
+    assert load_config(None, ["data.chat_template=false"]).data.chat_template == "false"
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  chat_template: true\n")
+    assert load_config(str(path), []).data.chat_template == "true"
+    with pytest.raises(ConfigError, match="invalid value 'maybe' for `data.chat_template`"):
+        load_config(None, ["data.chat_template=maybe"])
