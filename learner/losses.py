@@ -165,31 +165,50 @@ def regularizers(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dic
 def advantages(rewards: torch.Tensor, group_index: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-response advantages (B,) float32 from rewards (B,) and group ids (B,) in 0..n_groups-1 (ALGORITHMS.md).
 
-    Computed in float64: a reward past float32's range (a finite float64 from a reward function, as the wire accepts
-    it), or whose squared deviation is, would make a group's mean or spread inf and every advantage NaN; `grpo`'s
-    are the same for any scale of the rewards."""
+    Computed in float64, and `grpo`'s on each group's own scale: a reward past float32's range (a finite float64 from
+    a reward function, as the wire accepts it), or whose squared deviation is past float64's (1e160), made a group's
+    spread inf and every advantage 0 or NaN; `grpo`'s are the same for any scale of the rewards."""
     rewards = rewards.to(torch.float64)
     n_groups = int(group_index.max()) + 1
     # Deviations from each group's lowest reward, exact: a group of equal rewards then has mean 0 and advantages
     # exactly 0 (its float mean is not its reward in general: 1.1 * 8 / 8 != 1.1), as skip_zero_adv and ACRL's
     # sign(A) need, and a large common offset (3.3e12 + 0.1) no longer rounds the deviations away.
     low = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce_(0, group_index, rewards, "amin")
-    rewards = rewards - low[group_index]
+    unit = torch.ones_like(low)  # the scale the deviations are counted in
+    deviations = rewards - low[group_index]
+    if not torch.isfinite(deviations).all():  # past float64's range (1e308 - -1e308): counted in a group's largest
+        unit = _power_of_two_near(_group_max(rewards.abs(), group_index, n_groups))  # |reward|
+        deviations = rewards / unit[group_index] - low[group_index] / unit[group_index]
+    # each group on its own scale (a power of two: exact), so that no sum or square overflows
+    local = _power_of_two_near(_group_max(deviations, group_index, n_groups))[group_index]
+    rewards = deviations / local
+    scale = local * unit[group_index]  # inf only where the deviations themselves are past float64's range
     counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(rewards))
     sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, rewards)
     mean = (sums / counts)[group_index]
     if estimator == "grpo":
         sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, (rewards - mean) ** 2)
         std = (sq / (counts - 1).clamp_min(1.0)).sqrt()[group_index]  # unbiased, as torch.std
-        adv = (rewards - mean) / (std + 1e-6)
+        adv = (rewards - mean) / (std + 1e-6 / scale)  # (r - mean) / (std(r) + 1e-6) on any scale
     elif estimator == "drgrpo":
-        adv = rewards - mean
+        adv = (rewards - mean) * scale
     elif estimator == "rloo":
         size = counts[group_index]
-        adv = (rewards - mean) * size / (size - 1).clamp_min(1.0)
+        adv = (rewards - mean) * scale * size / (size - 1).clamp_min(1.0)
     else:
         raise ValueError(f"unknown algo.adv {estimator!r}")
     return adv.to(torch.float32)
+
+
+def _group_max(values: torch.Tensor, group_index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return torch.zeros(n_groups, dtype=values.dtype).scatter_reduce_(0, group_index, values, "amax")
+
+
+def _power_of_two_near(values: torch.Tensor) -> torch.Tensor:
+    """2**(e - 1) for each value = m * 2**e (m in [0.5, 1)): value / it is in [1, 2), exactly, and it is finite for
+    every finite value (a power of two above 1.8e308 is not)."""
+    _, exponent = torch.frexp(values)
+    return torch.ldexp(torch.ones_like(values), exponent - 1)
 
 
 def quantile(values: torch.Tensor, q: float) -> float:

@@ -24,6 +24,7 @@ and every result is validated on this side (`common.reward_fns.validate_result`)
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -221,6 +222,10 @@ class RewardScorer:
                 if outcome.error:
                     self._count_failure(outcome, name, row)
             reward, metrics = combine(mine, self.weights, self.names)
+            if not math.isfinite(reward):  # each finite, their weighted sum past float's range (2 x 1e308)
+                message = f"the weighted sum of the scores {[o.score for o in mine]} is {reward} (reward.weights "
+                self._count_failure(CallOutcome(error=message + f"{list(self.weights)})"), "+".join(self.names), row)
+                reward = 0.0
             for key, value in metrics.items():
                 total = self.metric_sums.setdefault(key, [0.0, 0.0])
                 total[0] += value

@@ -470,7 +470,7 @@ def test_rewards_past_float32_s_range_give_finite_advantages(estimator):
     groups = random_groups(vocab=24, n_groups=3, size=4)  # rewards 0, 1, 0, 1 in each group
     unit = collate(groups, pad_id=0)
     expected = advantages(unit.rewards, unit.group_index, estimator)
-    for scale in (1e25, 1e39):
+    for scale in (1e25, 1e39, 1e160, 1e300, 1.7e308):  # 1e160 and up: the squares were inf (advantages 0, then NaN)
         scaled = [[dataclasses.replace(t, reward=t.reward * scale) for t in group] for group in groups]
         batch = collate(scaled, pad_id=0)
         adv = advantages(batch.rewards, batch.group_index, estimator)
@@ -479,6 +479,16 @@ def test_rewards_past_float32_s_range_give_finite_advantages(estimator):
             assert torch.allclose(adv, expected, rtol=1e-5), scale  # to the 1e-6 in the spread at scale 1
         elif scale < 1e38:  # the others keep the rewards' scale: 1e39 is past float32 as an advantage too
             assert torch.isfinite(adv).all() and torch.allclose(adv, expected * scale, rtol=1e-6), scale
+
+
+def test_grpo_advantages_of_rewards_spanning_float64_s_range():
+    """Rewards of +-1.7e308: their deviations (3.4e308) and sums are past float64's range; `grpo` counts them on the
+    group's own scale and gives the advantages of +-1."""
+    group_index = torch.zeros(4, dtype=torch.long)
+    huge = torch.tensor([1.7e308, -1.7e308, 0.0, 1.7e308], dtype=torch.float64)
+    adv = advantages(huge, group_index, "grpo")
+    assert torch.isfinite(adv).all()
+    assert torch.allclose(adv, advantages(torch.tensor([1.0, -1.0, 0.0, 1.0]), group_index, "grpo"), rtol=1e-5)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])

@@ -45,6 +45,10 @@ def garbage(response, answer, row):
 def pid(response, answer, row):
     return float(os.getpid())
 
+def huge(response, answer, row):
+    return 1e308
+
+
 def matches(response, answer, row):
     return float(response == answer)
 
@@ -204,6 +208,19 @@ def test_weights_combine_the_scores_of_several_functions(user_file):
         scorer.close()
     assert rewards == [1.0, -0.25, 0.0]
     assert scorer.metric_sums == {"matches": [1.0, 3.0], "long_response": [1.0, 3.0]}  # each function's own mean
+
+
+def test_finite_scores_whose_weighted_sum_is_not_score_zero_and_are_counted(user_file):
+    """2 x 1e308 + 1 is inf: the buffer refused every such group (nonfinite_reward) and the run hung on its stall
+    watchdog, with reward/errors at 0."""
+    scorer = _scorer(user_file, ["huge", "matches"], weights=[2.0, 1.0])
+    try:
+        rewards = scorer.score([("26", "26", {"index": 0}), ("x", "26", {"index": 1})])
+    finally:
+        scorer.close()
+    assert rewards == [0.0, 0.0] and scorer.errors == 2
+    assert "reward function 'huge+matches' failed on row 0" in scorer.first_error
+    assert "the weighted sum of the scores [1e+308, 1.0] is inf (reward.weights [2.0, 1.0])" in scorer.first_error
 
 
 def test_without_reward_functions_the_task_reward_runs_in_process():
