@@ -227,7 +227,24 @@ def load_fn(parsed: RewardSpec, key: str = "reward.fn") -> RewardFn:
         raise RewardFnError(f"`{key}` {parsed.spec!r}: {where} has no function {parsed.name!r}")
     if not callable(fn):
         raise RewardFnError(f"`{key}` {parsed.spec!r}: {parsed.name!r} in {where} is not callable")
+    _check_call(fn, f"`{key}` {parsed.spec!r}: {parsed.name!r} in {where}")
     return fn
+
+
+def _check_call(fn: Any, what: str) -> None:
+    """RewardFnError unless `fn(response, answer, row)` binds to its signature: a function of other parameters failed
+    every call (each counted as a reward error) and, with dynamic sampling off, the run trained on zeros to its end."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or a C callable without one: its calls say
+        return
+    try:
+        signature.bind("response", "answer", {})
+    except TypeError as err:
+        shown = signature.replace(return_annotation=inspect.Signature.empty)
+        raise RewardFnError(f"{what} takes {shown}, but it is called as fn(response, answer, row): {err}") from None
 
 
 def spec_names(specs: Sequence[str]) -> list[str]:
