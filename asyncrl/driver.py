@@ -128,6 +128,9 @@ def check_inputs(cfg: Config, model_dir: str) -> ArchConfig:
         source = make_source(cfg.data)
     except DatasetError as err:
         raise StartupError(f"data.path: {err}") from None
+    if overlap := int(getattr(source, "eval_overlap", 0)):
+        print(f"warning: data.eval_path: {overlap} of its rows (prompt and answer) are rows of data.path too: the "
+              "evaluation is not held out", flush=True)  # fmt: skip
     try:
         server_keys(cfg.buffer.curve_keys_dir)
         client_keys(cfg.buffer.curve_keys_dir)

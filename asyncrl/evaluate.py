@@ -213,6 +213,7 @@ class Evaluator:
 
         source = make_source(self.cfg.data)
         held_out, trained_on = source.eval_set(), bool(getattr(source, "eval_in_training", False))
+        overlap = int(getattr(source, "eval_overlap", 0))  # rows of data.eval_path that data.path holds too
         prompts, answers = [p.prompt for p in held_out], [p.answer for p in held_out]
         metrics: dict[str, float] = {}
         if not self.cfg.env.fn:  # the learner's single-turn greedy decode; an episode's tool calls need the evaluator
@@ -222,11 +223,15 @@ class Evaluator:
         metrics.update(actors.get(self.actor.evaluate.remote(step, prompts, answers, self.cfg.eval.samples)))
         distinct = len(set(prompts))  # the built-in tasks draw from their held-out slice with replacement
         logger.event("eval", after_steps=step, problems=len(prompts), distinct=distinct, trained_on=trained_on,
-                     **metrics)  # fmt: skip
+                     **({"eval_path_rows_in_training": overlap} if overlap else {}), **metrics)  # fmt: skip
         shown_keys = [key for key in metrics if any(part in key for part in ("@", "acc", "tool"))]
         shown = ", ".join(f"{key[5:]} {metrics[key]:.3f}" for key in shown_keys)
-        what = (f"eval (rows also in the training stream: set data.eval_path for a held-out set) after {step} steps"
-                if trained_on else f"held-out eval after {step} steps")  # fmt: skip
+        if overlap:
+            what = f"eval ({overlap} rows of data.eval_path are rows of data.path too: not held out) after {step} steps"
+        elif trained_on:
+            what = f"eval (rows also in the training stream: set data.eval_path for a held-out set) after {step} steps"
+        else:
+            what = f"held-out eval after {step} steps"
         logger.info(f"{what} on {len(prompts)} prompts ({distinct} distinct): {shown}")
         return metrics
 

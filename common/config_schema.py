@@ -117,7 +117,8 @@ class DataConfig:
     (`reward_model.ground_truth`)."""
     eval_path: str = ""
     """task=dataset: a separate held-out file (same formats and keys) for evaluation; empty: `data.eval_size` rows of
-    `data.path`."""
+    `data.path`. Rows it shares with `data.path` (same prompt and answer) are counted: a warning at start, and the
+    eval line and event say the evaluation is not held out (`eval_path_rows_in_training`)."""
     max_prompt_tokens: int = in_range(0, default=0)
     """task=dataset: drop rows whose prompt (chat template applied) has more tokens than this; 0: keep all. The count
     dropped is printed at start."""

@@ -370,8 +370,20 @@ class DatasetSource(JsonlSource):
 
     @property
     def eval_in_training(self) -> bool:  # type: ignore[override]
-        """Whether the eval rows are rows of `data.path` (also trained on), not of a `data.eval_path` of their own."""
-        return self._eval_rows is None
+        """Whether eval rows are also trained on: rows of `data.path` (no `data.eval_path`), or rows of a
+        `data.eval_path` that `data.path` holds too (`eval_overlap`)."""
+        return self._eval_rows is None or self.eval_overlap > 0
+
+    @property
+    def eval_overlap(self) -> int:
+        """Rows of `data.eval_path` whose prompt and answer are a row of `data.path` too (0 without an eval_path):
+        the same file given twice, or an eval split cut from the training file, was called held-out."""
+        if self._eval_rows is None:
+            return 0
+        if getattr(self, "_overlap", None) is None:
+            trained = {_row_key(row) for row in self._rows}
+            self._overlap = sum(_row_key(row) in trained for row in self._eval_rows)
+        return self._overlap
 
     def eval_set(self) -> list[Problem]:
         if self._eval_rows is None:
@@ -379,3 +391,8 @@ class DatasetSource(JsonlSource):
         rows = self._eval_rows
         order = _permutation(len(rows), self.seed, _EVAL_STREAM, 0)[: self.eval_size]
         return [Problem(index=i, prompt=rows[row][0], answer=rows[row][1]) for i, row in enumerate(order)]
+
+
+def _row_key(row: tuple[Any, Any]) -> str:
+    """A (prompt, answer) row as one string: prompts may be message lists."""
+    return json.dumps([row[0], row[1]], ensure_ascii=False, sort_keys=True)

@@ -133,7 +133,8 @@ def test_missing_unknown_and_unreadable_paths_fail_with_their_name(tmp_path: Pat
 
 
 def test_a_separate_eval_file_gives_the_eval_set(tmp_path: Path) -> None:
-    train = _write(tmp_path, "train.jsonl", [{"prompt": f"{i} + 1 =", "answer": i + 1} for i in range(20)])
+    train_rows = [{"prompt": f"{i} + 1 =", "answer": i + 1} for i in range(20)]
+    train = _write(tmp_path, "train.jsonl", train_rows)
     held_out = _write(tmp_path, "test.parquet", [{"prompt": f"{i} * 2 =", "answer": 2 * i} for i in range(6)])
     source = make_source(DataConfig(task="dataset", path=str(train), eval_path=str(held_out), eval_size=4))
     eval_set = source.eval_set()
@@ -145,6 +146,11 @@ def test_a_separate_eval_file_gives_the_eval_set(tmp_path: Path) -> None:
     trained = {shared.train(i).prompt for i in range(20)}  # one epoch: every row
     assert all(p.prompt in trained for p in shared.eval_set()) and shared.eval_in_training is True  # said, not hidden
     assert getattr(make_source(DataConfig()), "eval_in_training", False) is False  # the arithmetic task's slice
+    assert source.eval_overlap == 0
+    cut = _write(tmp_path, "cut.jsonl", [*train_rows[:5], {"prompt": "7 * 2 =", "answer": 14}])  # a split gone wrong
+    for eval_path, overlap in ((train, 20), (cut, 5)):  # the training file itself, or 5 of its rows
+        again = make_source(DataConfig(task="dataset", path=str(train), eval_path=str(eval_path), eval_size=4))
+        assert again.eval_overlap == overlap and again.eval_in_training is True  # was called held-out
     chat = _write(tmp_path, "chat.jsonl", [{"prompt": [{"role": "user", "content": "1+1"}], "answer": 2}])
     with pytest.raises(DatasetError, match="its prompts are messages but those of .* are text"):
         make_source(DataConfig(task="dataset", path=str(train), eval_path=str(chat)))
