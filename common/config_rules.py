@@ -247,8 +247,20 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(
             "data.task=dataset needs `data.path` (a .jsonl, .json or .parquet file or a `datasets` save_to_disk dir)"
         )
-    if cfg.data.task != "dataset" and (cfg.data.eval_path or cfg.data.max_prompt_tokens):
-        raise ConfigError("`data.eval_path` and `data.max_prompt_tokens` need data.task=dataset")
+    only_dataset = [key for key, value in (("data.eval_path", cfg.data.eval_path),
+                                           ("data.max_prompt_tokens", cfg.data.max_prompt_tokens))
+                    if value]  # fmt: skip
+    if cfg.data.task != "dataset" and only_dataset:
+        raise ConfigError(f"`{'` and `'.join(only_dataset)}` need{'s' if len(only_dataset) == 1 else ''} "
+                          f"data.task=dataset (it is {cfg.data.task})")  # fmt: skip
+    if cfg.data.task in ("arith", "arith_tool"):  # a file given with the default task was ignored: arithmetic trained
+        file_keys = [key for key, value, default in (("data.path", cfg.data.path, ""),
+                                                     ("data.prompt_key", cfg.data.prompt_key, "prompt"),
+                                                     ("data.answer_key", cfg.data.answer_key, "answer"))
+                     if value != default]  # fmt: skip
+        if file_keys:
+            raise ConfigError(f"`{'`, `'.join(file_keys)}` set, but data.task={cfg.data.task} generates its own "
+                              "problems: set data.task=jsonl or data.task=dataset to train on a file")  # fmt: skip
     if cfg.data.task == "arith_tool" and not cfg.env.fn:
         raise ConfigError("data.task=arith_tool runs calculator episodes: set `env.fn=asyncrl:arith_tool`")
     if cfg.data.task in ("arith", "arith_tool") and (not cfg.data.ops or set(cfg.data.ops) - {"+", "-"}):
@@ -291,9 +303,15 @@ def _check_model(cfg: Config) -> None:
 
 
 def _check_env(cfg: Config) -> None:
-    """`env.fn` names a file or module holding the environment (common/envs.py; a file is parsed, not run)."""
+    """`env.fn` names a file or module holding the environment (common/envs.py; a file is parsed, not run); its
+    episodes are scored by the environment, so a reward function beside it would never run."""
     if not cfg.env.fn:
         return
+    if cfg.reward.specs():
+        key = "reward.fns" if cfg.reward.fns else "reward.fn"
+        raise ConfigError(f"`{key}` is not used with `env.fn`: an episode's reward is its environment's (the "
+                          "rewards `step` returns, combined by env.turn_rewards); score there, or unset one of "
+                          "them")  # fmt: skip
     from common.envs import EnvError, check_env_spec
 
     try:

@@ -281,3 +281,12 @@ def test_chat_template_true_and_false_as_yaml_booleans(tmp_path):
     assert load_config(str(path), []).data.chat_template == "true"
     with pytest.raises(ConfigError, match="invalid value 'maybe' for `data.chat_template`"):
         load_config(None, ["data.chat_template=maybe"])
+
+
+def test_a_reward_function_beside_an_environment_is_refused():
+    """Episodes are scored by their environment: `reward.fn` with `env.fn` was loaded and never called."""
+    base = ["env.fn=asyncrl:arith_tool", "data.task=arith_tool", "model.path=builtin:tiny-tool", "algo.overlong.len=0"]
+    for extra, key in ((["reward.fn=asyncrl:arith"], "reward.fn"), (["reward.fns=[asyncrl:arith]"], "reward.fns")):
+        with pytest.raises(ConfigError, match=f"^`{key}` is not used with `env.fn`: an episode's reward is its env"):
+            load_config(None, base + extra)
+    assert load_config(None, base).env.fn == "asyncrl:arith_tool"

@@ -181,8 +181,14 @@ def test_the_row_of_a_held_out_problem_is_its_dataset_row_parsed_or_cached(tmp_p
 def test_config_rules_for_the_dataset_keys() -> None:
     with pytest.raises(ConfigError, match="data.task=dataset needs `data.path`"):
         load_config(None, ["data.task=dataset"])
-    with pytest.raises(ConfigError, match="need data.task=dataset"):
-        load_config(None, ["data.max_prompt_tokens=10"])
+    with pytest.raises(ConfigError, match=r"^`data.max_prompt_tokens` needs data.task=dataset \(it is arith\)$"):
+        load_config(None, ["data.max_prompt_tokens=10"])  # only the key set is named (it named both)
+    for overrides, keys in (
+        (["data.path=rows.jsonl"], "`data.path`"),
+        (["data.prompt_key=q", "data.answer_key=a"], "`data.prompt_key`, `data.answer_key`"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{keys} set, but data.task=arith generates its own problems"):
+            load_config(None, overrides)  # ignored: the run trained on arithmetic and said nothing
     with pytest.raises(ConfigError, match="chat_template"):
         load_config(None, ["data.chat_template=maybe"])
 
