@@ -141,15 +141,28 @@ def load_env_factory(spec: str, args: dict[str, Any] | None = None, key: str = "
         raise _env_error(err) from err
     kwargs = dict(args or {})
     _check_args(cls, kwargs, spec, key)
+    if isinstance(cls, type):  # a class: its methods are known before any episode (a factory's are not)
+        _check_methods(cls, spec, key)
 
     def make() -> Any:
         env = cls(**kwargs)
+        _check_methods(env, spec, key)
         stops = getattr(env, "stop_strings", ())
         if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
             raise EnvError(f"`{key}` {spec!r}: stop_strings must be a tuple of non-empty str, got {stops!r}"[:300])
         return env
 
     return make
+
+
+def _check_methods(env: Any, spec: str, key: str) -> None:
+    """EnvError unless `env` (a class or an instance) has the protocol's `reset` and `step`: one without `step`
+    failed every episode in the decode loop with a bare `KeyError: <number>` that named nothing."""
+    missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
+    if missing:
+        what = env.__name__ if isinstance(env, type) else type(env).__name__
+        raise EnvError(f"`{key}` {spec!r}: {what} has no {' and no '.join(f'`{m}` method' for m in missing)} (an "
+                       "environment has reset(problem) -> prompt and step(model_text) -> StepResult)")  # fmt: skip
 
 
 def _check_args(cls: Callable[..., Any], kwargs: dict[str, Any], spec: str, key: str) -> None:

@@ -227,7 +227,6 @@ def load_fn(parsed: RewardSpec, key: str = "reward.fn") -> RewardFn:
         raise RewardFnError(f"`{key}` {parsed.spec!r}: {where} has no function {parsed.name!r}")
     if not callable(fn):
         raise RewardFnError(f"`{key}` {parsed.spec!r}: {parsed.name!r} in {where} is not callable")
-    _check_call(fn, f"`{key}` {parsed.spec!r}: {parsed.name!r} in {where}")
     return fn
 
 
@@ -376,6 +375,8 @@ def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
     try:
         keys = [key] if key == "reward.fn" else [f"{key}[{i}]" for i in range(len(specs))]  # as the config set them
         fns = [load_fn(parse_spec(spec), name) for spec, name in zip(specs, keys)]
+        for fn, spec, name in zip(fns, specs, keys):
+            _check_call(fn, f"`{name}` {spec!r}")
         warm_up(fns)
     except BaseException as err:  # noqa: BLE001 - said to the worker, which fails its start with it
         conn.send(("load_error", str(err)))

@@ -29,8 +29,19 @@ class Echo:
         return StepResult(model_text, 1.0 + self.bonus, True, {"tool_calls": 1})
 
 
-class BadStops:
+class BadStops(Echo):
     stop_strings = "="
+
+
+class NoStep:
+    stop_strings = ("]",)
+
+    def reset(self, problem):
+        return problem["prompt"]
+
+
+def no_step():
+    return NoStep()
 """
 
 
@@ -43,6 +54,16 @@ def test_an_environment_is_loaded_from_a_file_with_its_args(tmp_path: Path) -> N
     assert check_step_result(env.step("2")) == StepResult("2", 1.5, True, {"tool_calls": 1})
     with pytest.raises(EnvError, match="stop_strings"):
         load_env_factory(f"{tmp_path / 'envs_file.py'}:BadStops")()
+
+
+def test_an_environment_without_step_fails_naming_it(tmp_path: Path) -> None:
+    """Every episode failed in the decode loop with `KeyError: <number>`, and the run stalled saying only that."""
+    (tmp_path / "envs_file.py").write_text(ENV)
+    with pytest.raises(EnvError, match=r"`env.fn` .*:NoStep': NoStep has no `step` method \(an environment has "):
+        load_env_factory(f"{tmp_path / 'envs_file.py'}:NoStep")  # a class: when it loads
+    make = load_env_factory(f"{tmp_path / 'envs_file.py'}:no_step")  # a factory: at its first episode
+    with pytest.raises(EnvError, match=r"NoStep has no `step` method"):
+        make()
 
 
 @pytest.mark.parametrize("args", [{"bonsu": 0.5}, {"bonus": 0.5, "extra": 1}])

@@ -247,7 +247,7 @@ def test_a_function_that_cannot_load_fails_the_start_naming_it(user_file, tmp_pa
         RewardPool([f"{crashing}:fn"], 1.0)
     two = tmp_path / "two.py"  # every call failed; with dynamic sampling off the run trained on zeros to its "done"
     two.write_text("def two_args(response, answer):\n    return 1.0\n")
-    with pytest.raises(RewardFnError, match=r"'two_args' in .*takes \(response, answer\), but it is called as fn"):
+    with pytest.raises(RewardFnError, match=r"two.py:two_args' takes \(response, answer\), but it is called as fn"):
         RewardPool([f"{two}:two_args"], 1.0)
 
 
