@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from common.config_checks import ConfigError, check_section, is_loopback
@@ -179,10 +179,31 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             merged = OmegaConf.merge(merged, file_cfg)
         except OmegaConfBaseException as err:
             raise _explain(err, source) from err
+        except TypeError as err:  # omegaconf's "Cannot merge incompatible container types": a list for a map, ...
+            raise ConfigError(f"{source}: {_container_mismatch(merged, file_cfg, '') or err}") from None
     cfg = _merge_overrides(merged, overrides)
     if not cfg.logging.name:
         cfg.logging.name = Path(path).stem if path is not None else "run"
     return validate(cfg)
+
+
+def _container_mismatch(schema: Any, given: Any, prefix: str) -> str:
+    """The first key of `given` holding a list where `schema` holds a mapping, or the reverse ("" if none)."""
+    if not isinstance(given, DictConfig) or not isinstance(schema, DictConfig):
+        return ""
+    for key in given:
+        if key not in schema:
+            continue
+        ours, theirs = schema._get_node(key), given._get_node(key)
+        kinds = {DictConfig: "a mapping", ListConfig: "a list"}
+        ours_kind = next((word for kind, word in kinds.items() if isinstance(ours, kind)), "")
+        theirs_kind = next((word for kind, word in kinds.items() if isinstance(theirs, kind)), "")
+        if ours_kind and theirs_kind and ours_kind != theirs_kind:
+            return f"`{prefix}{key}` must be {ours_kind}, got {theirs_kind}: {OmegaConf.to_container(theirs)!r}"[:300]
+        found = _container_mismatch(ours, theirs, f"{prefix}{key}.")
+        if found:
+            return found
+    return ""
 
 
 def _merge_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...]) -> Config:
@@ -201,6 +222,8 @@ def _merge_overrides(merged: DictConfig, overrides: list[str] | tuple[str, ...])
                 OmegaConf.update(merged, key, value, merge=False)
         except OmegaConfBaseException as err:
             raise _explain(err, f"override {item!r}") from err
+        except TypeError as err:  # omegaconf's "Cannot merge incompatible container types": a list for a map, ...
+            raise ConfigError(f"override {item!r}: {_container_mismatch(merged, dotlist, '') or err}") from None
         except yaml.YAMLError as err:  # the value is not YAML: `loss.cap=[1`
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
         except ValueError as err:  # what YAML cannot convert: an integer of more than 4300 digits

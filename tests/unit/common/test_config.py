@@ -290,3 +290,15 @@ def test_a_reward_function_beside_an_environment_is_refused():
         with pytest.raises(ConfigError, match=f"^`{key}` is not used with `env.fn`: an episode's reward is its env"):
             load_config(None, base + extra)
     assert load_config(None, base).env.fn == "asyncrl:arith_tool"
+
+
+def test_a_list_for_a_mapping_or_the_reverse_is_named(tmp_path):
+    """omegaconf raised a bare TypeError ("Cannot merge incompatible container types"): a traceback, exit code 1."""
+    with pytest.raises(ConfigError, match=r"override 'env.args=\[1,2\]': `env.args` must be a mapping, got a list"):
+        load_config(None, ["env.args=[1,2]"])
+    with pytest.raises(ConfigError, match=r"`model.lora.targets` must be a list, got a mapping: \{'q_proj': 1\}"):
+        load_config(None, ["model.lora.targets={q_proj: 1}"])
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  lora:\n    targets: {q_proj: 1}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: `model.lora.targets` must be a list, got a mapping"):
+        load_config(str(path), [])
