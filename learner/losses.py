@@ -76,9 +76,10 @@ def loss_normalizer(mask: torch.Tensor, cfg: LossConfig) -> float:
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: torch.Tensor | float):
     """min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) per token; eps_high may be a per-token tensor (ACR)."""
-    upper = 1.0 + eps_high
-    clipped = torch.minimum(torch.clamp(ratio, min=1.0 - eps_low), torch.as_tensor(upper, dtype=ratio.dtype))
-    return torch.minimum(ratio * adv, clipped * adv)
+    low = torch.full_like(ratio, 1.0 - eps_low)
+    high = torch.as_tensor(1.0 + eps_high, dtype=ratio.dtype).expand_as(ratio)
+    clipped = torch.clamp(ratio, min=low, max=high)  # one clamp, inclusive at both bounds: at r = 1 + eps_high
+    return torch.minimum(ratio * adv, clipped * adv)  # (eps_high = 0) a minimum passed on 0.75 of the gradient
 
 
 def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:

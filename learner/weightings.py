@@ -245,6 +245,7 @@ def pg_rho(inputs: LossInputs) -> torch.Tensor:
 def pg_loss(inputs: LossInputs, seq_weight: torch.Tensor, metrics: dict[str, float]) -> SequenceLoss:
     """loss_i = -seq_weight_i * A_i * sum_t lc[t] (B,): the FP16 paper's policy gradient with a stopped weight."""
     seq_logp = torch.where(inputs.mask.bool(), inputs.cur_logp, 0.0).sum(-1)  # (B,) log pi_theta(y), with grad
+    seq_weight = torch.where(inputs.advantages == 0, 0.0, seq_weight)  # an A = 0 row adds 0, also where rho is inf
     return SequenceLoss(-seq_weight * inputs.advantages * seq_logp, metrics)
 
 

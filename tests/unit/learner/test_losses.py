@@ -528,3 +528,30 @@ def test_overlong_shaping_follows_the_spec_s_window():
     truncated = torch.tensor([False, False, False, False, False, True])
     penalty = overlong_shaping(lengths, truncated, max_len=8, cache_len=4)
     assert penalty.tolist() == [0.0, -0.25, -0.5, -1.0, 0.0, -1.0]
+
+
+def test_pg_is_on_an_a_zero_row_whose_sequence_ratio_overflows_is_finite():
+    """rho' = exp(sum_t (lc - lb)) is inf past a sum of 88.7 (float32); times A = 0 it gave NaN and skipped the step
+    (a zero-variance group, with dynamic sampling off, is such a row)."""
+    steps = 200
+    lb = torch.full((3, steps), -2.0)
+    lc = (lb + torch.tensor([[0.5], [0.01], [0.02]])).requires_grad_(True)
+    inputs = LossInputs(lb, lb.clone(), lc, torch.tensor([0.0, 1.0, -1.0]), torch.ones(3, steps), steps)
+    out = policy_loss(inputs, LossConfig(weighting="pg_is"))
+    out.loss.backward()
+    x = lc.detach().double() - lb.double()  # the spec in float64: row 0 adds exactly 0
+    rho = x.sum(-1).exp()
+    expected = -(rho[1] * lc.detach().double()[1].sum() - rho[2] * lc.detach().double()[2].sum()) / 3  # per row
+    assert torch.isfinite(lc.grad).all() and (lc.grad[0] == 0).all()
+    assert float(out.loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_the_clip_passes_the_whole_gradient_at_its_upper_bound():
+    """eps_high = 0 puts every token of an on-policy step (r = 1) on the bound: a minimum of the bound and the
+    lower clamp split the gradient, and the outer minimum split it again (0.75 A)."""
+    lb = torch.tensor([[-1.0, -2.0]])
+    for eps_low, eps_high, adv, grad in ((0.2, 0.28, 1.0, -0.5), (0.2, 0.0, 1.0, -0.5), (0.0, 0.28, -1.0, 0.5)):
+        lc = lb.clone().requires_grad_(True)
+        inputs = LossInputs(lb, lb.clone(), lc, torch.tensor([adv]), torch.ones(1, 2), 2)
+        policy_loss(inputs, LossConfig(weighting="none", eps_low=eps_low, eps_high=eps_high)).loss.backward()
+        assert lc.grad.tolist() == [[grad, grad]], (eps_low, eps_high, lc.grad)
