@@ -3,7 +3,8 @@
 transformers' `from_pretrained` fills a tensor missing from the files with random values, drops a tensor the model
 does not have, and raises on a shape of another size with a message pointing at a report it logged (which the run
 does not show): a layer deleted from the files, or `num_hidden_layers` raised in config.json, trained random layers
-and wrote them out as the run's model. `load_causal_lm` asks for the loading report and fails naming them.
+and wrote them out as the run's model. `load_causal_lm` asks for the loading report and fails naming them, and
+refuses weights holding NaN or inf (the rollout's quantizers turned a NaN row into finite values: int8 scale 1).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False) -> Any:
             problems.append(f"{len(names)} tensor(s) {what}: {', '.join(names[:SHOWN_NAMES])}{more}")
     if problems:
         raise WeightsMismatch(f"model.path={model_dir}: the weights do not fit config.json: {'; '.join(problems)}")
+    for name, tensor in model.state_dict().items():  # the rollout's quantizers would turn a NaN row into finite
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # garbage (int8: scale 1, q 0)
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightsMismatch(f"model.path={model_dir}: {name} holds {bad} NaN or infinite value(s) (of "
+                                  f"{tensor.numel()}): the weights are damaged")  # fmt: skip
     return model
 
 

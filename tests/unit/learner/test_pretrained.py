@@ -43,3 +43,15 @@ def test_weights_that_do_not_fit_config_json_are_named(tiny, changes, words, mor
     message = str(caught.value)
     assert message.startswith(f"model.path={tiny}: the weights do not fit config.json: ") and "\n" not in message
     assert words in message and message.endswith(f" and {more} more")
+
+
+def test_weights_holding_nan_are_refused(tiny):
+    """A NaN row was published to the workers, where int8 (scale 1, q 0) and fp8's kernels turned it into finite
+    log-probs: silently wrong rollouts from version 0."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tiny / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"][5, 7] = float("nan")
+    save_file(tensors, tiny / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightsMismatch, match=r"model.layers.0.mlp.down_proj.weight holds 1 NaN or infinite value"):
+        load_causal_lm(str(tiny))
