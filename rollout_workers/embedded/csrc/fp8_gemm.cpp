@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -78,8 +79,8 @@ inline float e4m3_portable(float v, bool trunc) {
 }
 
 void quantize_row_portable(const float* x, int64_t k, bool trunc, int out_kind, void* q, float* scale) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < k; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+  float amax = 0.0f;  // NaN once a NaN is seen (torch's amax; nonzero_scale then gives 1 and the NaN stays NaN)
+  for (int64_t i = 0; i < k; ++i) amax = std::fabs(x[i]) > amax || std::isnan(x[i]) ? std::fabs(x[i]) : amax;
   const float s = nonzero_scale(amax);
   *scale = s;
   for (int64_t i = 0; i < k; ++i) {
@@ -118,17 +119,22 @@ F8_BF16 inline __m512 e4m3_avx512(__m512 v, bool trunc) {
 
 F8_BF16 void quantize_row_avx512(const float* x, int64_t k, bool trunc, int out_kind, void* q, float* scale) {
   __m512 amax_v = _mm512_setzero_ps();
+  __mmask16 nan = 0;  // vmaxps drops a NaN (it returns its second operand): counted apart, as torch's amax keeps it
   int64_t i = 0;
-  for (; i + 16 <= k; i += 16) amax_v = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), amax_v);
-  float amax = _mm512_reduce_max_ps(amax_v);
-  for (; i < k; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+  for (; i + 16 <= k; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    amax_v = _mm512_max_ps(_mm512_abs_ps(v), amax_v);
+  }
+  float amax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(amax_v);
+  for (; i < k; ++i) amax = std::fabs(x[i]) > amax || std::isnan(x[i]) ? std::fabs(x[i]) : amax;
   const float s = nonzero_scale(amax);
   *scale = s;
   const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-kFp8Max), hi = _mm512_set1_ps(kFp8Max);
   for (i = 0; i < k; i += 16) {
     const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
     __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, x + i), sv);
-    v = e4m3_avx512(_mm512_min_ps(_mm512_max_ps(v, lo), hi), trunc);
+    v = e4m3_avx512(_mm512_min_ps(hi, _mm512_max_ps(lo, v)), trunc);  // this operand order keeps a NaN
     if (out_kind == F8_OUT_BF16) {
       const __m256i high = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
       _mm256_mask_storeu_epi16(static_cast<uint16_t*>(q) + i, mask, high);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,26 @@ def test_the_quantizer_equals_quant_syncs_bit_for_bit(scheme, isa):
                                  out_kind, q.data_ptr(), in_features, scale.data_ptr())  # fmt: skip
             values = q if out_kind == 0 else q.view(torch.bfloat16).to(torch.float32)
             assert torch.equal(scale, expected_scale) and torch.equal(values, expected_q.to(torch.float32))
+
+
+@pytest.mark.parametrize("isa", [0, 1])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_non_finite_row_quantizes_as_quant_syncs(scheme, isa):
+    """A NaN in a row: torch's amax keeps it, the scale is 1 and the NaN stays NaN (visible downstream); the vector
+    max and clamp dropped it (the scale came from the finite values and the NaN became -448: finite output)."""
+    lib = fp8_linear._Library.get()
+    if isa == 1 and not lib.f8_has_isa(1):
+        return
+    x = torch.randn(6, 37, generator=torch.Generator().manual_seed(2))
+    x[0, 1], x[1, 20], x[2, 36], x[3, 5], x[4, 9] = math.nan, math.nan, math.nan, math.inf, -math.inf  # vector, tail
+    rows, in_features = x.shape
+    expected_q, expected_scale = quantize_activation(x, scheme)
+    q, scale = torch.empty((rows, in_features)), torch.empty(rows)
+    lib.f8_quantize_rows(isa, x.data_ptr(), rows, in_features, in_features, int(scheme == "fp8_trunc"), 0,
+                         q.data_ptr(), in_features, scale.data_ptr())  # fmt: skip
+    expected = expected_q.to(torch.float32)
+    assert torch.equal(scale, expected_scale) and torch.equal(q.isnan(), expected.isnan())
+    assert q.isnan()[:3].any(dim=1).all() and torch.equal(q.nan_to_num(7.0), expected.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("path", PATHS)
