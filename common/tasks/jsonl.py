@@ -140,6 +140,8 @@ def load_rows(path: str | Path, prompt_key: str, answer_key: str) -> list[tuple[
             else "is not a regular file (a pipe or a device: every process of a run reads it)"
         )
         raise DatasetError(f"dataset file {str(path)!r} {what} (data.path)")
+    if file.suffix.lower() in (".parquet", ".arrow"):  # read line by line as JSON, every line was an invalid row
+        raise DatasetError(f"dataset file {str(path)!r} is a {file.suffix} file, not JSONL: data.task=dataset reads it")
     rows: list[tuple[str, str]] = []
     errors: list[str] = []
     with file.open("rb") as lines:

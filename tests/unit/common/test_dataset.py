@@ -287,6 +287,9 @@ def test_a_directory_is_named_as_a_directory(tmp_path: Path) -> None:
         _source(folder)
     with pytest.raises(DatasetError, match=r"dataset file '.*folder' is a directory, not a JSONL file \(data.path\)"):
         make_source(DataConfig(task="jsonl", path=str(folder)))
+    parquet = _write(tmp_path, "rows.parquet", ROWS)  # read as JSON lines: "N invalid row(s): not valid UTF-8"
+    with pytest.raises(DatasetError, match=r"rows.parquet' is a .parquet file, not JSONL: data.task=dataset reads it"):
+        make_source(DataConfig(task="jsonl", path=str(parquet)))
 
 
 def test_a_pipe_as_data_path_is_named_as_such_not_as_missing(tmp_path: Path) -> None:
