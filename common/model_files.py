@@ -258,8 +258,14 @@ class _TokenizerView:
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         except Exception as err:  # any loader fault (transformers raises many kinds): name it on one line
-            fault = " ".join(str(err).split())[:300]
-            raise ModelFilesError(f"model.path={model_dir}: the tokenizer does not load: {fault}") from None
+            fault = " ".join(str(err).split())[:300]  # a KeyError's text is only the key: its type says what it is
+            kind = f"{type(err).__name__}: " if isinstance(err, LookupError) or not fault else ""
+            files = ", ".join(
+                name for name in ("tokenizer.json", "tokenizer_config.json") if (Path(model_dir) / name).is_file()
+            )
+            raise ModelFilesError(
+                f"model.path={model_dir}: the tokenizer ({files or 'no tokenizer file'}) does not load: {kind}{fault}"
+            ) from None
         return cls.of_hf(tokenizer, "tokenizer files")
 
     @classmethod

@@ -192,7 +192,9 @@ def test_another_models_tokenizer_is_refused(micro: Path) -> None:
 
 def test_a_tokenizer_that_does_not_load_is_refused(micro: Path) -> None:
     (micro / "tokenizer.json").write_text("{not json")
-    assert ": the tokenizer does not load: " in _refusal(micro)
+    assert ": the tokenizer (tokenizer.json, tokenizer_config.json) does not load: " in _refusal(micro)
+    (micro / "tokenizer.json").write_text('{"model": {"type": "Nope"}}')  # said only "'added_tokens'" (a KeyError)
+    assert "does not load: KeyError: 'added_tokens'" in _refusal(micro)
 
 
 def test_a_special_token_the_chat_template_writes_must_fit_the_vocab(micro: Path) -> None:
