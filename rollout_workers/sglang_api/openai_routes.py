@@ -341,7 +341,7 @@ async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
         "stream": obj.stream,
         **obj.native_fields(),
     }
-    if obj.template_tools():  # serving_chat.py: a tool call may be written in special tokens, so they are kept
+    if obj.tools and obj.tool_choice != "none":  # the template got them (serving_chat.py): special tokens are kept
         body["sampling_params"]["skip_special_tokens"] = False
     request, order = await _submit(service, body)
     if obj.stream:
