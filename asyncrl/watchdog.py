@@ -258,6 +258,14 @@ class Watchdog:
                 f"(`train.max_nonfinite_steps`), and the rewards do not sum to a finite number (their sum is "
                 f"{reward_sum}): a reward function returns numbers too large (`reward.fn`);"
             )
+        scale, loss = (metrics or {}).get("loss_scale", 1.0), (metrics or {}).get("loss", math.nan)
+        if isinstance(scale, float) and scale > 1.0 and isinstance(loss, float) and math.isfinite(loss):
+            raise RunFailed(  # fp16: the loss is finite, its scaled gradient overflows while the scale still falls
+                f"{streak} train steps in a row (from step {self.nonfinite_since}) were skipped with a finite loss "
+                f"({loss:.4g}): fp16's scaled gradients overflowed while the loss scale fell to {scale:g} "
+                f"(`train.max_nonfinite_steps`); start from a lower `precision.loss_scale_init` (the default is "
+                f"65536), or allow more steps; the weights did not change in these steps;"
+            )
         raise RunFailed(
             f"the model diverged: {streak} train steps in a row (from step {self.nonfinite_since}) had a non-finite "
             f"loss or gradient and were skipped (`train.max_nonfinite_steps`); lower `optim.lr` or look for bad rows; "

@@ -16,6 +16,7 @@ Modes (`loss.acrl`):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ class AcrlReference:
         if self.cfg.x > 0:
             return self.cfg.x
         batch_x = float(group_discrepancies.mean())  # eq. 6: mean over groups of Y_g
+        if not math.isfinite(batch_x):  # a non-finite forward (its step is skipped): X would stay NaN for the run
+            return self.measured_x if self.measured_x is not None else batch_x
         if self.measured_x is None:
             self.measured_x = batch_x
         elif self.cfg.x_mode == "ema":

@@ -98,5 +98,5 @@ class LossScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped = state["skipped"]
-        if state.get("enabled", True) or not self.enabled:  # an fp16 run resumed from an fp32/bf16 checkpoint keeps
-            self.scale, self.clean_steps = state["scale"], state["clean_steps"]  # its loss_scale_init
+        if self.enabled and state.get("enabled", True):  # an fp16 run resumed from an fp32/bf16 checkpoint keeps its
+            self.scale, self.clean_steps = state["scale"], state["clean_steps"]  # loss_scale_init; a disabled one 1

@@ -523,6 +523,7 @@ def train_on_batch(
             prox_logp, entropy = proximal_logp(model, batch, learner, sections.precision, sections.rollout, ranks)
     else:
         prox_logp, entropy = batch.behav_logp.clone(), torch.zeros_like(batch.behav_logp)
+    acrl_before = acrl_reference.state_dict()  # a skipped step leaves the reference X as it found it, too
     inputs = step_inputs(batch, prox_logp, sections.rollout, sections.algo, sections.loss, acrl_reference)
     inputs.prox_entropy = entropy if from_forward else None
     inputs.prox_version = version if loglinear else None
@@ -605,6 +606,7 @@ def train_on_batch(
             _restore(model, before)
         if optim_before is not None:
             optimizer.load_state_dict(optim_before)
+        acrl_reference.load_state_dict(acrl_before)
         metrics["skipped_nonfinite"] = 1.0
     with timed(seconds, "metrics"):
         if update_sums is None:  # several minibatches (against the snapshot), or no step at all (unchanged)

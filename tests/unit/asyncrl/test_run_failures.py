@@ -109,6 +109,11 @@ def test_the_watchdog_fails_a_run_after_max_nonfinite_steps_skipped_in_a_row() -
     overflowing.step_done(1, overflowed, skipped)
     with pytest.raises(RunFailed, match=r"the rewards do not sum to a finite number \(their sum is inf\)"):
         overflowing.step_done(2, overflowed, skipped)
+    fp16 = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None, 2)  # said "the model diverged"
+    fp16.step_done(1, pool, {"skipped_nonfinite": 1.0, "loss": 0.43, "loss_scale": 2.0**63})
+    with pytest.raises(RunFailed, match=r"skipped with a finite loss \(0.24\): fp16's scaled gradients overflowed "
+                       r"while the loss scale fell to 4.61169e\+18 .*lower `precision.loss_scale_init`"):  # fmt: skip
+        fp16.step_done(2, pool, {"skipped_nonfinite": 1.0, "loss": 0.24, "loss_scale": 2.0**62})
     never = Watchdog(0.0, 0, lambda name, **fields: None, lambda line: None, 0)
     for step in range(1, 100):
         never.step_done(step, pool, skipped)  # 0: the run goes on

@@ -153,3 +153,36 @@ def test_an_fp16_run_resumed_from_a_bf16_checkpoint_keeps_its_initial_loss_scale
     fp16.update(finite=False)
     resumed.load_state_dict(fp16.state_dict())
     assert resumed.scale == 32768.0  # an fp16 checkpoint's scale carries over
+
+
+def test_a_skipped_step_leaves_acrls_reference_x_as_it_found_it():
+    """A step skipped for an fp16 overflow moved the EMA of X (0.0077 -> 0.0223); one NaN Y_g made X NaN for the rest
+    of the run, and ACRL ran with alpha 0."""
+    import copy
+
+    model = tiny_model()
+    batch = with_behavior(tiny_batch(), model)
+    cfg = tiny_config("precision.train=fp16", "loss.weighting=acrl", "loss.acrl.x_mode=ema", "loss.acrl.ema_decay=0.5")
+    reference = AcrlReference(cfg.loss.acrl)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    clean = train_on_batch(model, optimizer, LossScaler(scale=2.0**8), copy.deepcopy(batch), cfg, reference)
+    x = reference.state_dict()["measured_x"]
+    assert not clean.skipped and x is not None and x > 0
+    other = with_behavior(tiny_batch(seed=5), model, seed=3, noise=1.0)
+    skipped = train_on_batch(model, optimizer, LossScaler(scale=2.0**40), copy.deepcopy(other), cfg, reference)
+    assert skipped.skipped and reference.state_dict()["measured_x"] == x
+    assert reference.update_and_get(torch.tensor([float("nan")])) == x  # a non-finite Y_g is not folded in
+
+
+def test_a_disabled_scaler_resumed_from_an_fp16_checkpoint_keeps_scale_one():
+    """A bf16 run resumed from an fp16 checkpoint logged loss_scale 524288 (and saved it on)."""
+    state = {"scale": 524288.0, "clean_steps": 1, "skipped": 5, "enabled": True}
+    disabled = LossScaler(enabled=False)
+    disabled.load_state_dict(state)
+    assert disabled.scale == 1.0 and disabled.skipped == 5
+    fp16 = LossScaler(scale=2.0**16)
+    fp16.load_state_dict(state)
+    assert fp16.scale == 524288.0 and fp16.clean_steps == 1
+    fp16_from_bf16 = LossScaler(scale=2.0**16)
+    fp16_from_bf16.load_state_dict({**state, "scale": 1.0, "enabled": False})
+    assert fp16_from_bf16.scale == 2.0**16  # its own loss_scale_init
