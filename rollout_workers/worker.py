@@ -229,9 +229,13 @@ class RolloutWorker:
             "worker": self.worker_id,
             "version": self.engine.version,
             "swaps": self.engine.swaps,
-            # a worker whose weight subscriber stopped would generate on stale weights forever: not alive
-            "alive": self._thread is not None and self._thread.is_alive() and (subscriber is None or subscriber.alive),
-            "last_error": self.last_error,
+            # a worker whose weight subscriber stopped would generate on stale weights forever, and one whose engine
+            # cannot generate any more (its SGLang server failed past its restarts) fails every batch: not alive
+            "alive": self._thread is not None
+            and self._thread.is_alive()
+            and (subscriber is None or subscriber.alive)
+            and not getattr(self.engine, "fatal", ""),
+            "last_error": getattr(self.engine, "fatal", "") or self.last_error,  # a failed engine says why first
             "weights_rejected": subscriber.rejected if subscriber is not None else 0,
             "weights_error": subscriber.last_error if subscriber is not None else "",
             "build_errors": self.engine.build_errors,
@@ -264,6 +268,9 @@ class RolloutWorker:
                 except Exception:  # keep the worker alive; the leases expire and return to the pool
                     self.counters["errors"] += 1
                     self.last_error = traceback.format_exc(limit=3)
+                    if fatal := getattr(self.engine, "fatal", ""):  # it will fail every batch: the loop ends (no more
+                        self.last_error = fatal  # leases), `stats()` says not alive, the supervisor restarts the worker
+                        break
                     continue
                 for lease, trajectories in groups:
                     self._push(client, lease, trajectories)

@@ -223,6 +223,11 @@ class SGLangEngine:
         futures = [self._pool.submit(self._sample, list(prompt), params, i) for i, prompt in enumerate(prompts)]
         return [future.result() for future in futures]
 
+    @property
+    def fatal(self) -> str:
+        """Why this engine can no longer generate (its server failed past `rollout.sglang.max_restarts`), else ""."""
+        return self._fatal
+
     def close(self) -> None:
         self._stop.set()
         with self._cond:
@@ -314,8 +319,11 @@ class SGLangEngine:
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
             "min_p": params.min_p,
-            "stop_token_ids": list(params.stop_token_ids),
-            "ignore_eos": bool(params.stop_token_ids),  # the Engine protocol: stop_token_ids when given, else EOS
+            # the Engine protocol: stop_token_ids when given ((-1,): none), else EOS. SGLang 0.5.9's ignore_eos turns
+            # off every token stop, stop_token_ids too (schedule_batch.py `_check_token_based_finish`): set only for
+            # "none"; given ids stop besides the model's EOS (the workers' ids are the EOS ids, and a turn's)
+            "stop_token_ids": [token for token in params.stop_token_ids if token >= 0],
+            "ignore_eos": bool(params.stop_token_ids) and all(token < 0 for token in params.stop_token_ids),
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
@@ -384,6 +392,13 @@ class SGLangEngine:
                     )
                     self._ready.clear()  # generate() waits for readiness: it must see the failure instead
                     return
+                if launches > 1 and self.sg.weight_sync == "distributed":  # this process's NCCL group holds the
+                    self._fatal = (  # dead server's ranks and cannot be joined again: a fresh worker process can
+                        "SGLang server died and `rollout.sglang.weight_sync=distributed` cannot rejoin it to this "
+                        f"worker's NCCL group: the worker is restarted ({self.last_error})"
+                    )
+                    self._ready.clear()
+                    return
                 try:
                     self._launch()
                 except (LaunchError, OSError) as err:
@@ -426,10 +441,13 @@ class SGLangEngine:
             elif self._session:
                 client.begin_weight_update()
             try:
+                # `in_place` keeps the running requests in SGLang's batch, whose cache flush then fails, and 0.5.9
+                # asserts on that and ends the server (scheduler_update_weights_mixin.py): its KV is kept instead
+                flush = mode != "in_place"
                 if path is not None:
-                    client.update_weights_from_disk(str(path), weight_version=str(version))
+                    client.update_weights_from_disk(str(path), weight_version=str(version), flush_cache=flush)
                 else:
-                    self._update_distributed(client, version)
+                    self._update_distributed(client, version, flush)
             finally:
                 if self._session:
                     client.end_weight_update()
@@ -473,7 +491,7 @@ class SGLangEngine:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _update_distributed(self, client: SGLangClient, version: int) -> None:
+    def _update_distributed(self, client: SGLangClient, version: int, flush_cache: bool = True) -> None:
         """NCCL broadcast of every tensor from this process (rank 0) to the server's ranks 1..tp (SGLang's
         /init_weights_update_group + /update_weights_from_distributed). Written to SGLang's API; untested here."""
         import torch
@@ -496,7 +514,9 @@ class SGLangEngine:
         names = list(tensors)
         dtypes = [str(tensors[name].dtype).replace("torch.", "") for name in names]
         shapes = [list(tensors[name].shape) for name in names]
-        answer = self._pool.submit(client.update_weights_from_distributed, names, dtypes, shapes, group, str(version))
+        answer = self._pool.submit(
+            client.update_weights_from_distributed, names, dtypes, shapes, group, str(version), flush_cache
+        )
         for name in names:
             dist.broadcast(tensors[name].to("cuda"), src=0)
         torch.cuda.synchronize()

@@ -119,8 +119,10 @@ class SGLangClient:
     def end_weight_update(self) -> None:
         self.request("POST", "/end_weight_update", {})
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model_path": model_path}
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}  # SGLang's default: True
         if weight_version is not None:
             body["weight_version"] = weight_version
         return self.request("POST", "/update_weights_from_disk", body)
@@ -151,13 +153,14 @@ class SGLangClient:
         shapes: list[list[int]],
         group_name: str,
         weight_version: str | None = None,
+        flush_cache: bool = True,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
             "shapes": shapes,
             "group_name": group_name,
-            "flush_cache": True,
+            "flush_cache": flush_cache,
         }
         if weight_version is not None:
             body["weight_version"] = weight_version

@@ -346,6 +346,9 @@ class UpdateWeightFromDiskReqInput(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     """The new weights' label; an integer above the current version becomes the engine's version too."""
+    flush_cache: bool = True
+    """SGLang's: flush the cache after the update; with requests kept running (`in_place`) the flush fails and SGLang
+    0.5.9 asserts and ends the server, as this one does (service.py `_swap`)."""
 
 
 class UpdateWeightVersionReqInput(BaseModel):

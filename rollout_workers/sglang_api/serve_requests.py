@@ -171,7 +171,8 @@ def engine_params(sampling: SamplingParams, eos_token_ids: tuple[int, ...]) -> E
     from rollout_workers.engine import SamplingParams as EngineSamplingParams
 
     greedy = sampling.temperature < 1e-6  # SGLang: temperature 0 is top_k=1 at temperature 1
-    stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+    # SGLang 0.5.9: ignore_eos turns off every token stop, stop_token_ids too (`_check_token_based_finish`)
+    stops = set() if sampling.ignore_eos else set(sampling.stop_token_ids) | set(eos_token_ids)
     return EngineSamplingParams(
         max_new_tokens=sampling.max_new_tokens,
         temperature=1.0 if greedy else sampling.temperature,

@@ -337,7 +337,7 @@ async def continue_generation(service: Service) -> dict[str, Any]:
 @native_routes.post("/update_weights_from_disk")
 async def update_weights_from_disk(service: Service, obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
     status, body = await run_in_threadpool(
-        service.update_from_disk, obj.model_path, obj.weight_version, obj.abort_all_requests
+        service.update_from_disk, obj.model_path, obj.weight_version, obj.abort_all_requests, obj.flush_cache
     )
     return JSONResponse(body, status_code=status)
 

@@ -65,6 +65,11 @@ HEALTH_TIMEOUT_S = 20.0
 """How long `/health_generate` waits for its one-token request."""
 
 
+class ServerCrash(BaseException):
+    """What ends SGLang's scheduler process (an assertion in it): not caught by the command loop, so the scheduler
+    thread dies and the server exits, as SGLang's does (`_die`)."""
+
+
 class SchedulerDied(RuntimeError):
     """The scheduler thread died: what was waiting on it fails with this (answered 500) and the server exits."""
 
@@ -245,7 +250,9 @@ class ModelService:
         self._call(self._resume)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    def update_from_disk(self, model_path: str, label: str | None, abort_all: bool) -> tuple[int, dict[str, Any]]:
+    def update_from_disk(
+        self, model_path: str, label: str | None, abort_all: bool, flush_cache: bool = True
+    ) -> tuple[int, dict[str, Any]]:
         """Load a checkpoint and swap it in (now while paused, else after the running requests): (status, body)."""
         try:
             tensors = self._load(model_path)
@@ -256,7 +263,7 @@ class ModelService:
                 "num_paused_requests": 0,
             }
         future: Future = Future()
-        self._call(lambda: self._update(tensors, label, abort_all, future), wait=False)
+        self._call(lambda: self._update(tensors, label, abort_all, future, flush_cache), wait=False)
         ok, message, paused = future.result()
         if ok:
             self.model_dir = str(model_path)
@@ -551,9 +558,14 @@ class ModelService:
     def _resume(self) -> None:
         self.paused_mode = None
 
-    def _update(self, update, label: str | None, abort_all: bool, future: Future) -> None:
+    def _update(self, update, label: str | None, abort_all: bool, future: Future, flush_cache: bool = True) -> None:
         if abort_all:
             self._abort(lambda req: True, "Abort before weight update")
+        if flush_cache and self.paused_mode == "in_place" and self._by_seq:  # SGLang 0.5.9 updates, its flush fails
+            self._swap((update, label), self.paused_mode)  # with the requests kept in its batch, and its assertion
+            message = "Cache flush failed after updating weights"  # ends the scheduler and the server: as here
+            future.set_exception(SchedulerDied(message))
+            raise ServerCrash(message)
         if self.paused_mode is None and self.engine.busy:
             self._deferred.append(((update, label), future))  # SGLang waits for running requests to finish
             return

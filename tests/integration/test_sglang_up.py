@@ -47,3 +47,44 @@ def test_up_with_sglang_backend_on_asyncrl_serve(tmp_path):
             versions.update(traj.versions.tolist())
     assert 0 in versions and max(versions) >= 1
     assert not any((tmp_path / "ckpt").iterdir())  # the worker removed its checkpoints (and stopped its server)
+
+
+@pytest.mark.slow
+def test_a_worker_whose_sglang_server_failed_past_its_restarts_is_restarted(tmp_path):
+    """Past `rollout.sglang.max_restarts` the worker's engine fails every batch: its loop went on leasing groups it
+    could not generate (each back only after lease_timeout_s, 60 s steps) and it still reported itself alive, so its
+    supervisor never restarted it. Now the loop ends and the worker is restarted with a fresh server."""
+    import psutil
+    from test_operations import kill_if_running, records, wait_for
+
+    run_dir = tmp_path / "heal"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"), f"logging.dir={tmp_path}",
+         "logging.name=heal", "rollout.backend=sglang", "rollout.sglang.launcher=asyncrl", "logging.console=false",
+         f"rollout.sglang.ckpt_dir={tmp_path / 'ckpt'}", "model.path=builtin:micro", "train.steps=30",
+         "rollout.num_workers=1", "train.groups_per_step=2", "train.group_size=4", "algo.filter_groups=false",
+         "data.eval_size=0", "checkpoint.final=false", "rollout.sglang.max_restarts=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: any("loss" in r for r in records(run_dir)), 240, "the first step", proc)
+
+        def servers() -> list[psutil.Process]:
+            found = []
+            for process in psutil.process_iter(["cmdline"]):
+                line = " ".join(process.info["cmdline"] or [])
+                if " serve " in line and str(tmp_path / "ckpt") in line:
+                    found.append(process)
+            return found
+
+        (server,) = wait_for(lambda: servers() or None, 60, "the worker's server", proc)
+        server.kill()
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        kill_if_running(proc)
+    assert proc.returncode == 0, output[-4000:]
+    rows = records(run_dir)
+    crashed = [r for r in rows if r.get("event") == "worker_crashed"]
+    assert crashed and "SGLang server failed 1 times (rollout.sglang.max_restarts)" in crashed[0]["error"], crashed
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 30 and max(r["perf/step_s"] for r in steps) < 30  # no step waited out a lease (60 s)

@@ -3,6 +3,7 @@ updates through pause / update_weights_from_disk / continue with per-token versi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -138,6 +139,48 @@ def test_in_flight_modes_tag_every_token_with_its_version(model_dir, tmp_path, m
         check_the_server_wants_the_worker_s_key(engine)
     finally:
         engine.close()
+
+
+def test_in_place_updates_keep_the_kv_and_do_not_ask_sglang_for_the_flush_that_ends_it(model_dir, tmp_path):
+    """SGLang 0.5.9 keeps `in_place`'s running requests in its batch: the cache flush of a weight update (its
+    default) then fails, an assertion ends its scheduler and the server dies (scheduler_update_weights_mixin.py). The
+    worker asked for that flush at every update; the stand-in now dies as SGLang does."""
+    engine = backend(model_dir, tmp_path, "rollout.sglang.pause_mode=in_place", "rollout.sglang.max_restarts=0")
+    try:
+        engine.stage_weights(version(model_dir, 0))
+        wait_version(engine, 0)
+        completions = generate_across_update(engine, model_dir, 1)  # no flush asked: the server lives on
+        assert engine.stats()["sglang_server_restarts"] == 0 and not engine.fatal
+        assert all(c.finish == "length" and c.versions[-1] == 1 for c in completions)
+        client, path = engine._client, str(engine._launch_dir)
+        client.request("POST", "/slow_down", {"forward_sleep_time": 0.02})
+
+        def generate_long() -> None:  # answered 500 (or its connection dropped) as the server ends
+            with contextlib.suppress(Exception):
+                client.request(
+                    "POST",
+                    "/generate",
+                    {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}},
+                )
+
+        running = threading.Thread(target=generate_long, daemon=True)
+        running.start()
+        time.sleep(0.3)
+        client.pause("in_place")
+        with pytest.raises(Exception):  # noqa: B017 - the server answers 500 or drops the connection as it ends
+            client.update_weights_from_disk(path, weight_version="2")  # SGLang's default: flush_cache true
+        engine._server.proc.wait(timeout=30)  # the server ended, as SGLang's does
+    finally:
+        engine.close()
+
+
+def test_the_stop_tokens_sent_to_sglang_follow_its_ignore_eos_rule():
+    """SGLang 0.5.9's ignore_eos turns off every token stop, stop_token_ids included: every request of the worker
+    went out with it (its stop ids are the EOS ids) and would have run to max_new_tokens on a real server."""
+    sampling = SGLangEngine._sampling
+    for stop_ids, sent, ignore in (((2,), [2], False), ((), [], False), ((-1,), [], True), ((2, 7), [2, 7], False)):
+        values = sampling(None, SamplingParams(max_new_tokens=5, stop_token_ids=stop_ids), 5, 0, [])  # type: ignore[arg-type]
+        assert (values["stop_token_ids"], values["ignore_eos"]) == (sent, ignore), stop_ids
 
 
 def check_the_server_wants_the_worker_s_key(engine: SGLangEngine) -> None:
