@@ -46,6 +46,7 @@ from asyncrl.watchdog import RunFailed, Watchdog, actor_death, failure
 from common import actors, train_gate
 from common.config import Config, live_update, to_dict
 from common.config_rules import worker_cpu_priority
+from learner.group import get_ranks
 from learner.sections import LearnerSections
 from rollout_workers.reward_pool import RewardMetrics
 from rollout_workers.sections import WorkerSections
@@ -432,7 +433,7 @@ def _train(
                 logger.info(f"stopping now, without finishing step {step} (no step for "
                             f"{time.monotonic() - watchdog.last_step_at:.0f} s)")  # fmt: skip
                 break
-            metrics, refs = actors.get(refs)[0], []
+            metrics, refs = get_ranks(refs)[0], []  # a rank's death first: its peers fail at once in a collective
             step += 1
             if not _boundary_work(cfg, ops, signals, step):  # the learner trains the next step during the logging
                 refs = learner.train_step_async(step)
@@ -499,8 +500,8 @@ def _wait_step(refs: list[Any], ops: Operations, pool: WorkerPool, buffers: Buff
         watchdog.check(pool, ops.buffer.stats, buffers.alive)
         if actors.wait(refs[:1], timeout=WAIT_SLICE_S)[0]:  # returns as soon as the step is done
             return True
-        if len(refs) > 1:  # a rank that died leaves rank 0 waiting in a collective: its error is raised here
-            actors.get(actors.wait(refs[1:], num_returns=len(refs) - 1, timeout=0)[0])
+        if len(refs) > 1:  # a rank that ended (died, or failed in a collective its peer left) ends the step here
+            get_ranks(actors.wait(refs[1:], num_returns=len(refs) - 1, timeout=0)[0], among=refs)
         if watchdog.stop_now(ops.stop_requested(signals.requested)):
             return False
 

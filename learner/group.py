@@ -34,6 +34,39 @@ MALLOPT_PARAMS = {"M_TRIM_THRESHOLD": -1, "M_TOP_PAD": -2, "M_MMAP_THRESHOLD": -
 """glibc's `mallopt` parameter numbers (malloc.h)."""
 
 
+RANK_DEATH_WAIT_S = 10.0
+"""How long the other ranks' calls are waited for when one failed, to find a rank that died (`get_ranks`)."""
+
+
+def get_ranks(refs: list[Any], among: list[Any] | None = None) -> list[Any]:
+    """`actors.get` of `refs` (calls on the ranks); where one failed, a death among `among` (default: `refs`, the
+    call on every rank) is raised first.
+
+    A rank killed in a collective makes its peers fail at once (gloo: "Connection reset by peer"), often before the
+    dead rank's own call reports its death: that error named a survivor and ended the run, where a learner that died
+    is restarted from its checkpoint (`learner.max_restarts`)."""
+    try:
+        return actors.get(refs)
+    except actors.task_errors() as err:
+        calls = among if among is not None else refs
+        if len(calls) > 1 and (died := death_among(calls)) is not None:
+            raise died from err
+        raise
+
+
+def death_among(refs: list[Any], timeout_s: float = RANK_DEATH_WAIT_S) -> BaseException | None:
+    """The error of a call in `refs` whose actor died, waiting up to `timeout_s` for them to end; None if none did."""
+    ready, _ = actors.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        try:
+            actors.get(ref)
+        except actors.died_errors() as died:
+            return died
+        except BaseException:  # noqa: BLE001 - a survivor's error: the death is the one wanted
+            continue
+    return None
+
+
 def apply_malloc_settings(settings: dict[str, int] | None = None) -> dict[str, int]:
     """Set glibc malloc parameters of this process with `mallopt` (default `LEARNER_MALLOC`); the ones that took.
     Nothing (an empty dict) under another C library."""
@@ -124,7 +157,7 @@ class LearnerGroup:
         ]  # fmt: skip
 
     def _all(self, method: str, *args: Any) -> Any:
-        return actors.get([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
+        return get_ranks([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
 
     def weights_endpoint_ref(self) -> Any:
         """A ref of the publisher's endpoint, ready once rank 0 has published version 0."""

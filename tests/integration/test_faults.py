@@ -177,16 +177,19 @@ def test_resume_auto_starts_fresh_then_resumes_the_newest_run_with_a_checkpoint(
 
 
 @pytest.mark.slow
-def test_a_killed_learner_is_restarted_from_the_latest_checkpoint_every_group_trained_once(tmp_path):
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1)])
+def test_a_killed_learner_is_restarted_from_the_latest_checkpoint_every_group_trained_once(tmp_path, world, rank):
     """SIGKILL the learner's process (mostly it waits in FetchBatch, or trains): the driver restarts the learner and
     the workers from the latest checkpoint, the buffer rewound to it as `--resume` does; the steps after it are
-    trained again, and the journal shows every group trained once."""
+    trained again, and the journal shows every group trained once. With two ranks, the killed one's peer fails at
+    once in its collective (gloo: connection reset): that error ended the run, naming the survivor."""
     run_dir = tmp_path / "l"
     proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=l",
-                    "train.steps=100000", "checkpoint.every=3", "logging.console=false", *SMALL)  # fmt: skip
+                    "train.steps=100000", "checkpoint.every=3", "logging.console=false", *SMALL,
+                    f"learner.world_size={world}")  # fmt: skip
     try:
         wait_for(lambda: len(steps_logged(run_dir)) >= 5, 120, "five steps", proc)
-        learner = learner_processes(proc.pid)[0]
+        learner = sorted(learner_processes(proc.pid), key=lambda p: p.create_time())[rank]
         learner.send_signal(signal.SIGKILL)
         event = wait_for(lambda: [r for r in records(run_dir) if r.get("event") == "learner_restarted"], 120,
                          "the learner restart", proc)[0]  # fmt: skip
