@@ -274,7 +274,8 @@ class Adapters:
         adapters = cpu_state(adapter_tensors(model, self.sync_dtype, gathered))  # quant_sync publishes CPU tensors
         if self.base_version is None:
             base = cpu_state(base_state_dict(model, state))
-            tensors = export_rollout_tensors(base, self.scheme, quantize_head=self.quantized_head)
+            tied = bool(getattr(model.config, "tie_word_embeddings", False))  # FSDP2's gathered state: two copies
+            tensors = export_rollout_tensors(base, self.scheme, quantize_head=self.quantized_head, tied_head=tied)
             if self.aligned_base:  # the base forwards run on exactly the tensors the workers get (QaRL)
                 aligned.install_operands(model, tensors, self.scheme)
             self.base_quant_err = quant_error_by_type(base, tensors, self.scheme)

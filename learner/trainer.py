@@ -164,7 +164,8 @@ class Learner:
         if not self.ranks.is_main:
             return {}
         scheme = self.sections.quant.scheme
-        tensors = export_rollout_tensors(state, scheme, quantize_head=self.quantized_head)
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        tensors = export_rollout_tensors(state, scheme, quantize_head=self.quantized_head, tied_head=tied)
         if self.sections.learner.rollout_aligned:  # the next forwards run on exactly these tensors (QaRL)
             aligned.install_operands(self.model, tensors, scheme)
         assert self.publisher is not None

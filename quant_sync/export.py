@@ -69,9 +69,11 @@ def is_quantized_linear(name: str, head: bool = False) -> bool:
 
 
 def export_rollout_tensors(
-    state_dict: dict[str, torch.Tensor], scheme: str, quantize_head: bool = False
+    state_dict: dict[str, torch.Tensor], scheme: str, quantize_head: bool = False, tied_head: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Quantize (or copy) a full state dict into the published tensor set of one version."""
+    """Quantize (or copy) a full state dict into the published tensor set of one version. `tied_head`: the model ties
+    its LM head to the embedding (config.json's `tie_word_embeddings`), also where the state dict holds two copies
+    (FSDP2's gathered one: the head went out as an extra fp32 tensor every version)."""
     tensors: dict[str, torch.Tensor] = {}
     embed = state_dict.get(EMBED_WEIGHT)
     head = quantize_head and scheme != "none"
@@ -79,7 +81,7 @@ def export_rollout_tensors(
         state_dict = {**state_dict, HEAD_WEIGHT: embed}  # tied weights listed once: the head is the embedding
     for name, value in state_dict.items():
         value = value.detach()
-        tied = name == HEAD_WEIGHT and embed is not None and value.data_ptr() == embed.data_ptr()
+        tied = name == HEAD_WEIGHT and embed is not None and (tied_head or value.data_ptr() == embed.data_ptr())
         if tied and not head:
             continue  # tied: the engine falls back to the embedding
         if scheme in WEIGHT_ONLY_BITS and is_quantized_linear(name, head):

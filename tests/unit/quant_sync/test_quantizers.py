@@ -155,3 +155,16 @@ def test_a_weight_quantized_in_blocks_of_rows_has_the_whole_matrixs_bits(scheme,
     assert blocked.q.dtype == whole.q.dtype and blocked.q.shape == whole.q.shape
     assert torch.equal(blocked.q.view(torch.uint8), whole.q.view(torch.uint8))
     assert torch.equal(blocked.scale, whole.scale) and blocked.scale.shape == (10,)
+
+
+def test_a_tied_head_gathered_as_a_copy_is_not_published_again():
+    """FSDP2's gathered state dict holds the tied head as a copy of the embedding (its own memory): the pointer check
+    missed it and every version carried an extra fp32 head (vocab x hidden x 4 bytes)."""
+    embed = torch.randn(16, 8)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone(), "model.norm.weight": torch.ones(8)}
+    for scheme in ("none", "w4a16", "int8"):
+        assert "lm_head.weight" in export_rollout_tensors(state, scheme)  # untied as far as it knows
+        published = export_rollout_tensors(state, scheme, tied_head=True)
+        assert set(published) == {"model.embed_tokens.weight", "model.norm.weight"}
+    head = export_rollout_tensors(state, "int8", quantize_head=True, tied_head=True)  # a quantized head still goes
+    assert {"lm_head.weight", "lm_head.weight_scale"} <= set(head)
