@@ -119,7 +119,13 @@ def _main(argv: list[str] | None = None) -> int:
         from rollout_workers.sglang_api.server import main as serve
 
         return serve(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (`asyncrl probe M --schemes none precision.rollout=bf16`): argparse leaves
+        overridable = getattr(args, "overrides", None) is not None  # them over; they are overrides all the same
+        if not overridable or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if args.command == "config":
         from omegaconf import OmegaConf
 

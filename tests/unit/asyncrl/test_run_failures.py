@@ -318,3 +318,15 @@ def test_every_bench_json_says_its_isa_kernels_and_quick_and_chaos_takes_seeds(t
     assert capsys.readouterr().err == "asyncrl: --workloads: bench e2e only\n"
     assert cli.main(["bench", "wire", "--seeds", "2"]) == 2
     assert "--seeds: bench e2e only (chaos takes --seeds)" in capsys.readouterr().err
+
+
+def test_overrides_after_an_option_are_overrides(capsys) -> None:
+    """docs/precision.md's `asyncrl probe MODEL --schemes none precision.rollout=bf16` ended in argparse's
+    "unrecognized arguments": overrides after an option were left over. Anything else left over is still refused."""
+    from asyncrl.cli import main
+
+    code = main(["probe", "builtin:micro", "--schemes", "none", "loss.weighting=tsi"])  # reaches the config: refused
+    assert code == 2 and "invalid value 'tsi' for `loss.weighting`" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "learner", "--rows", "smol"])  # not an override: refused as before
+    assert caught.value.code == 2 and "unrecognized arguments: --rows smol" in capsys.readouterr().err
