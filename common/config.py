@@ -122,8 +122,21 @@ __all__ = [
 ]
 
 
-def _closest(key: str) -> str:
+def _closest(key: str, full_key: str = "") -> str:
+    """A "did you mean" for the unknown `key`; a section name (`trian`) is matched against the sections, and where
+    the whole dotted key is known (`full_key`, from an override) the suggestion is that key with the section fixed."""
     keys = all_keys()
+    if "." not in key and "." in (full_key or "."):  # omegaconf names only the section: its leaves are not what
+        sections = sorted({k.split(".", 1)[0] for k in keys})  # was misspelled (a file's key, or `trian.steps=5`)
+        section = difflib.get_close_matches(key, sections, n=1, cutoff=0.6)
+        if not section:
+            return ""
+        rest = full_key[len(key) :] if full_key.startswith(key + ".") else ""
+        return (
+            f"; did you mean `{section[0] + rest}`?"
+            if section[0] + rest in keys or not rest
+            else (f"; did you mean section `{section[0]}`?")
+        )
     leaf = key.rsplit(".", 1)[-1]
     matches = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if not matches:
@@ -136,7 +149,8 @@ def _closest(key: str) -> str:
 def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
-        return ConfigError(f"{source}: unknown config key `{key}`{_closest(key)}")
+        given = source.split("'", 1)[1].split("=", 1)[0] if source.startswith("override '") else ""
+        return ConfigError(f"{source}: unknown config key `{key}`{_closest(key, given)}")
     first_line = str(err).splitlines()[0]
     return ConfigError(f"{source}: bad value for `{key}`: {first_line}")
 

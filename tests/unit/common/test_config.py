@@ -302,3 +302,25 @@ def test_a_list_for_a_mapping_or_the_reverse_is_named(tmp_path):
     path.write_text("model:\n  lora:\n    targets: {q_proj: 1}\n")
     with pytest.raises(ConfigError, match=r"c.yaml: `model.lora.targets` must be a list, got a mapping"):
         load_config(str(path), [])
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("trian.steps=5", "unknown config key `trian`; did you mean `train.steps`?"),  # said `precision.train`
+        ("qaunt.scheme=fp8", "unknown config key `qaunt`; did you mean `quant.scheme`?"),  # said nothing
+        ("lss.cap=3", "unknown config key `lss`; did you mean `loss.cap`?"),
+        ("trian.stesp=4", "unknown config key `trian`; did you mean section `train`?"),
+    ],
+)
+def test_a_misspelled_section_gets_the_key_it_meant(override, suggestion):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [override])
+    assert str(caught.value).endswith(suggestion)
+
+
+def test_a_misspelled_section_in_a_file_gets_the_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollot:\n  top_p: 0.9\n")
+    with pytest.raises(ConfigError, match=r"unknown config key `rollot`; did you mean `rollout`\?$"):
+        load_config(str(path), [])  # said `rollout.top_p`
