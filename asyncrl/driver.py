@@ -63,6 +63,10 @@ class StartupError(RuntimeError):
     """Bad input found before any service started (dataset rows, model directory): the message names it."""
 
 
+ABANDONED_STOP_WAIT_S = 2.0
+"""How long a run stopped without finishing its step (`Watchdog.stop_now`) waits for its workers' batches."""
+
+
 def _train_gate(cfg: Config, run_dir: Path, launcher: str) -> Path | None:
     """The train gate's file (`common.train_gate`), named in the environment the local actors start with, when this
     machine's embedded CPU workers should pause while the learner trains on every core
@@ -456,7 +460,9 @@ def _train(
             if cfg.data.eval_size and every and step % every == 0 and step < cfg.train.steps:
                 evaluator.run(step, logger)  # the rollout workers keep generating meanwhile
         summary: dict[str, Any] = {"steps": step, "run_dir": str(run_dir), "stopped_early": ops.stopping}
-        summary["workers"] = pool.stop_all()  # each finishes and pushes its batch in progress
+        # each finishes and pushes its batch in progress; a stalled run stopped at once does not wait for them (a
+        # worker stuck in a slow reward function held the first Ctrl-C up to 120 s): they end with the run
+        summary["workers"] = pool.stop_all(timeout_s=ABANDONED_STOP_WAIT_S if abandoned else 120.0)
         if cfg.data.eval_size and not ops.stopping:
             summary.update(evaluator.run(step, logger))  # eval/*: asyncrl/evaluate.py
         evaluator.close()

@@ -351,3 +351,24 @@ def test_sigterm_to_the_whole_process_group_stops_the_run_gracefully(tmp_path):
     assert f"resume with `asyncrl up --resume {run_dir}`" in out
     meta = json.loads((run_dir / f"checkpoints/step_{summary['steps']}/meta.json").read_text())
     assert meta["step"] == summary["steps"]
+
+
+@pytest.mark.slow
+def test_the_first_ctrl_c_on_a_stalled_run_stops_it_without_waiting_for_its_workers(tmp_path):
+    """README: "The first Ctrl-C on a stalled run stops it at once". The step was abandoned at once, but the driver
+    then waited up to 120 s for each worker to finish its batch (here, a reward call of 100 s): 62 s with a reward
+    of 8 s. The run now ends without those batches."""
+    (tmp_path / "slow.py").write_text("import time\n\ndef reward(response, answer, row):\n    time.sleep(100)\n"
+                                      "    return 0.0\n")  # fmt: skip
+    run_dir = tmp_path / "s"
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=s",
+                    "train.steps=5", "logging.console=false", *SMALL, f"reward.fn={tmp_path / 'slow.py'}:reward",
+                    "reward.timeout_s=200", "train.stall_timeout_s=5")  # fmt: skip
+    try:
+        wait_for(lambda: any(r.get("event") == "stall" for r in records(run_dir)), 180, "the stall report", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=45)  # a hang bound: it waited for the 100 s reward calls
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "asyncrl: stopped on SIGINT without waiting for the step in flight" in out, out[-3000:]
