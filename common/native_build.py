@@ -70,7 +70,12 @@ def compiler() -> str:
 
 @functools.cache
 def _compiler_version(cxx: str) -> str:
-    return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    """`cxx --version` (part of a kernel's cache key); a compiler that cannot say keys by its name, and its compile
+    is what reports the fault (a traceback ended the run before any kernel was named)."""
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    except (subprocess.CalledProcessError, OSError) as err:
+        return f"{cxx}: no version ({type(err).__name__})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,6 +80,21 @@ def test_a_failing_compile_names_the_kernel_the_compilers_message_and_the_fallba
     assert "undeclared_name" in raised.value.message
 
 
+def test_a_compiler_that_fails_its_version_check_is_reported_like_a_failed_compile(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = scratch / "badcxx"  # exits 1 on everything, `--version` too: a CalledProcessError traceback ended the run
+    broken.write_text("#!/bin/sh\necho 'badcxx: broken install' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    from common import native_build as builder
+
+    builder._compiler_version.cache_clear()
+    (build,) = compile_kernels(_cfg(), ("small.cpp",), out=lambda line: None)
+    assert "badcxx: broken install" in build.error and not build.cached
+    assert "kernel small.cpp did not compile" in capsys.readouterr().err
+
+
 def test_without_a_compiler_every_kernel_reports_its_fallback(
     scratch: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
