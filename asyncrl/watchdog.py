@@ -323,8 +323,10 @@ class Watchdog:
         self.event("stall", step=self.step, since_s=round(since, 1), timeout_s=round(timeout, 1),
                    diagnosis=diagnosis or None, **report)  # fmt: skip
         self.info(self.format(report, since))
-        if diagnosis:
-            raise RunFailed(f"stalled: no step finished for {since:.0f} s: {diagnosis};")
+        if diagnosis:  # the first failed reward call's traceback (logged at a step boundary, which never came)
+            first = next((w.stats.get("reward_first_error") for w in pool.workers.values()
+                          if w.stats.get("reward_first_error")), "")  # fmt: skip
+            raise RunFailed(f"stalled: no step finished for {since:.0f} s: {diagnosis};", detail=str(first))
 
     def report(self, pool: Any, buffer_stats: Callable[[], dict[str, Any]], alive: bool, since: float) -> dict:
         """What each part is doing: `buffer` (its counters, or the error), `workers` (one row each, with what they

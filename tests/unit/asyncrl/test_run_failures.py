@@ -197,6 +197,27 @@ def test_a_slow_but_live_run_is_not_diagnosed_and_a_traceback_shows_its_exceptio
     assert report["workers"][0]["last_error"] == "reward function 'f' failed on row 2 (scored 0): ValueError: bad ids"
 
 
+def test_a_run_stalled_on_failing_reward_calls_prints_the_first_traceback() -> None:
+    """README: "The run's first failure is logged once with its traceback": logged at a step boundary, so a run
+    where every call failed and no step came ended with one line and no traceback."""
+    import time as clock
+    from types import SimpleNamespace
+
+    from asyncrl.watchdog import Watchdog
+
+    first = "reward function 'bad' failed on row 0 (scored 0): Traceback (most recent call last):\nValueError: boom"
+    worker = SimpleNamespace(stats={"reward_first_error": first})
+    row = {"worker": "worker-0", "state": "running", "last_error": "ValueError: boom", "samples": 8, "errors": 0}
+    totals = {"samples": 8.0, "reward_errors": 8.0, "groups_pushed": 2.0}
+    pool = SimpleNamespace(totals=lambda: totals, crashes=0, recent_errors=[], workers={"worker-0": worker},
+                           describe=lambda: [row])  # fmt: skip
+    watchdog = Watchdog(1.0, 0, lambda name, **fields: None, lambda line: None)
+    watchdog.last_step_at = clock.monotonic() - 100.0
+    with pytest.raises(RunFailed, match="every reward call failed since step 0") as caught:
+        watchdog.check(pool, lambda: {}, True)
+    assert caught.value.detail == first
+
+
 def test_a_dead_evaluation_worker_is_named() -> None:
     from asyncrl.watchdog import actor_death
 
