@@ -235,6 +235,11 @@ def _up(args: argparse.Namespace) -> int:
     if args.resume is not None and not args.resume.strip():  # `--resume ""`: it read the next word as the config
         print("asyncrl: --resume needs a run directory (or `auto`), got an empty one", file=sys.stderr)
         return 2
+    if not args.resume and args.config and "=" in args.config and not Path(args.config).exists():
+        print(f"asyncrl: up needs a CONFIG file before its overrides, e.g. `asyncrl up configs/dapo_int8.yaml "
+              f"{' '.join([args.config, *args.overrides])}` (or --resume RUN); {args.config!r} is an override",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     if args.config is not None or args.resume:
         from asyncrl.startup import start_fork_server_early

@@ -348,6 +348,10 @@ def test_overrides_after_an_option_are_overrides(capsys) -> None:
 
     code = main(["probe", "builtin:micro", "--schemes", "none", "loss.weighting=tsi"])  # reaches the config: refused
     assert code == 2 and "invalid value 'tsi' for `loss.weighting`" in capsys.readouterr().err
+    assert main(["up", "train.steps=3"]) == 2  # said "config file 'train.steps=3' does not exist"
+    assert "up needs a CONFIG file before its overrides, e.g. `asyncrl up configs/dapo_int8.yaml train.steps=3`" in (
+        capsys.readouterr().err
+    )
     with pytest.raises(SystemExit) as caught:
         main(["bench", "learner", "--rows", "smol"])  # not an override: refused as before
     assert caught.value.code == 2 and "unrecognized arguments: --rows smol" in capsys.readouterr().err
