@@ -58,14 +58,14 @@ def test_a_worker_whose_sglang_server_failed_past_its_restarts_is_restarted(tmp_
     from test_operations import kill_if_running, records, wait_for
 
     run_dir = tmp_path / "heal"
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # in its own process group: kill_if_running kills the group
         [sys.executable, "-m", "asyncrl.cli", "up", str(ROOT / "configs" / "dapo_int8.yaml"), f"logging.dir={tmp_path}",
          "logging.name=heal", "rollout.backend=sglang", "rollout.sglang.launcher=asyncrl", "logging.console=false",
          f"rollout.sglang.ckpt_dir={tmp_path / 'ckpt'}", "model.path=builtin:micro", "train.steps=30",
          "rollout.num_workers=1", "train.groups_per_step=2", "train.group_size=4", "algo.filter_groups=false",
          "data.eval_size=0", "checkpoint.final=false", "rollout.sglang.max_restarts=0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True,
-    )  # fmt: skip  (its own process group: kill_if_running kills the group)
+    )  # fmt: skip
     try:
         wait_for(lambda: any("loss" in r for r in records(run_dir)), 240, "the first step", proc)
 
