@@ -270,6 +270,7 @@ class RolloutWorker:
                     self.last_error = traceback.format_exc(limit=3)
                     if fatal := getattr(self.engine, "fatal", ""):  # it will fail every batch: the loop ends (no more
                         self.last_error = fatal  # leases), `stats()` says not alive, the supervisor restarts the worker
+                        self._leave()  # and what it leased returns now
                         break
                     continue
                 for lease, trajectories in groups:

@@ -88,3 +88,5 @@ def test_a_worker_whose_sglang_server_failed_past_its_restarts_is_restarted(tmp_
     assert crashed and "SGLang server failed 1 times (rollout.sglang.max_restarts)" in crashed[0]["error"], crashed
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 30 and max(r["perf/step_s"] for r in steps) < 30  # no step waited out a lease (60 s)
+    buffer = json.loads((run_dir / "summary.json").read_text())["buffer"]
+    assert buffer["left_workers"] == 2 and buffer["dead_workers"] == 0, buffer  # the failed one said it left, too
