@@ -4,7 +4,7 @@ An engine samples responses with per-token behavior log-probs and the weight ver
 and accepts new weight versions at any time without stopping: `stage_weights` may be called from another thread
 while `generate` runs; the engine applies the staged version between two decode steps. The worker touches an
 engine only through `Engine` (no probing for optional attributes): a member one engine has no use for is still
-there, with the value that says so (`max_seq_len = None`, `build_errors = 0`, `stats() = {}`).
+there, with the value that says so (`max_seq_len = None`, `build_errors = 0`, `fatal = ""`, `stats() = {}`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ class Engine(Protocol):
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """The model's end-of-sequence token ids: where a response stops unless `SamplingParams` names others."""
+        ...
+
+    @property
+    def fatal(self) -> str:
+        """Why the engine can no longer generate (the SGLang backend's server failed past its restarts), else "":
+        the worker's loop then ends and its supervisor restarts the worker."""
         ...
 
     @property

@@ -234,8 +234,8 @@ class RolloutWorker:
             "alive": self._thread is not None
             and self._thread.is_alive()
             and (subscriber is None or subscriber.alive)
-            and not getattr(self.engine, "fatal", ""),
-            "last_error": getattr(self.engine, "fatal", "") or self.last_error,  # a failed engine says why first
+            and not self.engine.fatal,
+            "last_error": self.engine.fatal or self.last_error,  # a failed engine says why first
             "weights_rejected": subscriber.rejected if subscriber is not None else 0,
             "weights_error": subscriber.last_error if subscriber is not None else "",
             "build_errors": self.engine.build_errors,
@@ -268,7 +268,7 @@ class RolloutWorker:
                 except Exception:  # keep the worker alive; the leases expire and return to the pool
                     self.counters["errors"] += 1
                     self.last_error = traceback.format_exc(limit=3)
-                    if fatal := getattr(self.engine, "fatal", ""):  # it will fail every batch: the loop ends (no more
+                    if fatal := self.engine.fatal:  # it will fail every batch: the loop ends (no more
                         self.last_error = fatal  # leases), `stats()` says not alive, the supervisor restarts the worker
                         self._leave()  # and what it leased returns now
                         break

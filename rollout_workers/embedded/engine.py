@@ -125,6 +125,7 @@ class EmbeddedEngine:
         self._queue: deque[_Group] = deque()
         self.swaps = 0
         self.build_errors = 0
+        self.fatal = ""  # the Engine protocol's: an embedded engine always can generate
         """Staged versions dropped because their build failed (the running version kept decoding)."""
         self.last_build_error = ""
         self.retracted_tokens = 0

@@ -195,8 +195,24 @@ class SGLangEngine:
 
     @property
     def max_seq_len(self) -> int | None:
-        """None: the server checks a prompt's length against its own context length (a too-long one fails there)."""
-        return None
+        """The most prompt + max_new_tokens tokens the server takes, so that the worker skips (and counts) a prompt
+        that cannot fit instead of sending it: SGLang 0.5.9 refuses a request with input + max_new_tokens >= its
+        context length (`tokenizer_manager.py`: a 400 that failed the worker's whole batch), the model's
+        `max_position_embeddings` unless `--context-length` is in `extra_args`; `asyncrl serve` takes up to its
+        `--max-seq-len` (rollout.max_seq_len, within the model's positions and sliding window) as the embedded
+        engine does."""
+        arch = self.arch
+        if self.sg.launcher == "asyncrl":
+            limit = self.sections.rollout.max_seq_len
+            return min(limit, arch.max_positions, arch.sliding_window or limit)
+        context = arch.max_positions
+        args = list(self.sg.extra_args)
+        for i, arg in enumerate(args):
+            if arg == "--context-length" and i + 1 < len(args) and args[i + 1].isdigit():
+                context = int(args[i + 1])
+            elif arg.startswith("--context-length=") and arg.split("=", 1)[1].isdigit():
+                context = int(arg.split("=", 1)[1])
+        return context - 1
 
     def stage_weights(self, update: WeightUpdate) -> None:
         """Write version `update.version` as a checkpoint (or keep it for NCCL); the sync thread applies it."""

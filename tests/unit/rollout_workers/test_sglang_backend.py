@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,24 @@ def test_gpu_recipes_are_valid_configs(recipe):
     assert cfg.quant.scheme in ("fp8", "int8") and cfg.precision.rollout == "bf16"
     assert (cfg.rollout.backend == "sglang") == (cfg.quant.scheme == "fp8")  # SGLang cannot reload w8a8_int8
     assert (cfg.learner.device, cfg.learner.world_size) == ("cuda:4", 4)  # the learner on GPUs 4-7, past the rollout
+
+
+def test_the_longest_request_the_server_takes_is_known_to_the_worker(model_dir):
+    """None made the worker send every prompt; SGLang 0.5.9 answers 400 to input + max_new_tokens >= its context
+    length, which failed the worker's whole batch. Now a prompt that cannot fit is skipped and counted."""
+    from types import SimpleNamespace
+
+    from rollout_workers.embedded.arch import ArchConfig
+
+    arch = ArchConfig.from_model_dir(model_dir)
+    limit = SGLangEngine.max_seq_len.fget  # type: ignore[attr-defined]
+    for launcher, extra, expected in (
+        ("sglang", [], arch.max_positions - 1),
+        ("sglang", ["--context-length", "40"], 39),
+        ("sglang", ["--context-length=48"], 47),
+        ("asyncrl", [], min(2048, arch.max_positions)),
+    ):
+        cfg = load_config(None, ["model.path=builtin:micro", f"rollout.sglang.extra_args={extra}"])
+        sections = EngineSections.pick(cfg)
+        engine = SimpleNamespace(arch=arch, sg=replace(sections.rollout.sglang, launcher=launcher), sections=sections)
+        assert limit(engine) == expected, (launcher, extra)
