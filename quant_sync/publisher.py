@@ -144,6 +144,10 @@ class WeightPublisher:
             raise ValueError(f"version {version}: a pinned version is complete, it has no base (got base {base})")
         if base is not None and (base != self._pinned or base >= version):
             raise ValueError(f"version {version}: base {base} is not the pinned version ({self._pinned}) before it")
+        if self._latest is not None and version <= self._latest.version:  # a new subscriber would get it, the
+            raise ValueError(  # others stay on the later one: versions must only grow
+                f"version {version}: not after the latest published version {self._latest.version}"
+            )
         started = time.perf_counter()
         entries, chunks, table, views = [], [], [], []
         file_offset = 0

@@ -60,6 +60,9 @@ def test_subscribers_receive_latest_and_late_ones_catch_up(use_shm):
         assert_identical(late_updates[0], tensors(2))  # bit-identical to what was published
         assert (late.via_shm > 0) == use_shm and late.rejected == 0
         assert (publisher.chunks_served > 0) == (not use_shm)
+        for stale in (1, 2):  # a new subscriber would have got it while the others stayed on 2: refused
+            with pytest.raises(ValueError, match=f"version {stale}: not after the latest published version 2"):
+                publisher.publish(stale, tensors(stale), "int8")
         early.close()
         late.close()
     finally:
