@@ -433,10 +433,13 @@ class LearnerConfig:
     share_prefix: bool = True
     """Run each group's common prefix (its prompt) through the model once per micro-batch, not once per response:
     the group's responses packed into one row with a block mask (`learner/packing.py`); the same log-probs to fp32
-    rounding, with fewer tokens to compute (2-3x fewer on GRPO groups of 8 with short responses)."""
+    rounding, with fewer tokens to compute (2-3x fewer on GRPO groups of 8 with short responses). With
+    `learner.rollout_aligned` and a W8A8 scheme, that rounding can move a value across a quantization step once the
+    weights changed (a second minibatch, the next step), so updates then differ by more than rounding (1-14%
+    measured), as between any two fp32 orders of summation under quantization."""
     skip_zero_adv: bool = True
-    """Rows whose advantage is exactly 0 (a group whose rewards are all equal) run their forward without grad and no
-    backward: every loss term is a multiple of the advantage, so their gradient is exactly 0 and the step's update is
+    """Rows whose advantage is exactly 0 (the rows of a group whose rewards are all equal, grouped by the minibatch;
+    a zero-advantage row beside non-zero ones keeps its backward) run their forward without grad and no backward: every loss term is a multiple of the advantage, so their gradient is exactly 0 and the step's update is
     unchanged; their log-probs, entropies and loss metrics are still computed. Applies with one learner rank and
     without `loss.kl.coef` or `loss.entropy_coef` (terms that do not vanish with the advantage)."""
     fp32_gemm: str = one_of(FP32_GEMMS, default="auto")

@@ -9,6 +9,7 @@ there, with the value that says so (`max_seq_len = None`, `build_errors = 0`, `f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,6 +46,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.top_p <= 1.0:  # 0 masked every token: the engine returned token 0 at every step
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not math.isfinite(self.temperature):  # NaN returned the last token id with NaN log-probs
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
 
 
 @dataclass(slots=True)

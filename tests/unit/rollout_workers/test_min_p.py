@@ -72,3 +72,14 @@ def test_a_min_p_outside_0_1_is_refused_by_name() -> None:
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
             SamplingParams(max_new_tokens=1, min_p=bad)
+
+
+def test_a_top_p_outside_0_1_or_a_nan_temperature_is_refused_by_name() -> None:
+    """top_p 0 masked every token (the engine returned token 0 at every step with its unfiltered log-prob); a NaN
+    temperature returned the last token id with NaN log-probs."""
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=f"top_p must be in \\(0, 1\\], got {bad}"):
+            SamplingParams(max_new_tokens=1, top_p=bad)
+    with pytest.raises(ValueError, match="temperature must be a finite number, got nan"):
+        SamplingParams(max_new_tokens=1, temperature=float("nan"))
+    assert SamplingParams(max_new_tokens=1, top_p=1.0).top_p == 1.0
