@@ -439,7 +439,8 @@ class LearnerConfig:
     measured), as between any two fp32 orders of summation under quantization."""
     skip_zero_adv: bool = True
     """Rows whose advantage is exactly 0 (the rows of a group whose rewards are all equal, grouped by the minibatch;
-    a zero-advantage row beside non-zero ones keeps its backward) run their forward without grad and no backward: every loss term is a multiple of the advantage, so their gradient is exactly 0 and the step's update is
+    a zero-advantage row beside non-zero ones keeps its backward) run their forward without grad and no backward:
+    every loss term is a multiple of the advantage, so their gradient is exactly 0 and the step's update is
     unchanged; their log-probs, entropies and loss metrics are still computed. Applies with one learner rank and
     without `loss.kl.coef` or `loss.entropy_coef` (terms that do not vanish with the advantage)."""
     fp32_gemm: str = one_of(FP32_GEMMS, default="auto")
