@@ -132,11 +132,8 @@ def _closest(key: str, full_key: str = "") -> str:
         if not section:
             return ""
         rest = full_key[len(key) :] if full_key.startswith(key + ".") else ""
-        return (
-            f"; did you mean `{section[0] + rest}`?"
-            if section[0] + rest in keys or not rest
-            else (f"; did you mean section `{section[0]}`?")
-        )
+        fixed = section[0] + rest
+        return f"; did you mean `{fixed}`?" if fixed in keys or not rest else f"; did you mean section `{section[0]}`?"
     leaf = key.rsplit(".", 1)[-1]
     matches = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if not matches:

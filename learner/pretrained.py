@@ -21,10 +21,14 @@ class WeightsMismatch(ValueError):
     """A model directory whose weight files do not hold the tensors its config.json describes (one line)."""
 
 
-def load_causal_lm(model_dir: str, trust_remote_code: bool = False) -> Any:
+def load_causal_lm(model_dir: str, trust_remote_code: bool = False, checked: bool = True) -> Any:
     """`AutoModelForCausalLM.from_pretrained(model_dir)` in fp32; WeightsMismatch naming the tensors missing from the
-    files, left unused, or of another shape than the config gives."""
+    files, left unused, or of another shape than the config gives. `checked=False`: a directory this process already
+    loaded checked (a structure whose weights are about to be replaced), loaded as it is."""
     from transformers import AutoModelForCausalLM
+
+    if not checked:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
 
     model, info = AutoModelForCausalLM.from_pretrained(
         model_dir,

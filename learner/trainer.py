@@ -287,7 +287,7 @@ class Learner:
         state = distributed.full_state_dict(self.model, self.ranks)
         if not self.ranks.is_main:
             return None
-        model = load_causal_lm(self.model_dir, self.trust_remote_code)
+        model = load_causal_lm(self.model_dir, self.trust_remote_code, checked=False)  # its weights are replaced
         if self.lora is not None:  # the same peft structure (frozen base, adapters), to load the peft names into
             from learner import lora
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -598,12 +599,19 @@ def test_fuzz_over_the_socket_while_valid_traffic_flows(tmp_path: Path) -> None:
         assert sorted(g[0].group for g in batch.groups) == sorted(x.group for x in pushed)
 
 
-def test_dead_worker_leases_return_before_their_deadline(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _two_workers(tmp_path: Path, first: str) -> Iterator[tuple[Any, BufferClient, BufferClient]]:
+    """A buffer that declares a worker dead after 1 s of silence (leases last 60 s), a worker `first`, and `alive`."""
     with (
         running_buffer(tmp_path, buffer={"lease_timeout_s": 60.0, "worker_timeout_s": 1.0}) as buffer,
-        BufferClient(buffer.endpoint, "doomed") as doomed,
+        BufferClient(buffer.endpoint, first) as one,
         BufferClient(buffer.endpoint, "alive") as alive,
     ):
+        yield buffer, one, alive
+
+
+def test_dead_worker_leases_return_before_their_deadline(tmp_path: Path) -> None:
+    with _two_workers(tmp_path, "doomed") as (buffer, doomed, alive):
         lost, _ = doomed.lease(2)
         kept, _ = alive.lease(1)
 
@@ -620,11 +628,7 @@ def test_dead_worker_leases_return_before_their_deadline(tmp_path: Path) -> None
 
 
 def test_a_leaving_worker_returns_its_leases_at_once_and_is_not_declared_dead(tmp_path: Path) -> None:
-    with (
-        running_buffer(tmp_path, buffer={"lease_timeout_s": 60.0, "worker_timeout_s": 1.0}) as buffer,
-        BufferClient(buffer.endpoint, "scaled-away") as leaving,
-        BufferClient(buffer.endpoint, "alive") as alive,
-    ):
+    with _two_workers(tmp_path, "scaled-away") as (buffer, leaving, alive):
         unfinished, _ = leaving.lease(3)
         leaving.push_group(unfinished[0].group, make_group(unfinished[0]))
         leaving.leave()
