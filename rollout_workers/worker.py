@@ -229,12 +229,9 @@ class RolloutWorker:
             "worker": self.worker_id,
             "version": self.engine.version,
             "swaps": self.engine.swaps,
-            # a worker whose weight subscriber stopped would generate on stale weights forever, and one whose engine
-            # cannot generate any more (its SGLang server failed past its restarts) fails every batch: not alive
-            "alive": self._thread is not None
-            and self._thread.is_alive()
-            and (subscriber is None or subscriber.alive)
-            and not self.engine.fatal,
+            # a worker whose weight subscriber stopped would generate on stale weights forever: not alive; nor one
+            # whose engine cannot generate any more (its loop ends, after telling the buffer it leaves: `_loop`)
+            "alive": self._thread is not None and self._thread.is_alive() and (subscriber is None or subscriber.alive),
             "last_error": self.engine.fatal or self.last_error,  # a failed engine says why first
             "weights_rejected": subscriber.rejected if subscriber is not None else 0,
             "weights_error": subscriber.last_error if subscriber is not None else "",
