@@ -195,11 +195,12 @@ class SGLangConfig:
     startup_timeout_s: float = in_range(1.0, default=600.0)
     """Seconds a launched server may take to answer /health."""
     request_timeout_s: float = in_range(0.1, default=600.0)
-    """Seconds one HTTP request to the server may take."""
+    """Seconds one HTTP request to the server may take; a /generate past it is aborted and counts as a retry."""
     max_restarts: int = in_range(0, default=3)
     """Relaunches of a dead server before the worker reports failure."""
     max_retries: int = in_range(0, default=2)
-    """Resubmissions of a sample after an abort the worker did not ask for (then it is pushed with finish=abort)."""
+    """Resubmissions of a sample after an abort the worker did not ask for, or after a request that outlasted
+    `request_timeout_s` (aborted on the server by its rid); past them the sample is pushed with finish=abort."""
     extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for the server, e.g. [--attention-backend, fa3]."""
 

@@ -26,6 +26,7 @@ checkpoint for `/update_weights_from_disk`, or over NCCL with `/update_weights_f
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -44,7 +45,7 @@ from typing import Any
 from quant_sync.update import WeightUpdate
 from rollout_workers.engine import Completion, SamplingParams
 from rollout_workers.sections import EngineSections
-from rollout_workers.sglang_api.client import ServerError, ServerUnavailable, SGLangClient
+from rollout_workers.sglang_api.client import RequestTimedOut, ServerError, ServerUnavailable, SGLangClient
 from rollout_workers.sglang_api.lora_sync import AdapterVersions, lora_server_flags
 from rollout_workers.sglang_api.protocol import WEIGHT_VERSIONS_KEY, expand_spans
 
@@ -155,6 +156,7 @@ class SGLangEngine:
             "server_restarts": 0,
             "resubmitted": 0,
             "aborted_samples": 0,
+            "timed_out_requests": 0,
         }
         self.last_error = ""
         self.swaps = 0
@@ -167,6 +169,8 @@ class SGLangEngine:
         self._applied = -1
         self._epoch = 0  # applied updates: a response overlapped one if the epoch moved while it ran
         self._pause_aborts = 0  # pauses in `abort` mode: their aborted samples are resubmitted for free
+        self._rid_prefix = f"{worker_id}-{secrets.token_hex(4)}"  # each /generate's rid: prefix-sample-segment
+        self._segments = itertools.count()
         self._staged: tuple[int, Path | None] | None = None
         self._staged_update: WeightUpdate | None = None
         self._launch_dir, self._launch_label = self._initial_dir(), "-1"
@@ -284,6 +288,7 @@ class SGLangEngine:
             client, epoch, applied, aborts = self._client, self._epoch, self._applied, self._pause_aborts
             assert client is not None
             body = {
+                "rid": f"{self._rid_prefix}-{index}-{next(self._segments)}",  # unique: SGLang refuses a rid it runs
                 "input_ids": prompt + tokens,
                 "return_logprob": True,
                 "sampling_params": self._sampling(params, params.max_new_tokens - len(tokens), index, tokens),
@@ -296,6 +301,17 @@ class SGLangEngine:
                 continue
             try:
                 out = client.generate(body)
+            except RequestTimedOut as err:  # the server may still run it: abort it, count it as an abort
+                self.last_error = str(err)
+                self.metrics["timed_out_requests"] += 1
+                with contextlib.suppress(ServerUnavailable, ServerError):
+                    client.abort(body["rid"])
+                retries += 1
+                if retries > self.sg.max_retries:  # a request that always outlasts the timeout ends the sample
+                    self.metrics["aborted_samples"] += 1
+                    return Completion(tokens, logps, versions, finish="abort")
+                self.metrics["resubmitted"] += 1
+                continue
             except ServerUnavailable as err:  # died or restarting: the sync thread relaunches it (bounded by
                 self.last_error = str(err)  # max_restarts and startup_timeout_s); the lost segment is sampled again
                 if self._fatal:  # no relaunch left: fail the batch (the worker is restarted by its supervisor)

@@ -1,7 +1,8 @@
 """A thin client of SGLang's native HTTP API (real SGLang 0.5.x or `asyncrl serve`; shapes in protocol.py).
 
 Every call is one HTTP request with a timeout. A refused or dropped connection raises `ServerUnavailable` (the
-backend's supervisor decides what to do), an answer other than 2xx raises `ServerError` with SGLang's message.
+backend's supervisor decides what to do), an answer not read within the timeout `RequestTimedOut` (the server may
+still be running the request: abort it by its rid), an answer other than 2xx `ServerError` with SGLang's message.
 Sessions are per thread (requests' connection pools are not shared across threads).
 """
 
@@ -17,6 +18,10 @@ from rollout_workers.sglang_api.protocol import PAUSE_MODES
 
 class ServerUnavailable(ConnectionError):
     """The server did not answer (not running, restarting, or the connection dropped)."""
+
+
+class RequestTimedOut(ServerUnavailable):
+    """The server took the request but did not answer within the timeout; it may still be running it."""
 
 
 class ServerError(RuntimeError):
@@ -53,6 +58,9 @@ class SGLangClient:
             response = self._session().request(
                 method, self.base_url + path, json=body, timeout=timeout_s or self.timeout_s
             )
+        except requests.ReadTimeout as err:
+            self._local.session = None
+            raise RequestTimedOut(f"{self.base_url}{path}: no answer in {timeout_s or self.timeout_s} s") from err
         except (requests.ConnectionError, requests.Timeout) as err:
             self._local.session = None  # a dropped connection poisons the pool: start afresh
             raise ServerUnavailable(f"{self.base_url}{path}: {err}") from err

@@ -68,9 +68,12 @@ async def _submit(service: ModelService, body: dict[str, Any]) -> tuple[Generate
     return request, await run_in_threadpool(service.submit, request)
 
 
-async def _generate(service: ModelService, request: GenerateRequest, order: list) -> list[dict[str, Any]]:
-    """The finished answers in prompt-major order (prompt b's samples at b*n .. b*n+n-1), SGLang's own order."""
-    await service.wait(order)
+async def _generate(
+    service: ModelService, request: GenerateRequest, order: list, http: Request
+) -> list[dict[str, Any]]:
+    """The finished answers in prompt-major order (prompt b's samples at b*n .. b*n+n-1), SGLang's own order; a
+    client gone before them aborts them (`ModelService.wait`)."""
+    await service.wait(order, http.is_disconnected)
     outs = await run_in_threadpool(service.responses, request, order)
     return [outs] if isinstance(outs, dict) else outs
 
@@ -112,7 +115,7 @@ async def model(service: Service, model: str) -> ModelCard | JSONResponse:
 
 
 @openai_routes.post("/v1/completions")
-async def completions(service: Service, obj: CompletionRequest) -> Any:
+async def completions(service: Service, http: Request, obj: CompletionRequest) -> Any:
     prompt = obj.prompt
     if isinstance(prompt, list) and not prompt:
         raise BadRequest("prompt cannot be empty", validation=True)
@@ -135,7 +138,7 @@ async def completions(service: Service, obj: CompletionRequest) -> Any:
     request, order = await _submit(service, body)
     if obj.stream:
         return event_stream(_completion_stream(service, obj, request, order))
-    outs = await _generate(service, request, order)
+    outs = await _generate(service, request, order, http)
     n = obj.n
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
     choices = []
@@ -321,7 +324,7 @@ _TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "tokenize", "add_gen
 
 
 @openai_routes.post("/v1/chat/completions")
-async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
+async def chat_completions(service: Service, http: Request, obj: ChatCompletionRequest) -> Any:
     obj.check_supported()
     prompt = await run_in_threadpool(_chat_prompt, service, obj)
     top = obj.top_logprobs or 0
@@ -346,7 +349,7 @@ async def chat_completions(service: Service, obj: ChatCompletionRequest) -> Any:
     request, order = await _submit(service, body)
     if obj.stream:
         return event_stream(_chat_stream(service, obj, request, order))
-    outs = await _generate(service, request, order)
+    outs = await _generate(service, request, order, http)
     choices = []
     for index, out in enumerate(outs):
         logprobs = _chat_logprobs(out["meta_info"], 0) if obj.logprobs else None

@@ -315,12 +315,12 @@ async def weight_version(service: Service) -> dict[str, Any]:
 
 
 @native_routes.api_route("/generate", methods=["POST", "PUT"])
-async def generate(service: Service, obj: GenerateReqInput | None = None) -> Any:
+async def generate(service: Service, http: Request, obj: GenerateReqInput | None = None) -> Any:
     request = (obj or GenerateReqInput()).normalize()
     order = await run_in_threadpool(service.submit, request)
     if request.stream:
         return event_stream(generate_stream(service, request, order))
-    await service.wait(order)
+    await service.wait(order, http.is_disconnected)
     return await run_in_threadpool(service.responses, request, order)
 
 

@@ -18,7 +18,8 @@
   request (`EmbeddedEngine.submit(prompt_logprobs_from=...)`, no forward of their own; none for the default -1),
   top-k ones with `top_logprobs_num`; `max_new_tokens=0` requests are that prefill alone. `stop` strings end a
   request once its decoded output holds one (checked after every step);
-  a stream's client going away aborts its requests (`abort_requests`, streaming.py).
+  a stream's client going away aborts its requests (`abort_requests`, streaming.py), and so does a non-streaming
+  client's (checked every second while it waits, as SGLang 0.5.9 does: `wait`).
 - The scheduler thread dying of an unexpected exception (a bug: a step's own failure only fails its requests) must
   not leave a server that answers 503 and hangs: its traceback is printed once, every request and command still
   pending is failed (`SchedulerDied`, answered 500; a stream's samples end on a `finish_reason` abort, then the
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -197,12 +198,17 @@ class ModelService:
             req.settle()
         return False
 
-    async def wait(self, order: list[ServeRequest]) -> None:
-        """Until every request of `order` has finished (or was aborted), without holding a thread."""
+    async def wait(self, order: list[ServeRequest], client_gone: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Until every request of `order` has finished (or was aborted), without holding a thread. With
+        `client_gone` (the HTTP request's `is_disconnected`), checked every second as SGLang 0.5.9's tokenizer
+        manager does: a client gone before the answer aborts its requests (their slots free) and raises BadRequest."""
         pending = {asyncio.wrap_future(req.done) for req in order}
         while pending:
             _, pending = await asyncio.wait(pending, timeout=1.0)
             self.raise_if_died(order, running=bool(pending))
+            if pending and client_gone is not None and await client_gone():
+                self.abort_requests(order)
+                raise protocol.BadRequest("Request is disconnected from the client side: aborted")
         self.raise_if_died(order, running=False)
 
     def raise_if_died(self, order: list[ServeRequest], running: bool) -> None:

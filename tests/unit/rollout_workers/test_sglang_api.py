@@ -222,6 +222,27 @@ def test_abort_request_and_requests_waiting_while_paused(server):
         server.request("POST", "/slow_down", {"forward_sleep_time": None})
 
 
+def test_a_client_gone_before_its_answer_has_its_request_aborted(server):
+    """SGLang 0.5.9 aborts a non-streaming request whose client disconnected (checked every 4 s as it waits); the
+    stand-in ran it to its end, holding a slot. Native /generate and OpenAI's routes both."""
+    import requests as requests_module
+
+    server.request("POST", "/slow_down", {"forward_sleep_time": 0.1})  # 50 tokens: 5 s a request
+    try:
+        for path, body in (
+            ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}),
+            ("/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": 50, "ignore_eos": True}),
+        ):
+            with pytest.raises(requests_module.ReadTimeout):
+                requests_module.post(server.base_url + path, json=body, timeout=0.5)
+            deadline = time.monotonic() + 3.0  # 1 s checks; the request would run 4.5 s more
+            while server.request("GET", "/get_load")[0]["num_reqs"]:
+                assert time.monotonic() < deadline, f"{path}: the request of a client gone still runs"
+                time.sleep(0.05)
+    finally:
+        server.request("POST", "/slow_down", {"forward_sleep_time": None})
+
+
 def test_malformed_http_gets_a_4xx_and_the_connection_stays_usable(server):
     """Raw requests a client library would never send: bad Content-Length, undecodable or absurd bodies, an
     unknown route whose body must not be read as the next request of the connection."""

@@ -137,6 +137,7 @@ def test_in_flight_modes_tag_every_token_with_its_version(model_dir, tmp_path, m
         aborter.join()
         assert [c.finish for c in retried] == ["length", "length"] and all(len(c.versions) == 30 for c in retried)
         assert engine.stats()["sglang_resubmitted"] == 2
+        check_timed_out_requests_are_aborted_and_end_the_sample(engine)
         check_the_server_wants_the_worker_s_key(engine)
     finally:
         engine.close()
@@ -182,6 +183,36 @@ def test_the_stop_tokens_sent_to_sglang_follow_its_ignore_eos_rule():
     for stop_ids, sent, ignore in (((2,), [2], False), ((), [], False), ((-1,), [], True), ((2, 7), [2, 7], False)):
         values = sampling(None, SamplingParams(max_new_tokens=5, stop_token_ids=stop_ids), 5, 0, [])  # type: ignore[arg-type]
         assert (values["stop_token_ids"], values["ignore_eos"]) == (sent, ignore), stop_ids
+
+
+def check_timed_out_requests_are_aborted_and_end_the_sample(engine: SGLangEngine) -> None:
+    """A /generate that outlasts `request_timeout_s` was resubmitted without end while the server kept running each
+    copy: now each is aborted by its rid and counts against `max_retries` (2), then the sample ends as an abort."""
+    client = engine._client
+    client.request("POST", "/slow_down", {"forward_sleep_time": 0.06})  # 50 tokens: 3 s a request
+    client.timeout_s, before = 0.4, engine.stats()
+    results: list = []
+    thread = threading.Thread(
+        target=lambda: results.append(
+            engine.generate([PROMPT], SamplingParams(max_new_tokens=50, stop_token_ids=(-1,)))
+        )
+    )
+    thread.start()
+    thread.join(timeout=30)
+    client.timeout_s = 600.0
+    try:
+        assert not thread.is_alive(), "a request that always times out was resubmitted without end"
+        ((late,),) = results
+        assert late.finish == "abort"
+        stats = engine.stats()
+        assert stats["sglang_timed_out_requests"] - before["sglang_timed_out_requests"] == 3
+        assert stats["sglang_aborted_samples"] - before["sglang_aborted_samples"] == 1
+        deadline = time.monotonic() + 2.0  # unaborted, the last copy would run about 2.5 s more
+        while client.request("GET", "/get_load")[0]["num_reqs"]:
+            assert time.monotonic() < deadline, "the timed-out requests still run on the server"
+            time.sleep(0.05)
+    finally:
+        client.request("POST", "/slow_down", {"forward_sleep_time": None})
 
 
 def check_the_server_wants_the_worker_s_key(engine: SGLangEngine) -> None:
