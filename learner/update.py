@@ -56,6 +56,7 @@ class StepInputs:
     acrl_y: torch.Tensor | None = None  # (n_groups,) ACRL Y_g over whole groups; acrl only
     prox_entropy: torch.Tensor | None = None  # (B, T): set when lp comes from the minibatch's forward (see below)
     prox_version: int | None = None  # the step's weight version when lp is `loglinear_prox` of that forward
+    prox_progress: float = 0.0  # loglinear: optimizer steps taken this step over minibatches (the forward's weights)
     ref_logp: torch.Tensor | None = None  # (B, T) lref of the frozen reference (learner.reference); loss.kl.coef > 0
 
 
@@ -139,17 +140,20 @@ def prox_from_training_forward(learner: LearnerConfig, loss: LossConfig) -> bool
     return learner.prox == "recompute" and learner.minibatches == 1 and loss.weighting != "acrl"
 
 
-def loglinear_alpha(versions: torch.Tensor, version: int) -> torch.Tensor:
+def loglinear_alpha(versions: torch.Tensor, version: int, progress: float = 0.0) -> torch.Tensor:
     """AReaL's interpolation weight (B, T) of each token for `learner.prox = loglinear` (docs/algorithms.md,
     "Proximal log-probs: details").
 
-    `alpha = clamp((v_prox - v_behav) / (v_cur - v_behav), 0, 1)` with `v_cur = version` (the weights the step starts
-    from) and `v_prox = v_cur - 1`; a token generated at `v_cur` (or later) gets 1: its lp is the current log-prob.
+    `alpha = clamp((v_prox - v_behav) / (v_theta - v_behav), 0, 1)` with `v_prox = version` (the weights the step
+    starts from: lp's definition) and `v_theta = version + progress`, the weights the forward giving lc ran at
+    (`progress`: optimizer steps taken this step over `learner.minibatches`). The first minibatch's lc is at `v_prox`
+    itself: alpha 1 for every token (lp = lc, exact); a later one's interpolates by version, a token of `v_prox` then
+    getting lb. (AReaL takes v_prox = v_theta - 1 with v_theta the version being trained towards.)
     """
     v_behav = versions.to(torch.float64)
-    v_cur = float(version)
-    gap = v_cur - v_behav
-    alpha = torch.where(gap > 0, (v_cur - 1.0 - v_behav) / gap.clamp_min(1.0), torch.ones_like(v_behav))
+    v_prox = float(version)
+    gap = v_prox + progress - v_behav
+    alpha = torch.where(gap > 0, (v_prox - v_behav) / gap.clamp_min(1e-9), torch.ones_like(v_behav))
     return alpha.clamp(0.0, 1.0).to(torch.float32)
 
 
@@ -415,7 +419,7 @@ def minibatch_backward(
             if inputs.prox_version is None:
                 inputs.prox_logp[lo:hi] = cur_logp.detach()
             else:
-                alpha = loglinear_alpha(micro.versions, inputs.prox_version)
+                alpha = loglinear_alpha(micro.versions, inputs.prox_version, inputs.prox_progress)
                 inputs.prox_logp[lo:hi] = loglinear_prox(micro.behav_logp, cur_logp, alpha)
             inputs.prox_entropy[lo:hi] = entropy.detach()
         with timed(seconds, "forward"), grad_mode:
@@ -549,10 +553,13 @@ def train_on_batch(
     params = [p for p in model.parameters() if p.requires_grad]
     clip = optim.grad_clip if optim.grad_clip > 0 else math.inf
     metrics: dict[str, float] = {"loss_scale": scaler.scale}
-    if loglinear:  # the mean interpolation weight over the batch's tokens (1: every lp is the current log-prob)
-        alpha = loglinear_alpha(batch.versions, version)  # type: ignore[arg-type] - checked above
-        metrics["prox/loglinear_alpha"] = float((alpha * batch.mask).sum() / batch.mask.sum().clamp_min(1.0))
     bounds = torch.linspace(0, batch.rows, learner.minibatches + 1).long().tolist()
+    if loglinear:  # the mean interpolation weight over the batch's tokens, each minibatch's own (1: lp = lc)
+        alphas = torch.cat([
+            loglinear_alpha(batch.versions[lo:hi], version, index / learner.minibatches)  # type: ignore[arg-type]
+            for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ])  # fmt: skip
+        metrics["prox/loglinear_alpha"] = float((alphas * batch.mask).sum() / batch.mask.sum().clamp_min(1.0))
     order, grad_ends = (None, bounds[1:])
     if skips_zero_adv(sections, ranks):  # zero-advantage rows last in each minibatch: forward only
         order, grad_ends = forward_only_order(inputs.adv, batch.group_index, bounds)
@@ -561,8 +568,9 @@ def train_on_batch(
         batch = batch.take(order)
         _reorder_inputs(inputs, order)
     skipped = False
-    for (lo, hi), grad_end in zip(zip(bounds[:-1], bounds[1:]), grad_ends):
+    for index, ((lo, hi), grad_end) in enumerate(zip(zip(bounds[:-1], bounds[1:]), grad_ends)):
         optimizer.zero_grad(set_to_none=True)
+        inputs.prox_progress = index / learner.minibatches  # loglinear: the weights this minibatch's lc runs at
         # oneDNN's weight copies, freed before the optimizer step, and micro-batches as large as the memory allows;
         # not in the first update, whose peak and page faults they would raise (its activations, then AdamW's state
         # on their pages)

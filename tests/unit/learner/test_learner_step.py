@@ -51,8 +51,9 @@ def test_loglinear_runs_through_learner_steps(minibatches):
     finally:
         learner.close()
     assert [m["version"] for m in history] == [1, 2, 3]  # every step published
-    assert history[0]["prox/loglinear_alpha"] == 1.0  # step 0: every token at the current version
-    assert 0.0 < history[2]["prox/loglinear_alpha"] < 1.0  # versions 2, 1, 0 at v_cur = 2: alpha 1, 0, 1/2
+    for metrics in history:  # one minibatch: lc is at the step's start, lp itself; two: the second's lc moved on
+        alpha = metrics["prox/loglinear_alpha"]
+        assert alpha == 1.0 if minibatches == 1 else 0.0 < alpha < 1.0, metrics
     assert history[2]["perf/proximal_s"] == 0.0  # no proximal forward
     for metrics in history:
         assert all(math.isfinite(v) for k, v in metrics.items() if k != "norm_quant_err"), metrics

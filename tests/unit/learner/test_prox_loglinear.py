@@ -13,21 +13,24 @@ from learner.update import loglinear_alpha, loglinear_prox, train_on_batch
 
 
 def test_alpha_and_lp_match_a_hand_computation():
-    # v_cur = 5, v_prox = 4: alpha = (4 - v) / (5 - v), clamped to [0, 1]; v >= 5 gives 1 (lp = lc).
+    # v_prox = 5 (the step's start), lc of the second of two minibatches: v_theta = 5.5. alpha = (5 - v) / (5.5 - v),
+    # clamped to [0, 1]; v >= 5.5 gives 1.
     versions = torch.tensor([[5, 4, 3, 1, 6]])
-    alpha = loglinear_alpha(versions, 5)
-    assert alpha.tolist() == [[1.0, 0.0, 0.5, 0.75, 1.0]]
+    alpha = loglinear_alpha(versions, 5, progress=0.5)
+    torch.testing.assert_close(alpha, torch.tensor([[0.0, 2 / 3, 0.8, 8 / 9, 1.0]]))
     behav = torch.tensor([[-2.0, -2.0, -2.0, -2.0, -0.5]])
     cur = torch.tensor([[-1.0, -1.0, -1.0, -3.0, -0.25]], requires_grad=True)
     prox = loglinear_prox(behav, cur, alpha)
-    # -2 + 1 * 1, -2 + 0, -2 + 0.5 * 1, -2 + 0.75 * (-1), -0.5 + 1 * 0.25
-    torch.testing.assert_close(prox, torch.tensor([[-1.0, -2.0, -1.5, -2.75, -0.25]]), rtol=0, atol=0)
+    expected = torch.tensor([[-2.0, -2.0 + 2 / 3, -1.2, -2.0 - 8 / 9, -0.25]])
+    torch.testing.assert_close(prox, expected)
     assert not prox.requires_grad  # lc enters detached: no gradient through lp
 
 
-def test_a_one_version_batch_is_exactly_the_current_policy():
-    assert loglinear_alpha(torch.full((2, 3), 7), 7).eq(1.0).all()
-    assert loglinear_alpha(torch.full((2, 3), 6), 7).eq(0.0).all()  # one step behind: lp = lb, as in AReaL
+def test_lc_at_the_step_s_start_is_lp_whatever_the_token_s_version():
+    """The first minibatch's forward runs at the weights lp is defined at: alpha 1 (the old v_prox = v_cur - 1 gave
+    a one-step-old token lb itself, and a two-step-old one half the correction)."""
+    assert loglinear_alpha(torch.tensor([[7, 6, 5, 0]]), 7).eq(1.0).all()
+    assert loglinear_alpha(torch.full((2, 3), 7), 7, progress=0.5).eq(0.0).all()  # lc moved on: lb is at v_prox
 
 
 def _step(prox: str, versions: torch.Tensor, minibatches: int = 2):
@@ -57,18 +60,25 @@ def test_loglinear_runs_no_proximal_forward():
     assert 0.0 < loglinear.metrics["prox/loglinear_alpha"] < 1.0
 
 
-def test_loglinear_lp_is_the_interpolation_of_the_first_forward():
-    """With one minibatch lc is the policy at the step's start, i.e. recompute's lp: loglinear's lp is its formula."""
+def test_loglinear_lp_is_recompute_s_on_the_first_minibatch_and_interpolated_after():
+    """With one minibatch lc is the policy at the step's start, i.e. recompute's lp, for tokens of every version; a
+    second minibatch's lc has moved one optimizer step on: its tokens of the step's version get lb."""
     versions = torch.tensor([3, 2, 1, 0])[torch.arange(12) % 4][:, None]
     exact, _, batch = _step("recompute", versions, minibatches=1)
     approx, forwards, _ = _step("loglinear", versions, minibatches=1)
-    alpha = loglinear_alpha(batch.versions, 3)
-    expected = loglinear_prox(batch.behav_logp, exact.prox_logp, alpha) * batch.mask
-    torch.testing.assert_close(approx.prox_logp, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(approx.prox_logp, exact.prox_logp * batch.mask, rtol=0, atol=1e-6)
     torch.testing.assert_close(approx.entropy, exact.entropy, rtol=0, atol=0)  # the same forward's entropies
     assert all(forwards)
-    current, _, _ = _step("loglinear", torch.tensor([[3]]), minibatches=1)  # a one-version batch at v_cur ...
-    assert current.metrics == pytest.approx({**exact.metrics, "prox/loglinear_alpha": 1.0})  # ... is recompute
+    assert approx.metrics == pytest.approx({**exact.metrics, "prox/loglinear_alpha": 1.0})
+    exact, _, _ = _step("recompute", versions, minibatches=2)
+    approx, _, _ = _step("loglinear", versions, minibatches=2)
+    first, second = slice(0, 6), slice(6, 12)
+    torch.testing.assert_close(approx.prox_logp[first], (exact.prox_logp * batch.mask)[first], rtol=0, atol=1e-6)
+    current = (batch.versions[second] == 3) & batch.mask[second].bool()
+    assert current.any()
+    torch.testing.assert_close(approx.prox_logp[second][current], batch.behav_logp[second][current], rtol=0, atol=0)
+    older = (batch.versions[second] < 3) & batch.mask[second].bool()
+    assert not torch.equal(approx.prox_logp[second][older], batch.behav_logp[second][older])
 
 
 def test_loglinear_needs_the_version_and_refuses_acrl():
