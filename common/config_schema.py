@@ -38,6 +38,8 @@ WEIGHTINGS = (
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 PROX_MODES = ("recompute", "behav", "loglinear")
+MAX_THREADS = 1024
+"""Most torch threads a worker or learner rank may ask for: torch.set_num_threads(100000) ends the process (SIGSEGV)."""
 THREADS_POLICIES = ("fixed", "throttled", "measured")
 QUANT_SCHEMES = ("none", "int8", "fp8", "fp8_trunc", "w8a16", "w4a16")
 HEAD_MODES = ("auto", "quantized", "fp32")
@@ -223,7 +225,7 @@ class RolloutConfig:
     """Prompt groups a worker leases and decodes together."""
     swap_mode: str = one_of(SWAP_MODES, default="in_place")
     """How a new weight version enters in-flight sequences: `in_place` keeps their KV, `retract` recomputes it."""
-    threads: int = in_range(1, default=1)
+    threads: int = in_range(1, MAX_THREADS, default=1)
     """torch intra-op threads per rollout worker."""
     cpu_priority: str = one_of(CPU_PRIORITIES, default="auto")
     """OS scheduling of an embedded CPU worker's threads: `idle` (Linux SCHED_IDLE: it runs on the cycles nothing
@@ -457,9 +459,9 @@ class LearnerConfig:
     or fp16 autocast they run in fp32 on the upcast inputs."""
     rollout_aligned: bool = False
     """QaRL: run the learner's linear forward on the rollout's quantized operands (straight-through backward)."""
-    threads: int = in_range(1, default=1)
+    threads: int = in_range(1, MAX_THREADS, default=1)
     """torch intra-op threads of each learner rank (the low count of `learner.threads_policy`)."""
-    threads_max: int = in_range(0, default=0)
+    threads_max: int = in_range(0, MAX_THREADS, default=0)
     """The high count of `learner.threads_policy` (at most the cores the learner may run on); 0: those cores."""
     threads_policy: str = one_of(THREADS_POLICIES, default="measured")
     """The learner's torch threads per step (docs/algorithms.md, "Learner threads"; one rank only, with more every rank
@@ -731,10 +733,10 @@ LIVE_KEYS: tuple[str, ...] = (
     "optim.lr",
 )
 """Keys `asyncrl set key=value` may change in a running job (applied at the next step boundary)."""
-RESUME_FIXED: tuple[str, ...] = ("model.", "data.", "quant.", "learner.lora.", "env.", "train.group_size")
+RESUME_FIXED: tuple[str, ...] = ("model.", "data.", "quant.", "learner.lora_base", "env.", "train.group_size")
 """Keys (and sections, ending in `.`) that `asyncrl up --resume RUN key=value` may not change: the checkpoint's
 weights and adapter, the buffer journal's groups and the prompt stream belong to the run's model, data, quantization,
-environment and group size."""
+LoRA base (the adapter was trained on it), environment and group size."""
 RESUME_FREE: tuple[str, ...] = ("data.eval_size",)
 """Keys under `RESUME_FIXED` that a resume may change anyway (evaluation only)."""
 

@@ -79,6 +79,9 @@ def test_overrides_apply_in_order():
         ("logging.name=../../etc", "`logging.name` is the run's directory name under `logging.dir`, not a path"),
         ("logging.name=a/b", "not a path: got 'a/b'"),
         ("logging.name=..", "not a path: got '..'"),
+        ("rollout.threads=100000", "`rollout.threads` is out of range"),  # torch's set_num_threads: SIGSEGV
+        ("learner.threads=99999999999999999999", "`learner.threads` is out of range"),
+        ("learner.threads_max=100000", "`learner.threads_max` is out of range"),
     ],
 )
 def test_bad_overrides_name_the_key(override, expected):
@@ -324,3 +327,13 @@ def test_a_misspelled_section_in_a_file_gets_the_section(tmp_path):
     path.write_text("rollot:\n  top_p: 0.9\n")
     with pytest.raises(ConfigError, match=r"unknown config key `rollot`; did you mean `rollout`\?$"):
         load_config(str(path), [])  # said `rollout.top_p`
+
+
+def test_a_resume_may_not_change_the_lora_base_its_adapter_was_trained_on() -> None:
+    from common.config import resume_changes
+
+    saved = load_config(ROOT / "configs" / "dapo_int8_lora.yaml", [])
+    assert resume_changes(saved, load_config(ROOT / "configs" / "dapo_int8_lora.yaml", ["learner.lora_base=full"])) == [
+        "learner.lora_base"
+    ]
+    assert resume_changes(saved, load_config(ROOT / "configs" / "dapo_int8_lora.yaml", ["train.steps=7"])) == []
