@@ -130,6 +130,12 @@ def _check_compute(cfg: Config) -> None:
 
 
 def _check_rollout(cfg: Config) -> None:
+    if cfg.rollout.continuous and cfg.rollout.backend != "embedded":
+        raise ConfigError("`rollout.continuous=true` needs `rollout.backend=embedded` (the SGLang backend has no "
+                          "submit / step scheduler to keep full)")  # fmt: skip
+    if cfg.rollout.continuous and cfg.env.fn:
+        raise ConfigError("`rollout.continuous=true` is for single-turn rollout; with `env.fn` episodes already run "
+                          "on the engine's scheduler (rollout_workers/episodes.py): leave it false")  # fmt: skip
     if cfg.rollout.backend == "sglang" and cfg.quant.scheme in SIMULATED_SCHEMES:
         raise ConfigError(
             f"`quant.scheme={cfg.quant.scheme}` is a simulation scheme of the embedded engine; "

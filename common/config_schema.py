@@ -222,7 +222,11 @@ class RolloutConfig:
     top_k: int = in_range(0, default=0)
     """Top-k sampling (0 disables)."""
     groups_per_lease: int = in_range(1, default=2)
-    """Prompt groups a worker leases and decodes together."""
+    """Prompt groups a worker leases and decodes together (with `rollout.continuous`: keeps in flight)."""
+    continuous: bool = False
+    """Keep the embedded engine's batch full across leases: a group is scored and pushed as soon as its samples end,
+    and prompts leased at once take the freed slots (rollout_workers/continuous.py); false: a worker generates a
+    lease's groups in one batch, as long as its longest sample. Single-turn, `rollout.backend=embedded` only."""
     swap_mode: str = one_of(SWAP_MODES, default="in_place")
     """How a new weight version enters in-flight sequences: `in_place` keeps their KV, `retract` recomputes it."""
     threads: int = in_range(1, MAX_THREADS, default=1)

@@ -88,6 +88,7 @@ class RolloutWorker:
         # user reward functions run in a process of their own (rollout_workers/reward_pool.py); none: the task reward
         self.rewards = RewardScorer(self.sections.reward, self.source.reward)
         seed = self.sections.train.seed * 1_000_003 + zlib.crc32(worker_id.encode())
+        self._seed = seed
         self.engine: Engine
         if rollout.backend == "sglang":  # an SGLang server per worker (rollout_workers/sglang_api/backend.py)
             from rollout_workers.sglang_api.backend import SGLangEngine
@@ -245,6 +246,11 @@ class RolloutWorker:
     def _loop(self) -> None:
         client = BufferClient(self.buffer_endpoint, identity=self.worker_id, curve=self.curve)
         try:
+            if self.sections.rollout.continuous:  # the engine's batch kept full across leases (continuous.py)
+                from rollout_workers.continuous import run_continuous
+
+                run_continuous(self, client, self._seed)
+                return
             while not self._stop.is_set():
                 try:
                     leases, retry_after = client.lease(self.sections.rollout.groups_per_lease)
@@ -389,33 +395,40 @@ class RolloutWorker:
         rewards = self._score(leases, completions, group_size)
         out = []
         for g, lease in enumerate(leases):
-            trajectories = []
-            for i in range(group_size):
-                completion = completions[g * group_size + i]
-                reward = rewards[g * group_size + i]
-                self.counters["tokens"] += len(completion.response_ids)
-                self.counters["samples"] += 1
-                self.counters["correct"] += int(reward >= 1.0)
-                self.counters["reward_sum"] += reward
-                trajectories.append(
-                    Trajectory(
-                        uid=f"{lease.group}/{i}",
-                        group=lease.group,
-                        prompt_index=lease.index,
-                        prompt_ids=np.asarray(prompt_ids[g], dtype=np.int32),
-                        response_ids=np.asarray(completion.response_ids, dtype=np.int32),
-                        behav_logp=np.asarray(completion.behav_logp, dtype=np.float32),
-                        versions=np.asarray(completion.versions, dtype=np.int32),
-                        reward=reward,
-                        correct=reward >= 1.0,
-                        finish=completion.finish,
-                        worker=self.worker_id,
-                        t_start=started,
-                        t_end=ended,
-                    )
-                )
+            span = slice(g * group_size, (g + 1) * group_size)
+            trajectories = self._trajectories(lease, prompt_ids[g], completions[span], rewards[span], started, ended)
             out.append((lease, trajectories))
         return screened + out
+
+    def _trajectories(
+        self, lease: PromptLease, prompt_ids: list[int], completions: list[Any], rewards: list[float],
+        started: float, ended: float,
+    ) -> list[Trajectory]:  # fmt: skip
+        """The group of one leased prompt: its samples' completions and rewards as trajectories, counted."""
+        trajectories = []
+        for i, (completion, reward) in enumerate(zip(completions, rewards, strict=True)):
+            self.counters["tokens"] += len(completion.response_ids)
+            self.counters["samples"] += 1
+            self.counters["correct"] += int(reward >= 1.0)
+            self.counters["reward_sum"] += reward
+            trajectories.append(
+                Trajectory(
+                    uid=f"{lease.group}/{i}",
+                    group=lease.group,
+                    prompt_index=lease.index,
+                    prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+                    response_ids=np.asarray(completion.response_ids, dtype=np.int32),
+                    behav_logp=np.asarray(completion.behav_logp, dtype=np.float32),
+                    versions=np.asarray(completion.versions, dtype=np.int32),
+                    reward=reward,
+                    correct=reward >= 1.0,
+                    finish=completion.finish,
+                    worker=self.worker_id,
+                    t_start=started,
+                    t_end=ended,
+                )
+            )
+        return trajectories
 
     def _rollout_episodes(self, leases: list[PromptLease]) -> list[tuple[PromptLease, list[Trajectory]]]:
         """Multi-turn: `group_size` episodes per leased prompt (rollout_workers/episodes.py), rewarded by their

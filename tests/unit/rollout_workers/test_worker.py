@@ -59,3 +59,51 @@ def test_a_group_the_buffer_refuses_to_decode_is_counted_and_dropped(worker_and_
     assert worker.counters["groups_refused"] == 1 and "nonfinite_reward" in worker.last_error
     worker._push(client, good, good_trajectories)
     assert worker.counters["groups_pushed"] == 1 and client.stats()["queued_groups"] == 1
+
+
+def test_continuous_rollout_fills_freed_slots_with_new_leases_and_pushes_each_group_as_it_ends(tmp_path):
+    """`rollout.continuous`: 2 groups of 2 kept in flight; the built-in model's answers end after 1-5 digits, so groups
+    end at different steps: each is pushed as it ends and a new lease is submitted while another group still decodes
+    (the batch loop submits only to an idle engine)."""
+    import threading
+    import time
+
+    from rollout_workers.continuous import run_continuous
+
+    overrides = ["rollout.continuous=true", "rollout.groups_per_lease=2", "rollout.max_new_tokens=8"]
+    cfg = load_config(None, ["train.group_size=2", "train.groups_per_step=2", "staleness.max_lag=50", *overrides])
+    (tmp_path / "run").mkdir()
+    proc, endpoint = start_service(to_dict(cfg), tmp_path / "run")
+    worker = RolloutWorker(to_dict(WorkerSections.pick(cfg)), "w0", str(resolve_model_path(cfg.model.path)), endpoint)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path))
+    worker.engine.stage_weights(WeightUpdate(0, export_rollout_tensors(model.state_dict(), "int8"), "int8"))
+    busy_at_submit: list[int] = []
+    submit = worker.engine.submit
+    worker.engine.submit = lambda *a, **k: busy_at_submit.append(worker.engine.num_active) or submit(*a, **k)
+    loop_client, client = BufferClient(endpoint, "w0"), BufferClient(endpoint, "test", timeout_s=5.0)
+    loop = threading.Thread(target=run_continuous, args=(worker, loop_client, 0))
+    try:
+        loop.start()
+        deadline = time.monotonic() + 60
+        while client.stats()["queued_groups"] < 8:
+            assert time.monotonic() < deadline and loop.is_alive(), (worker.counters, worker.last_error)
+            time.sleep(0.05)
+        worker._stop.set()
+        loop.join(timeout=30)
+        assert not loop.is_alive()
+        assert any(active > 0 for active in busy_at_submit), busy_at_submit
+        pushed = worker.counters["groups_pushed"]
+        assert pushed >= 8 and worker.counters["errors"] == 0, worker.last_error
+        assert worker.counters["samples"] == 2 * pushed and 2 * pushed <= worker.counters["tokens"] <= 16 * pushed
+        assert worker.engine.num_active == 0  # the groups still in flight at the stop were aborted
+        reply = client.fetch_batch(0, 4, wait_s=5.0)  # the buffer's groups: whole, of version 0
+        assert [len(group) for group in reply.groups] == [2, 2, 2, 2]
+        assert all(set(t.versions) == {0} and len(t.behav_logp) == len(t.response_ids) for g in reply.groups for t in g)
+    finally:
+        worker._stop.set()
+        loop.join(timeout=30)
+        loop_client.close()
+        client.close()
+        stop_service(proc)
