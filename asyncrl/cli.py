@@ -314,7 +314,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"asyncrl: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt as err:  # in start-up, or a second signal once training ended (the driver's own, which
-        print(f"asyncrl: {err or 'interrupted during start-up'}", file=sys.stderr)  # says so: StopSignals)
+        print(f"asyncrl: {str(err) or 'interrupted during start-up'}", file=sys.stderr)  # says so: StopSignals)
         return 130
     return 0
 

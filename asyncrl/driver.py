@@ -267,7 +267,7 @@ def _run_in(cfg: Config, run_dir: Path, resume: bool, model_dir: str, arch: Arch
                 checkpoint_dir, watchdog = _restart_learner(cfg, run_dir, buffers, logger, watchdog, parts, err)
         raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
-        signals.restore()
+        signals.tearing_down()  # a signal now would cut the clean-up short: said and ignored until it ends
         actors.shutdown()  # local actors still there (a failed run); none under Ray
         if gate is not None:
             os.environ.pop(train_gate.ENV_VAR, None)
@@ -284,6 +284,7 @@ def _run_in(cfg: Config, run_dir: Path, resume: bool, model_dir: str, arch: Arch
         _sweep_weight_files()
         if run_keys is not None:
             shutil.rmtree(run_keys, ignore_errors=True)
+        signals.restore()
         logger.close()
 
 
@@ -354,6 +355,16 @@ class StopSignals:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def tearing_down(self) -> None:
+        """The run's processes and files are being ended: a signal now is said and ignored (the clean-up's waits are
+        bounded), so that a stopped run's keys, gate file and local actors still go (a second Ctrl-C right after
+        "stopped after ..." skipped all of it)."""
+        for sig in self._previous:
+            signal.signal(sig, self._handle_in_teardown)
+
+    def _handle_in_teardown(self, signum: int, frame: object) -> None:
+        self.logger.info(f"{signal.Signals(signum).name}: the run is being cleaned up; it ends in a few seconds")
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name

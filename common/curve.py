@@ -157,18 +157,6 @@ def make_run_keys() -> Path:
 def sweep_run_keys(temp_dir: Path) -> list[Path]:
     """Remove this user's run-keys directories in `temp_dir` whose driver is gone (a driver killed by SIGKILL cannot
     remove its own); returns them."""
-    import shutil
+    from common.processes import sweep_dead_owner_dirs
 
-    from common.processes import pid_alive
-
-    removed = []
-    for path in temp_dir.glob(f"{RUN_KEYS_PREFIX}*-*"):
-        pid = path.name.removeprefix(RUN_KEYS_PREFIX).partition("-")[0]
-        try:
-            ours = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
-        except OSError:
-            continue
-        if ours and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    return sweep_dead_owner_dirs(temp_dir, RUN_KEYS_PREFIX)

@@ -133,10 +133,21 @@ def _socket_base() -> str:
     )
 
 
+ACTORS_DIR_PREFIX = "asyncrl-actors-"
+"""The socket directory's name: this prefix, the driver's pid, a random part."""
+
+
 def _runtime_dir() -> str:
-    """This process's private socket directory (mode 0700), removed at exit."""
+    """This process's private socket directory (mode 0700), removed at exit; first removes those of drivers killed
+    before they could (SIGKILL: no atexit)."""
     if "path" not in _dir:
-        _dir["path"] = tempfile.mkdtemp(prefix="asyncrl-actors-", dir=_socket_base())
+        from pathlib import Path
+
+        from common.processes import sweep_dead_owner_dirs
+
+        base = _socket_base()
+        sweep_dead_owner_dirs(Path(base), ACTORS_DIR_PREFIX)
+        _dir["path"] = tempfile.mkdtemp(prefix=f"{ACTORS_DIR_PREFIX}{os.getpid()}-", dir=base)
         atexit.register(shutil.rmtree, _dir["path"], ignore_errors=True)
         atexit.register(shutdown)
     return _dir["path"]

@@ -36,7 +36,8 @@ message keeps the per-field map with array maps.
 have the dtype the schema fixes for that field and `len(b) == n * itemsize`, sizes are bounded (`MAX_*`) before and
 while unpacking, and trajectories are checked for internal consistency. Anything else raises `WireError` with a
 short `reason` code that services count as `rejected_<reason>`; malformed input never raises anything else.
-Encoding never uses pickle; neither does anything else in asyncrl.
+Encoding never uses pickle; neither does any other message between a run's services (actor calls of the same run
+do: docs/security.md).
 
 | message | producer | consumer | reply |
 |---|---|---|---|

@@ -354,6 +354,38 @@ def test_sigterm_to_the_whole_process_group_stops_the_run_gracefully(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_ctrl_c_while_a_stopped_run_cleans_up_is_ignored_and_the_clean_up_ends(tmp_path):
+    """A second Ctrl-C right after "stopped after ..." landed in the clean-up, with Python's handler back: it
+    stopped there (exit 130, a bare "asyncrl: " line) and left the run's keys directory and gate file behind."""
+    import contextlib
+    import tempfile
+
+    from common.curve import RUN_KEYS_PREFIX
+
+    run_dir = tmp_path / "c"
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=c",
+                    "train.steps=100000", *SMALL)  # fmt: skip
+    try:
+        wait_for(lambda: sum("loss" in r for r in records(run_dir)) >= 2, 120, "two steps", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        lines = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "stopped after" in line:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGINT)
+                break
+        out, _ = proc.communicate(timeout=180)
+        out = "".join(lines) + out
+    finally:
+        kill_if_running(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert not out.rstrip().endswith("asyncrl:"), out[-2000:]
+    assert not list(Path(tempfile.gettempdir()).glob(f"{RUN_KEYS_PREFIX}{proc.pid}-*"))
+    assert not (run_dir / ".train_gate").exists()
+
+
+@pytest.mark.slow
 def test_the_first_ctrl_c_on_a_stalled_run_stops_it_without_waiting_for_its_workers(tmp_path):
     """README: "The first Ctrl-C on a stalled run stops it at once". The step was abandoned at once, but the driver
     then waited up to 120 s for each worker to finish its batch (here, a reward call of 100 s): 62 s with a reward

@@ -311,3 +311,26 @@ def test_an_actor_whose_intermediate_exits_first_still_knows_the_intermediate_pi
     report = json.loads(done.stdout)
     assert report["seen"]["parent"] == report["driver"]  # adopted before the actor ran
     assert report["seen"]["intermediate"] not in (report["driver"], report["actor"])
+
+
+def test_the_socket_directory_of_a_driver_killed_by_sigkill_is_removed_by_the_next_one(tmp_path):
+    """atexit never runs under SIGKILL: each killed driver left a directory of sockets in /tmp for good; its name now
+    carries the driver's pid, and the next driver sweeps those whose driver is gone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from common.local_actors import _runtime_dir; import os, signal, sys; print(os.getpid(), _runtime_dir()); {}"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    suicide = "sys.stdout.flush(); os.kill(os.getpid(), signal.SIGKILL)"
+    killed = subprocess.run([sys.executable, "-c", code.format(suicide)], capture_output=True, text=True, env=env,
+                            timeout=60)  # fmt: skip
+    pid, path = killed.stdout.split()
+    left = Path(path)
+    assert killed.returncode == -9 and left.is_dir() and left.name.startswith(f"asyncrl-actors-{pid}-")
+    clean = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True, env=env, timeout=60)
+    assert clean.returncode == 0, clean.stderr
+    assert not left.exists() and not Path(clean.stdout.split()[1]).exists()  # swept; and its own removed at exit
