@@ -453,11 +453,12 @@ def _train(
             if not _boundary_work(cfg, ops, signals, step):  # the learner trains the next step during the logging
                 refs = learner.train_step_async(step)
             pool.refresh()
-            metrics.update(_rollout_metrics(pool, ops.last_totals, time.monotonic() - last_time))
+            now = time.monotonic()  # one clock reading ends this step's interval and starts the next: no gap
+            metrics.update(_rollout_metrics(pool, ops.last_totals, now - last_time))
+            last_time = now
             metrics.update(_buffer_metrics(ops.buffer, buffer_totals))
             metrics.update(reward_view.update([w.stats for w in pool.workers.values()], pool.totals(), reward_failed))
             metrics.update(env_view.update(pool.totals()))
-            last_time = time.monotonic()
             logger.log_step(metrics)
             if step == start_step + 1:
                 clock.mark("first_step")

@@ -256,7 +256,10 @@ class BufferService:
         """Rewrite the journal as a snapshot once it is past `compact_bytes` and twice its last compacted size, and
         at least half of it is garbage: a snapshot of a queue (and of the consumed groups a resume could train again,
         `keep_from`) that holds most of the journal would only copy it."""
-        if self.journal is None or self.journal.size_bytes() < self._compact_at:
+        if self.journal is None:  # nothing a resume could train again: keep only the batch in flight's (`requeue`)
+            self.state.prune_consumed(self.state.step)
+            return
+        if self.journal.size_bytes() < self._compact_at:
             return
         size = self.journal.size_bytes()
         kept_from = self.keep_from(self.state.step) if self.keep_from is not None else self.state.step + 1

@@ -471,6 +471,35 @@ def metric_unit(weighting: str, key: str) -> str:
     return "tokens" if key in _TOKEN_SHARES else "loss"
 
 
+class StepFigures:
+    """The step's loss and loss metrics over its minibatches, each weighed as one minibatch weighs its micro-batches
+    (`metric_unit`: loss-weighted, by tokens or by rows), so that they are the whole batch's figures however it was
+    cut; `grad_norm` is the minibatches' mean (each clipped against `optim.grad_clip` on its own)."""
+
+    def __init__(self, loss: LossConfig, mask: torch.Tensor, minibatches: int) -> None:
+        self.loss_cfg, self.minibatches = loss, minibatches
+        self.normalizer = max(loss_normalizer(mask, loss), 1.0)
+        self.sums: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0}
+        self.units: dict[str, float] = {}
+
+    def add(self, mask: torch.Tensor, loss_value: float, grad_norm: float, metrics: dict[str, float]) -> None:
+        """One minibatch's figures (`mask`: its rows')."""
+        share = loss_normalizer(mask, self.loss_cfg) / self.normalizer
+        self.sums["loss"] += loss_value * share
+        self.sums["grad_norm"] += grad_norm / self.minibatches
+        for key, value in metrics.items():
+            unit = metric_unit(self.loss_cfg.weighting, key)
+            weight = share if unit == "loss" else float(mask.sum()) if unit == "tokens" else float(mask.shape[0])
+            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+            if unit != "loss":
+                self.units[key] = self.units.get(key, 0.0) + weight
+
+    def means(self) -> dict[str, float]:
+        units = self.units
+        return {key: (total / units[key] if units[key] else 0.0) if key in units else total
+                for key, total in self.sums.items()}  # fmt: skip
+
+
 _METRIC_NAMES: dict[tuple[str, bool, bool], list[str]] = {}
 
 
@@ -568,6 +597,7 @@ def train_on_batch(
         batch = batch.take(order)
         _reorder_inputs(inputs, order)
     skipped = False
+    step_figures = StepFigures(sections.loss, batch.mask, learner.minibatches)
     for index, ((lo, hi), grad_end) in enumerate(zip(zip(bounds[:-1], bounds[1:]), grad_ends)):
         optimizer.zero_grad(set_to_none=True)
         inputs.prox_progress = index / learner.minibatches  # loglinear: the weights this minibatch's lc runs at
@@ -584,7 +614,7 @@ def train_on_batch(
         with timed(seconds, "optimizer"):
             scaler.unscale_(params)
             grad_norm = to_float(torch.nn.utils.clip_grad_norm_(params, clip))  # global over ranks: all agree
-        metrics["loss"], metrics["grad_norm"] = loss_value, grad_norm
+        metrics["loss"], metrics["grad_norm"] = loss_value, grad_norm  # a skipped step reports the non-finite ones
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             scaler.update(finite=False)
             skipped = True
@@ -599,7 +629,9 @@ def train_on_batch(
             else:
                 optimizer.step()
         scaler.update(finite=True)
-        metrics.update(loss_metrics)
+        step_figures.add(batch.mask[lo:hi], loss_value, grad_norm, loss_metrics)
+    if not skipped:
+        metrics.update(step_figures.means())
     optimizer.zero_grad(set_to_none=True)
     # the activations', gradients' and AdamW temporaries' pages, before the caller publishes: only when the machine
     # is short of memory (memory.py; the first update too since the publication quantizes in blocks of rows)

@@ -150,3 +150,26 @@ def test_an_update_that_leaves_non_finite_weights_fails_the_step_naming_the_opti
     with pytest.raises(FloatingPointError, match="weights are not finite after the optimizer step.*damaged"):
         train_on_batch(model, optimizer, LossScaler(enabled=False), with_behavior(tiny_batch(seed=4), model), cfg,
                        AcrlReference(cfg.loss.acrl))  # fmt: skip
+
+
+def test_several_minibatches_report_the_whole_batch_s_shares_and_loss():
+    """TIS's w does not move between minibatches (lp is the step's), so its truncated share is the batch's share of
+    tokens with w > C; with 3 minibatches the logged `tis_trunc` (and `loss`, `ppo_clip_*`) was the last one's."""
+    from learner.losses import mismatch_metrics
+
+    model = tiny_model(seed=1)
+    batch = with_behavior(tiny_batch(seed=1), model, seed=2)
+    results = {}
+    for minibatches in (1, 3):
+        cfg = tiny_config("loss.weighting=tis", "loss.cap=1.0", f"learner.minibatches={minibatches}")
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.0)  # no move: the minibatches see the same policy
+        results[minibatches] = train_on_batch(
+            trained, optimizer, LossScaler(enabled=False), batch, cfg, AcrlReference(cfg.loss.acrl)
+        )
+    share = mismatch_metrics(batch.behav_logp, results[3].prox_logp, batch.mask, 1.0)["mismatch/w_over_cap"]
+    assert 0.0 < share < 1.0
+    for minibatches, result in results.items():
+        assert result.metrics["tis_trunc"] == pytest.approx(share, abs=1e-6), minibatches
+    for key in ("loss", "ppo_clip_high", "ppo_clip_low"):
+        assert results[3].metrics[key] == pytest.approx(results[1].metrics[key], rel=1e-5, abs=1e-7), key
