@@ -434,6 +434,8 @@ def _train(
                 f"weights {learner.weights_endpoint()}, model {model_dir}, control {ops.control.endpoint}")  # fmt: skip
     last_time = time.monotonic()
     buffer_totals: dict[str, float] = {}  # the buffer's counters at the previous step (`_buffer_metrics`)
+    if start_step > 0:  # resumed: the buffer's counters continue the run's, so the first interval starts from them
+        _buffer_metrics(ops.buffer, buffer_totals)
     reward_view = RewardMetrics()  # reward/errors, reward/timeouts, reward/<key>; logs the first reward failure
     env_view = EnvMetrics()  # env/turns_mean, env/tool_calls, ... of multi-turn episodes (env.fn)
     reward_failed = lambda message: (logger.event("reward_error", error=message), logger.info(message))  # noqa: E731

@@ -96,6 +96,10 @@ def snapshot(
         "step": state.step,
         "consumed": state.consumed_groups,
         "admitted": state.counters["admitted_groups"] - len(state.queue),  # admits not in the snapshot
+        # the run's counters, less what the snapshot's admit records count again (each queued group a completed one)
+        "counts": {
+            key: state.counters[key] - (len(state.queue) if key == "completed_groups" else 0) for key in RUN_COUNTS
+        },  # fmt: skip
         "max_lag": state.max_lag if state.max_lag_set_live else None,  # else the config's value applies
         "pending": pending,
     }
@@ -107,18 +111,32 @@ def snapshot(
     return [head, *kept_records, *({"k": "admit", "m": q.payload} for q in state.queue)]
 
 
+RUN_COUNTS = ("completed_groups", "filtered_groups", "dropped_stale", "screened_groups", "skipped_prompts")
+"""Counters of the run's groups and prompts that a resume continues (rebuilt from the journal by `replay`, carried by a
+compaction's `state` record), as `admitted_groups` and `consumed_groups` are."""
+
+
 def replay(state: BufferState, records: list[dict[str, Any]], now: float | None = None) -> None:
     """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step, max_lag
     and the prompts' zero-variance streaks restored, and leases that were never resolved returned to the pool (a live
-    worker may push them). Streaks are restored only when selective rollout is on (`state.history`)."""
+    worker may push them). Streaks are restored only when selective rollout is on (`state.history`). The run's
+    counters (`RUN_COUNTS`, admitted and consumed groups) continue from the journal's."""
     now = time.time() if now is None else now
     admitted: dict[str, Queued] = {}
     pending: dict[str, Queued] = {}  # admitted, not consumed nor dropped, in admission order
     unresolved: set[int] = set()  # indices leased and not yet admitted or dropped
     admitted_count = 0
+    counts = dict.fromkeys(RUN_COUNTS, 0)
     consumed_at: dict[str, int] = {}  # group -> train step, in consumption order (for `rewind`)
     for record in records:
         kind, groups = record.get("k"), record.get("g", [])
+        if kind == "done":  # resolved without a queue place: at the push (filtered, stale, screened) or stale in it
+            why = record.get("why")
+            key = {"filtered": "filtered_groups", "stale": "dropped_stale", "screened": "screened_groups"}.get(why)
+            if key is not None:
+                counts[key] += len(groups)
+            if why in ("filtered", "stale"):  # pushed and resolved at once; a queued group went stale after its admit
+                counts["completed_groups"] += sum(group not in admitted for group in groups)
         if kind == "state":  # the head of a compacted journal
             state.cursor, state.step = int(record["cursor"]), int(record["step"])
             state.consumed_groups = int(record["consumed"])
@@ -128,9 +146,11 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
             # consume records of the steps before `kept_from` are gone (older journals: every step up to this one)
             state.compacted_step = int(record["kept_from"]) - 1 if record.get("kept_from") is not None else state.step
             admitted_count = int(record.get("admitted", 0))  # admits compacted away (older journals: unknown)
+            counts.update({key: int(value) for key, value in record.get("counts", {}).items() if key in counts})
             if state.history is not None:
                 state.history.restore(record.get("streaks", []))
         elif kind == "lease":
+            counts["skipped_prompts"] += len(record.get("x", []))
             unresolved.update(record["i"])  # the skipped indices ("x") are resolved: only the cursor passes them
             state.cursor = max(state.cursor, max([*record["i"], *record.get("x", [])], default=-1) + 1)
         elif kind == "streak":
@@ -147,6 +167,7 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
             queued = Queued.of(msg)
             admitted[msg.group] = pending[msg.group] = queued
             admitted_count += 1
+            counts["completed_groups"] += 1
             index = group_index(msg.group)
             unresolved.discard(-1 if index is None else index)
         elif kind in ("done", "consume"):
@@ -178,6 +199,8 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
         state.returned[group] = Lease(group, index, problem.prompt, problem.answer, "", now)
     state.counters["admitted_groups"] = admitted_count
     state.counters["consumed_groups"] = state.consumed_groups
+    for key, value in counts.items():
+        state.counters[key] = value
     state.counters["replayed_groups"] = len(state.queue)
     state.consumed_log = deque(
         (step, group, memoryview(admitted[group].payload).nbytes)

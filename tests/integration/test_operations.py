@@ -115,6 +115,10 @@ def test_driver_killed_then_resumed_continues_steps_and_trains_every_group_once(
     assert all(r["version"] == r["step"] + 1 for r in after)
     assert all(r["staleness/max"] <= 2 for r in rows if "loss" in r)  # staleness.max_lag holds across the resume
     assert any(r["k"] == "rewind" and r["s"] == resumed_at for r in read_records(run_dir / "buffer.journal"))
+    counts = json.loads((run_dir / "summary.json").read_text())["buffer"]  # the run's, not the resumed part's alone
+    assert counts["completed_groups"] >= counts["admitted_groups"] + counts["filtered_groups"] > 0, counts
+    shares = [r["rollout/filtered_share"] for r in after if r["rollout/filtered_share"] is not None]  # NaN: none
+    assert all(0.0 <= share <= 1.0 for share in shares), shares  # the first resumed interval starts from the counts
     assert_trained_once(run_dir, steps)
     from transformers import AutoModelForCausalLM
 
