@@ -337,3 +337,11 @@ def test_a_resume_may_not_change_the_lora_base_its_adapter_was_trained_on() -> N
         "learner.lora_base"
     ]
     assert resume_changes(saved, load_config(ROOT / "configs" / "dapo_int8_lora.yaml", ["train.steps=7"])) == []
+
+
+def test_continuous_rollout_needs_the_embedded_engine_and_single_turn_rollout() -> None:
+    with pytest.raises(ConfigError, match="`rollout.continuous=true` needs `rollout.backend=embedded`"):
+        load_config(None, ["rollout.continuous=true", "rollout.backend=sglang", "quant.scheme=fp8"])
+    with pytest.raises(ConfigError, match="`rollout.continuous=true` is for single-turn rollout"):
+        load_config(None, ["rollout.continuous=true", "env.fn=builtin:arith_tool"])
+    assert load_config(None, ["rollout.continuous=true"]).rollout.continuous
