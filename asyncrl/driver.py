@@ -357,9 +357,9 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def tearing_down(self) -> None:
-        """The run's processes and files are being ended: a signal now is said and ignored (the clean-up's waits are
-        bounded), so that a stopped run's keys, gate file and local actors still go (a second Ctrl-C right after
-        "stopped after ..." skipped all of it)."""
+        """The run's work is saved (its summary written) or it failed, and its processes and files are being ended: a
+        signal now is said and ignored (the clean-up's waits are bounded), so that a stopped run's keys, gate file and
+        local actors still go (a second Ctrl-C right after "stopped after ..." skipped all of it, exit 130)."""
         for sig in self._previous:
             signal.signal(sig, self._handle_in_teardown)
 
@@ -498,6 +498,7 @@ def _train(
 
     text = json.dumps(strict_json_value(summary), indent=2, default=str, allow_nan=False)  # a nan eval figure: null
     (run_dir / "summary.json").write_text(text)
+    signals.tearing_down()  # the run's work is saved: a signal from here on would only cut the clean-up short
     if abandoned:
         raise RunFailed(f"stopped on {signals.requested or 'down'} without waiting for the step in flight, which did "
                         "not come (no checkpoint of it);", exit_code=130)  # fmt: skip
