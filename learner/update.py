@@ -431,7 +431,7 @@ def minibatch_backward(
         loss_sum += out.loss.detach() * share
         for key, value in out.metrics.items():
             unit = metric_unit(loss_cfg.weighting, key)
-            weight = share if unit == "loss" else float(micro.mask.sum()) if unit == "tokens" else float(micro.rows)
+            weight = metric_weight(unit, share, micro.mask)
             metric_sums[key] = metric_sums.get(key, 0.0) + value * weight
             if unit != "loss":
                 metric_units[key] = metric_units.get(key, 0.0) + weight
@@ -471,6 +471,12 @@ def metric_unit(weighting: str, key: str) -> str:
     return "tokens" if key in _TOKEN_SHARES else "loss"
 
 
+def metric_weight(unit: str, share: float, mask: torch.Tensor) -> float:
+    """What a part of the batch (micro-batch or minibatch: `mask` its rows', `share` its part of the loss's normalizer)
+    weighs in a metric of `unit` (`metric_unit`)."""
+    return share if unit == "loss" else float(mask.sum()) if unit == "tokens" else float(mask.shape[0])
+
+
 class StepFigures:
     """The step's loss and loss metrics over its minibatches, each weighed as one minibatch weighs its micro-batches
     (`metric_unit`: loss-weighted, by tokens or by rows), so that they are the whole batch's figures however it was
@@ -489,7 +495,7 @@ class StepFigures:
         self.sums["grad_norm"] += grad_norm / self.minibatches
         for key, value in metrics.items():
             unit = metric_unit(self.loss_cfg.weighting, key)
-            weight = share if unit == "loss" else float(mask.sum()) if unit == "tokens" else float(mask.shape[0])
+            weight = metric_weight(unit, share, mask)
             self.sums[key] = self.sums.get(key, 0.0) + value * weight
             if unit != "loss":
                 self.units[key] = self.units.get(key, 0.0) + weight
