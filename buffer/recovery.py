@@ -116,6 +116,16 @@ RUN_COUNTS = ("completed_groups", "filtered_groups", "dropped_stale", "screened_
 compaction's `state` record), as `admitted_groups` and `consumed_groups` are."""
 
 
+def _count_done(counts: dict[str, int], why: str | None, pushed: list[bool]) -> None:
+    """Count a `done` record's groups in the run's counters; `pushed`: whether each was resolved at its push (a
+    completed group) rather than dropped from the queue after its admit."""
+    key = {"filtered": "filtered_groups", "stale": "dropped_stale", "screened": "screened_groups"}.get(why or "")
+    if key is not None:
+        counts[key] += len(pushed)
+    if why in ("filtered", "stale"):
+        counts["completed_groups"] += sum(pushed)
+
+
 def replay(state: BufferState, records: list[dict[str, Any]], now: float | None = None) -> None:
     """Rebuild the state from journal records: unconsumed groups queued again in order, the cursor, step, max_lag
     and the prompts' zero-variance streaks restored, and leases that were never resolved returned to the pool (a live
@@ -130,13 +140,6 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
     consumed_at: dict[str, int] = {}  # group -> train step, in consumption order (for `rewind`)
     for record in records:
         kind, groups = record.get("k"), record.get("g", [])
-        if kind == "done":  # resolved without a queue place: at the push (filtered, stale, screened) or stale in it
-            why = record.get("why")
-            key = {"filtered": "filtered_groups", "stale": "dropped_stale", "screened": "screened_groups"}.get(why)
-            if key is not None:
-                counts[key] += len(groups)
-            if why in ("filtered", "stale"):  # pushed and resolved at once; a queued group went stale after its admit
-                counts["completed_groups"] += sum(group not in admitted for group in groups)
         if kind == "state":  # the head of a compacted journal
             state.cursor, state.step = int(record["cursor"]), int(record["step"])
             state.consumed_groups = int(record["consumed"])
@@ -179,6 +182,8 @@ def replay(state: BufferState, records: list[dict[str, Any]], now: float | None 
                 state.step = int(record["s"])
                 state.consumed_groups += len(groups)
                 consumed_at.update((group, state.step) for group in groups)
+            else:  # resolved without a queue place: at the push (filtered, stale, screened), or stale in the queue
+                _count_done(counts, record.get("why"), [group not in admitted for group in groups])
         elif kind in ("requeue", "rewind"):
             state.consumed_groups -= len(groups)
             requeued = {group: admitted[group] for group in groups}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import time
-import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,13 +74,10 @@ def run_continuous(worker: RolloutWorker, client: BufferClient, seed: int) -> No
             try:
                 engine.step()
             except Exception:  # the groups in flight are lost: their leases expire and return to the pool
-                worker.counters["errors"] += 1
-                worker.last_error = traceback.format_exc(limit=3)
+                worker._note_error()
                 engine.abort([sample for flight in flights for sample in flight.samples])
                 flights.clear()
-                if fatal := engine.fatal:
-                    worker.last_error = fatal
-                    worker._leave()
+                if worker._engine_failed():
                     return
                 continue
             finally:
@@ -114,8 +110,7 @@ def _screened(worker: RolloutWorker, client: BufferClient, leases: list[PromptLe
     try:
         decided = worker.rollout_screen(leases)
     except Exception:  # as a failed batch: the leases expire and return to the pool
-        worker.counters["errors"] += 1
-        worker.last_error = traceback.format_exc(limit=3)
+        worker._note_error()
         return []
     for lease, trajectories in decided:
         if trajectories is not None:
@@ -132,8 +127,7 @@ def _submit(worker: RolloutWorker, engine: Any, lease: PromptLease, keys: list[i
             return None
         return Flight(lease, prompt_ids, engine.submit(list(prompt_ids), worker.params, keys), time.time())
     except Exception:
-        worker.counters["errors"] += 1
-        worker.last_error = traceback.format_exc(limit=3)
+        worker._note_error()
         return None
 
 
@@ -144,8 +138,7 @@ def _push_groups(worker: RolloutWorker, client: BufferClient, done: list[Flight]
     try:
         rewards = worker._score([flight.lease for flight in done], completions, group_size)
     except Exception:  # as a failed batch: the leases expire and return to the pool
-        worker.counters["errors"] += 1
-        worker.last_error = traceback.format_exc(limit=3)
+        worker._note_error()
         return
     ended = time.time()
     for g, flight in enumerate(done):

@@ -269,17 +269,29 @@ class RolloutWorker:
                         leases = self._screen_and_refill(client, leases)
                     groups = self.rollout(leases, screen=False) if leases else []
                 except Exception:  # keep the worker alive; the leases expire and return to the pool
-                    self.counters["errors"] += 1
-                    self.last_error = traceback.format_exc(limit=3)
-                    if fatal := self.engine.fatal:  # it will fail every batch: the loop ends (no more
-                        self.last_error = fatal  # leases), `stats()` says not alive, the supervisor restarts the worker
-                        self._leave()  # and what it leased returns now
+                    self._note_error()
+                    if self._engine_failed():
                         break
                     continue
                 for lease, trajectories in groups:
                     self._push(client, lease, trajectories)
         finally:
             client.close()
+
+    def _note_error(self) -> None:
+        """Count the batch (or group) the exception being handled failed, and keep its traceback."""
+        self.counters["errors"] += 1
+        self.last_error = traceback.format_exc(limit=3)
+
+    def _engine_failed(self) -> bool:
+        """Whether the engine can no longer generate (`Engine.fatal`): then every batch would fail, so the loop ends
+        (no more leases) after telling the buffer the worker leaves (what it leased returns now); `stats()` says not
+        alive and the supervisor restarts the worker."""
+        if not (fatal := self.engine.fatal):
+            return False
+        self.last_error = fatal
+        self._leave()
+        return True
 
     def _push(self, client: BufferClient, lease: PromptLease, trajectories: list[Trajectory]) -> None:
         """Push until accepted or refused; when stopping, one attempt (an unpushed group's lease returns)."""

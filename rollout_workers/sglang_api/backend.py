@@ -307,10 +307,8 @@ class SGLangEngine:
                 with contextlib.suppress(ServerUnavailable, ServerError):
                     client.abort(body["rid"])
                 retries += 1
-                if retries > self.sg.max_retries:  # a request that always outlasts the timeout ends the sample
-                    self.metrics["aborted_samples"] += 1
+                if not self._resubmit(retries):  # a request that always outlasts the timeout ends the sample
                     return Completion(tokens, logps, versions, finish="abort")
-                self.metrics["resubmitted"] += 1
                 continue
             except ServerUnavailable as err:  # died or restarting: the sync thread relaunches it (bounded by
                 self.last_error = str(err)  # max_restarts and startup_timeout_s); the lost segment is sampled again
@@ -337,12 +335,19 @@ class SGLangEngine:
                 return Completion(tokens, logps, versions, finish=kind)
             if len(tokens) >= params.max_new_tokens:
                 return Completion(tokens, logps, versions, finish="length")
-            if self._pause_aborts == aborts:  # an abort we did not ask for
+            if self._pause_aborts == aborts:  # an abort we did not ask for (ours are resubmitted for free)
                 retries += 1
-                if retries > self.sg.max_retries:
-                    self.metrics["aborted_samples"] += 1
-                    return Completion(tokens, logps, versions, finish="abort")
-            self.metrics["resubmitted"] += 1
+            if not self._resubmit(retries):
+                return Completion(tokens, logps, versions, finish="abort")
+
+    def _resubmit(self, retries: int) -> bool:
+        """Whether a sample goes on after its `retries`-th abort it did not ask for (or timed-out request), counted;
+        past `rollout.sglang.max_retries` it ends as an aborted sample."""
+        if retries > self.sg.max_retries:
+            self.metrics["aborted_samples"] += 1
+            return False
+        self.metrics["resubmitted"] += 1
+        return True
 
     def _sampling(self, params: SamplingParams, remaining: int, index: int, tokens: list[int]) -> dict[str, Any]:
         values: dict[str, Any] = {
