@@ -125,8 +125,8 @@ class EmbeddedEngine:
         self._queue: deque[_Group] = deque()
         self.swaps = 0
         self.build_errors = 0
-        self.fatal = ""  # the Engine protocol's: an embedded engine always can generate
         """Staged versions dropped because their build failed (the running version kept decoding)."""
+        self.fatal = ""  # the Engine protocol's: an embedded engine always can generate
         self.last_build_error = ""
         self.retracted_tokens = 0
         """Tokens whose K/V was recomputed after a swap (retract mode)."""
