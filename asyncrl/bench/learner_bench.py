@@ -365,7 +365,7 @@ def smol_model_flops(
     if share_prefix:
         lengths = batch.attention_mask.sum(-1).tolist()
         runs, prefixes = shared_prefixes(batch.input_ids, lengths, batch.group_index)
-        if pays(runs, prefixes, batch.attention_mask.numel()):
+        if pays(runs, prefixes, lengths, batch.attention_mask.numel()):
             tokens -= sum((hi - lo - 1) * prefix for (lo, hi), prefix in zip(runs, prefixes))
     per_pass = body * tokens + head.numel() * float(batch.mask.sum())
     return (6.0 + (2.0 if proximal_pass else 0.0)) * per_pass

@@ -17,7 +17,7 @@ import learner.packing as packing
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batch_budget, micro_batches, token_logp
 from learner.losses import mismatch_metrics
-from learner.packing import FUSED_ATTENTION, pack_groups
+from learner.packing import FUSED_ATTENTION, MAX_ROW_TOKENS, pack_groups
 from learner.precision import LossScaler
 from learner.update import train_on_batch
 
@@ -99,7 +99,7 @@ def test_the_layout_computes_each_prefix_once_and_keeps_every_position():
 
 
 def test_no_shared_prefix_runs_row_by_row_bit_for_bit():
-    model, batch = tiny_model(), tiny_batch()  # random prompts: nothing to share
+    model, batch = tiny_model(), tiny_batch(one_length=True)  # random prompts, one length: nothing to leave out
     assert pack_groups(batch.input_ids, batch.attention_mask, batch.group_index, "eager") is None
     with torch.no_grad():
         assert torch.equal(token_logp(model, batch, 1.0, share_prefix=True)[0], token_logp(model, batch, 1.0)[0])
@@ -113,8 +113,11 @@ def test_long_groups_split_over_packed_rows_and_identical_rows_share_everything(
     batch.attention_mask[1], batch.response_pos[1] = batch.attention_mask[0], batch.response_pos[0]
     batch.response_ids[1], batch.mask[1] = batch.response_ids[0], batch.mask[0]
     monkeypatch.setattr(packing, "MAX_ROW_TOKENS", 1)  # at most the longest row per packed row: several per group
+    monkeypatch.setattr(packing, "MIN_SAVING", 0.0)  # then few tokens are left out: packed all the same
     packed = pack_groups(batch.input_ids, batch.attention_mask, batch.group_index, "eager")
-    assert packed is not None and packed.input_ids.shape[0] > 2
+    lengths = batch.attention_mask.sum(-1).tolist()
+    runs, prefixes = packing.shared_prefixes(batch.input_ids, lengths, batch.group_index)
+    assert packed is not None and len(packing._pieces(runs, prefixes, lengths)) > 2  # each group in several pieces
     assert packed.input_ids.shape[1] <= int(batch.attention_mask.sum(-1).max())
     rows_logp, _, rows_grads = _logp_and_grads(model, batch, share=False)
     packed_logp, _, packed_grads = _logp_and_grads(model, batch, share=True)
@@ -122,6 +125,57 @@ def test_long_groups_split_over_packed_rows_and_identical_rows_share_everything(
     torch.testing.assert_close(packed_logp[m], rows_logp[m], **LOGP_TOL)
     for name, grad in rows_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=0.0, atol=GRAD_TOL * float(grad.abs().max()))
+
+
+def varied_lengths_batch() -> Batch:
+    """A long-tail batch: 4 groups of 4 with one long response in group 0 and short ones elsewhere (RL's responses
+    vary in length: the rows' padding is most of a padded batch)."""
+    batch = shared_batch(seed=6, groups=4, group_size=4)
+    lengths = batch.attention_mask.sum(-1)
+    long_row, width = 1, int(lengths.max()) + 24
+    grown = torch.randint(1, 20, (batch.rows, width), generator=torch.Generator().manual_seed(6))
+    grown[:, : batch.input_ids.shape[1]] = batch.input_ids
+    attention = torch.zeros((batch.rows, width), dtype=torch.long)
+    attention[:, : batch.input_ids.shape[1]] = batch.attention_mask
+    attention[long_row, :width] = 1
+    start, extra = int(batch.response_pos[long_row, 0]), width - int(lengths[long_row])
+    positions = torch.zeros((batch.rows, batch.response_pos.shape[1] + extra), dtype=torch.long)
+    positions[:, : batch.response_pos.shape[1]] = batch.response_pos
+    positions[long_row] = torch.arange(start, start + positions.shape[1]).clamp_max(width - 1)
+    mask = torch.zeros(positions.shape)
+    mask[:, : batch.mask.shape[1]] = batch.mask
+    mask[long_row] = (torch.arange(positions.shape[1]) < width - start).float()
+    grown = grown * attention
+    return Batch(
+        input_ids=grown, attention_mask=attention, response_pos=positions,
+        response_ids=torch.gather(grown, 1, positions) * mask.long(), mask=mask,
+        behav_logp=torch.zeros(mask.shape), versions=torch.zeros(mask.shape, dtype=torch.long), rewards=batch.rewards,
+        correct=batch.correct, group_index=batch.group_index, truncated=batch.truncated,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_groups_of_short_responses_share_a_packed_row_beside_a_long_one(attention):
+    model = tiny_model(seed=6)
+    model.config._attn_implementation = attention
+    batch = varied_lengths_batch()
+    lengths = batch.attention_mask.sum(-1).tolist()
+    packed = pack_groups(batch.input_ids, batch.attention_mask, batch.group_index, attention)
+    assert packed is not None
+    width = packed.input_ids.shape[1]  # the widest group's packed size: no row is wider, no token attends further
+    assert width < MAX_ROW_TOKENS
+    assert packed.tokens < 0.5 * batch.rows * max(lengths)
+    packed_row = {g: {int(i) // width for i in packed.flat_index[g * 4, : int(lengths[g * 4])]} for g in range(4)}
+    assert len(set().union(*packed_row.values())) < 4  # two groups in one packed row (each group in one)
+    rows_logp, rows_entropy, rows_grads = _logp_and_grads(model, batch, share=False)
+    packed_logp, packed_entropy, packed_grads = _logp_and_grads(model, batch, share=True)
+    m = batch.mask.bool()
+    torch.testing.assert_close(packed_logp[m], rows_logp[m], **LOGP_TOL)
+    torch.testing.assert_close(packed_entropy[m], rows_entropy[m], **LOGP_TOL)
+    for name, grad in rows_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=0.0, atol=GRAD_TOL * float(grad.abs().max()))
+    plan = micro_batches(batch, 0, batch.rows, packed.tokens, share_prefix=True)
+    assert plan == [(0, batch.rows)]  # planned as the layout packs them: one micro-batch of its tokens
 
 
 def test_micro_batches_of_whole_groups_within_the_packed_budget():

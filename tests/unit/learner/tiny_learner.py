@@ -34,12 +34,15 @@ def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCaus
     return seeded_(LlamaForCausalLM(config), seed, scale=0.15).train()
 
 
-def tiny_batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> Batch:
-    """Responses of 3..8 tokens after prompts of 3..5 tokens; behavior log-probs set by `with_behavior`."""
+def tiny_batch(seed: int = 0, groups: int = 3, group_size: int = 4, one_length: bool = False) -> Batch:
+    """Responses of 3..8 tokens after prompts of 3..5 tokens (`one_length`: every row 5 + 8, no padding); behavior
+    log-probs set by `with_behavior`."""
     gen = torch.Generator().manual_seed(seed)
     n = groups * group_size
     prompt_len = torch.randint(3, 6, (n,), generator=gen)
     resp_len = torch.randint(3, 9, (n,), generator=gen)
+    if one_length:
+        prompt_len, resp_len = torch.full((n,), 5), torch.full((n,), 8)
     seq_len, t_len = int((prompt_len + resp_len).max()), int(resp_len.max())
     input_ids = torch.zeros((n, seq_len), dtype=torch.long)
     attention = torch.zeros((n, seq_len), dtype=torch.long)
