@@ -21,13 +21,15 @@ the longest row, if longer). Backward: the gather of the loss positions' hidden 
 that reads a shared position into it, the sum over rows of the unpacked gradients.
 
 Responses vary in length (a long tail: most stop early, a few run to the limit), so one group's packed row can be
-several times another's. Packed rows are as wide as the widest group's (its piece of at most `MAX_ROW_TOKENS`), and
-the narrower pieces share rows, first fit, widest first, each under the same mask rule (a token sees its own piece's
-prefix and its own row's earlier tokens): the padding that rows x longest row would hold is left out, and no token
-attends over more keys than in its group's own packed row. On a batch of the e2e tail workload's shape (4 groups of
-8, responses of mean 26 and at most 128 tokens after 6-token prompts: 843 real tokens) the decoder runs 3 packed rows
-of 390, 1,170 tokens, where the padded rows ran 2,879 and one group per packed row 1,560; the fp32 learner step on 2
-threads went from 7.5 s to 4.3 s (Xeon with AMX).
+several times another's, and padding every packed row to the widest would run mostly padding. The rows are filled
+first fit instead (`packed_rows`): the largest groups first and each group's longest rows first, a row going where its
+group's prefix already is, else where its prefix and suffix fit (the prefix once more in that packed row), else into a
+new one, at the width of the fewest tokens among the longest row doubled while under the widest group's packed size,
+and that size. A token sees its own piece's prefix and its own row's earlier tokens, as before, and no packed row is
+wider than the widest group's own. On a batch of the e2e tail workload's shape (4 groups of 8, responses of mean 26
+and at most 128 tokens after 6-token prompts: 843 real tokens) the decoder runs 7 packed rows of 133, 931 tokens,
+where the padded rows ran 2,879 and one group per packed row 1,560: the fp32 learner step on 2 threads went from
+7.5 s to 2.6 s (Xeon with AMX).
 
 On the learner's fused attention (`learner.fused_attention`) long responses behind short prompts pack as tokens,
 with no packed row and no mask: the packed tokens are one sequence, each group's prefix once and then every row's
@@ -131,51 +133,73 @@ def shared_prefixes(
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """A group's rows (or, past `MAX_ROW_TOKENS`, some of them) in a masked packed row: the shared prefix once (the
-    first member's tokens), then each member's suffix."""
+    """Rows of one group in a masked packed row: their shared prefix once (the first member's tokens), then each
+    member's suffix."""
 
     members: tuple[int, ...]
     prefix: int
-    size: int  # prefix + the members' suffixes, in tokens
 
 
-def _pieces(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int]) -> list[Piece]:
-    """The groups' pieces: a group's suffixes go on in another piece past `MAX_ROW_TOKENS` (or past the longest row,
-    if longer)."""
-    cap = max(MAX_ROW_TOKENS, max(int(lengths[row]) for lo, hi in runs for row in range(lo, hi)))
-    pieces: list[Piece] = []
-    for (lo, hi), prefix in zip(runs, prefixes):
-        members: list[int] = []
-        size = prefix
-        for row in range(lo, hi):
-            suffix = int(lengths[row]) - prefix
-            if members and size + suffix > cap:
-                pieces.append(Piece(tuple(members), prefix, size))
-                members, size = [], prefix
-            members.append(row)
-            size += suffix
-        pieces.append(Piece(tuple(members), prefix, size))
-    return pieces
+def _group_sizes(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int]) -> list[int]:
+    """Each group's packed size: its prefix once, then its rows' suffixes."""
+    return [prefix + sum(lengths[row] - prefix for row in range(lo, hi)) for (lo, hi), prefix in zip(runs, prefixes)]
+
+
+def _fill(
+    runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int], sizes: list[int], width: int
+) -> tuple[list[list[Piece]], int]:
+    """Rows first fit into packed rows of `width` tokens, the largest groups (`sizes`) first and each group's longest
+    rows first: a row goes where its group's prefix already is and its suffix fits, else where prefix and suffix fit
+    (the prefix once more), else into a new packed row. The packed rows and the most tokens one holds."""
+    rows: list[dict[int, list[int]]] = []  # per packed row: group -> its member rows
+    used: list[int] = []
+    for group in sorted(range(len(runs)), key=lambda group: -sizes[group]):
+        (lo, hi), prefix = runs[group], prefixes[group]
+        for row in sorted(range(lo, hi), key=lambda row: -lengths[row]):
+            suffix = lengths[row] - prefix
+            at = next((at for at, held in enumerate(rows) if group in held and used[at] + suffix <= width), None)
+            if at is None:
+                at = next((at for at, tokens in enumerate(used) if tokens + prefix + suffix <= width), len(rows))
+                if at == len(rows):
+                    rows.append({})
+                    used.append(0)
+                rows[at][group] = []
+                used[at] += prefix
+            rows[at][group].append(row)
+            used[at] += suffix
+    pieces = [[Piece(tuple(members), prefixes[group]) for group, members in held.items()] for held in rows]
+    return pieces, max(used, default=0)
 
 
 def packed_rows(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int]) -> tuple[list[list[Piece]], int]:
-    """The masked layout: its packed rows, each the pieces (`_pieces`) it holds, and their width (the widest piece).
-    Pieces go first-fit, widest first, into rows of that width: a short group shares a row with others instead of
-    being padded to the widest (responses of varied lengths), and no row is wider than the widest piece, so a
-    token's attention costs what it would in its group's own row."""
-    pieces = _pieces(runs, prefixes, lengths)
-    width = max(piece.size for piece in pieces)
-    rows: list[list[Piece]] = []
-    used: list[int] = []
-    for piece in sorted(pieces, key=lambda piece: -piece.size):
-        fits = next((at for at, tokens in enumerate(used) if tokens + piece.size <= width), None)
-        if fits is None:
-            rows.append([piece])
-            used.append(piece.size)
-        else:
-            rows[fits].append(piece)
-            used[fits] += piece.size
-    return rows, width
+    """The masked layout: its packed rows, each the pieces it holds (a group's rows, `Piece`), and their width.
+
+    Rows are filled first fit (`_fill`) at the width of the fewest tokens in all (packed rows x width) among the
+    longest row doubled while under the widest group's packed size, and that size (at most `MAX_ROW_TOKENS`, or the
+    longest row if longer): no packed row is wider than the widest group's own, so no token attends over more keys
+    than it would there, and a batch of varied lengths leaves out the padding that its short groups' own rows would
+    hold."""
+    lengths = [int(length) for length in lengths]
+    sizes = _group_sizes(runs, prefixes, lengths)
+    longest = max(lengths[row] for lo, hi in runs for row in range(lo, hi))
+    widest = max(longest, min(max(sizes), MAX_ROW_TOKENS))
+    best = _fill(runs, prefixes, lengths, sizes, widest)
+    for width in [longest << k for k in range(32) if longest << k < widest]:
+        if _fewest_tokens(prefixes, sizes, width) < len(best[0]) * best[1]:  # else it cannot do better
+            layout = _fill(runs, prefixes, lengths, sizes, width)
+            best = layout if len(layout[0]) * layout[1] < len(best[0]) * best[1] else best
+    return best
+
+
+def _fewest_tokens(prefixes: list[int], sizes: list[int], width: int) -> int:
+    """A lower bound on `_fill`'s packed rows x width at `width`: each group in as few pieces as its suffixes need
+    (each with the prefix), the rows full."""
+    tokens = 0
+    for prefix, size in zip(prefixes, sizes):
+        if prefix >= width:
+            return 1 << 62
+        tokens += size + prefix * (-(-(size - prefix) // (width - prefix)) - 1)
+    return -(-tokens // width) * width
 
 
 def pays(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int], padded_tokens: int) -> bool:
@@ -254,12 +278,15 @@ def packed_micro_batches(
     if not pays(runs, prefixes, lengths, (hi - lo) * int(max(lengths))):
         return None
     ranges: list[tuple[int, int]] = []
-    start, first = lo, 0  # the open range: its first row, its first group (it holds runs[first:index])
+    start, first, widest = lo, 0, 0  # the open range: its first row, first group (it holds runs[first:index])
     for index, ((run_lo, run_hi), prefix) in enumerate(zip(runs, prefixes)):
         size = prefix + sum(int(n) - prefix for n in lengths[run_lo:run_hi])
-        if index > first and _layout_tokens(runs[first : index + 1], prefixes[first : index + 1], lengths) > budget:
+        widest = max(widest, size)
+        bounded = widest <= MAX_ROW_TOKENS and (index - first + 1) * widest <= budget  # one packed row a group fits
+        if index > first and not bounded and _layout_tokens(runs[first : index + 1], prefixes[first : index + 1],
+                                                            lengths) > budget:  # fmt: skip
             ranges.append((start, lo + run_lo))
-            start, first = lo + run_lo, index
+            start, first, widest = lo + run_lo, index, size
         if size <= budget or index > first:
             continue
         piece_lo, piece = run_lo, prefix  # one group over the budget: split it by rows
@@ -270,7 +297,7 @@ def packed_micro_batches(
                 piece_lo, piece = row, prefix
             piece += suffix
         ranges.append((lo + piece_lo, lo + run_hi))
-        start, first = lo + run_hi, index + 1
+        start, first, widest = lo + run_hi, index + 1, 0
     if hi > start:
         ranges.append((start, hi))
     return ranges

@@ -83,18 +83,20 @@ def test_the_layout_computes_each_prefix_once_and_keeps_every_position():
         index = packed.flat_index[row, :n]
         assert torch.equal(flat_ids[index], batch.input_ids[row, :n])
         assert torch.equal(flat_pos[index], torch.arange(n))
-    group_size = 4
-    for g in range(3):  # the group's rows share their prefix's packed tokens
+    group_size, width, unique = 4, packed.input_ids.shape[1], 0
+    for g in range(3):  # the group's rows in one packed row share their prefix's packed tokens
         rows = range(g * group_size, (g + 1) * group_size)
         shortest = int(min(lengths[r] for r in rows))
         prefix = packing._common_prefix(batch.input_ids, rows[0], rows[-1] + 1, shortest)
         assert prefix >= min(int(batch.response_pos[r, 0]) for r in rows)  # at least the shortest prompt
-        assert all(torch.equal(packed.flat_index[r, :prefix], packed.flat_index[rows[0], :prefix]) for r in rows)
-    unique = sum(int(lengths[r]) for r in range(batch.rows)) - sum(
-        (group_size - 1) * packing._common_prefix(batch.input_ids, lo, lo + group_size,
-                                                  int(lengths[lo : lo + group_size].min()))
-        for lo in range(0, batch.rows, group_size)
-    )  # fmt: skip
+        pieces: dict[int, list[int]] = {}
+        for r in rows:
+            pieces.setdefault(int(packed.flat_index[r, 0]) // width, []).append(r)
+        for members in pieces.values():
+            assert all(
+                torch.equal(packed.flat_index[r, :prefix], packed.flat_index[members[0], :prefix]) for r in members
+            )
+            unique += prefix + sum(int(lengths[r]) - prefix for r in members)
     assert int((packed.input_ids != 0).sum()) <= unique <= packed.tokens
 
 
@@ -117,7 +119,8 @@ def test_long_groups_split_over_packed_rows_and_identical_rows_share_everything(
     packed = pack_groups(batch.input_ids, batch.attention_mask, batch.group_index, "eager")
     lengths = batch.attention_mask.sum(-1).tolist()
     runs, prefixes = packing.shared_prefixes(batch.input_ids, lengths, batch.group_index)
-    assert packed is not None and len(packing._pieces(runs, prefixes, lengths)) > 2  # each group in several pieces
+    pieces = sum(len(row) for row in packing.packed_rows(runs, prefixes, lengths)[0])
+    assert packed is not None and pieces > 2  # each group in several pieces
     assert packed.input_ids.shape[1] <= int(batch.attention_mask.sum(-1).max())
     rows_logp, _, rows_grads = _logp_and_grads(model, batch, share=False)
     packed_logp, _, packed_grads = _logp_and_grads(model, batch, share=True)
@@ -176,6 +179,24 @@ def test_groups_of_short_responses_share_a_packed_row_beside_a_long_one(attentio
         torch.testing.assert_close(packed_grads[name], grad, rtol=0.0, atol=GRAD_TOL * float(grad.abs().max()))
     plan = micro_batches(batch, 0, batch.rows, packed.tokens, share_prefix=True)
     assert plan == [(0, batch.rows)]  # planned as the layout packs them: one micro-batch of its tokens
+
+
+def test_a_long_tail_packs_at_the_longest_rows_width_with_its_groups_rows_spread_over_packed_rows():
+    """The e2e tail workload's shape: 6-token prompts, one response at the 128-token limit, the rest short. Rows as
+    wide as the longest row, a group's rows spread over them (each packed row with the prefix), hold fewer tokens than
+    rows as wide as the widest group with whole groups in them (first fit)."""
+    lengths = [134, 26, 21, 16, 14, 36, 18, 15] + [20, 31, 12, 40, 9, 17, 22, 25] + [11, 8, 27, 33, 19, 16, 14, 30]
+    lengths += [45, 12, 10, 24, 18, 15, 21, 13]
+    runs, prefixes = [(g * 8, g * 8 + 8) for g in range(4)], [6] * 4
+    rows, width = packing.packed_rows(runs, prefixes, lengths)
+    sizes = packing._group_sizes(runs, prefixes, lengths)
+    whole_groups, widest = packing._fill(runs, prefixes, lengths, sizes, max(sizes))
+    assert width == max(lengths) and len(rows) * width < len(whole_groups) * widest
+    placed = sorted(row for pieces in rows for piece in pieces for row in piece.members)
+    assert placed == list(range(32))  # every row once
+    for pieces in rows:
+        assert sum(piece.prefix + sum(lengths[r] - piece.prefix for r in piece.members) for piece in pieces) <= width
+    assert len({i for i, pieces in enumerate(rows) for piece in pieces if piece.members[0] < 8}) > 1  # group 0 spread
 
 
 def test_micro_batches_of_whole_groups_within_the_packed_budget():
