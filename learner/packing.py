@@ -220,7 +220,7 @@ def _tokens_pay(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[
     """Whether packed tokens (each prefix once, no padding) are at least `MIN_ROWS_SAVING` fewer than the padded
     rows' (rows x longest row), and at most `ROWS_MAX_EXPANSION` times fewer."""
     padded = rows * int(max(lengths))
-    packed = int(sum(lengths)) - sum((hi - lo - 1) * prefix for (lo, hi), prefix in zip(runs, prefixes))
+    packed = sum(_group_sizes(runs, prefixes, lengths))
     return packed > 0 and MIN_ROWS_SAVING * padded <= padded - packed and padded <= ROWS_MAX_EXPANSION * packed
 
 
@@ -279,8 +279,8 @@ def packed_micro_batches(
         return None
     ranges: list[tuple[int, int]] = []
     start, first, widest = lo, 0, 0  # the open range: its first row, first group (it holds runs[first:index])
-    for index, ((run_lo, run_hi), prefix) in enumerate(zip(runs, prefixes)):
-        size = prefix + sum(int(n) - prefix for n in lengths[run_lo:run_hi])
+    sizes = _group_sizes(runs, prefixes, lengths)
+    for index, ((run_lo, run_hi), prefix, size) in enumerate(zip(runs, prefixes, sizes)):
         widest = max(widest, size)
         bounded = widest <= MAX_ROW_TOKENS and (index - first + 1) * widest <= budget  # one packed row a group fits
         if index > first and not bounded and _layout_tokens(runs[first : index + 1], prefixes[first : index + 1],
