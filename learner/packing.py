@@ -206,7 +206,11 @@ def pays(runs: list[tuple[int, int]], prefixes: list[int], lengths: list[int], p
     """Whether the masked packed rows (`packed_rows`: packed rows x their width) are at least `MIN_SAVING` of
     `padded_tokens` (rows x longest row) fewer: what sharing the prefixes saves and the rows' padding that packing
     leaves out (a batch of varied lengths, whose short rows the unpacked layout pads to its longest)."""
-    tokens = _layout_tokens(runs, prefixes, lengths)
+    return _saves(_layout_tokens(runs, prefixes, lengths), padded_tokens)
+
+
+def _saves(tokens: int, padded_tokens: int) -> bool:
+    """Whether a layout of `tokens` (some) is at least `MIN_SAVING` of `padded_tokens` fewer."""
     return tokens > 0 and padded_tokens - tokens >= MIN_SAVING * padded_tokens
 
 
@@ -325,9 +329,9 @@ def pack_groups(
     rows, seq_len = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     runs, prefixes = shared_prefixes(input_ids, lengths, group_index)
-    if not pays(runs, prefixes, lengths, rows * seq_len):
-        return None
     packed, width = packed_rows(runs, prefixes, lengths)
+    if not _saves(len(packed) * width, rows * seq_len):  # `pays`, on the layout built once
+        return None
     source = [0] * (len(packed) * width)  # each packed token's index in input_ids flattened to (B * S,)
     positions = [0] * len(source)
     segments = [-1] * len(source)  # a piece's prefix or one row's suffix (numbered over the layout); -1: padding

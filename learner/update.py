@@ -402,8 +402,7 @@ def minibatch_backward(
                                                                 sections.learner.share_prefix,
                                                                 model_row_layout(model))]  # fmt: skip
     loss_sum = torch.zeros(())
-    metric_sums: dict[str, float] = {}
-    metric_units: dict[str, float] = {}  # tokens or rows behind a share metric's sum (`metric_unit`)
+    parts = MetricMeans(loss_cfg.weighting)
     device_type = model_device(model).type  # autocast's: `cpu`, or `cuda` for a GPU learner (learner.devices)
     for (lo, hi), real, no_grad in passes:  # real: rows of the minibatch; no_grad: forward-only rows
         micro = batch.select(lo, hi)
@@ -429,27 +428,16 @@ def minibatch_backward(
             with timed(seconds, "backward"):
                 scaler.scale_loss(out.loss * (share * ranks.world)).backward()
         loss_sum += out.loss.detach() * share
-        for key, value in out.metrics.items():
-            unit = metric_unit(loss_cfg.weighting, key)
-            weight = metric_weight(unit, share, micro.mask)
-            metric_sums[key] = metric_sums.get(key, 0.0) + value * weight
-            if unit != "loss":
-                metric_units[key] = metric_units.get(key, 0.0) + weight
+        parts.add(out.metrics, share, micro.mask)
     if count == 0:  # every row forward-only: the zero gradient a backward would have left, for AdamW alike
         for param in model.parameters():
             if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)
     # Fixed per weighting; with several ranks, one without real micro-batches still reports every key (as zeros).
-    keys = metric_names(loss_cfg) if ranks.world > 1 else sorted(metric_sums)
-    sums = [metric_sums.get(k, 0.0) for k in keys]
-    units = [metric_units.get(k, 0.0) for k in keys]
+    keys = metric_names(loss_cfg) if ranks.world > 1 else sorted(parts.sums)
+    sums, units = parts.totals(keys)
     packed = all_reduce_(torch.tensor([float(loss_sum), *sums, *units]), ranks).tolist()
-    sums, units = packed[1 : 1 + len(keys)], packed[1 + len(keys) :]
-    metrics = {
-        key: total if metric_unit(loss_cfg.weighting, key) == "loss" else total / count if count > 0 else 0.0
-        for key, total, count in zip(keys, sums, units)
-    }
-    return float(packed[0]), metrics
+    return float(packed[0]), parts.means_of(keys, packed[1 : 1 + len(keys)], packed[1 + len(keys) :])
 
 
 _ROW_SHARES = {
@@ -471,39 +459,59 @@ def metric_unit(weighting: str, key: str) -> str:
     return "tokens" if key in _TOKEN_SHARES else "loss"
 
 
-def metric_weight(unit: str, share: float, mask: torch.Tensor) -> float:
-    """What a part of the batch (micro-batch or minibatch: `mask` its rows', `share` its part of the loss's normalizer)
-    weighs in a metric of `unit` (`metric_unit`)."""
-    return share if unit == "loss" else float(mask.sum()) if unit == "tokens" else float(mask.shape[0])
+class MetricMeans:
+    """Loss metrics of parts of a batch (micro-batches of a minibatch, or minibatches of a step) combined into the
+    whole's figures however it was cut: each part weighed by its `metric_unit` (its part of the loss's normalizer
+    `share`, its loss-mask tokens or its rows), a share metric divided by the tokens or rows behind it."""
 
+    def __init__(self, weighting: str) -> None:
+        self.weighting = weighting
+        self.sums: dict[str, float] = {}
+        self.units: dict[str, float] = {}  # tokens or rows behind a share metric's sum
 
-class StepFigures:
-    """The step's loss and loss metrics over its minibatches, each weighed as one minibatch weighs its micro-batches
-    (`metric_unit`: loss-weighted, by tokens or by rows), so that they are the whole batch's figures however it was
-    cut; `grad_norm` is the minibatches' mean (each clipped against `optim.grad_clip` on its own)."""
-
-    def __init__(self, loss: LossConfig, mask: torch.Tensor, minibatches: int) -> None:
-        self.loss_cfg, self.minibatches = loss, minibatches
-        self.normalizer = max(loss_normalizer(mask, loss), 1.0)
-        self.sums: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0}
-        self.units: dict[str, float] = {}
-
-    def add(self, mask: torch.Tensor, loss_value: float, grad_norm: float, metrics: dict[str, float]) -> None:
-        """One minibatch's figures (`mask`: its rows')."""
-        share = loss_normalizer(mask, self.loss_cfg) / self.normalizer
-        self.sums["loss"] += loss_value * share
-        self.sums["grad_norm"] += grad_norm / self.minibatches
+    def add(self, metrics: dict[str, float], share: float, mask: torch.Tensor) -> None:
+        """One part's metrics (`mask`: its rows')."""
         for key, value in metrics.items():
-            unit = metric_unit(self.loss_cfg.weighting, key)
-            weight = metric_weight(unit, share, mask)
+            unit = metric_unit(self.weighting, key)
+            weight = share if unit == "loss" else float(mask.sum()) if unit == "tokens" else float(mask.shape[0])
             self.sums[key] = self.sums.get(key, 0.0) + value * weight
             if unit != "loss":
                 self.units[key] = self.units.get(key, 0.0) + weight
 
+    def totals(self, keys: list[str]) -> tuple[list[float], list[float]]:
+        """The sums and units of `keys` (0 for a key no part had), for an all-reduce over ranks."""
+        return [self.sums.get(key, 0.0) for key in keys], [self.units.get(key, 0.0) for key in keys]
+
+    def means_of(self, keys: list[str], sums: list[float], units: list[float]) -> dict[str, float]:
+        """The figures of `keys` from their (reduced) sums and units."""
+        return {key: total if metric_unit(self.weighting, key) == "loss" else total / count if count > 0 else 0.0
+                for key, total, count in zip(keys, sums, units)}  # fmt: skip
+
     def means(self) -> dict[str, float]:
-        units = self.units
-        return {key: (total / units[key] if units[key] else 0.0) if key in units else total
-                for key, total in self.sums.items()}  # fmt: skip
+        keys = list(self.sums)
+        return self.means_of(keys, *self.totals(keys))
+
+
+class StepFigures:
+    """The step's loss and loss metrics over its minibatches, each weighed as one minibatch weighs its micro-batches
+    (`MetricMeans`), so that they are the whole batch's figures however it was cut; `grad_norm` is the minibatches'
+    mean (each clipped against `optim.grad_clip` on its own)."""
+
+    def __init__(self, loss: LossConfig, mask: torch.Tensor, minibatches: int) -> None:
+        self.loss_cfg, self.minibatches = loss, minibatches
+        self.normalizer = max(loss_normalizer(mask, loss), 1.0)
+        self.loss = self.grad_norm = 0.0
+        self.parts = MetricMeans(loss.weighting)
+
+    def add(self, mask: torch.Tensor, loss_value: float, grad_norm: float, metrics: dict[str, float]) -> None:
+        """One minibatch's figures (`mask`: its rows')."""
+        share = loss_normalizer(mask, self.loss_cfg) / self.normalizer
+        self.loss += loss_value * share
+        self.grad_norm += grad_norm / self.minibatches
+        self.parts.add(metrics, share, mask)
+
+    def means(self) -> dict[str, float]:
+        return {"loss": self.loss, "grad_norm": self.grad_norm, **self.parts.means()}
 
 
 _METRIC_NAMES: dict[tuple[str, bool, bool], list[str]] = {}
