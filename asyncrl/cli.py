@@ -108,8 +108,8 @@ def _load(config: str, overrides: list[str]):
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before a command set up its own handling (imports take a second): one line
-        print("asyncrl: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # Ctrl-C before a command set up its own handling (imports take a second), or
+        print(f"asyncrl: {err or 'interrupted'}", file=sys.stderr)  # a SIGTERM in `up`'s start-up: one line
         return 130
 
 
@@ -240,6 +240,23 @@ def _up(args: argparse.Namespace) -> int:
               f"{' '.join([args.config, *args.overrides])}` (or --resume RUN); {args.config!r} is an override",
               file=sys.stderr)  # fmt: skip
         return 2
+
+    import signal
+
+    signal.signal(signal.SIGTERM, _stop_in_start_up)  # until the driver's own (StopSignals) once its run directory is
+    try:  # chosen: a SIGTERM before that ended `up` with no line (Python's default), leaving its fork server to notice
+        return _up_started(args)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _stop_in_start_up(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM during start-up: stopped before the run began")
+
+
+def _up_started(args: argparse.Namespace) -> int:
+    """`_up` once its arguments are checked, with SIGTERM raising KeyboardInterrupt (`_stop_in_start_up`)."""
+    from pathlib import Path
 
     if args.config is not None or args.resume:
         from asyncrl.startup import start_fork_server_early

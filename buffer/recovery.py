@@ -219,19 +219,28 @@ class JournalBehind(RuntimeError):
     """The journal records less consumption than the checkpoint a run resumes from has trained on."""
 
 
-def check_covers(state: BufferState, next_step: int, path: Path) -> None:
+def check_covers(state: BufferState, next_step: int, path: Path, checkpoint_steps: list[int]) -> None:
     """After `replay`: JournalBehind unless the journal at `path` records a batch consumed for every step the learner
     trained before `next_step`, that is up to step `next_step - 1` (a consume record is committed before its batch is
     sent, so a whole journal always does). One that does not was cut short, damaged or replaced: resuming on it would
-    train its prompts again and lose what was queued."""
+    train its prompts again and lose what was queued. `checkpoint_steps`: the run's `step_<k>` checkpoints, for the
+    advice (which to move aside, and where the resume then starts)."""
     last = state.step if state.consumed_groups > 0 else -1  # the last step the journal saw a batch consumed for
     if last >= next_step - 1:
         return
+    beyond = [f"step_{k}" for k in checkpoint_steps if k > last + 1]
+    covered = [k for k in checkpoint_steps if k <= last + 1]
+    start = f"its checkpoint step_{max(covered)}" if covered else "the initial model (no checkpoint the journal covers)"
+    move = (
+        f"{', '.join(beyond)} (the checkpoints after step_{last + 1})"
+        if beyond
+        else f"the checkpoints after step_{last + 1}"
+    )
     raise JournalBehind(
         f"the journal {path} records batches up to train step {last}, but the checkpoint the run resumes from trained "
         f"up to step {next_step - 1}: its records are missing (cut short, damaged or replaced), and resuming on it "
-        f"would train prompts again. To resume from what it holds, move the run's checkpoints after step_{last + 1} "
-        "out of its checkpoints/ directory"
+        f"would train prompts again. To resume from what it holds, move {move} out of its checkpoints/ directory: "
+        f"the resume then starts from {start}"
     )
 
 

@@ -509,7 +509,7 @@ def _open_journal(state: BufferState, path: Path, fsync: str, resume_step: int |
             flush=True,
         )
     if resume_step is not None:
-        recovery.check_covers(state, resume_step, path)
+        recovery.check_covers(state, resume_step, path, checkpoint_steps(path.parent))
         rewound = recovery.rewind(state, resume_step)
         journal.commit()
         print(f"buffer: rewound to train step {resume_step}: {rewound}", file=sys.stderr, flush=True)

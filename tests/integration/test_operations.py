@@ -270,6 +270,25 @@ def test_fsdp2_learner_checkpoints_and_resumes(tmp_path):
     assert_trained_once(run_dir, 5)
 
 
+def test_a_sigterm_during_start_up_ends_up_with_a_line_and_leaves_no_process(tmp_path):
+    """A SIGTERM before the driver chose its run directory (and set its own handlers) killed `asyncrl up` outright:
+    no line, exit -15, its fork server left to notice alone. It now says what happened and exits 130 as a Ctrl-C."""
+    import psutil
+
+    proc = start_up(tmp_path, str(ROOT / "configs/dapo_int8.yaml"), f"logging.dir={tmp_path}", "logging.name=e",
+                    "train.steps=3", *SMALL)  # fmt: skip
+    try:
+        children = wait_for(lambda: psutil.Process(proc.pid).children(), 30, "the fork server", proc)  # started early
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_if_running(proc)
+    assert proc.returncode == 130, out[-3000:]
+    assert "asyncrl: SIGTERM during start-up: stopped before the run began" in out, out[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [child.cmdline() for child in alive]
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_run_like_down_and_takes_the_buffer_with_it(tmp_path):
     """SIGTERM (or Ctrl-C) to `asyncrl up`: the step finishes, workers stop, a checkpoint is written, exit 0; the

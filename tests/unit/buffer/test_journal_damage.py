@@ -81,14 +81,27 @@ def test_a_resume_on_a_journal_behind_its_checkpoint_is_refused_and_the_journal_
             assert buffer.client.fetch_batch(step=step, num_groups=2, wait_s=0.0).ready
     before = (run_dir / "buffer.journal").read_bytes()
     config = tmp_path / "config.json"  # written by running_buffer
-    done = subprocess.run([sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir", str(run_dir),
-                           "--resume-step", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    def resume_at_5() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "buffer", "--config-json", str(config), "--run-dir",
+                               str(run_dir), "--resume-step", "5"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+
+    (run_dir / "checkpoints" / "step_5").mkdir(parents=True)  # the one the resume asks for, and an older one
+    (run_dir / "checkpoints" / "step_3").mkdir()
+    done = resume_at_5()
     assert done.returncode == 2, done.stderr
     assert (
         f"buffer: the journal {run_dir / 'buffer.journal'} records batches up to train step 1, but the checkpoint the "
         "run resumes from trained up to step 4" in done.stderr
     )
-    assert "move the run's checkpoints after step_2 out of its checkpoints/ directory" in done.stderr
+    assert ("move step_3, step_5 (the checkpoints after step_2) out of its checkpoints/ directory: the resume then "
+            "starts from the initial model (no checkpoint the journal covers)") in done.stderr  # fmt: skip
+    (run_dir / "checkpoints" / "step_1").mkdir()  # one the journal covers: the advice names it as the new start
+    done = resume_at_5()
+    assert done.returncode == 2, done.stderr
+    assert "move step_3, step_5 (the checkpoints after step_2) out of its checkpoints/ directory: the resume then " \
+           "starts from its checkpoint step_1" in done.stderr  # fmt: skip
     assert (run_dir / "buffer.journal").read_bytes() == before  # no rewind record
     with running_buffer(tmp_path, run_dir=run_dir, args=("--resume-step", "2")) as buffer:  # a checkpoint it covers
         assert buffer.stats()["consumed_groups"] == 4
