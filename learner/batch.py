@@ -18,6 +18,7 @@ import torch
 from common.wire import Trajectory
 from learner.logprobs import response_logp
 from learner.packing import packed_micro_batches
+from learner.recompute import checkpointed_bytes_per_token, is_checkpointed
 
 
 @dataclass(slots=True)
@@ -131,14 +132,15 @@ def activation_bytes_per_token(config: object) -> int:
 
 def micro_batch_budget(token_budget: int, model: torch.nn.Module, available_bytes: int | None = None) -> int:
     """`learner.micro_batch_tokens` resolved: itself when > 0, else the activation bytes a micro-batch may save over
-    the model's `activation_bytes_per_token` (at least 64 tokens): `AUTO_ACTIVATION_BYTES`, or with `available_bytes`
+    the model's `activation_bytes_per_token` (`checkpointed_bytes_per_token` when its layers are checkpointed,
+    `learner.gradient_checkpointing`; at least 64 tokens): `AUTO_ACTIVATION_BYTES`, or with `available_bytes`
     (an update after the first) up to `PARAM_ACTIVATION_FACTOR` x its parameter bytes within
     `AVAILABLE_ACTIVATION_SHARE` of that memory."""
     if token_budget > 0:
         return token_budget
     config = getattr(model, "config", None)
     try:
-        per_token = activation_bytes_per_token(config)
+        per_token = (checkpointed_bytes_per_token if is_checkpointed(model) else activation_bytes_per_token)(config)
     except (AttributeError, TypeError):
         return FALLBACK_MICRO_BATCH_TOKENS
     allowance = AUTO_ACTIVATION_BYTES

@@ -41,6 +41,7 @@ from learner.losses import mismatch_metrics
 from learner.optimizer import adamw
 from learner.precision import LossScaler
 from learner.pretrained import load_causal_lm
+from learner.recompute import enable_gradient_checkpointing
 from learner.schedules import LrSchedule
 from learner.sections import LearnerSections
 from learner.threads import BOUND_WAIT_SHARE, ThreadsPolicy, available_cores
@@ -98,6 +99,8 @@ class Learner:
         if self.reference is not None:
             use_fp32_gemm(self.reference, self.fp32_gemm.kernel)
             use_fused_ops(self.reference, sections.learner.fused_ops and on_cpu)
+        if sections.learner.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)  # before sharding: FSDP2's hooks stay outside the recomputation
         if self.ranks.world > 1:
             distributed.shard_model(self.model)
         self.model.train()
