@@ -23,6 +23,7 @@ from learner.distributed import (
 )
 from learner.fp32_gemm import OnednnLinear, use_fp32_gemm
 from learner.precision import LossScaler
+from learner.recompute import enable_gradient_checkpointing, is_checkpointed
 from learner.update import train_on_batch
 
 CASES = [  # (weighting, extra overrides): token-level, ACRL (Y_g over whole groups), sequence-level, another agg
@@ -32,6 +33,7 @@ CASES = [  # (weighting, extra overrides): token-level, ACRL (Y_g over whole gro
     ("none", ("loss.agg=seq_mean_token_mean",)),
     ("tis", ("learner.minibatches=1",)),  # lp from the minibatch's own forward, each rank's rows, then summed
     ("tis", ("learner.fp32_gemm=onednn",)),  # the linears' GEMMs on oneDNN (learner/fp32_gemm.py) under FSDP2
+    ("tis", ("learner.gradient_checkpointing=true",)),  # each layer recomputed in backward, FSDP2's hooks outside it
 ]
 # Two minibatches (two optimizer steps) and micro-batches of ~2 rows: the ranks run different numbers of them.
 COMMON = ("learner.minibatches=2", "learner.micro_batch_tokens=26", "optim.grad_clip=0.5", "learner.fp32_gemm=blas")
@@ -56,6 +58,8 @@ def run_case(weighting: str, extra: tuple[str, ...], ranks: Dist) -> dict[str, o
     batch = broadcast_batch(batch if ranks.is_main else None, ranks)
     cfg = tiny_config(f"loss.weighting={weighting}", *COMMON, *extra)
     use_fp32_gemm(model, cfg.learner.fp32_gemm)  # before sharding, as the learner does
+    if cfg.learner.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     if ranks.world > 1:
         shard_model(model)
     optimizer = RecordingSGD(model.parameters(), lr=0.05)
@@ -64,6 +68,7 @@ def run_case(weighting: str, extra: tuple[str, ...], ranks: Dist) -> dict[str, o
     )
     state = {k: v.clone() for k, v in full_state_dict(model, ranks).items()}
     assert any(type(m) is OnednnLinear for m in model.modules()) == ("learner.fp32_gemm=onednn" in extra)
+    assert is_checkpointed(model) == cfg.learner.gradient_checkpointing
     return {"grads": optimizer.applied, "metrics": result.metrics, "prox": result.prox_logp, "state": state}
 
 
