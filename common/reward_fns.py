@@ -11,6 +11,12 @@ A result is a number (the score) or a dict with a finite `score` and extra numer
 means); anything else, a non-finite number included, is an error and scores 0 (`validate_result`). Several
 functions combine as TRL's `reward_funcs` / `reward_weights`: reward = sum_i weights[i] * score_i (`combine`).
 
+A function with a parameter named `completions` is a TRL reward function (`is_batched`), called once for a whole
+batch of responses as TRL's `GRPOTrainer` calls it: `fn(prompts=[...], completions=[...], <column>=[...], ...)`, each
+keyword a list in the batch's order, one per key of the rows (`answer`, `index` and every dataset field; `prompts` is
+their `prompt`), returning a list of as many results (a number, a dict as above, or None: TRL's "does not apply",
+scored 0 without an error). A learned reward model or a judge served elsewhere scores a batch at a time so.
+
 `check_spec` is the start-up check (config validation): the spec's syntax, the file or module, and that the name is
 there. A file is parsed (`ast`), not run, so validating a config runs no user code; a module is imported. The
 functions are loaded and called in the rollout worker's reward processes (`serve`, run by
@@ -230,14 +236,27 @@ def load_fn(parsed: RewardSpec, key: str = "reward.fn") -> RewardFn:
     return fn
 
 
+def is_batched(fn: Any) -> bool:
+    """Whether `fn` is a TRL reward function (a parameter named `completions`): called once per batch with lists."""
+    import inspect
+
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _check_call(fn: Any, what: str) -> None:
     """RewardFnError unless `fn(response, answer, row)` binds to its signature: a function of other parameters failed
-    every call (each counted as a reward error) and, with dynamic sampling off, the run trained on zeros to its end."""
+    every call (each counted as a reward error) and, with dynamic sampling off, the run trained on zeros to its end.
+    A TRL function (`is_batched`) takes the rows' columns by name, which only its calls can check."""
     import inspect
 
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or a C callable without one: its calls say
+        return
+    if is_batched(fn):
         return
     try:
         signature.bind("response", "answer", {})
@@ -367,8 +386,9 @@ def serve_fd(fd: int, specs: list[str], key: str = "reward.fns") -> None:
 
 
 def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
-    """A reward process's loop (rollout_workers/reward_pool.py): load the functions, say `ready` (or why not), then
-    for each batch of calls `[(call_id, fn_index, response, answer, row), ...]` send one reply per call, in order:
+    """A reward process's loop (rollout_workers/reward_pool.py): load the functions, say `ready` (with which are TRL
+    functions, `is_batched`) or why not, then for each batch of calls `[(call_id, fn_index, response, answer, row),
+    ...]` send one reply per call, in order (a TRL function's calls are one call, at the first of them):
     `(call_id, result)` with a plain result (`plain_result`) or `(call_id, "error", traceback)`. `key`: the config
     key that set `specs` (`reward.fn`, or `reward.fns`, whose i-th is named `reward.fns[i]`), for load errors."""
     _exit_with_parent()
@@ -381,7 +401,8 @@ def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
     except BaseException as err:  # noqa: BLE001 - said to the worker, which fails its start with it
         conn.send(("load_error", str(err)))
         return
-    conn.send(("ready", ""))
+    batched = [is_batched(fn) for fn in fns]
+    conn.send(("ready", "", batched))
     server_pid = os.getpid()
     while True:
         try:
@@ -390,13 +411,44 @@ def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
             return
         if calls is None:
             return
+        done: dict[int, tuple] = {}  # replies of the TRL functions' calls, one call of each function per message
         for call_id, fn_index, response, answer, row in calls:
-            try:
-                reply: tuple = (call_id, plain_result(fns[fn_index](response, answer, row)))
-                if isinstance(reply[1], str):
-                    reply = (call_id, "error", reply[1])
-            except BaseException:  # noqa: BLE001 - a process boundary: the user's function must not end the loop
-                reply = (call_id, "error", traceback.format_exc(limit=-8))
+            if batched[fn_index] and call_id not in done:
+                mine = [call for call in calls if call[1] == fn_index]
+                done.update(zip((call[0] for call in mine), _batch_replies(fns[fn_index], mine)))
+            if call_id in done:
+                reply = done.pop(call_id)
+            else:
+                try:
+                    reply = _reply(call_id, fns[fn_index](response, answer, row))
+                except BaseException:  # noqa: BLE001 - a process boundary: the user's function must not end the loop
+                    reply = (call_id, "error", traceback.format_exc(limit=-8))
             if os.getpid() != server_pid:  # a fork the function made returned here: it must not answer too
                 os._exit(0)
             conn.send(reply)
+
+
+def _reply(call_id: int, result: Any) -> tuple:
+    """One call's reply: `(call_id, plain result)`, or `(call_id, "error", message)`."""
+    plain = plain_result(result)
+    return (call_id, "error", plain) if isinstance(plain, str) else (call_id, plain)
+
+
+def _batch_replies(fn: Any, calls: list[tuple]) -> list[tuple]:
+    """A TRL function's one call on `calls` (`(call_id, fn_index, response, answer, row)`, of that function), as one
+    reply per call: its result's items (None scores 0), or the call's error for each of them."""
+    rows = [call[4] for call in calls]
+    keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")  # every row's, in first-seen order
+    columns = {key: [row.get(key) for row in rows] for key in keys}
+    columns["answer"] = [call[3] for call in calls]  # the call's own, as a per-response function gets it
+    try:
+        results = fn(prompts=[row.get("prompt") for row in rows], completions=[call[2] for call in calls], **columns)
+    except BaseException:  # noqa: BLE001 - a process boundary, as above
+        message = traceback.format_exc(limit=-8)
+        return [(call[0], "error", message) for call in calls]
+    if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__") or len(results) != len(calls):
+        shown = f"{len(results)} results" if hasattr(results, "__len__") else type(results).__name__
+        message = f"returned {shown} for a batch of {len(calls)} completions: a TRL reward function returns a list " \
+                  "of one result per completion"  # fmt: skip
+        return [(call[0], "error", message) for call in calls]
+    return [_reply(call[0], 0.0 if result is None else result) for call, result in zip(calls, results)]

@@ -89,6 +89,8 @@ class RewardPool:
         self.start_timeout_s = start_timeout_s
         self._proc: Any = None
         self._conn: Any = None
+        self.batched: list[bool] = []
+        """Per function: a TRL reward function, called once per message on all its calls (`is_batched`)."""
         self.restarts = 0
         """Processes started after the first (each after a timeout or a crash)."""
         self._start()
@@ -113,13 +115,14 @@ class RewardPool:
             self._kill()
             raise RuntimeError(f"the reward process did not load {self.specs} within {self.start_timeout_s} s")
         try:
-            status, message = self._conn.recv()
+            status, message, *batched = self._conn.recv()
         except (EOFError, OSError) as err:
             self._kill()
             raise RuntimeError(f"the reward process died while loading {self.specs} (exit {proc.poll()})") from err
         if status != "ready":
             self._kill()
             raise RewardFnError(message)
+        self.batched = list(batched[0])
 
     def _kill(self) -> None:
         """End the reward process and every process of its group (programs a function started and left running,
@@ -140,7 +143,8 @@ class RewardPool:
 
     def score(self, calls: Sequence[tuple[int, str, str, dict[str, Any]]]) -> list[CallOutcome]:
         """One outcome per call `(fn_index, response, answer, row)`, in order; never raises for what a function
-        does (raises, hangs, crashes the process, returns garbage): that call scores 0 with its error."""
+        does (raises, hangs, crashes the process, returns garbage): that call scores 0 with its error. A TRL
+        function's calls are one call (`reward.timeout_s` for all of them): when it fails the process, they all do."""
         outcomes: list[CallOutcome | None] = [None] * len(calls)
         pending = list(range(len(calls)))
         while pending:
@@ -153,6 +157,11 @@ class RewardPool:
                 if not healthy:  # the process is killed: the calls after this one go to a new one
                     self._restart()
                     pending = pending[position + 1 :]
+                    fn_index = calls[call_id][0]
+                    if self.batched[fn_index]:  # the same one call again would end so again
+                        for other in [i for i in pending if calls[i][0] == fn_index]:
+                            outcomes[other] = outcome
+                        pending = [i for i in pending if calls[i][0] != fn_index]
                     break
             else:
                 pending = []

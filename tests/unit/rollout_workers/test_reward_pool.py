@@ -86,6 +86,29 @@ def leaves_a_child_and_hangs(response, answer, row):
 def forks(response, answer, row):
     os.fork()  # both return 1.0: only the reward process may answer
     return 1.0
+
+trl_calls = 0
+
+def trl_match(prompts, completions, answer, index, **kwargs):  # TRL's GRPOTrainer reward function signature
+    global trl_calls
+    trl_calls += 1
+    batch = float(len(completions))
+    return [{"score": float(c == a), "calls": float(trl_calls), "batch": batch, "prompt": float(p == "q")}
+            for p, c, a in zip(prompts, completions, answer)]
+
+def trl_maybe(completions, **kwargs):
+    return [None if c == "n/a" else 1.0 for c in completions]
+
+def trl_short(completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+def trl_raises(completions, **kwargs):
+    raise ValueError("judge unreachable")
+
+def trl_hangs(completions, **kwargs):
+    while "hang" in completions:
+        time.sleep(1)
+    return [0.25] * len(completions)
 """
 
 
@@ -357,3 +380,43 @@ def test_a_function_that_forks_still_gets_one_answer_per_call(user_file, make_po
         outcomes = pool.score([(0, "x", "a", {}), (0, "y", "a", {})])
         assert [(o.score, o.error) for o in outcomes] == [(1.0, ""), (1.0, "")]
     assert pool.restarts == 0
+
+
+def test_a_trl_reward_function_scores_a_whole_batch_in_one_call_with_the_rows_columns(user_file):
+    """TRL's `GRPOTrainer` calls `fn(prompts=[...], completions=[...], <column>=[...])` once per batch; a user brings
+    that function unchanged, and a judge or reward model scores the batch at a time."""
+    scorer = _scorer(user_file, ["trl_match", "long_response"], weights=[1.0, 0.5])
+    try:
+        items = [("26", "26", {"index": 0, "prompt": "q"}), ("2626", "26", {"index": 1, "prompt": "q"}),
+                 ("7", "8", {"index": 2, "prompt": "other"})]  # fmt: skip
+        assert scorer.score(items) == [1.0, 0.5, 0.0]
+        assert scorer.score(items[:2]) == [1.0, 0.5]
+    finally:
+        scorer.close()
+    assert scorer.errors == scorer.timeouts == 0
+    assert scorer.metric_sums["calls"] == [1.0 * 3 + 2.0 * 2, 5.0]  # one call for each batch: 3 responses, then 2
+    assert scorer.metric_sums["batch"] == [3.0 * 3 + 2.0 * 2, 5.0]
+    assert scorer.metric_sums["prompt"] == [4.0, 5.0]  # `prompts` is the rows' prompts, in order
+
+
+def test_a_trl_function_s_none_scores_zero_and_a_wrong_length_or_a_raise_is_each_call_s_error(user_file, make_pool):
+    pool = make_pool([f"{user_file}:trl_maybe", f"{user_file}:trl_short", f"{user_file}:trl_raises"])
+    assert pool.batched == [True, True, True]
+    maybe = pool.score([(0, "a", "", {}), (0, "n/a", "", {}), (0, "b", "", {})])
+    assert [(o.score, o.error) for o in maybe] == [(1.0, ""), (0.0, ""), (1.0, "")]  # None: "does not apply"
+    short = pool.score([(1, "a", "", {}), (1, "b", "", {})])
+    assert all("returned 1 results for a batch of 2 completions" in o.error for o in short)
+    raised = pool.score([(2, "a", "", {}), (2, "b", "", {})])
+    assert all("ValueError: judge unreachable" in o.error for o in raised) and pool.restarts == 0
+
+
+@pytest.mark.timeout(60)  # a hang guard
+def test_a_trl_function_that_hangs_times_out_once_for_its_batch_and_the_other_function_still_scores(
+    user_file, make_pool
+):
+    pool = make_pool([f"{user_file}:trl_hangs", f"{user_file}:matches"], timeout_s=0.5)
+    outcomes = pool.score([(0, "ok", "a", {}), (1, "a", "a", {}), (0, "hang", "a", {}), (1, "b", "a", {})])
+    assert outcomes[0].timed_out and outcomes[2].timed_out  # its one call over both responses
+    assert [(o.score, o.error) for o in (outcomes[1], outcomes[3])] == [(1.0, ""), (0.0, "")]
+    assert pool.restarts == 1  # not once more for the batch's second response
+    assert [o.score for o in pool.score([(0, "ok", "a", {}), (0, "ok", "a", {})])] == [0.25, 0.25]
