@@ -14,7 +14,8 @@ functions combine as TRL's `reward_funcs` / `reward_weights`: reward = sum_i wei
 A function with a parameter named `completions` is a TRL reward function (`is_batched`), called once for a whole
 batch of responses as TRL's `GRPOTrainer` calls it: `fn(prompts=[...], completions=[...], <column>=[...], ...)`, each
 keyword a list in the batch's order, one per key of the rows (`answer`, `index` and every dataset field; `prompts` is
-their `prompt`), returning a list of as many results (a number, a dict as above, or None: TRL's "does not apply",
+their `prompt`; where prompts are chat messages, each completion is `[{"role": "assistant", "content": text}]`, TRL's
+conversational format), returning a list of as many results (a number, a dict as above, or None: TRL's "does not apply",
 scored 0 without an error). A learned reward model or a judge served elsewhere scores a batch at a time so.
 
 `check_spec` is the start-up check (config validation): the spec's syntax, the file or module, and that the name is
@@ -442,7 +443,11 @@ def _batch_replies(fn: Any, calls: list[tuple]) -> list[tuple]:
     columns = {key: [row.get(key) for row in rows] for key in keys}
     columns["answer"] = [call[3] for call in calls]  # the call's own, as a per-response function gets it
     try:
-        results = fn(prompts=[row.get("prompt") for row in rows], completions=[call[2] for call in calls], **columns)
+        prompts = [row.get("prompt") for row in rows]
+        completions: list[Any] = [call[2] for call in calls]
+        if prompts and isinstance(prompts[0], list):  # chat messages: TRL's conversational format, as it passes them
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
+        results = fn(prompts=prompts, completions=completions, **columns)
     except BaseException:  # noqa: BLE001 - a process boundary, as above
         message = traceback.format_exc(limit=-8)
         return [(call[0], "error", message) for call in calls]

@@ -96,6 +96,10 @@ def trl_match(prompts, completions, answer, index, **kwargs):  # TRL's GRPOTrain
     return [{"score": float(c == a), "calls": float(trl_calls), "batch": batch, "prompt": float(p == "q")}
             for p, c, a in zip(prompts, completions, answer)]
 
+def trl_chat(prompts, completions, **kwargs):  # conversational: messages in, messages out
+    return [float(p[-1]["role"] == "user" and c[0]["role"] == "assistant") * len(c[0]["content"])
+            for p, c in zip(prompts, completions)]
+
 def trl_maybe(completions, **kwargs):
     return [None if c == "n/a" else 1.0 for c in completions]
 
@@ -420,3 +424,10 @@ def test_a_trl_function_that_hangs_times_out_once_for_its_batch_and_the_other_fu
     assert [(o.score, o.error) for o in (outcomes[1], outcomes[3])] == [(1.0, ""), (0.0, "")]
     assert pool.restarts == 1  # not once more for the batch's second response
     assert [o.score for o in pool.score([(0, "ok", "a", {}), (0, "ok", "a", {})])] == [0.25, 0.25]
+
+
+def test_a_trl_function_gets_chat_prompts_and_completions_as_messages_as_trl_passes_them(user_file, make_pool):
+    pool = make_pool([f"{user_file}:trl_chat"])
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"}]
+    outcomes = pool.score([(0, "4", "4", {"prompt": messages}), (0, "four", "4", {"prompt": messages})])
+    assert [(o.score, o.error) for o in outcomes] == [(1.0, ""), (4.0, "")]
