@@ -20,9 +20,14 @@ class CheckpointingUnsupported(ValueError):
     """`learner.gradient_checkpointing` on a model whose Transformers class does not support it (one line)."""
 
 
+def _transformers_model(model: Any) -> Any:
+    """`model` itself, or the Transformers model inside peft's wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def enable_gradient_checkpointing(model: Any) -> None:
     """Turn on checkpointing of every decoder layer of `model` (a Transformers model, or peft's wrapper of one)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the Transformers model
+    base = _transformers_model(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise CheckpointingUnsupported(
             f"learner.gradient_checkpointing: {type(base).__name__} does not support it (Transformers' "
@@ -36,7 +41,7 @@ def enable_gradient_checkpointing(model: Any) -> None:
 
 def is_checkpointed(model: Any) -> bool:
     """Whether `model`'s decoder layers recompute their forward in backward."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _transformers_model(model)
     name = (
         "is_activation_checkpointing"
         if hasattr(type(base), "is_activation_checkpointing")
