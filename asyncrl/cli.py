@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as err:  # Ctrl-C before a command set up its own handling (imports take a second), or
-        print(f"asyncrl: {err or 'interrupted'}", file=sys.stderr)  # a SIGTERM in `up`'s start-up: one line
+        print(f"asyncrl: {str(err) or 'interrupted'}", file=sys.stderr)  # a SIGTERM in `up`'s start-up: one line
         return 130
 
 
