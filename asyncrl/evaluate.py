@@ -174,12 +174,13 @@ class EvalWorker(RolloutWorker):
         params = replace(self.params, top_k=top_k) if top_k else self.params
         batch = [ids for ids in prompt_ids for _ in range(draws)]
         completions = self.engine.generate(batch, params)
-        items = []
+        items, ids = [], []
         for g, (answer, row) in enumerate(zip(answers, rows, strict=True)):
             for d in range(draws):
-                text = self.tokenizer.decode(completions[g * draws + d].response_ids, skip_special_tokens=True)
-                items.append((text, answer, row))
-        rewards = self.rewards.score(items)
+                response_ids = completions[g * draws + d].response_ids
+                items.append((self.tokenizer.decode(response_ids, skip_special_tokens=True), answer, row))
+                ids.append(list(response_ids))
+        rewards = self.rewards.score(items, ids)
         return [tuple(rewards[g * draws : (g + 1) * draws]) for g in range(len(rows))]
 
 

@@ -14,9 +14,10 @@ functions combine as TRL's `reward_funcs` / `reward_weights`: reward = sum_i wei
 A function with a parameter named `completions` is a TRL reward function (`is_batched`), called once for a whole
 batch of responses as TRL's `GRPOTrainer` calls it: `fn(prompts=[...], completions=[...], <column>=[...], ...)`, each
 keyword a list in the batch's order, one per key of the rows (`answer`, `index` and every dataset field; `prompts` is
-their `prompt`; where prompts are chat messages, each completion is `[{"role": "assistant", "content": text}]`, TRL's
-conversational format), returning a list of as many results (a number, a dict as above, or None: TRL's "does not apply",
-scored 0 without an error). A learned reward model or a judge served elsewhere scores a batch at a time so.
+their `prompt`; `completion_ids` the responses' token ids where the caller has them; where prompts are chat messages,
+each completion is `[{"role": "assistant", "content": text}]`, TRL's conversational format), returning a list of as
+many results (a number, a dict as above, or None: TRL's "does not apply", scored 0 without an error). A learned
+reward model or a judge served elsewhere scores a batch at a time so.
 
 `check_spec` is the start-up check (config validation): the spec's syntax, the file or module, and that the name is
 there. A file is parsed (`ast`), not run, so validating a config runs no user code; a module is imported. The
@@ -413,7 +414,7 @@ def serve(conn: Any, specs: list[str], key: str = "reward.fns") -> None:
         if calls is None:
             return
         done: dict[int, tuple] = {}  # replies of the TRL functions' calls, one call of each function per message
-        for call_id, fn_index, response, answer, row in calls:
+        for call_id, fn_index, response, answer, row, *_ in calls:  # then the response's token ids, if sent
             if batched[fn_index] and call_id not in done:
                 mine = [call for call in calls if call[1] == fn_index]
                 done.update(zip((call[0] for call in mine), _batch_replies(fns[fn_index], mine)))
@@ -436,12 +437,14 @@ def _reply(call_id: int, result: Any) -> tuple:
 
 
 def _batch_replies(fn: Any, calls: list[tuple]) -> list[tuple]:
-    """A TRL function's one call on `calls` (`(call_id, fn_index, response, answer, row)`, of that function), as one
-    reply per call: its result's items (None scores 0), or the call's error for each of them."""
+    """A TRL function's one call on `calls` (`(call_id, fn_index, response, answer, row[, response ids])`, of that
+    function), as one reply per call: its result's items (None scores 0), or the call's error for each of them."""
     rows = [call[4] for call in calls]
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")  # every row's, in first-seen order
     columns = {key: [row.get(key) for row in rows] for key in keys}
     columns["answer"] = [call[3] for call in calls]  # the call's own, as a per-response function gets it
+    if all(len(call) > 5 for call in calls):
+        columns["completion_ids"] = [call[5] for call in calls]  # TRL passes the completions' token ids too
     try:
         prompts = [row.get("prompt") for row in rows]
         completions: list[Any] = [call[2] for call in calls]

@@ -141,10 +141,11 @@ class RewardPool:
         self.restarts += 1
         self._start()
 
-    def score(self, calls: Sequence[tuple[int, str, str, dict[str, Any]]]) -> list[CallOutcome]:
-        """One outcome per call `(fn_index, response, answer, row)`, in order; never raises for what a function
-        does (raises, hangs, crashes the process, returns garbage): that call scores 0 with its error. A TRL
-        function's calls are one call (`reward.timeout_s` for all of them): when it fails the process, they all do."""
+    def score(self, calls: Sequence[tuple]) -> list[CallOutcome]:
+        """One outcome per call `(fn_index, response, answer, row[, response ids])`, in order; never raises for what
+        a function does (raises, hangs, crashes the process, returns garbage): that call scores 0 with its error. A
+        TRL function's calls are one call (`reward.timeout_s` for all of them): when it fails the process, they all
+        do."""
         outcomes: list[CallOutcome | None] = [None] * len(calls)
         pending = list(range(len(calls)))
         while pending:
@@ -217,12 +218,17 @@ class RewardScorer:
         """`reward/<key>` -> [sum, count] over every scored response."""
         self.first_error = ""
 
-    def score(self, items: Sequence[tuple[str, str, dict[str, Any]]]) -> list[float]:
-        """The reward of each `(response, answer, row)`, in one round trip to the reward process."""
+    def score(
+        self, items: Sequence[tuple[str, str, dict[str, Any]]], response_ids: Sequence[list[int]] | None = None
+    ) -> list[float]:
+        """The reward of each `(response, answer, row)`, in one round trip to the reward process; `response_ids`:
+        each response's token ids, which TRL functions get as `completion_ids`."""
         if self.pool is None:
             return [float(self.task_reward(response, answer)) for response, answer, _ in items]
         n_fns = len(self.specs)
-        calls = [(f, response, answer, row) for response, answer, row in items for f in range(n_fns)]
+        extra: list[tuple] = [(ids,) for ids in response_ids] if response_ids is not None else [()] * len(items)
+        calls = [(f, response, answer, row, *more) for (response, answer, row), more in zip(items, extra, strict=True)
+                 for f in range(n_fns)]  # fmt: skip
         outcomes = self.pool.score(calls)
         rewards = []
         for i, (_, _, row) in enumerate(items):

@@ -494,14 +494,15 @@ class RolloutWorker:
         step (rollout_workers/reward_pool.py). `row`: the source's own row where it has one (`source.row(index)`: a
         `data.task=dataset` row with every field, as the file has it), else the lease's index, prompt and answer."""
         source_row = getattr(self.source, "row", None)
-        items = []
+        items, ids = [], []
         for g, lease in enumerate(leases):
             record = source_row(lease.index) if source_row is not None else None
             row = problem_row(lease.index, lease.prompt, lease.answer, record, record_wins=True)
             for i in range(group_size):
                 response_ids = completions[g * group_size + i].response_ids
                 items.append((self.tokenizer.decode(response_ids, skip_special_tokens=True), lease.answer, row))
-        rewards = self.rewards.score(items)
+                ids.append(list(response_ids))
+        rewards = self.rewards.score(items, ids)
         self.counters["reward_errors"] = self.rewards.errors
         self.counters["reward_timeouts"] = self.rewards.timeouts
         if self.rewards.first_error and not self._reward_error_shown:

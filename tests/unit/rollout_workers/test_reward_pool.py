@@ -100,6 +100,9 @@ def trl_chat(prompts, completions, **kwargs):  # conversational: messages in, me
     return [float(p[-1]["role"] == "user" and c[0]["role"] == "assistant") * len(c[0]["content"])
             for p, c in zip(prompts, completions)]
 
+def trl_lengths(completions, completion_ids, **kwargs):  # TRL passes the completions' token ids too
+    return [float(len(ids)) for ids in completion_ids]
+
 def trl_maybe(completions, **kwargs):
     return [None if c == "n/a" else 1.0 for c in completions]
 
@@ -287,7 +290,9 @@ def test_the_reward_process_exits_when_the_pool_closes(user_file):
     assert proc.poll() is not None
 
 
-def test_a_rollout_worker_scores_with_the_user_function_and_counts_its_failures(user_file, tmp_path):
+def _worker_rollout(fn_spec: str, tmp_path: Path) -> tuple[list, list, dict]:
+    """A real rollout worker (built-in model, INT8, groups of 3) scoring two leases with `reward.fn=fn_spec`:
+    (its leases, its groups, its stats)."""
     from transformers import AutoModelForCausalLM
 
     from buffer.client import BufferClient
@@ -299,7 +304,7 @@ def test_a_rollout_worker_scores_with_the_user_function_and_counts_its_failures(
     from rollout_workers.sections import WorkerSections
     from rollout_workers.worker import RolloutWorker
 
-    cfg = load_config(None, ["train.group_size=3", "staleness.max_lag=50", f"reward.fn={user_file}:every_third_raises"])
+    cfg = load_config(None, ["train.group_size=3", "staleness.max_lag=50", f"reward.fn={fn_spec}"])
     (tmp_path / "run").mkdir()
     proc, endpoint = start_service(to_dict(cfg), tmp_path / "run")
     model_dir = str(resolve_model_path(cfg.model.path))
@@ -310,15 +315,26 @@ def test_a_rollout_worker_scores_with_the_user_function_and_counts_its_failures(
     try:
         leases, _ = client.lease(2)
         groups = worker.rollout(leases)  # generated on random weights: only the rewards matter here
-        rewards = [t.reward for _, trajectories in groups for t in trajectories]
-        stats = worker.stats()
+        return leases, groups, worker.stats()
     finally:
         client.close()
         worker.rewards.close()
         stop_service(proc)
+
+
+def test_a_rollout_worker_scores_with_the_user_function_and_counts_its_failures(user_file, tmp_path):
+    leases, groups, stats = _worker_rollout(f"{user_file}:every_third_raises", tmp_path)
+    rewards = [t.reward for _, trajectories in groups for t in trajectories]
     assert rewards == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert stats["reward_errors"] == 2 and stats["reward_timeouts"] == 0 and stats["reward_sum"] == 4.0
     assert f"failed on row {leases[0].index}" in stats["last_error"] == stats["reward_first_error"]
+
+
+def test_a_rollout_worker_gives_a_trl_function_the_completions_token_ids(user_file, tmp_path):
+    _, groups, stats = _worker_rollout(f"{user_file}:trl_lengths", tmp_path)
+    trajectories = [t for _, group in groups for t in group]
+    assert [t.reward for t in trajectories] == [float(len(t.response_ids)) for t in trajectories]
+    assert stats["reward_errors"] == 0
 
 
 def test_a_reward_function_that_prints_on_every_call_cannot_flood_the_output(tmp_path, capfd, monkeypatch):
@@ -431,3 +447,13 @@ def test_a_trl_function_gets_chat_prompts_and_completions_as_messages_as_trl_pas
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"}]
     outcomes = pool.score([(0, "4", "4", {"prompt": messages}), (0, "four", "4", {"prompt": messages})])
     assert [(o.score, o.error) for o in outcomes] == [(1.0, ""), (4.0, "")]
+
+
+def test_a_trl_function_gets_the_token_ids_of_the_completions_the_scorer_is_given(user_file):
+    scorer = _scorer(user_file, ["trl_lengths"])
+    try:
+        assert scorer.score([("ab", "", {"index": 0}), ("c", "", {"index": 1})], [[5, 6, 7], [8]]) == [3.0, 1.0]
+        assert scorer.score([("ab", "", {"index": 0})]) == [0.0]  # none given: its call fails, counted
+    finally:
+        scorer.close()
+    assert scorer.errors == 1 and "completion_ids" in scorer.first_error
