@@ -179,7 +179,7 @@ class EvalWorker(RolloutWorker):
             for d in range(draws):
                 response_ids = completions[g * draws + d].response_ids
                 items.append((self.tokenizer.decode(response_ids, skip_special_tokens=True), answer, row))
-                ids.append(list(response_ids))
+                ids.append(response_ids)
         rewards = self.rewards.score(items, ids)
         return [tuple(rewards[g * draws : (g + 1) * draws]) for g in range(len(rows))]
 

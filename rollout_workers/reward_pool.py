@@ -226,9 +226,9 @@ class RewardScorer:
         if self.pool is None:
             return [float(self.task_reward(response, answer)) for response, answer, _ in items]
         n_fns = len(self.specs)
-        extra: list[tuple] = [(ids,) for ids in response_ids] if response_ids is not None else [()] * len(items)
-        calls = [(f, response, answer, row, *more) for (response, answer, row), more in zip(items, extra, strict=True)
-                 for f in range(n_fns)]  # fmt: skip
+        calls = [(f, *item) for item in items for f in range(n_fns)]
+        if response_ids is not None:  # then each call's response's token ids (`common.reward_fns.serve`)
+            calls = [(*call, response_ids[i // n_fns]) for i, call in enumerate(calls)]
         outcomes = self.pool.score(calls)
         rewards = []
         for i, (_, _, row) in enumerate(items):

@@ -501,7 +501,7 @@ class RolloutWorker:
             for i in range(group_size):
                 response_ids = completions[g * group_size + i].response_ids
                 items.append((self.tokenizer.decode(response_ids, skip_special_tokens=True), lease.answer, row))
-                ids.append(list(response_ids))
+                ids.append(response_ids)
         rewards = self.rewards.score(items, ids)
         self.counters["reward_errors"] = self.rewards.errors
         self.counters["reward_timeouts"] = self.rewards.timeouts
