@@ -137,8 +137,12 @@ def weights_answer(port: int, curve) -> bool:
         if curve is not None:
             socket.curve_publickey, socket.curve_secretkey, socket.curve_serverkey = (
                 curve.public, curve.secret, curve.server_public)  # fmt: skip
+        socket.sndtimeo = 3000  # a refused handshake drops the pipe: a blocking send would then wait for ever
         socket.connect(f"tcp://127.0.0.1:{port}")
-        socket.send(msgpack.packb({"v": 2, "type": "get", "have": -1}))
+        try:
+            socket.send(msgpack.packb({"v": 2, "type": "get", "have": -1}))
+        except zmq.Again:
+            return False
         return bool(socket.poll(3000))
     finally:
         context.destroy(linger=0)
