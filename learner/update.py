@@ -32,6 +32,7 @@ import torch
 
 from common.config import AlgoConfig, LearnerConfig, LossConfig, PrecisionConfig, QuantConfig, RolloutConfig
 from common.config_rules import head_quantized
+from learner import native_ops
 from learner.acrl import AcrlReference
 from learner.batch import Batch, micro_batch_budget, micro_batches, overlong_shaping, rank_rows, token_logp
 from learner.devices import model_device
@@ -172,8 +173,12 @@ NORM_CHUNK_ELEMENTS = 2**20
 
 @torch.no_grad()
 def _param_sums(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """(sum of (new - old)^2, sum of old^2) of one local tensor, in float64, a chunk at a time; on the CPU (the
-    step's bookkeeping device, `learner.devices`), computed where the tensor is."""
+    """(sum of (new - old)^2, sum of old^2) of one local tensor, in float64, on the CPU (the step's bookkeeping
+    device, `learner.devices`): one pass of the learner's library for fp32 CPU tensors (`native_ops.update_sums`),
+    else torch's float64 ops a chunk at a time, where the tensor is."""
+    native = native_ops.update_sums(new, old)
+    if native is not None:
+        return native
     sums = torch.zeros(2, dtype=torch.float64, device=new.device)
     new_flat, old_flat = new.reshape(-1), old.reshape(-1)
     for lo in range(0, new_flat.numel(), NORM_CHUNK_ELEMENTS):

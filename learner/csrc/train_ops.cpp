@@ -1,6 +1,7 @@
 // Fused fp32 ops of the learner's forward and backward on CPU: RMSNorm and SwiGLU (silu(gate) * up), each one
 // pass over its rows instead of the 5-9 torch ops (each a pass over memory) autograd runs for HF's modules; and the
-// transposed copy of a matrix that oneDNN's weight gradient reads (to_transpose: a copy, no arithmetic).
+// transposed copy of a matrix that oneDNN's weight gradient reads (to_transpose: a copy, no arithmetic); and the
+// float64 sums norm_update reads of one parameter's update (to_update_sums).
 //
 // Built and loaded by learner/fused_ops.py (common/native_build.py compiles it: plain C ABI, no torch headers).
 // Pointers are to contiguous row-major fp32 memory. Each op's loops are one inline body compiled three times, for
@@ -42,6 +43,7 @@ constexpr int64_t kNormBlock = 64;    // rows of RMSNorm's backward per partial 
 constexpr int64_t kParallelMin = 1 << 15;  // elements below which an op runs on one thread
 constexpr int64_t kTile = 64;         // to_transpose: a tile of 64 x 64 floats (16 KB each side) stays in L1/L2
 constexpr int64_t kBlock = 8;         // to_transpose: the 8 x 8 blocks a tile is copied in
+constexpr int64_t kSumChunk = 1 << 16;  // to_update_sums: elements per partial (its sums do not depend on threads)
 
 // sigmoid(x) = 1 / (1 + exp(-x)), from exp(-|x|) <= 1 (no overflow for either sign).
 TO_INLINE float sigmoid(float x) {
@@ -172,13 +174,35 @@ inline void transpose_tile(const float* __restrict__ src, int64_t rows, int64_t 
   }
 }
 
+// (sum (now - old)^2, sum old^2) of n elements in float64: 8 fixed lanes, each element's double operations in one
+// order (-ffp-contract=off: no fused multiply-add), so every vector path gives the same bits.
+TO_INLINE void update_sums_span(const float* __restrict__ now, const float* __restrict__ old, int64_t n,
+                                double* __restrict__ out) {
+  double delta2[8] = {0, 0, 0, 0, 0, 0, 0, 0}, old2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) {
+      const double prior = old[i + j], delta = static_cast<double>(now[i + j]) - prior;
+      delta2[j] += delta * delta;
+      old2[j] += prior * prior;
+    }
+  double d = ((delta2[0] + delta2[1]) + (delta2[2] + delta2[3])) + ((delta2[4] + delta2[5]) + (delta2[6] + delta2[7]));
+  double o = ((old2[0] + old2[1]) + (old2[2] + old2[3])) + ((old2[4] + old2[5]) + (old2[6] + old2[7]));
+  for (; i < n; ++i) {
+    const double prior = old[i], delta = static_cast<double>(now[i]) - prior;
+    d += delta * delta;
+    o += prior * prior;
+  }
+  out[0] = d, out[1] = o;
+}
+
 inline int team(int threads, int64_t work) { return threads > 1 && work >= kParallelMin ? threads : 1; }
 
 }  // namespace
 
 extern "C" {
 
-int to_abi_version(void) { return 3; }
+int to_abi_version(void) { return 4; }
 
 // The best vector path here for `isa`: 2 AVX-512F, 1 AVX2, 0 the baseline (all give the same bits).
 int to_isa(void) { return isa_variants_best(); }
@@ -241,6 +265,24 @@ void to_transpose(int isa, const float* src, int64_t rows, int64_t cols, float* 
     transpose_tile(src, rows, cols, dst, r0, r0 + kTile < rows ? r0 + kTile : rows, c0,
                    c0 + kTile < cols ? c0 + kTile : cols, isa >= 1);
   }
+}
+
+// Int64 count of the partials to_update_sums writes: one (delta^2, old^2) pair per chunk of kSumChunk elements.
+int64_t to_update_sum_chunks(int64_t n) { return (n + kSumChunk - 1) / kSumChunk; }
+
+// out[0] = sum (now[i] - old[i])^2, out[1] = sum old[i]^2 over i < n, in float64; partials (2 x to_update_sum_chunks
+// doubles, the caller's) hold each chunk's pair, added in chunk order here: the same bits at any thread count.
+void to_update_sums(int isa, const float* now, const float* old, int64_t n, double* partials, double* out,
+                    int threads) {
+  const int64_t chunks = to_update_sum_chunks(n);
+#pragma omp parallel for schedule(static) num_threads(team(threads, n))
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t lo = k * kSumChunk, len = n - lo < kSumChunk ? n - lo : kSumChunk;
+    ISA_VARIANTS(update_sums_span(now + lo, old + lo, len, partials + 2 * k))
+  }
+  double d = 0.0, o = 0.0;
+  for (int64_t k = 0; k < chunks; ++k) d += partials[2 * k], o += partials[2 * k + 1];
+  out[0] = d, out[1] = o;
 }
 
 }  // extern "C"

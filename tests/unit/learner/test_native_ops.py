@@ -66,3 +66,48 @@ def test_without_the_library_torchs_copy_does_it(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(native_ops.LIBRARY, "tried", True)
     matrix = torch.randn(700, 800)
     assert torch.equal(transpose(matrix), matrix.t())
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 65_536, 3 * 65_536 + 13])
+def test_the_update_sums_are_float64_sums_with_the_same_bits_on_every_path_and_thread_count(
+    numel: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """norm_update's per-parameter sums: (sum (new - old)^2, sum old^2) to float64 rounding against torch's float64
+    ops, and bit for bit the same at 1 and 2 threads and on every vector path up to this CPU's best (chunk edges,
+    lane tails)."""
+    generator = torch.Generator().manual_seed(numel)
+    old = torch.randn(numel, generator=generator) * 3.0
+    new = old + 1e-3 * torch.randn(numel, generator=generator)
+    expected = torch.stack(((new.double() - old.double()).pow(2).sum(), old.double().pow(2).sum()))
+    shape = (numel,) if numel % 2 == 0 else (numel, 1)  # any contiguous shape: one flat pass
+    best, previous = native_ops.best_isa(), torch.get_num_threads()
+    results = []
+    try:
+        for isa in range(best + 1):
+            monkeypatch.setattr(native_ops, "best_isa", lambda isa=isa: isa)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                results.append(native_ops.update_sums(new.reshape(shape), old.reshape(shape)))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(result is not None and result.dtype == torch.float64 for result in results)
+    assert all(torch.equal(result, results[0]) for result in results), results
+    assert torch.allclose(results[0], expected, rtol=1e-12, atol=0.0), (results[0], expected)
+
+
+def test_update_sums_leave_what_the_library_does_not_take_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strided, other-dtype or mismatched tensors give None, and norm_update's `_param_sums` then sums in torch: the
+    same values to rounding; without the library too."""
+    from learner.update import _param_sums
+
+    old = torch.randn(300, 40)
+    new = old + 0.01
+    for pair in ((new.t(), old.t()), (new.double(), old.double()), (new, old[:, :20].contiguous())):
+        assert native_ops.update_sums(*pair) is None
+    strided = _param_sums(new.t(), old.t())
+    assert torch.equal(_param_sums(new, old), native_ops.update_sums(new, old))
+    assert torch.allclose(strided, _param_sums(new, old), rtol=1e-12, atol=0.0)
+    monkeypatch.setattr(native_ops.LIBRARY, "lib", None)
+    monkeypatch.setattr(native_ops.LIBRARY, "tried", True)
+    assert native_ops.update_sums(new, old) is None
+    assert torch.allclose(_param_sums(new, old), strided, rtol=1e-12, atol=0.0)
