@@ -2,9 +2,9 @@
 sums of a parameter's update.
 
 `learner.fused_ops` (RMSNorm, SwiGLU), `learner.fp32_gemm` (the weight gradient's operands) and `learner.update`
-(norm_update's sums) call it. Built on
-first use by `common.native_build` (the driver compiles it up front with the engine's kernels, `asyncrl.kernels`);
-where it cannot be built, `LIBRARY.get()` is None and each caller runs its torch ops.
+(norm_update's sums) call it. Built on first use by `common.native_build` (the driver compiles it up front with the
+engine's kernels, `asyncrl.kernels`); where it cannot be built, `LIBRARY.get()` is None and each caller runs its torch
+ops.
 """
 
 from __future__ import annotations

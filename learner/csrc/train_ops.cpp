@@ -267,7 +267,7 @@ void to_transpose(int isa, const float* src, int64_t rows, int64_t cols, float* 
   }
 }
 
-// Int64 count of the partials to_update_sums writes: one (delta^2, old^2) pair per chunk of kSumChunk elements.
+// The chunks of to_update_sums over n elements: its partials hold one (delta^2, old^2) pair per chunk.
 int64_t to_update_sum_chunks(int64_t n) { return (n + kSumChunk - 1) / kSumChunk; }
 
 // out[0] = sum (now[i] - old[i])^2, out[1] = sum old[i]^2 over i < n, in float64; partials (2 x to_update_sum_chunks
