@@ -57,9 +57,11 @@ async def progress_events(
                 done = req.done.done()
                 count = service.progress(req)
                 if done or count > seen[i]:
+                    answer = await run_in_threadpool(service.response, request, req)
                     seen[i] = count
-                    finished[i] = done
-                    yield i, await run_in_threadpool(service.response, request, req)
+                    # settled while its answer was built: that answer is its final one (a finish reason only then)
+                    finished[i] = done or answer["meta_info"]["finish_reason"] is not None
+                    yield i, answer
             if not all(finished):
                 if dead_pass:  # what is still unfinished after that pass never will be
                     service.raise_if_died(order, running=True)

@@ -78,11 +78,19 @@ def test_the_integer_product_is_the_int32_dot_product_for_any_int8(path):
             assert torch.equal(integer_product(q_x, packed), expected)
 
 
-@pytest.mark.parametrize("path", [path for path in PATHS if path == "amx"])
-def test_the_amx_tiles_are_exact_at_every_row_count_and_refuse_unpadded_inputs(path):
+def test_the_amx_tiles_are_exact_at_every_row_count_and_refuse_unpadded_inputs(monkeypatch):
     """AMX's tiles take 16 rows: every count from 1 to 40 (whole blocks, then a block of the rest under its own tile
     configuration), partial panel groups, two threads; below `amx_min_rows` rows `int8_linear` runs the VNNI kernel
-    on the same layout, from it the tiles, and both give the reference's bits. Inputs not padded to 64 are refused."""
+    on the same layout, from it the tiles, and both give the reference's bits. Inputs not padded to 64 are refused.
+    On a CPU without AMX-INT8 (or whose kernel gives no tile state) the library says it has none, and asking for
+    the kernel is refused by name."""
+    if "amx" not in PATHS:
+        assert not int8_linear._Library.lib.i8_has_isa(int8_linear._ISA["amx"])
+        monkeypatch.setenv(ENV_KERNEL, "amx")
+        with pytest.raises(ValueError, match=f"{ENV_KERNEL}=amx: this machine runs only {PATHS[0]}"):
+            int8_kernel_name()
+        return
+    path = "amx"
     generator = torch.Generator().manual_seed(1)
     weight = quantize_weight(torch.randn(72, 130, generator=generator), "int8")  # 5 panels: a group of 4 and of 1
     packed = prepare_int8(weight, path)
