@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 import requests
-import uvicorn
-from serve_process import serve
+from serve_process import serve, serve_in_process
 
 from common.builtin_model import resolve_model_path
 from rollout_workers.sglang_api.schemas import (
@@ -28,7 +27,6 @@ from rollout_workers.sglang_api.schemas import (
     MAX_TEXT_CHARS_PER_REQUEST,
     MAX_TOKENS_PER_REQUEST,
 )
-from rollout_workers.sglang_api.server_app import SGLangH11Protocol, listen, make_app
 from rollout_workers.sglang_api.service import ModelService, SchedulerDied
 
 PROMPT = [3, 4, 10, 5, 12]
@@ -128,18 +126,8 @@ def watched(model_dir):
         return render(conversation, *args, **kwargs)
 
     service.tokenizer.apply_chat_template = watched_render
-    sock = listen("127.0.0.1", 0)
-    config = uvicorn.Config(make_app(service), http=SGLangH11Protocol, lifespan="off", log_config=None)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    assert requests.get(f"{url}/health", timeout=30).status_code == 200
-    yield url, spy
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
-    service.close()
+    with serve_in_process(service) as url:
+        yield url, spy
 
 
 def tokenized(spy: EncoderSpy, text: str) -> bool:

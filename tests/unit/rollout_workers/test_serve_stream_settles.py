@@ -5,16 +5,14 @@ server over real HTTP; the answer is held until the request settles, which a loa
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import requests
-import uvicorn
+from serve_process import serve_in_process
 
 from common.builtin_model import resolve_model_path
-from rollout_workers.sglang_api.server_app import SGLangH11Protocol, listen, make_app
 from rollout_workers.sglang_api.service import ModelService
 
 PROMPT = [3, 4, 10, 5, 12]
@@ -37,19 +35,8 @@ def held_service() -> Iterator[tuple[str, list[bool]]]:
         return build(request, req)
 
     service.response = held
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(make_app(service), http=SGLangH11Protocol, lifespan="off", log_config=None))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        assert requests.get(f"{url}/health", timeout=30).status_code == 200
+    with serve_in_process(service) as url:
         yield url, seen
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-        service.close()
 
 
 def test_a_request_that_settles_while_its_chunk_is_built_ends_the_stream_with_one_final_chunk(held_service):
