@@ -18,7 +18,7 @@ import torch
 from common.wire import Trajectory
 from learner.logprobs import response_logp
 from learner.packing import packed_micro_batches
-from learner.recompute import checkpointed_bytes_per_token, is_checkpointed
+from learner.recompute import is_checkpointed
 
 
 @dataclass(slots=True)
@@ -123,11 +123,23 @@ AVAILABLE_ACTIVATION_SHARE = 0.125
 in an update after the first."""
 
 
-def activation_bytes_per_token(config: object) -> int:
-    """Estimated fp32 bytes a decoder saves for backward per token: per layer about 10 hidden-size tensors (norms,
+def layer_activation_bytes_per_token(config: object) -> int:
+    """Estimated fp32 bytes one decoder layer saves for backward per token: about 10 hidden-size tensors (norms,
     q/k/v, attention output, residuals) and 4 intermediate-size ones (gate, up, their activation and product)."""
     hidden, inter = int(config.hidden_size), int(config.intermediate_size)  # type: ignore[attr-defined]
-    return 4 * int(config.num_hidden_layers) * (10 * hidden + 4 * inter)  # type: ignore[attr-defined]
+    return 4 * (10 * hidden + 4 * inter)
+
+
+def activation_bytes_per_token(config: object) -> int:
+    """Estimated fp32 bytes a decoder saves for backward per token: every layer's `layer_activation_bytes_per_token`."""
+    return int(config.num_hidden_layers) * layer_activation_bytes_per_token(config)  # type: ignore[attr-defined]
+
+
+def checkpointed_bytes_per_token(config: object) -> int:
+    """The same with every layer checkpointed (`learner.recompute`): each layer's fp32 input, and one layer's full set
+    while its backward runs."""
+    layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)  # type: ignore[attr-defined]
+    return 4 * layers * hidden + layer_activation_bytes_per_token(config)
 
 
 def micro_batch_budget(token_budget: int, model: torch.nn.Module, available_bytes: int | None = None) -> int:

@@ -3,8 +3,8 @@ run the layer's forward again there, trading a forward of every layer for activa
 
 A decoder saves for backward, per token and layer, about 10 hidden-size and 4 intermediate-size tensors
 (`learner.batch.activation_bytes_per_token`); checkpointed, only the layer's input stays, plus one layer's full set
-while that layer's backward runs (`checkpointed_bytes_per_token`). That is what lets a long response (a DAPO recipe's
-4,096 tokens on a 7B model) train in one micro-batch at all. Transformers' own mechanism does the work
+while that layer's backward runs (`learner.batch.checkpointed_bytes_per_token`). That is what lets a long response
+(a DAPO recipe's 4,096 tokens on a 7B model) train in one micro-batch at all. Transformers' own mechanism does the work
 (`activation_checkpointing_enable`, before 5.2x `gradient_checkpointing_enable`: torch's non-reentrant checkpoint
 around each layer's `forward`, so FSDP2's hooks stay outside it); the learner's fused kernels and packed attention
 run inside the recomputation as in the forward, with the same values. The LM head's chunks are checkpointed already
@@ -48,10 +48,3 @@ def is_checkpointed(model: Any) -> bool:
         else "is_gradient_checkpointing"
     )
     return bool(getattr(base, name, False))
-
-
-def checkpointed_bytes_per_token(config: Any) -> int:
-    """Estimated fp32 bytes saved for backward per token with every layer checkpointed: each layer's input, and one
-    layer's full set (`learner.batch.activation_bytes_per_token`'s per layer) while its backward runs."""
-    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
-    return 4 * (int(config.num_hidden_layers) * hidden + 10 * hidden + 4 * inter)
