@@ -298,10 +298,10 @@ I8_AVX2 void panel_rows_avx2(const int16_t* q, int64_t rows, int64_t kp, const i
 // Layout (i8_pack): panels of 16 columns as above, each group of 4 inputs k4 one 64-byte vector:
 //   packed[((p * (kp / 4) + k4) * 16 + c) * 4 + j] = w[16 p + c, 4 k4 + j] + 128   (128 beyond N or K).
 #ifndef I8_VNNI_ROWS
-#define I8_VNNI_ROWS 4
+#define I8_VNNI_ROWS 12
 #endif
 #ifndef I8_VNNI_PANELS
-#define I8_VNNI_PANELS 4
+#define I8_VNNI_PANELS 2
 #endif
 constexpr int kVnniRows = I8_VNNI_ROWS;      // activation rows per micro-kernel call
 constexpr int kVnniPanels = I8_VNNI_PANELS;  // panels (of 16 columns) per micro-kernel call
@@ -318,29 +318,45 @@ struct VnniCall {  // one product's operands (see i8_linear); out or out_s32 is 
   int64_t out_stride;
 };
 
-// rows [m, m + MR) against panels [p, p + NR): the whole K loop in registers, then the epilogue
+// rows [m, m + MR) against panels [p, p + NR): the whole K loop in registers, then the epilogue.
+// The accumulators are named variables (c<row>_<panel>), not an array: GCC 12 kept an array of __m512i accumulators
+// in a second set of registers and copied each one before and after its vpdpbusd (docs/kernels.md). The macros name
+// up to 16 x 4 of them; if constexpr keeps the tile's MR x NR.
+#define I8_VNNI_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+#define I8_VNNI_DECL(r) __m512i c##r##_0 = zero, c##r##_1 = zero, c##r##_2 = zero, c##r##_3 = zero;
+#define I8_VNNI_ACC(r, j) \
+  if constexpr (MR > r && NR > j) c##r##_##j = _mm512_dpbusd_epi32(c##r##_##j, w##j, x);
+#define I8_VNNI_ROW(r)                                                        \
+  if constexpr (MR > r) {                                                     \
+    int32_t four;                                                             \
+    std::memcpy(&four, qk + r * 4, 4);                                        \
+    const __m512i x = _mm512_set1_epi32(four);                                \
+    I8_VNNI_ACC(r, 0) I8_VNNI_ACC(r, 1) I8_VNNI_ACC(r, 2) I8_VNNI_ACC(r, 3) \
+  }
+#define I8_VNNI_OUT(r) \
+  if constexpr (MR > r) acc[r][0] = c##r##_0, acc[r][1] = c##r##_1, acc[r][2] = c##r##_2, acc[r][3] = c##r##_3;
 template <int MR, int NR>
 I8_VNNI void block_vnni(const VnniCall& a, int64_t m, int64_t p) {
-  const int8_t* q = a.q + m * a.kp;
+  static_assert(MR >= 1 && MR <= 16 && NR >= 1 && NR <= 4, "block_vnni names at most 16 x 4 accumulators");
+  const int8_t* q = a.q + m * a.kp;  // the block's rows, interleaved (interleave_rows)
   const uint8_t* panel = a.packed + p * a.kp * kPanel;
   const int64_t panel_bytes = a.kp * kPanel, n0 = p * kPanel;
   // the next group of panels (the next call's weights), prefetched into L2 on the way: see prefetch_l2
   const int64_t next_panels = min64(kVnniPanels, (a.n + kPanel - 1) / kPanel - p - kVnniPanels);
   const uint8_t* next = next_panels > 0 ? panel + kVnniPanels * panel_bytes : panel;  // never past the buffer
-  __m512i acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_si512();
+  const __m512i zero = _mm512_setzero_si512();
+  I8_VNNI_EACH_ROW(I8_VNNI_DECL)
   for (int64_t k4 = 0; k4 < a.kp / 4; ++k4) {
-    __m512i w[NR];
-    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(panel + j * panel_bytes + k4 * 64);
+    const __m512i w0 = _mm512_loadu_si512(panel + k4 * 64);
+    const __m512i w1 = NR > 1 ? _mm512_loadu_si512(panel + panel_bytes + k4 * 64) : zero;
+    const __m512i w2 = NR > 2 ? _mm512_loadu_si512(panel + 2 * panel_bytes + k4 * 64) : zero;
+    const __m512i w3 = NR > 3 ? _mm512_loadu_si512(panel + 3 * panel_bytes + k4 * 64) : zero;
     for (int64_t j = 0; j < next_panels; ++j) prefetch_l2(next + j * panel_bytes + k4 * 64);
-    for (int r = 0; r < MR; ++r) {
-      int32_t four;
-      std::memcpy(&four, q + r * a.kp + k4 * 4, 4);
-      const __m512i xb = _mm512_set1_epi32(four);
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], xb);
-    }
+    const int8_t* qk = q + k4 * MR * 4;  // group k4's MR x 4 activation bytes
+    I8_VNNI_EACH_ROW(I8_VNNI_ROW)
   }
+  __m512i acc[MR][4];
+  I8_VNNI_EACH_ROW(I8_VNNI_OUT)
   for (int r = 0; r < MR; ++r) {
     const __m512i offset = _mm512_set1_epi32(a.comp[m + r]);
     for (int j = 0; j < NR; ++j) {
@@ -382,7 +398,25 @@ I8_VNNI void panel_tail_vnni(const VnniCall& a, int64_t p, int64_t left) {
   }
 }
 
-I8_VNNI void gemm_vnni(const VnniCall& a, int threads) {
+// q (rows x kp, row-major) -> blocked: each block of kVnniRows rows (the last one: what is left) as groups of 4
+// inputs, the block's rows side by side: blocked[m kp + (k4 R + r) 4 + j] = q[(m + r) kp + 4 k4 + j], R the block's
+// rows. block_vnni then reads a group's broadcasts at one address plus constants: with a row pointer each, GCC ran
+// out of general registers from 8 rows and moved addresses through vector registers in the loop.
+void interleave_rows(const int8_t* q, int64_t rows, int64_t kp, int8_t* blocked) {
+  for (int64_t m = 0; m < rows; m += kVnniRows) {
+    const int64_t block_rows = min64(kVnniRows, rows - m);
+    int8_t* out = blocked + m * kp;
+    for (int64_t k4 = 0; k4 < kp / 4; ++k4)
+      for (int64_t r = 0; r < block_rows; ++r) std::memcpy(out + (k4 * block_rows + r) * 4, q + (m + r) * kp + k4 * 4, 4);
+  }
+}
+
+I8_VNNI void gemm_vnni(const VnniCall& rows_call, int threads) {
+  thread_local std::vector<int8_t> blocked;
+  blocked.resize(static_cast<size_t>(rows_call.rows * rows_call.kp));
+  interleave_rows(rows_call.q, rows_call.rows, rows_call.kp, blocked.data());
+  VnniCall a = rows_call;
+  a.q = blocked.data();
   const int64_t panels = (a.n + kPanel - 1) / kPanel, groups = (panels + kVnniPanels - 1) / kVnniPanels;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t g = 0; g < groups; ++g) {

@@ -65,6 +65,24 @@ def test_every_path_equals_the_reference_bit_for_bit(path, case, rows, out_featu
 
 
 @pytest.mark.parametrize("path", COMPILED)
+def test_every_row_count_and_panel_count_through_the_register_tiles(path):
+    """The micro-kernels' tiles (rows by panels of 16 columns) and their tails: every row count from 1 to 40 (whole
+    blocks, then the rest, whatever a kernel's block is) against 1, 3 and 5 panels (whole and partial groups), with
+    the last panel's columns partly padding; the fused linear and the raw integer product."""
+    generator = torch.Generator().manual_seed(3)
+    for out_features in (16, 40, 77):
+        weight = quantize_weight(torch.randn(out_features, 132, generator=generator), "int8")
+        packed = prepare_int8(weight, path)
+        for rows in range(1, 41):
+            x = torch.randn(rows, 132, generator=generator) * 3
+            expected_out = quantized_linear(x, weight)
+            assert torch.equal(int8_linear.int8_linear(x, packed, None), expected_out), (rows, out_features)
+            q_x = torch.randint(-128, 128, (rows, 132), dtype=torch.int8, generator=generator)
+            expected = q_x.to(torch.int32) @ weight.q.to(torch.int32).t()
+            assert torch.equal(integer_product(q_x, packed), expected), (rows, out_features)
+
+
+@pytest.mark.parametrize("path", COMPILED)
 def test_the_integer_product_is_the_int32_dot_product_for_any_int8(path):
     """The accumulator alone, on raw int8 operands the quantizer never makes (-128 activations too)."""
     generator = torch.Generator().manual_seed(0)
