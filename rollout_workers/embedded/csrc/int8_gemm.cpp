@@ -407,7 +407,8 @@ void interleave_rows(const int8_t* q, int64_t rows, int64_t kp, int8_t* blocked)
     const int64_t block_rows = min64(kVnniRows, rows - m);
     int8_t* out = blocked + m * kp;
     for (int64_t k4 = 0; k4 < kp / 4; ++k4)
-      for (int64_t r = 0; r < block_rows; ++r) std::memcpy(out + (k4 * block_rows + r) * 4, q + (m + r) * kp + k4 * 4, 4);
+      for (int64_t r = 0; r < block_rows; ++r)
+        std::memcpy(out + (k4 * block_rows + r) * 4, q + (m + r) * kp + k4 * 4, 4);
   }
 }
 
