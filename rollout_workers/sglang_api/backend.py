@@ -417,6 +417,17 @@ class SGLangEngine:
             self._ready.set()
 
     def _sync_loop(self) -> None:
+        """The sync thread: relaunch the server while it may, apply staged versions. Any failure it does not handle
+        ends it as a failed engine (`fatal`): generation raises it and the worker is restarted, instead of samplers
+        retrying for ever a server nobody relaunches."""
+        try:
+            self._sync_until_stopped()
+        except Exception as err:  # reported through `fatal`, which every sampler checks
+            self.last_error = f"{type(err).__name__}: {err}"
+            self._fatal = f"the SGLang sync thread failed ({self.last_error}): the worker is restarted"
+            self._ready.clear()
+
+    def _sync_until_stopped(self) -> None:
         launches = 0
         while not self._stop.is_set():
             if self._server is None or not self._server.alive:

@@ -3,6 +3,7 @@ embedded engine, version spans across weight updates in every pause mode, aborts
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from quant_sync.export import export_rollout_tensors
 from quant_sync.update import WeightUpdate
 from rollout_workers.engine import SamplingParams
 from rollout_workers.sglang_api.checkpoint import read_tensors, rollout_tensors, sglang_tensors, write_version_dir
-from rollout_workers.sglang_api.client import ServerError, SGLangClient
+from rollout_workers.sglang_api.client import ServerError, ServerUnavailable, SGLangClient
 
 PROMPT = [3, 4, 10, 5, 12]  # "1+2=" in the built-in character tokenizer, give or take: any in-vocab ids do
 
@@ -283,3 +284,27 @@ def test_malformed_http_gets_a_4xx_and_the_connection_stays_usable(server):
         response = connection.getresponse()
         assert response.status == 200 and json_module.loads(response.read())
     connection.close()
+
+
+def test_an_answer_cut_off_mid_body_is_server_unavailable():
+    """A server killed while it answers leaves its chunked body unfinished: requests raises ChunkedEncodingError,
+    which the client now reports as ServerUnavailable (what the backend's supervisor and samplers handle). Before, it
+    escaped every handler: the backend's sync thread died of it and its samplers retried a dead server for ever."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_half() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            connection.sendall(head + b'10\r\n{"text": "ab')  # 16 bytes announced, 12 sent, then closed
+
+    thread = threading.Thread(target=answer_half, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ServerUnavailable, match="ChunkedEncodingError"):
+            SGLangClient(f"http://127.0.0.1:{port}", timeout_s=10).request("POST", "/generate", {"text": "x"})
+    finally:
+        thread.join(5)
+        listener.close()

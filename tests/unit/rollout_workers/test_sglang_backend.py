@@ -74,6 +74,26 @@ def generate_across_update(engine: SGLangEngine, model_dir: str, number: int, n:
         engine._client.request("POST", "/slow_down", {"forward_sleep_time": None})
 
 
+def test_a_sync_thread_that_fails_ends_generation_with_its_error(model_dir, tmp_path):
+    """Any failure the sync thread does not handle (here a version that cannot be applied) makes the engine fatal:
+    generation raises it (the worker is restarted) instead of waiting for a sync that will never come (before: the
+    thread died silently and generate() waited out `startup_timeout_s`, or its samplers retried for ever)."""
+    engine = backend(model_dir, tmp_path, "rollout.sglang.max_restarts=0", "rollout.sglang.startup_timeout_s=60")
+
+    def apply_fails(version: int, path) -> None:
+        raise KeyError(f"no tensor for version {version}")
+
+    engine._apply = apply_fails  # type: ignore[method-assign]
+    try:
+        engine.stage_weights(version(model_dir, 0))
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"the SGLang sync thread failed \(KeyError: 'no tensor for version 0'"):
+            engine.generate([PROMPT], SamplingParams(max_new_tokens=3, stop_token_ids=(-1,)))
+        assert time.monotonic() - started < 45 and "KeyError" in engine.fatal
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow  # two server starts (launch, relaunch): 20-35 s on 2 shared cores
 def test_abort_mode_resubmits_a_dead_server_is_relaunched_and_one_past_max_restarts_fails(model_dir, tmp_path):
     engine = backend(model_dir, tmp_path, "rollout.sglang.pause_mode=abort", "rollout.sglang.max_restarts=1")
