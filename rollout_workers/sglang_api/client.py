@@ -1,9 +1,9 @@
 """A thin client of SGLang's native HTTP API (real SGLang 0.5.x or `asyncrl serve`; shapes in protocol.py).
 
-Every call is one HTTP request with a timeout. A refused or dropped connection (or an answer cut off) raises
-`ServerUnavailable` (the
-backend's supervisor decides what to do), an answer not read within the timeout `RequestTimedOut` (the server may
-still be running the request: abort it by its rid), an answer other than 2xx `ServerError` with SGLang's message.
+Every call is one HTTP request with a timeout. A refused or dropped connection, or an answer cut off, raises
+`ServerUnavailable` (the backend's supervisor decides what to do), an answer not read within the timeout
+`RequestTimedOut` (the server may still be running the request: abort it by its rid), an answer other than 2xx
+`ServerError` with SGLang's message.
 Sessions are per thread (requests' connection pools are not shared across threads).
 """
 
@@ -62,11 +62,8 @@ class SGLangClient:
         except requests.ReadTimeout as err:
             self._local.session = None
             raise RequestTimedOut(f"{self.base_url}{path}: no answer in {timeout_s or self.timeout_s} s") from err
-        except (requests.ConnectionError, requests.Timeout) as err:
-            self._local.session = None  # a dropped connection poisons the pool: start afresh
-            raise ServerUnavailable(f"{self.base_url}{path}: {err}") from err
-        except requests.RequestException as err:  # e.g. an answer cut off mid-body (ChunkedEncodingError): a server
-            self._local.session = None  # killed while it answered is unavailable too, not an error of the caller's
+        except requests.RequestException as err:  # refused, dropped, or an answer cut off mid-body (a server killed
+            self._local.session = None  # while it answered): a dropped connection poisons the pool, start afresh
             raise ServerUnavailable(f"{self.base_url}{path}: {type(err).__name__}: {err}") from err
         try:
             payload: Any = response.json() if response.content else None

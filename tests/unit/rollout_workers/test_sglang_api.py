@@ -289,7 +289,7 @@ def test_malformed_http_gets_a_4xx_and_the_connection_stays_usable(server):
 def test_an_answer_cut_off_mid_body_is_server_unavailable():
     """A server killed while it answers leaves its chunked body unfinished: requests raises ChunkedEncodingError,
     which the client now reports as ServerUnavailable (what the backend's supervisor and samplers handle). Before, it
-    escaped every handler: the backend's sync thread died of it and its samplers retried a dead server for ever."""
+    escaped every handler in the backend (its sync thread could end on it)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
