@@ -281,6 +281,7 @@ time.sleep(60)
 
 
 def _down_against_fake_driver(tmp_path: Path, then: str, reap: bool = True):
+    import signal
     import subprocess
     import sys
 
@@ -290,8 +291,11 @@ def _down_against_fake_driver(tmp_path: Path, then: str, reap: bool = True):
     while not (tmp_path / "control.json").exists():
         assert time.monotonic() < deadline and driver.poll() is None
         time.sleep(0.05)
+    # SIGINT as a terminal gives it, whatever this process inherited: a shell's background job (`pytest &`) ignores
+    # SIGINT, its children inherit that, and `down` would never see the Ctrl-C this file sends it
     down = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "down", str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert driver.stdout.readline() == "answered\n"
     if then == "die" and reap:
         driver.wait(timeout=60)  # reaped, as the shell that started a real driver would; else a zombie a while
