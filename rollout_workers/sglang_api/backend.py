@@ -424,8 +424,13 @@ class SGLangEngine:
             self._sync_until_stopped()
         except Exception as err:  # reported through `fatal`, which every sampler checks
             self.last_error = f"{type(err).__name__}: {err}"
-            self._fatal = f"the SGLang sync thread failed ({self.last_error}): the worker is restarted"
-            self._ready.clear()
+            self._fail(f"the SGLang sync thread failed ({self.last_error}): the worker is restarted")
+
+    def _fail(self, message: str) -> None:
+        """End the engine as failed (`fatal`); the sync thread then returns. generate() waits for readiness: it must
+        see the failure instead."""
+        self._fatal = message
+        self._ready.clear()
 
     def _sync_until_stopped(self) -> None:
         launches = 0
@@ -435,17 +440,14 @@ class SGLangEngine:
                 if launches > 1:
                     self.metrics["server_restarts"] += 1
                 if launches > self.sg.max_restarts + 1:
-                    self._fatal = f"SGLang server failed {launches - 1} times (rollout.sglang.max_restarts): " + (
-                        self.last_error
-                    )
-                    self._ready.clear()  # generate() waits for readiness: it must see the failure instead
+                    failed = f"SGLang server failed {launches - 1} times (rollout.sglang.max_restarts)"
+                    self._fail(f"{failed}: {self.last_error}")
                     return
                 if launches > 1 and self.sg.weight_sync == "distributed":  # this process's NCCL group holds the
-                    self._fatal = (  # dead server's ranks and cannot be joined again: a fresh worker process can
+                    self._fail(  # dead server's ranks and cannot be joined again: a fresh worker process can
                         "SGLang server died and `rollout.sglang.weight_sync=distributed` cannot rejoin it to this "
                         f"worker's NCCL group: the worker is restarted ({self.last_error})"
                     )
-                    self._ready.clear()
                     return
                 try:
                     self._launch()
